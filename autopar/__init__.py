@@ -1,0 +1,5 @@
+"""autopar: nn.Module -> trace (GraphIR) -> cost (CostTables) -> solver (Plan) -> codegen -> runtime.
+
+    model = autopar.autoparallelize(model, example_inputs, loss_fn=..., optimizer=...)
+"""
+__version__ = "0.1.0"

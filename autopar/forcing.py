@@ -1,0 +1,75 @@
+"""``--force`` parsing: ``"tp=8,pp=8,dp=1,mbs=1,recompute=full,sp=off,zero=1"`` -> ``Force``."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from autopar.plan import OFFLOAD_CHOICES, RECOMPUTE_CHOICES
+
+_INT_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "mbs": "micro_batch_size", "zero": "zero_stage",
+             "microbatches": "num_micro_batches"}
+_BOOL_WORDS = {"on": True, "off": False, "true": True, "false": False, "1": True, "0": False}
+
+
+@dataclass(frozen=True)
+class Force:
+    """Choices pinned by the user; ``None`` leaves the choice to the solver."""
+    tp: Optional[int] = None
+    pp: Optional[int] = None
+    dp: Optional[int] = None
+    micro_batch_size: Optional[int] = None
+    num_micro_batches: Optional[int] = None
+    zero_stage: Optional[int] = None
+    recompute: Optional[str] = None
+    sequence_parallel: Optional[bool] = None
+    offload: Optional[str] = None
+
+    def items(self) -> tuple[tuple[str, str], ...]:
+        return tuple((f.name, str(getattr(self, f.name))) for f in fields(self) if getattr(self, f.name) is not None)
+
+
+def parse_force(spec: "str | dict | Force | None") -> Force:
+    if spec is None or spec == "":
+        return Force()
+    if isinstance(spec, Force):
+        return spec
+    if isinstance(spec, str):
+        pairs = {}
+        for part in spec.split(","):
+            if not part.strip():
+                continue
+            if "=" not in part:
+                raise ValueError(f"--force item {part!r} is not KEY=VALUE (e.g. tp=8,pp=2,recompute=full)")
+            k, v = part.split("=", 1)
+            pairs[k.strip()] = v.strip()
+        spec = pairs
+    out: dict = {}
+    for k, v in spec.items():
+        k = str(k)
+        if k in _INT_KEYS:
+            try:
+                iv = int(v)
+            except (TypeError, ValueError):
+                raise ValueError(f"--force {k}={v!r}: expected an integer") from None
+            if iv < (0 if k == "zero" else 1) or (k == "zero" and iv > 3):
+                raise ValueError(f"--force {k}={iv}: out of range" + (" (zero is 0..3)" if k == "zero" else " (must be >= 1)"))
+            out[_INT_KEYS[k]] = iv
+        elif k == "recompute":
+            if v not in RECOMPUTE_CHOICES:
+                raise ValueError(f"--force recompute={v!r}: choose one of {', '.join(RECOMPUTE_CHOICES)}")
+            out["recompute"] = v
+        elif k == "offload":
+            if v not in OFFLOAD_CHOICES:
+                raise ValueError(f"--force offload={v!r}: choose one of {', '.join(OFFLOAD_CHOICES)}")
+            out["offload"] = v
+        elif k == "sp":
+            if isinstance(v, bool):
+                out["sequence_parallel"] = v
+            elif str(v).lower() in _BOOL_WORDS:
+                out["sequence_parallel"] = _BOOL_WORDS[str(v).lower()]
+            else:
+                raise ValueError(f"--force sp={v!r}: use on or off")
+        else:
+            known = sorted(list(_INT_KEYS) + ["recompute", "offload", "sp"])
+            raise ValueError(f"--force: unknown key {k!r}; known keys: {', '.join(known)}")
+    return Force(**out)

@@ -1,0 +1,77 @@
+"""Placements per mesh axis, in DTensor's words: ``Shard(dim)``, ``Replicate()``, ``Partial()``.
+
+Frozen, hashable, JSON-friendly. ``repr`` is for machines (``Shard(dim=0)``), ``str`` for
+people (``S(0)``, ``R``, ``P``). A node's placement on an N-axis mesh is a tuple of N of these;
+``format_placements`` prints it short, e.g. ``S(0)R``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True)
+class Replicate:
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Partial:
+    reduce_op: str = "sum"
+
+    def __str__(self) -> str:
+        return "P"
+
+
+Placement = Union[Shard, Replicate, Partial]
+
+
+def format_placements(placements: tuple[Placement, ...]) -> str:
+    return "".join(str(p) for p in placements)
+
+
+def parse_placement(text: str) -> Placement:
+    """Inverse of ``str``: ``"S(2)"`` -> ``Shard(2)``, ``"R"`` -> ``Replicate()``, ``"P"`` -> ``Partial()``."""
+    text = text.strip()
+    if text == "R":
+        return Replicate()
+    if text in ("P", "P(sum)"):
+        return Partial()
+    if text.startswith("S(") and text.endswith(")"):
+        return Shard(int(text[2:-1]))
+    raise ValueError(f"not a placement: {text!r} (expected 'R', 'P' or 'S(<dim>)')")
+
+
+def parse_placements(text: str) -> tuple[Placement, ...]:
+    """``"S(0)R"`` -> ``(Shard(0), Replicate())``."""
+    out: list[Placement] = []
+    i = 0
+    while i < len(text):
+        if text[i] == "S":
+            j = text.index(")", i)
+            out.append(parse_placement(text[i : j + 1]))
+            i = j + 1
+        else:
+            out.append(parse_placement(text[i]))
+            i += 1
+    return tuple(out)
+
+
+def to_torch(p: Placement):
+    """The matching ``torch.distributed.tensor`` placement (imported lazily: planning needs no torch.distributed)."""
+    from torch.distributed.tensor import Partial as TPartial, Replicate as TReplicate, Shard as TShard
+
+    if isinstance(p, Shard):
+        return TShard(p.dim)
+    if isinstance(p, Replicate):
+        return TReplicate()
+    return TPartial(p.reduce_op)
