@@ -1,0 +1,133 @@
+"""autopar command line.
+
+    autopar plan gpt3-175b --gpu a100-80g --nodes 128 --json plan.json
+    autopar inspect plan.json
+    autopar run gpt-tiny --nproc 4 --steps 3 --force tp=2,dp=2
+    autopar models
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from rich.console import Console
+
+GIB = 1 << 30
+
+
+def _add_problem_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="built-in name (see `autopar models`), a spec like "
+                   "gpt:hidden=4096,layers=32,heads=32,vocab=50304, or path/to/file.py:fn")
+    p.add_argument("--batch", type=int, default=None, help="global batch size (default: the model's)")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
+    p.add_argument("--force", default="", help="pin choices, e.g. tp=8,pp=8,dp=1,mbs=1,recompute=full,sp=off,zero=1")
+    p.add_argument("--json", dest="json_path", default=None, help="write the result as JSON to this file")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="autopar", description="Plan and run distributed training of PyTorch models.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="plan a model for a cluster (no GPU needed)")
+    _add_problem_args(p)
+    p.add_argument("--gpu", default="a100-80g", help="a100-40g, a100-80g, h100, h200, v100 (default a100-80g)")
+    p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--cluster", default=None, help="built-in cluster name or a TOML file describing your cluster")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--memory-gb", type=float, default=None, help="memory budget per GPU in GB (default: the GPU's HBM minus a reserve)")
+    p.add_argument("--verbose", action="store_true", help="show every operator's strategy")
+
+    p = sub.add_parser("inspect", help="render a plan JSON written by `autopar plan --json`")
+    p.add_argument("plan_file")
+    p.add_argument("--verbose", action="store_true")
+
+    p = sub.add_parser("run", help="train a few steps on N CPU ranks (gloo) and compare with one process")
+    _add_problem_args(p)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--plan", dest="plan_file", default=None, help="a plan JSON to run instead of planning")
+    p.add_argument("--seed", type=int, default=0)
+
+    sub.add_parser("models", help="list the built-in models")
+    return ap
+
+
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def cmd_plan(args, console: Console) -> int:
+    from autopar.cost.hardware import resolve_cluster
+    from autopar.forcing import parse_force
+    from autopar.models import build_model
+    from autopar.report import render
+    from autopar.solver import plan_model
+    from autopar.trace import trace_model
+
+    force = parse_force(args.force)
+    t0 = time.perf_counter()
+    with console.status("tracing on the meta device…"):
+        bundle = build_model(args.model, batch=args.batch, seq_len=args.seq_len, device="meta")
+        graph = trace_model(bundle.module, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                            example_target=bundle.example_target, model_name=bundle.name)
+    t_trace = time.perf_counter() - t0
+    cluster = resolve_cluster(args.cluster or args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                              gpu=args.gpu)
+    budget = int(args.memory_gb * 1e9) if args.memory_gb else None
+    global_batch = args.batch or int(bundle.example_inputs[0].shape[0])
+    with console.status("solving…"):
+        plan = plan_model(graph, cluster, global_batch=global_batch, seq_len=bundle.seq_len,
+                          dtype=_DTYPES[args.dtype], memory_budget_bytes=budget, force=force)
+    render(plan, console, verbose=args.verbose)
+    console.print(f"traced in {t_trace:.2f} s ({graph.param_count / 1e9:.2f} B parameters); "
+                  f"total {time.perf_counter() - t0:.2f} s")
+    if args.json_path:
+        plan.save(args.json_path)
+        console.print(f"plan written to {args.json_path}")
+    return 0
+
+
+def cmd_inspect(args, console: Console) -> int:
+    from autopar.plan import Plan
+    from autopar.report import render
+
+    try:
+        plan = Plan.load(args.plan_file)
+    except FileNotFoundError:
+        raise ValueError(f"no such plan file: {args.plan_file}") from None
+    render(plan, console, verbose=args.verbose)
+    return 0
+
+
+def cmd_run(args, console: Console) -> int:
+    from autopar.runtime.launch import run_command
+
+    result = run_command(args.model, nproc=args.nproc, steps=args.steps, plan_path=args.plan_file,
+                         force=args.force or None, json_path=args.json_path, batch=args.batch,
+                         seq_len=args.seq_len, seed=args.seed)
+    return 0 if result.get("ok", True) else 1
+
+
+def cmd_models(args, console: Console) -> int:
+    from autopar.models import list_models
+
+    for name in list_models():
+        console.print(name)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    console = Console()
+    handler = {"plan": cmd_plan, "inspect": cmd_inspect, "run": cmd_run, "models": cmd_models}[args.command]
+    try:
+        return handler(args, console)
+    except (ValueError, NotImplementedError, FileNotFoundError) as e:
+        # Planning, tracing and input errors carry a message that says what to change.
+        console.print(f"[bold red]error:[/bold red] {e}", highlight=False)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

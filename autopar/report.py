@@ -1,0 +1,142 @@
+"""Render a Plan as rich tables. Reads only the Plan, so `autopar inspect plan.json` prints exactly
+what `autopar plan` printed when it wrote the file."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from autopar.placements import format_placements
+from autopar.plan import Plan
+
+_FREE_TARGETS = ("getitem", "aten.view", "aten.transpose", "aten.reshape", "aten.permute", "aten.split",
+                 "aten.contiguous", "aten.unsqueeze", "aten.expand", "aten._unsafe_view", "aten.t.",
+                 "aten.detach", "aten.alias", "aten.slice", "aten.squeeze", "aten.flatten")
+
+GB = 1e9
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / GB:,.2f} GB"
+
+
+def _target_of(key: str) -> str:
+    parts = key.split("|")
+    return parts[1] if len(parts) >= 2 else key
+
+
+def _is_free(key: str) -> bool:
+    t = _target_of(key)
+    return any(t.startswith(p) for p in _FREE_TARGETS)
+
+
+def _peak_flops(plan: Plan) -> float | None:
+    from autopar.cost.hardware import get_gpu
+
+    try:
+        return get_gpu(plan.cluster.gpu).peak_flops_for(plan.dtype)
+    except (KeyError, ValueError):
+        return None
+
+
+def mfu(plan: Plan) -> float | None:
+    peak = _peak_flops(plan)
+    if not peak:
+        return None
+    return plan.summary()["estimated_tflops_per_gpu"] * 1e12 / peak
+
+
+def degrees_table(plan: Plan) -> Table:
+    c = plan.cluster
+    t = Table(title=f"{plan.model_name} on {c.nodes} x {c.gpus_per_node} {c.gpu} ({c.name}), "
+                    f"global batch {plan.global_batch}" + (f", seq {plan.seq_len}" if plan.seq_len else "")
+                    + f", {plan.dtype}", title_justify="left")
+    for col in ("dp", "tp", "pp", "sequence parallel", "ZeRO", "micro-batch", "micro-batches", "recompute",
+                "offload", "mesh"):
+        t.add_column(col, justify="right")
+    mesh = " x ".join(f"{a}={s}" for a, s in zip(plan.mesh_axes, plan.mesh_shape))
+    if plan.pp > 1:
+        mesh = f"pp={plan.pp} x {mesh}"
+    t.add_row(str(plan.dp), str(plan.tp), str(plan.pp), "on" if plan.sequence_parallel else "off",
+              str(plan.zero_stage), str(plan.micro_batch_size), str(plan.num_micro_batches), plan.recompute,
+              plan.offload, mesh)
+    return t
+
+
+def strategies_table(plan: Plan, verbose: bool = False) -> Table:
+    layers = plan.stages[-1].last_layer if plan.stages else 0
+    t = Table(title="Per-operator strategies (placements per mesh axis " + ",".join(plan.mesh_axes) + ")",
+              title_justify="left")
+    t.add_column("where")
+    t.add_column("operator")
+    t.add_column("strategy")
+    t.add_column("inputs -> output")
+    hidden = 0
+    for s in plan.strategies:
+        if not verbose and _is_free(s.key):
+            hidden += 1
+            continue
+        path, target = (s.key.split("|") + ["", ""])[:2]
+        where = f"{path} (x{layers})" if "*" in path else path or "(top)"
+        ins = ", ".join(format_placements(p) for p in s.inputs)
+        t.add_row(where, target, s.name, f"{ins} -> {format_placements(s.output)}")
+    if hidden:
+        t.caption = f"{hidden} view/reshape-like operators not shown (--verbose shows them)"
+    return t
+
+
+def time_table(plan: Plan) -> Table:
+    st = plan.step_time
+    t = Table(title="Estimated step time", title_justify="left")
+    t.add_column("part")
+    t.add_column("seconds", justify="right")
+    t.add_column("share", justify="right")
+    rows = [("compute", st.compute_s), ("recompute", st.recompute_s)]
+    rows += [(f"exposed comm: {kind}", s) for kind, s in st.comm_s]
+    rows += [("pipeline bubble", st.bubble_s), ("optimizer step", st.optimizer_s)]
+    for name, sec in rows:
+        t.add_row(name, f"{sec:.4f}", f"{100 * sec / st.total_s:.1f}%" if st.total_s else "-")
+    t.add_row("[bold]total[/bold]", f"[bold]{st.total_s:.4f}[/bold]", "100%")
+    summary = plan.summary()
+    m = mfu(plan)
+    t.caption = (f"{summary['estimated_tflops_per_gpu']:.1f} model TFLOP/s per GPU"
+                 + (f", MFU {100 * m:.1f}%" if m is not None else "")
+                 + f"; solved in {plan.solve_time_s:.2f} s")
+    return t
+
+
+def memory_table(plan: Plan) -> Table:
+    mem = plan.memory
+    t = Table(title="Peak memory per GPU (most loaded stage)", title_justify="left")
+    t.add_column("category")
+    t.add_column("bytes", justify="right")
+    for name, b in (("parameters", mem.params_bytes), ("gradients", mem.grads_bytes),
+                    ("optimizer state", mem.optimizer_bytes), ("activations", mem.activations_bytes),
+                    ("other (workspace, buffers)", mem.other_bytes)):
+        t.add_row(name, _gb(b))
+    t.add_row("[bold]total[/bold]", f"[bold]{_gb(mem.total_bytes)}[/bold]")
+    t.caption = f"budget {_gb(plan.cluster.memory_budget_bytes)}"
+    return t
+
+
+def stages_table(plan: Plan) -> Table:
+    t = Table(title="Pipeline stages", title_justify="left")
+    for col in ("stage", "layers", "embedding", "head", "time / micro-batch", "memory"):
+        t.add_column(col, justify="right")
+    for s in plan.stages:
+        t.add_row(str(s.index), f"{s.first_layer}..{s.last_layer - 1}", "yes" if s.has_embedding else "",
+                  "yes" if s.has_head else "", f"{s.time_per_microbatch_s * 1e3:.2f} ms", _gb(s.memory_bytes))
+    return t
+
+
+def render(plan: Plan, console: Console | None = None, verbose: bool = False) -> None:
+    console = console or Console()
+    console.print(degrees_table(plan))
+    console.print(strategies_table(plan, verbose=verbose))
+    if plan.pp > 1:
+        console.print(stages_table(plan))
+    console.print(time_table(plan))
+    console.print(memory_table(plan))
+    if plan.forced:
+        console.print("forced: " + ", ".join(f"{k}={v}" for k, v in plan.forced))
+    for note in plan.notes:
+        console.print(f"note: {note}")
