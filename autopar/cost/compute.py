@@ -1,0 +1,95 @@
+"""Roofline time of one operator on one GPU.
+
+    time = max(flops / (peak_flops(dtype) * efficiency(kind)),  bytes / (hbm_Bps * memory_efficiency))
+
+``kind`` (from ``op_kind``) picks the compute ceiling: "matmul" -> tensor-core peak x
+``matmul_efficiency``; "attention" -> tensor-core peak x ``attention_efficiency`` (FULL FLOP
+count, 4*B*H*T*T*D forward for causal too, as autopar/trace counts them); "memory" ->
+CUDA-core FP32 rate ("vector" entry of peak_flops), efficiency 1 (elementwise FLOPs almost never
+bind); "free" (views) -> 0. Efficiencies are empirical (calibration.json).
+
+Backward time = ``backward_factor(kind) * forward time``: matmul 2.0 (two GEMMs of the forward's
+size: dX and dW); attention 2.5 (FlashAttention-2's backward does 5 GEMMs to the forward's 2 and
+runs ~2.5x the forward time; Dao 2023); memory 2.0 (read grad_out + saved input, write grad_in:
+roughly twice the forward traffic).
+"""
+from __future__ import annotations
+
+from autopar.cost.hardware import GPUSpec
+
+OP_KINDS = ("matmul", "attention", "memory", "free")
+
+_MATMUL = frozenset({
+    "linear", "mm", "bmm", "addmm", "matmul", "baddbmm", "addbmm", "einsum", "_scaled_mm",
+    "convolution", "conv1d", "conv2d", "conv3d", "_convolution", "addmv", "mv", "dot", "vdot",
+})
+_ATTENTION = frozenset({
+    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
+    "_efficient_attention_forward", "flex_attention",
+})
+_FREE = frozenset({
+    "view", "_unsafe_view", "reshape", "_reshape_alias", "view_as", "transpose", "t", "permute",
+    "expand", "expand_as", "unsqueeze", "squeeze", "detach", "alias", "slice", "select", "narrow",
+    "split", "split_with_sizes", "chunk", "unbind", "getitem", "as_strided", "flatten", "unflatten",
+    "movedim", "lift_fresh", "numpy_t", "mT", "sym_size", "sym_numel", "sym_stride",
+    "_assert_tensor_metadata", "_assert_async", "real", "view_as_real", "view_as_complex",
+})
+
+
+def _base_name(target: str) -> str:
+    """'aten.linear.default' -> 'linear'; 'torch.ops.aten.mm.out' -> 'mm'; '<built-in function getitem>'
+    and 'operator.getitem' -> 'getitem'; 'aten::addmm' -> 'addmm'."""
+    t = str(target).strip()
+    if t.startswith("<built-in function ") and t.endswith(">"):
+        return t[len("<built-in function "):-1]
+    t = t.replace("::", ".")
+    for prefix in ("torch.ops.", "ops."):
+        if t.startswith(prefix):
+            t = t[len(prefix):]
+    parts = t.split(".")
+    if parts[0] in ("aten", "prims", "operator", "_operator", "torch", "F") and len(parts) > 1:
+        parts = parts[1:]
+    if parts and parts[0] == "nn" and len(parts) > 2 and parts[1] == "functional":
+        parts = parts[2:]
+    return parts[0]
+
+
+def op_kind(target: str) -> str:
+    """Classify an FX/aten target into "matmul", "attention", "memory" or "free" (views)."""
+    name = _base_name(target)
+    if name in _MATMUL:
+        return "matmul"
+    if name in _ATTENTION or "flash" in name or "scaled_dot_product" in name:
+        return "attention"
+    if name in _FREE:
+        return "free"
+    return "memory"
+
+
+def _efficiency(gpu: GPUSpec, kind: str) -> float:
+    return gpu.matmul_efficiency if kind == "matmul" else gpu.attention_efficiency
+
+
+def op_time_s(flops: float, bytes_moved: float, dtype: str, gpu: GPUSpec, kind: str) -> float:
+    """Roofline forward time in seconds (module docstring). ``dtype`` is the compute dtype of the op
+    (its output's); for "memory"/"free" ops it is not used."""
+    if kind not in OP_KINDS:
+        raise ValueError(f"unknown op kind {kind!r}; expected one of {OP_KINDS}")
+    if kind == "free":
+        return 0.0
+    if kind == "memory":
+        compute_s = flops / gpu.peak_flops_for("vector") if flops else 0.0
+    else:
+        compute_s = flops / (gpu.peak_flops_for(dtype) * _efficiency(gpu, kind)) if flops else 0.0
+    memory_s = bytes_moved / (gpu.hbm_Bps * gpu.memory_efficiency)
+    return max(compute_s, memory_s)
+
+
+def backward_factor(kind: str) -> float:
+    """Backward time / forward time: matmul 2.0, attention 2.5, memory 2.0, free 0.0."""
+    factors = {"matmul": 2.0, "attention": 2.5, "memory": 2.0, "free": 0.0}
+    if kind not in factors:
+        raise ValueError(f"unknown op kind {kind!r}; expected one of {OP_KINDS}")
+    return factors[kind]

@@ -1,0 +1,433 @@
+"""Hardware as data: GPU specs, links, clusters (and a small TOML format for user clusters).
+
+Datasheet figures (peak FLOP/s, HBM size and bandwidth) come from
+``shared/reference/gpu_specs.csv``; link bandwidths from ``shared/reference/nccl_busbw_reference.csv``
+(each cited by row below). Efficiency factors (achieved / peak) are *empirical* and live in one
+place, ``autopar/cost/calibration.json``, written by ``benchmarks/calibrate.py`` on a real GPU.
+Entries there whose ``source`` says "uncalibrated default" are placeholders.
+
+Conventions
+-----------
+- ``peak_flops`` is dense tensor-core FLOP/s per dtype. ``"float32"`` means **TF32 tensor-core
+  dense** (what cuBLAS uses for fp32 GEMMs with ``allow_tf32``); ``"vector"`` is the non-tensor
+  FP32 (CUDA-core) rate, used for the FLOP term of memory-bound (elementwise/reduction) ops.
+- ``hbm_bytes`` is the total that ``nvidia-smi`` / ``torch.cuda.get_device_properties`` report
+  (MiB column of gpu_specs.csv), i.e. what a memory budget is compared against; V100 has no
+  MiB figure in the csv and uses the vendor 16 GB.
+- H100 and H200 have the same SMs and clocks (gpu_specs.csv: identical compute columns), so the
+  H200-calibrated matmul/attention efficiencies are used for H100 too (``compute_from`` in the
+  calibration file). Their HBM differs, so memory efficiency is per family.
+- ``LinkSpec.busbw_Bps`` is the achievable NCCL *bus* bandwidth per GPU (nccl-tests convention,
+  see ``collectives.py``); ``latency_s`` is the per-step (per ring hop) latency.
+
+Cluster TOML (``load_cluster``)::
+
+    name = "my-h100-pod"          # optional (default: file stem)
+    gpu = "h100"                  # required; one of GPU_NAMES or "cpu"
+    nodes = 4                     # required
+    gpus_per_node = 8             # optional (default 8)
+    pcie_GBps = 50.0              # optional host<->device bandwidth per GPU (offload)
+
+    [intra]                       # optional; default: the GPU's NVLink/NVSwitch link
+    busbw_GBps = 370.0            # required inside the table
+    latency_us = 2.0              # optional (default per GPU type)
+    name = "nvlink4"              # optional
+    source = "nccl-tests on our pod, 2025-01"   # optional
+
+    [inter]                       # optional; default: one IB NIC per GPU (see make_cluster)
+    busbw_GBps = 48.0
+    latency_us = 8.0
+
+    [gpu_overrides]               # optional; changes to the built-in GPU spec
+    memory_GB = 80.0              # decimal GB (1e9 bytes)
+    hbm_GBps = 3000.0
+    matmul_efficiency = 0.7
+    attention_efficiency = 0.5
+    memory_efficiency = 0.85
+    source = "..."
+
+Errors name the bad key and the allowed ones. ``cluster_to_toml`` writes this format back
+(``load_cluster(cluster_to_toml(c))`` round-trips).
+
+Built-in clusters for ``resolve_cluster``: ``"dgx-a100"`` (A100 80GB), ``"dgx-a100-40g"``,
+``"dgx-h100"``, ``"dgx-h200"``, ``"dgx1-v100"``, ``"cpu"``; a bare GPU name (``"h100"``) also works;
+anything else is read as a TOML path.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import tomllib
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping, Optional, Union
+
+DEFAULT_CALIBRATION_PATH = Path(__file__).with_name("calibration.json")
+
+GB = 1e9
+MiB = 2**20
+
+GPU_NAMES = ("a100-40g", "a100-80g", "h100", "h200", "v100")
+CPU_NAME = "cpu"
+
+_DTYPE_ALIASES = {
+    "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "tf32": "float32",
+    "float": "float32", "fp8": "float8_e4m3fn", "float8": "float8_e4m3fn",
+}
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator. Peaks and HBM are datasheet figures; efficiencies are empirical."""
+    name: str
+    peak_flops: tuple[tuple[str, float], ...]  # dtype -> dense FLOP/s ("float32" = TF32 tensor; "vector" = CUDA-core FP32)
+    hbm_bytes: int                             # usable device memory (nvidia-smi total)
+    hbm_Bps: float                             # datasheet HBM bandwidth, bytes/s
+    matmul_efficiency: float                   # empirical: achieved GEMM FLOP/s / peak
+    attention_efficiency: float                # empirical: achieved SDPA FLOP/s (FULL count) / peak
+    memory_efficiency: float                   # empirical: measured copy B/s / hbm_Bps
+    source: str                                # where the numbers come from
+
+    def peak_flops_for(self, dtype: str) -> float:
+        """Dense peak FLOP/s for ``dtype`` ("bfloat16", "float16", "float32" (=TF32), "float8_e4m3fn",
+        or "vector"); accepts "torch.bfloat16" and short aliases ("bf16", "fp16", "tf32", "fp8")."""
+        key = _canonical_dtype(dtype)
+        for d, f in self.peak_flops:
+            if d == key:
+                return f
+        have = ", ".join(d for d, _ in self.peak_flops)
+        raise ValueError(f"GPU {self.name!r} has no peak FLOP/s for dtype {dtype!r}; it has: {have}. "
+                         f"Cast the model to one of those dtypes or add the figure to the GPU spec.")
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A communication link as NCCL sees it from one GPU."""
+    name: str
+    busbw_Bps: float   # achievable NCCL bus bandwidth per GPU on this link (nccl-tests busbw)
+    latency_s: float   # per-step (per ring hop) latency
+    source: str
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Homogeneous cluster: ``nodes`` x ``gpus_per_node`` GPUs, NVLink inside a node, IB between."""
+    name: str
+    gpu: GPUSpec
+    nodes: int
+    gpus_per_node: int
+    intra: LinkSpec     # inside one node (NVLink/NVSwitch)
+    inter: LinkSpec     # between nodes, per GPU (one NIC per GPU)
+    pcie_Bps: float     # host<->device per GPU (offload), rough
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"cluster {self.name!r}: nodes ({self.nodes}) and gpus_per_node "
+                             f"({self.gpus_per_node}) must both be >= 1")
+
+    @property
+    def num_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+# ---------------------------------------------------------------------------------------------
+# Datasheet table (gpu_specs.csv rows). Efficiencies are filled in from calibration.json.
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Datasheet:
+    family: str                                # key into calibration.json
+    peak_flops: tuple[tuple[str, float], ...]
+    hbm_bytes: int
+    hbm_Bps: float
+    source: str
+
+
+_T = 1e12
+_DATASHEETS: Mapping[str, _Datasheet] = MappingProxyType({
+    # gpu_specs.csv row A100-SXM4-40GB: bf16/fp16 312 dense, tf32 156, fp32 19.5, 1555 GB/s, 40960 MiB.
+    "a100-40g": _Datasheet("a100", (("bfloat16", 312 * _T), ("float16", 312 * _T), ("float32", 156 * _T),
+                                    ("vector", 19.5 * _T)), 40960 * MiB, 1555 * GB,
+                           "gpu_specs.csv A100-SXM4-40GB (datasheet)"),
+    # gpu_specs.csv row A100-SXM4-80GB: as above, HBM2e 2039 GB/s, 81920 MiB.
+    "a100-80g": _Datasheet("a100", (("bfloat16", 312 * _T), ("float16", 312 * _T), ("float32", 156 * _T),
+                                    ("vector", 19.5 * _T)), 81920 * MiB, 2039 * GB,
+                           "gpu_specs.csv A100-SXM4-80GB (datasheet)"),
+    # gpu_specs.csv row H100-SXM5-80GB: dense bf16 989.4, tf32 494.7, fp8 1979, fp32 67, 3350 GB/s, 81559 MiB.
+    "h100": _Datasheet("h100", (("bfloat16", 989.4 * _T), ("float16", 989.4 * _T), ("float32", 494.7 * _T),
+                                ("float8_e4m3fn", 1979 * _T), ("vector", 67 * _T)), 81559 * MiB, 3350 * GB,
+                       "gpu_specs.csv H100-SXM5-80GB (datasheet, dense = half of sparse)"),
+    # gpu_specs.csv row H200-SXM-141GB: compute identical to H100 SXM, HBM3e 4800 GB/s, 143771 MiB.
+    "h200": _Datasheet("h200", (("bfloat16", 989.4 * _T), ("float16", 989.4 * _T), ("float32", 494.7 * _T),
+                                ("float8_e4m3fn", 1979 * _T), ("vector", 67 * _T)), 143771 * MiB, 4800 * GB,
+                       "gpu_specs.csv H200-SXM-141GB (datasheet)"),
+    # gpu_specs.csv row V100-SXM2-16GB (UNVERIFIED third-party): fp16 tensor 125, fp32 15.7, 900 GB/s, 16 GB.
+    # V100 has no bf16 or tf32 tensor cores: bf16 and fp32 matmuls run at the CUDA-core fp32 rate (rough).
+    "v100": _Datasheet("v100", (("float16", 125 * _T), ("bfloat16", 15.7 * _T), ("float32", 15.7 * _T),
+                                ("vector", 15.7 * _T)), 16 * 10**9, 900 * GB,
+                       "gpu_specs.csv V100-SXM2-16GB (UNVERIFIED third-party catalog)"),
+    # Pseudo-GPU for planning CPU/gloo runs: ROUGH effective figures, not a datasheet.
+    "cpu": _Datasheet("cpu", (("bfloat16", 1 * _T), ("float16", 1 * _T), ("float32", 1 * _T),
+                              ("vector", 1 * _T)), 8 * 2**30, 20 * GB,
+                      "rough cpu pseudo-GPU (1 TFLOP/s, 8 GiB, 20 GB/s): for planning gloo runs only"),
+})
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Empirical efficiency factors of one GPU family (one entry of calibration.json)."""
+    matmul: float
+    attention: float
+    memory: float
+    source: str
+
+
+_EFF_KEYS = ("matmul_efficiency", "attention_efficiency", "memory_efficiency", "source",
+             "compute_from", "measured")
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_calibration(path: str, text: str) -> Mapping[str, Efficiency]:
+    raw = json.loads(text)
+    fams: dict[str, Any] = raw.get("families")
+    if not isinstance(fams, dict):
+        raise ValueError(f"{path}: expected a top-level 'families' object")
+    for fam, entry in fams.items():
+        bad = sorted(set(entry) - set(_EFF_KEYS))
+        if bad:
+            raise ValueError(f"{path}: family {fam!r} has unknown key(s) {bad}; allowed: {list(_EFF_KEYS)}")
+    out: dict[str, Efficiency] = {}
+    for fam, entry in fams.items():
+        base = entry
+        src = entry.get("source", "")
+        if "compute_from" in entry:
+            other = entry["compute_from"]
+            if other not in fams:
+                raise ValueError(f"{path}: family {fam!r} has compute_from={other!r}, not a family here")
+            base = fams[other]
+            src = f"{src}; matmul/attention from {other}: {base.get('source', '')}"
+        try:
+            eff = Efficiency(float(base["matmul_efficiency"]), float(base["attention_efficiency"]),
+                             float(entry["memory_efficiency"]), src)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{path}: family {fam!r} lacks a number for {e.args[0]!r}") from None
+        # attention may exceed 1: its FLOPs are counted FULL, so causal kernels (half the work) can
+        # reach up to 2x their true utilisation.
+        for what, val, hi in (("matmul_efficiency", eff.matmul, 1.0), ("attention_efficiency", eff.attention, 2.0),
+                              ("memory_efficiency", eff.memory, 1.0)):
+            if not 0.0 < val <= hi:
+                raise ValueError(f"{path}: family {fam!r} {what}={val} is outside (0, {hi}]; "
+                                 f"re-run benchmarks/calibrate.py or fix the entry")
+        out[fam] = eff
+    return MappingProxyType(out)
+
+
+def load_calibration(path: Union[str, Path, None] = None) -> Mapping[str, Efficiency]:
+    """Efficiency factors per GPU family ("a100", "h100", "h200", "v100", "cpu") from a calibration
+    JSON (default: ``autopar/cost/calibration.json``). Read-only mapping; parsing is cached per
+    file content, so an edited file is picked up."""
+    p = Path(path or DEFAULT_CALIBRATION_PATH)
+    return _parse_calibration(str(p), p.read_text())
+
+
+def get_gpu(name: str, calibration: Union[str, Path, None] = None) -> GPUSpec:
+    """The built-in spec of ``name`` (one of GPU_NAMES, or "cpu"), efficiencies from ``calibration``."""
+    key = name.lower().strip()
+    if key not in _DATASHEETS:
+        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPU_NAMES + (CPU_NAME,))}")
+    ds = _DATASHEETS[key]
+    cal = load_calibration(calibration)
+    if ds.family not in cal:
+        raise ValueError(f"calibration file has no entry for GPU family {ds.family!r} (needed by {name!r}); "
+                         f"run benchmarks/calibrate.py or add the family to the file")
+    eff = cal[ds.family]
+    return GPUSpec(name=key, peak_flops=ds.peak_flops, hbm_bytes=ds.hbm_bytes, hbm_Bps=ds.hbm_Bps,
+                   matmul_efficiency=eff.matmul, attention_efficiency=eff.attention,
+                   memory_efficiency=eff.memory,
+                   source=f"peaks/HBM: {ds.source}; efficiencies (empirical): {eff.source}")
+
+
+def _canonical_dtype(dtype: str) -> str:
+    d = str(dtype).removeprefix("torch.").lower()
+    return _DTYPE_ALIASES.get(d, d)
+
+
+# ---------------------------------------------------------------------------------------------
+# Default links per GPU type
+# ---------------------------------------------------------------------------------------------
+
+_US = 1e-6
+# Per-hop latencies are rough (order of NCCL's own tuning model: ~1-2 us per NVLink hop for the
+# Simple protocol, several us per network hop); they only matter for small messages.
+_INTRA: Mapping[str, LinkSpec] = MappingProxyType({
+    # nccl_busbw_reference.csv "8x A100-SXM (NVLink3, NVSwitch)": all_reduce busbw 230 GB/s (maintainer).
+    "a100": LinkSpec("nvlink3-nvswitch", 230 * GB, 2 * _US,
+                     "nccl_busbw_reference.csv: 8x A100-SXM NVSwitch all_reduce busbw 230 GB/s (NVIDIA/nccl-tests#149)"),
+    # nccl_busbw_reference.csv "8x H100-SXM (NVLink4, NVSwitch)": ring / non-allreduce busbw 370 GB/s.
+    # NVLS all-reduce reaches ~480 GB/s for > 256 MB messages; we use the ring figure for every op.
+    "h100": LinkSpec("nvlink4-nvswitch", 370 * GB, 2 * _US,
+                     "nccl_busbw_reference.csv: 8x H100-SXM ring busbw 370 GB/s (NVIDIA/nccl-tests#212); "
+                     "NVLS all-reduce ~480 not modelled"),
+    # Same NVLink4 as H100 (gpu_specs.csv: 900 GB/s, 18 links); csv's H200 all_reduce 475 is NVLS.
+    "h200": LinkSpec("nvlink4-nvswitch", 370 * GB, 2 * _US,
+                     "as H100 (same NVLink4, gpu_specs.csv); nccl_busbw_reference.csv 8x H200 all_reduce 475 is NVLS"),
+    # ESTIMATE: 80% of the 150 GB/s/dir NVLink2 line rate in gpu_specs.csv V100 row; not measured.
+    "v100": LinkSpec("nvlink2", 120 * GB, 3 * _US,
+                     "ESTIMATE: 0.8 x 150 GB/s/dir NVLink2 (gpu_specs.csv V100 row); not a measurement"),
+    "cpu": LinkSpec("gloo-loopback", 2 * GB, 50 * _US, "rough: gloo over shared memory/loopback"),
+})
+_INTER: Mapping[str, LinkSpec] = MappingProxyType({
+    # nccl_busbw_reference.csv "1x HDR 200Gb/s NIC": 24 GB/s per NIC (one NIC per GPU on DGX A100).
+    "a100": LinkSpec("ib-hdr200-per-gpu", 24 * GB, 8 * _US,
+                     "nccl_busbw_reference.csv: 1x HDR 200Gb/s NIC 24 GB/s (NVIDIA/nccl#412), one NIC per GPU"),
+    # nccl_busbw_reference.csv "1x NDR 400Gb/s NIC (ConnectX-7)": 46-48 GB/s per NIC.
+    "h100": LinkSpec("ib-ndr400-per-gpu", 48 * GB, 8 * _US,
+                     "nccl_busbw_reference.csv: 1x NDR 400Gb/s NIC 46-48 GB/s (NVIDIA/nccl-tests#290), one NIC per GPU"),
+    "h200": LinkSpec("ib-ndr400-per-gpu", 48 * GB, 8 * _US,
+                     "nccl_busbw_reference.csv: 1x NDR 400Gb/s NIC 46-48 GB/s (NVIDIA/nccl-tests#290), one NIC per GPU"),
+    # nccl_busbw_reference.csv "1x EDR 100Gb/s NIC": 12.2 GB/s.
+    "v100": LinkSpec("ib-edr100-per-gpu", 12.2 * GB, 8 * _US,
+                     "nccl_busbw_reference.csv: 1x EDR 100Gb/s NIC 12.2 GB/s (NVIDIA/nccl-tests#29)"),
+    "cpu": LinkSpec("tcp", 1 * GB, 100 * _US, "rough: gloo over TCP"),
+})
+# Host<->device per GPU, ROUGH achievable (not in the reference csvs): PCIe Gen4 x16 ~25 GB/s
+# (A100), Gen5 x16 ~50 GB/s (H100/H200), Gen3 x16 ~12 GB/s (V100).
+_PCIE_Bps: Mapping[str, float] = MappingProxyType({
+    "a100": 25 * GB, "h100": 50 * GB, "h200": 50 * GB, "v100": 12 * GB, "cpu": 20 * GB})
+
+
+def make_cluster(gpu: str, nodes: int, gpus_per_node: int = 8, name: Optional[str] = None) -> ClusterSpec:
+    """A cluster of ``nodes`` x ``gpus_per_node`` ``gpu``s with the default links of that GPU type:
+    NVLink/NVSwitch inside a node and one InfiniBand NIC per GPU between nodes (NDR 400 Gb/s ~48 GB/s
+    for H100/H200, HDR 200 Gb/s ~24 GB/s for A100, EDR 100 Gb/s ~12.2 GB/s for V100)."""
+    spec = get_gpu(gpu)
+    fam = _DATASHEETS[spec.name].family
+    return ClusterSpec(name=name or f"{spec.name}x{nodes}x{gpus_per_node}", gpu=spec, nodes=nodes,
+                       gpus_per_node=gpus_per_node, intra=_INTRA[fam], inter=_INTER[fam],
+                       pcie_Bps=_PCIE_Bps[fam])
+
+
+# ---------------------------------------------------------------------------------------------
+# TOML
+# ---------------------------------------------------------------------------------------------
+
+_TOP_KEYS = ("name", "gpu", "nodes", "gpus_per_node", "pcie_GBps", "intra", "inter", "gpu_overrides")
+_LINK_KEYS = ("busbw_GBps", "latency_us", "name", "source")
+_OVERRIDE_KEYS = ("memory_GB", "hbm_GBps", "matmul_efficiency", "attention_efficiency",
+                  "memory_efficiency", "source")
+
+
+def _check_keys(where: str, table: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
+    bad = [k for k in table if k not in allowed]
+    if bad:
+        raise ValueError(f"{where}: unknown key(s) {bad}; allowed: {list(allowed)}")
+
+
+def _link_from_table(where: str, t: Any, default: LinkSpec) -> LinkSpec:
+    if not isinstance(t, dict):
+        raise ValueError(f"{where}: must be a table like [intra] busbw_GBps = 370.0")
+    _check_keys(where, t, _LINK_KEYS)
+    if "busbw_GBps" not in t:
+        raise ValueError(f"{where}: missing required key 'busbw_GBps'")
+    lat = float(t["latency_us"]) * _US if "latency_us" in t else default.latency_s
+    return LinkSpec(name=str(t.get("name", default.name)), busbw_Bps=float(t["busbw_GBps"]) * GB,
+                    latency_s=lat, source=str(t.get("source", f"user TOML ({where})")))
+
+
+def cluster_from_dict(d: Mapping[str, Any], where: str = "cluster") -> ClusterSpec:
+    """Build a ClusterSpec from the parsed TOML mapping (format in the module docstring)."""
+    _check_keys(where, d, _TOP_KEYS)
+    for req in ("gpu", "nodes"):
+        if req not in d:
+            raise ValueError(f"{where}: missing required key {req!r}")
+    base = make_cluster(str(d["gpu"]), int(d["nodes"]), int(d.get("gpus_per_node", 8)),
+                        name=str(d["name"]) if "name" in d else None)
+    gpu = base.gpu
+    if "gpu_overrides" in d:
+        o = d["gpu_overrides"]
+        _check_keys(f"{where} [gpu_overrides]", o, _OVERRIDE_KEYS)
+        changes: dict[str, Any] = {}
+        if "memory_GB" in o:
+            changes["hbm_bytes"] = int(round(float(o["memory_GB"]) * GB))
+        if "hbm_GBps" in o:
+            changes["hbm_Bps"] = float(o["hbm_GBps"]) * GB
+        for k in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
+            if k in o:
+                changes[k] = float(o[k])
+        changed = [k for k in o if k != "source"]
+        changes["source"] = str(o.get("source", f"{gpu.source}; overridden by {where}: {', '.join(changed)}"))
+        gpu = replace(gpu, **changes)
+    intra = _link_from_table(f"{where} [intra]", d["intra"], base.intra) if "intra" in d else base.intra
+    inter = _link_from_table(f"{where} [inter]", d["inter"], base.inter) if "inter" in d else base.inter
+    pcie = float(d["pcie_GBps"]) * GB if "pcie_GBps" in d else base.pcie_Bps
+    return replace(base, gpu=gpu, intra=intra, inter=inter, pcie_Bps=pcie)
+
+
+def load_cluster(path: Union[str, Path]) -> ClusterSpec:
+    """Read a cluster TOML file (format in the module docstring); name defaults to the file stem."""
+    p = Path(path)
+    try:
+        d = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{p}: not valid TOML: {e}") from None
+    d.setdefault("name", p.stem)
+    return cluster_from_dict(d, where=str(p))
+
+
+def _fmt(x: Any) -> str:
+    if isinstance(x, str):
+        return json.dumps(x)  # TOML basic strings use JSON-compatible escapes
+    return repr(x)
+
+
+def cluster_to_toml(c: ClusterSpec) -> str:
+    """Write ``c`` in the TOML format ``load_cluster`` reads; everything is written explicitly."""
+    base = get_gpu(c.gpu.name)
+    lines = [f"name = {_fmt(c.name)}", f"gpu = {_fmt(c.gpu.name)}", f"nodes = {c.nodes}",
+             f"gpus_per_node = {c.gpus_per_node}", f"pcie_GBps = {_fmt(c.pcie_Bps / GB)}", ""]
+    for tname, link in (("intra", c.intra), ("inter", c.inter)):
+        lines += [f"[{tname}]", f"name = {_fmt(link.name)}", f"busbw_GBps = {_fmt(link.busbw_Bps / GB)}",
+                  f"latency_us = {_fmt(link.latency_s / _US)}", f"source = {_fmt(link.source)}", ""]
+    over = []
+    if c.gpu.hbm_bytes != base.hbm_bytes:
+        over.append(f"memory_GB = {_fmt(c.gpu.hbm_bytes / GB)}")
+    if c.gpu.hbm_Bps != base.hbm_Bps:
+        over.append(f"hbm_GBps = {_fmt(c.gpu.hbm_Bps / GB)}")
+    for k in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
+        if getattr(c.gpu, k) != getattr(base, k):
+            over.append(f"{k} = {_fmt(getattr(c.gpu, k))}")
+    if over or c.gpu.source != base.source:
+        lines += ["[gpu_overrides]", *over, f"source = {_fmt(c.gpu.source)}", ""]
+    return "\n".join(lines)
+
+
+_BUILTIN_CLUSTERS: Mapping[str, str] = MappingProxyType({
+    "dgx-a100": "a100-80g", "dgx-a100-40g": "a100-40g", "dgx-h100": "h100", "dgx-h200": "h200",
+    "dgx1-v100": "v100", "cpu": "cpu",
+})
+CLUSTER_NAMES = tuple(_BUILTIN_CLUSTERS)
+
+
+def resolve_cluster(name_or_path: Union[str, Path], *, nodes: Optional[int] = None,
+                    gpus_per_node: Optional[int] = None, gpu: Optional[str] = None) -> ClusterSpec:
+    """A built-in cluster name (CLUSTER_NAMES), a GPU name (GPU_NAMES), or a TOML path.
+
+    ``nodes`` / ``gpus_per_node`` override the size (built-ins default to 1 node x 8 GPUs);
+    ``gpu`` swaps the GPU type (for a TOML cluster the file's links are kept)."""
+    key = str(name_or_path).lower().strip()
+    if key in _BUILTIN_CLUSTERS or key in _DATASHEETS:
+        g = gpu or _BUILTIN_CLUSTERS.get(key, key)
+        n, k = nodes or 1, gpus_per_node or 8
+        return make_cluster(g, n, k, name=f"{key}x{n}" if key in _BUILTIN_CLUSTERS else None)
+    p = Path(name_or_path)
+    if not p.exists():
+        raise ValueError(f"unknown cluster {str(name_or_path)!r}: not a built-in cluster "
+                         f"({', '.join(CLUSTER_NAMES)}), not a GPU ({', '.join(GPU_NAMES)}), "
+                         f"and no such TOML file")
+    c = load_cluster(p)
+    if gpu is not None:
+        c = replace(c, gpu=get_gpu(gpu))
+    if nodes is not None or gpus_per_node is not None:
+        c = replace(c, nodes=nodes or c.nodes, gpus_per_node=gpus_per_node or c.gpus_per_node)
+    return c

@@ -1,0 +1,82 @@
+"""Memory accounting: ZeRO model states, Korthikanti transformer activations, pipeline in-flight count.
+
+Model states (ZeRO, Rajbhandari et al. 2019, §3.1 and Table 1; reference
+``zero_table1_model_state_memory.csv``): mixed-precision Adam keeps per parameter 2 B of fp16/bf16
+params, 2 B of grads and K = 12 B of optimizer state (fp32 master copy, momentum, variance):
+16 Psi in all. With data-parallel degree Nd, per device:
+
+    stage 0 (plain DP)    (2 + 2 + K) Psi
+    stage 1 (P_os)        4 Psi + K Psi / Nd
+    stage 2 (P_os+g)      2 Psi + (2 + K) Psi / Nd
+    stage 3 (P_os+g+p)    (4 + K) Psi / Nd
+
+Activations per transformer layer (Korthikanti et al. 2022, arXiv 2205.05198; formulas assume
+16-bit activations and 1-byte dropout masks; s = sequence, b = micro-batch, h = hidden, a = heads,
+t = tensor-parallel degree):
+
+    no TP                 sbh (34 + 5as/h)
+    TP                    sbh (10 + 24/t + 5as/(ht))
+    TP + SP               sbh (34/t + 5as/(ht))
+    selective recompute   drops the 5as/h term (core attention is recomputed)
+    full recompute        2sbh: only the layer input (2sbh/t with SP: the input is sequence-sharded)
+"""
+from __future__ import annotations
+
+ZERO_STAGES = (0, 1, 2, 3)
+RECOMPUTE_MODES = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def model_state_bytes(num_params: int, dp: int, zero_stage: int, *, param_bytes: float = 2,
+                      grad_bytes: float = 2, optimizer_bytes_per_param: float = 12) -> dict[str, float]:
+    """Per-device bytes of "params", "grads" and "optimizer" under ZeRO ``zero_stage`` (0-3) with
+    ``dp`` data-parallel ranks (module docstring). Use grad_bytes=4 for fp32 gradient accumulation."""
+    if zero_stage not in ZERO_STAGES:
+        raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage}")
+    if dp < 1:
+        raise ValueError(f"dp must be >= 1, got {dp}")
+    params = float(num_params) * param_bytes
+    grads = float(num_params) * grad_bytes
+    optim = float(num_params) * optimizer_bytes_per_param
+    return {
+        "params": params / dp if zero_stage >= 3 else params,
+        "grads": grads / dp if zero_stage >= 2 else grads,
+        "optimizer": optim / dp if zero_stage >= 1 else optim,
+    }
+
+
+def transformer_layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                                       recompute: str = "none", bytes_per_elem: float = 2) -> float:
+    """Korthikanti activation bytes stored by one transformer layer on one TP rank (module docstring).
+
+    ``bytes_per_elem`` scales the 16-bit formula linearly (bytes_per_elem / 2; the 1-byte masks
+    scale too, which slightly overstates fp32)."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    if t < 1:
+        raise ValueError(f"tensor-parallel degree t must be >= 1, got {t}")
+    sbh = float(s) * b * h
+    scale = bytes_per_elem / 2.0
+    if recompute == "full":
+        return 2.0 * sbh / (t if sp else 1) * scale
+    attn = 5.0 * a * s / (h * t) if recompute == "none" else 0.0
+    if sp:
+        per = 34.0 / t + attn
+    else:
+        per = 10.0 + 24.0 / t + attn
+    return sbh * per * scale
+
+
+def pipeline_inflight_microbatches(pp: int, stage: int, num_micro_batches: int, schedule: str = "1f1b") -> int:
+    """Micro-batches whose activations stage ``stage`` (0-based) holds at its peak.
+
+    1F1B (PipeDream-Flush, torch ``Schedule1F1B``): min(pp - stage, m). GPipe: m."""
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage {stage} out of range for pp={pp}")
+    if num_micro_batches < 1:
+        raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
+    if schedule == "1f1b":
+        return min(pp - stage, num_micro_batches)
+    if schedule == "gpipe":
+        return num_micro_batches
+    raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")

@@ -1,0 +1,112 @@
+"""NCCL bus factors, collective times, axis links, roofline op times against hand-worked numbers."""
+import pytest
+
+from autopar.cost.collectives import (all_gather_s, all_reduce_s, all_to_all_s, axis_link, bus_factor,
+                                      collective_s, p2p_s, reduce_scatter_s, stage_link)
+from autopar.cost.compute import backward_factor, op_kind, op_time_s
+from autopar.cost.hardware import LinkSpec, get_gpu, make_cluster
+
+A100_NVSWITCH = LinkSpec("t", 230e9, 2e-6, "test: nccl_busbw_reference.csv 8x A100 all_reduce 230 GB/s")
+
+
+def test_bus_factors_hand_values():
+    assert bus_factor("all_reduce", 8) == 1.75
+    assert bus_factor("all_gather", 8) == 0.875
+    assert bus_factor("reduce_scatter", 4) == 0.75
+    assert bus_factor("all_to_all", 2) == 0.5
+    assert bus_factor("p2p", 2) == 1.0
+    assert bus_factor("all_reduce", 1) == 0.0
+    with pytest.raises(ValueError, match="unknown collective"):
+        bus_factor("allreduce", 8)
+
+
+def test_all_reduce_1GB_on_8_a100():
+    t = all_reduce_s(10**9, 8, A100_NVSWITCH)
+    assert t == pytest.approx(1.75 * 1e9 / 230e9 + 2 * 7 * 2e-6)   # 7.609 ms + 28 us
+    assert t == pytest.approx(7.637e-3, rel=1e-3)
+
+
+def test_ag_rs_sum_to_all_reduce_and_dispatch():
+    n, nb = 8, 3 * 2**27
+    assert all_gather_s(nb, n, A100_NVSWITCH) + reduce_scatter_s(nb, n, A100_NVSWITCH) == pytest.approx(
+        all_reduce_s(nb, n, A100_NVSWITCH))
+    assert all_to_all_s(nb, n, A100_NVSWITCH) == pytest.approx(7 * 2e-6 + 7 / 8 * nb / 230e9)
+    assert p2p_s(nb, A100_NVSWITCH) == pytest.approx(2e-6 + nb / 230e9)
+    for kind, fn in (("all_reduce", all_reduce_s), ("all_gather", all_gather_s),
+                     ("reduce_scatter", reduce_scatter_s), ("all_to_all", all_to_all_s)):
+        assert collective_s(kind, nb, n, A100_NVSWITCH) == fn(nb, n, A100_NVSWITCH)
+        assert collective_s(kind, nb, 1, A100_NVSWITCH) == 0.0
+    assert collective_s("p2p", nb, 2, A100_NVSWITCH) == p2p_s(nb, A100_NVSWITCH)
+
+
+def test_axis_link_dp16_tp8_on_8gpu_nodes():
+    c = make_cluster("h100", nodes=16)
+    assert axis_link(c, (16, 8), 1) == c.intra      # tp: 8 adjacent ranks, one node
+    assert axis_link(c, (16, 8), 0) == c.inter      # dp: stride 8, one rank per node
+    assert axis_link(c, (8, 16), 1) == c.inter      # tp=16 spans two nodes
+    assert axis_link(c, (2, 4), 0) == c.intra       # 2x4 fits in a node
+    assert axis_link(c, (32, 4), 0) == c.inter
+    assert axis_link(c, (3, 8), 0) == c.inter
+    assert axis_link(c, (16, 1), 1) == c.intra      # size-1 axis: no communication
+    # gpus_per_node not a multiple of the span -> crosses nodes somewhere
+    c6 = make_cluster("a100-80g", nodes=4, gpus_per_node=6)
+    assert axis_link(c6, (6, 4), 1) == c6.inter
+    assert axis_link(c6, (12, 2), 1) == c6.intra
+    with pytest.raises(ValueError, match="axis"):
+        axis_link(c, (16, 8), 2)
+
+
+def test_axis_link_nic_aggregation():
+    c = make_cluster("a100-80g", nodes=4)
+    # tp=16 contiguous: 8 members per node -> min(230, 8 * 24) = 192 GB/s (csv: DGX-A100 multi-node 192)
+    assert axis_link(c, (2, 16), 1, nic_aggregation=True).busbw_Bps == pytest.approx(192e9)
+    # dp with stride 2 (tp=2): 4 members per node -> 4 NICs
+    assert axis_link(c, (16, 2), 0, nic_aggregation=True).busbw_Bps == pytest.approx(96e9)
+    # dp with stride 8: one member per node -> plain inter
+    assert axis_link(c, (4, 8), 0, nic_aggregation=True) == c.inter
+
+
+def test_stage_link():
+    c = make_cluster("h100", nodes=4)
+    assert stage_link(c, 8) == c.inter
+    assert stage_link(c, 4) == c.intra
+
+
+def test_op_kind():
+    assert op_kind("aten.linear.default") == "matmul"
+    assert op_kind("aten.mm.default") == "matmul"
+    assert op_kind("aten.baddbmm.default") == "matmul"
+    assert op_kind("aten.einsum.default") == "matmul"
+    assert op_kind("aten.scaled_dot_product_attention.default") == "attention"
+    assert op_kind("aten._scaled_dot_product_flash_attention.default") == "attention"
+    assert op_kind("aten._flash_attention_forward.default") == "attention"
+    for v in ("aten.view.default", "aten.transpose.int", "aten.t.default", "aten.permute.default",
+              "aten.expand.default", "aten.unsqueeze.default", "aten.detach.default", "aten.alias.default",
+              "aten.slice.Tensor", "aten.split.Tensor", "getitem", "<built-in function getitem>",
+              "operator.getitem", "aten.reshape.default", "aten._unsafe_view.default"):
+        assert op_kind(v) == "free", v
+    for m in ("aten.add.Tensor", "aten.layer_norm.default", "aten.gelu.default", "aten._softmax.default",
+              "aten.embedding.default", "aten.clone.default", "aten.dropout.default"):
+        assert op_kind(m) == "memory", m
+
+
+def test_roofline_hand_cases():
+    g = get_gpu("h100")
+    # GEMM 8192 x 8192 x 8192 bf16: 2*8192^3 = 1.0995e12 FLOPs; bytes 3 * 8192^2 * 2 = 402,653,184
+    flops, nbytes = 2 * 8192**3, 3 * 8192**2 * 2
+    want = flops / (989.4e12 * g.matmul_efficiency)
+    assert op_time_s(flops, nbytes, "bfloat16", g, "matmul") == pytest.approx(want)
+    assert op_time_s(flops, nbytes, "torch.bfloat16", g, "matmul") == pytest.approx(want)
+    # fp32 matmuls run at the TF32 peak (494.7 TFLOP/s): twice as long
+    assert op_time_s(flops, nbytes, "float32", g, "matmul") == pytest.approx(2 * want)
+    # Elementwise add of 1 GiB bf16 tensors: read 2, write 1 -> bytes bound at 3350 GB/s * eff
+    n = 2**29
+    t = op_time_s(n, 3 * 2 * n, "bfloat16", g, "memory")
+    assert t == pytest.approx(3 * 2 * n / (3350e9 * g.memory_efficiency))
+    assert op_time_s(10**12, 10**9, "bfloat16", g, "free") == 0.0
+    # attention uses the attention efficiency
+    assert op_time_s(1e12, 0, "bfloat16", g, "attention") == pytest.approx(1e12 / (989.4e12 * g.attention_efficiency))
+    assert backward_factor("matmul") == 2.0 and backward_factor("attention") == 2.5
+    assert backward_factor("memory") == 2.0 and backward_factor("free") == 0.0
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        op_time_s(1, 1, "float8_e4m3fn", get_gpu("a100-80g"), "matmul")

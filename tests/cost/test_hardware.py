@@ -1,0 +1,125 @@
+"""GPU specs, calibration file, built-in clusters, cluster TOML round trip and errors."""
+import json
+from dataclasses import replace
+
+import pytest
+
+from autopar.cost.hardware import (CLUSTER_NAMES, GPU_NAMES, cluster_to_toml, get_gpu, load_calibration,
+                                   load_cluster, make_cluster, resolve_cluster)
+
+
+def test_gpu_datasheet_figures():
+    h100 = get_gpu("h100")
+    assert h100.peak_flops_for("bfloat16") == 989.4e12      # gpu_specs.csv H100 dense bf16
+    assert h100.peak_flops_for("float32") == 494.7e12       # TF32 tensor dense
+    assert h100.peak_flops_for("fp8") == 1979e12
+    assert h100.hbm_Bps == 3350e9
+    assert h100.hbm_bytes == 81559 * 2**20
+    h200 = get_gpu("H200")
+    assert h200.hbm_bytes == 143771 * 2**20 and h200.hbm_Bps == 4800e9
+    assert get_gpu("a100-40g").peak_flops_for("bf16") == 312e12
+    assert get_gpu("a100-80g").hbm_Bps == 2039e9
+    assert get_gpu("v100").peak_flops_for("float16") == 125e12
+    for name in GPU_NAMES + ("cpu",):
+        g = get_gpu(name)
+        assert 0 < g.matmul_efficiency <= 1 and 0 < g.attention_efficiency <= 1 and 0 < g.memory_efficiency <= 1
+        assert g.source
+    with pytest.raises(ValueError, match="a100-40g"):
+        get_gpu("b200")
+
+
+def test_h100_takes_compute_efficiency_from_h200():
+    h100, h200 = get_gpu("h100"), get_gpu("h200")
+    assert (h100.matmul_efficiency, h100.attention_efficiency) == (h200.matmul_efficiency, h200.attention_efficiency)
+    assert "h200" in h100.source
+
+
+def test_calibration_file_is_single_source(tmp_path):
+    cal = json.loads((__import__("autopar.cost.hardware", fromlist=["x"]).DEFAULT_CALIBRATION_PATH).read_text())
+    cal["families"]["h200"]["matmul_efficiency"] = 0.5
+    p = tmp_path / "cal.json"
+    p.write_text(json.dumps(cal))
+    assert get_gpu("h100", calibration=p).matmul_efficiency == 0.5
+    assert set(load_calibration(p)) == {"a100", "h100", "h200", "v100", "cpu"}
+    cal["families"]["a100"]["matmul_eff"] = 0.5
+    p.write_text(json.dumps(cal))
+    with pytest.raises(ValueError, match="matmul_eff"):
+        load_calibration(p)
+
+
+def test_make_cluster_defaults():
+    c = make_cluster("h100", nodes=4)
+    assert c.num_gpus == 32
+    assert c.intra.busbw_Bps == 370e9 and c.inter.busbw_Bps == 48e9
+    a = make_cluster("a100-40g", nodes=2, gpus_per_node=4)
+    assert a.num_gpus == 8 and a.intra.busbw_Bps == 230e9 and a.inter.busbw_Bps == 24e9
+    assert make_cluster("v100", 1).inter.busbw_Bps == 12.2e9
+    with pytest.raises(ValueError, match="nodes"):
+        make_cluster("h100", nodes=0)
+
+
+def test_resolve_builtin_names():
+    for name in CLUSTER_NAMES:
+        c = resolve_cluster(name, nodes=2)
+        assert c.nodes == 2 and c.gpus_per_node == 8
+    assert resolve_cluster("dgx-h200").gpu.name == "h200"
+    assert resolve_cluster("h100", nodes=3, gpus_per_node=4).num_gpus == 12
+    assert resolve_cluster("dgx-a100", gpu="a100-40g").gpu.name == "a100-40g"
+    with pytest.raises(ValueError, match="dgx-h100"):
+        resolve_cluster("no-such-cluster")
+
+
+@pytest.mark.parametrize("gpu", GPU_NAMES + ("cpu",))
+def test_toml_round_trip(tmp_path, gpu):
+    c = make_cluster(gpu, nodes=3, gpus_per_node=4, name=f"rt-{gpu}")
+    p = tmp_path / "c.toml"
+    p.write_text(cluster_to_toml(c))
+    assert load_cluster(p) == c
+
+
+def test_toml_round_trip_with_overrides(tmp_path):
+    c = make_cluster("h100", nodes=2)
+    c = replace(c, gpu=replace(c.gpu, hbm_bytes=80 * 10**9, matmul_efficiency=0.61, source="ours"),
+                intra=replace(c.intra, busbw_Bps=333.5e9, latency_s=3e-6, source="our nccl-tests"),
+                pcie_Bps=40e9)
+    p = tmp_path / "pod.toml"
+    p.write_text(cluster_to_toml(c))
+    assert load_cluster(p) == c
+    assert resolve_cluster(p, nodes=5).nodes == 5
+
+
+def test_toml_user_file_and_errors(tmp_path):
+    p = tmp_path / "mypod.toml"
+    p.write_text('gpu = "h100"\nnodes = 2\n[inter]\nbusbw_GBps = 25\n[gpu_overrides]\nmemory_GB = 80\n')
+    c = load_cluster(p)
+    assert c.name == "mypod" and c.num_gpus == 16
+    assert c.inter.busbw_Bps == 25e9 and c.inter.latency_s == make_cluster("h100", 1).inter.latency_s
+    assert c.gpu.hbm_bytes == 80 * 10**9 and "memory_GB" in c.gpu.source
+    p.write_text('gpu = "h100"\nnodes = 2\ngpu_per_node = 8\n')
+    with pytest.raises(ValueError, match=r"gpu_per_node.*gpus_per_node"):
+        load_cluster(p)
+    p.write_text('gpu = "h100"\nnodes = 2\n[intra]\nbandwidth = 3\n')
+    with pytest.raises(ValueError, match=r"bandwidth.*busbw_GBps"):
+        load_cluster(p)
+    p.write_text('gpu = "h100"\nnodes = 2\n[gpu_overrides]\nhbm_GB = 3\n')
+    with pytest.raises(ValueError, match=r"hbm_GB.*memory_GB"):
+        load_cluster(p)
+    p.write_text('nodes = 2\n')
+    with pytest.raises(ValueError, match="gpu"):
+        load_cluster(p)
+
+
+def test_calibration_entries_are_labelled():
+    raw = json.loads((__import__("autopar.cost.hardware", fromlist=["x"]).DEFAULT_CALIBRATION_PATH).read_text())
+    for fam, e in raw["families"].items():
+        if e.get("measured"):
+            assert e["source"].startswith("measured by benchmarks/calibrate.py"), fam
+            assert not e["measured"]["errors"], (fam, e["measured"]["errors"])
+        else:
+            assert "uncalibrated default" in e["source"] or e["source"].startswith("rough"), fam
+
+
+def test_megatron_h100_mfu_below_calibrated_matmul_efficiency():
+    # Megatron-Core's H100 runs reach 41-49% MFU (megatron_readme_h100_weak_scaling.csv); a whole
+    # training step cannot beat the GEMM efficiency the calibration measured.
+    assert get_gpu("h100").matmul_efficiency > 0.49
