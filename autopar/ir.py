@@ -104,6 +104,8 @@ class GraphIR:
     fingerprint: str                       # sha256 of structure + full-model shapes + block counts
     model_name: str = ""
     graph_module: Any = field(default=None, compare=False, hash=False, repr=False)  # fx.GraphModule (codegen only)
+    # torch.export.ExportedProgram the graph came from (graph signature, lifted constants); runtime only.
+    exported: Any = field(default=None, compare=False, hash=False, repr=False)
 
     def node(self, key: str) -> NodeInfo:
         for n in self.nodes:
