@@ -1,1 +1,54 @@
+"""autopar.solver: GraphIR + ClusterSpec -> Plan. The only place that makes decisions.
 
+    from autopar.solver import plan_model
+    plan = plan_model(graph, cluster, global_batch=1536, seq_len=2048)
+
+Flow: ``strategies`` (per-node strategies on the tp axis, from the op ``rules``) -> ``problem``
+(cost tables, ``reshard`` on edges, ``saved`` activations) -> ``ilp`` (the program below) ->
+``search`` (outer space, ``timing`` model, ``runtime_profile`` overlap) -> Plan. ``explain`` answers
+"why not this placement?".
+
+The tp-axis ILP (one per tensor-parallel size t, sequence-parallel flag and micro-batch size)
+--------------------------------------------------------------------------------------------
+Nodes V: the traced graph's ops, parameters and inputs (the repeated block once). S_v: strategies
+of v (output and input placements on the tp axis). Edges E: (u, v) for every tensor v reads from
+u, plus the block's "wrap" edges (layer i's output feeding layer i+1). Weights w_v, w_e: how often
+the node/edge runs per micro-batch in the whole model (the block's multiplicity).
+
+    x[v,s] in {0,1}            v runs strategy s
+    y[e,a,b] >= 0              edge e = (u,v) has u on a and v on b   (only pairs with finite cost)
+
+    minimize   sum_v sum_s  w_v (c[v,s] + eps * m[v,s]) x[v,s]   +   sum_e sum_{a,b} w_e r[e,a,b] y[e,a,b]
+
+    (a) one_strategy[v]:     sum_s x[v,s] = 1                                  ilp.add_one_strategy
+    (b) edge_out[e,a]:       sum_b y[e,a,b] = x[u,a]                            ilp.add_edge_consistency
+        edge_in[e,b]:        sum_a y[e,a,b] = x[v,b]
+        (with x binary this forces y[e,a,b] = x[u,a] x[v,b] exactly: the tight linearization)
+    (c) memory_budget[k]:    sum_v sum_s M_k[v,s] x[v,s] <= B_k                  ilp.add_memory
+        one per pipeline stage k that can bind (first, last), only when the unconstrained
+        solution does not fit: M = local parameter elements x model-state bytes per element
+        (ZeRO stage, dp) x layers on the stage, or saved activation bytes x in-flight
+        micro-batches x layers (0 for what recompute drops); B = budget - workspace.
+
+    c[v,s]   forward + backward compute (roofline, compute split 1/t when sharded) + in-op comm
+    r[e,a,b] forward reshard of u's output to v's input placement + backward reshard of v's input
+             gradient to u's output-gradient placement (+ re-gather of a saved sharded input),
+             after the runtime's overlap (problem.py, reshard.py)
+    m[v,s]   bytes the choice keeps (a tie-breaker, eps = problem.MEMORY_TIE_BREAK_S_PER_BYTE)
+
+Before the MILP: parallel edges are merged, dominated strategies dropped, and leaf and series
+nodes eliminated exactly (``ilp.eliminate``; replayed afterwards). Solver: HiGHS via
+``pulp.HiGHS`` (CBC if HiGHS is missing), gap 0. ``ilp.brute_force`` is the reference for tests.
+
+Column- and row-parallel linears, sequence parallelism, vocab-parallel embeddings and losses are
+not written anywhere: they fall out of the einsum rules and the resharding costs.
+"""
+from autopar.solver.errors import InfeasibleError, PlanningError
+from autopar.solver.explain import explain
+from autopar.solver.runtime_profile import AUTOPAR_RUNTIME, MEGATRON_RUNTIME, PROFILES, RuntimeProfile
+from autopar.solver.search import SearchResult, plan_model, solve
+
+__all__ = [
+    "plan_model", "solve", "SearchResult", "explain", "PlanningError", "InfeasibleError",
+    "RuntimeProfile", "AUTOPAR_RUNTIME", "MEGATRON_RUNTIME", "PROFILES",
+]

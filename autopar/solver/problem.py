@@ -1,0 +1,426 @@
+"""Cost tables on the tp axis for one (t, sp, micro-batch) and the ILP built from them.
+
+Everything here is per micro-batch of ``mbs`` sequences. Node costs: forward compute
+(``cost.op_time_s`` on the node's FLOPs and bytes scaled to ``mbs`` and by the strategy's compute
+scale), backward = ``backward_factor(kind)`` x forward for nodes that need gradients, plus the
+collectives inside the op. Edge costs: forward resharding of the producer's output to the
+consumer's input placement, and backward resharding of the consumer's input gradient to the
+producer's output-gradient placement (``reshard.py``), after the runtime profile's overlap
+(``max(0, comm - window)`` with the window the compute of the matmul on either end of the edge).
+
+Weights (how often a cost occurs per micro-batch in the whole model): nodes and edges inside the
+repeated block run ``GraphIR.multiplicity`` times (the block is solved once, all layers share its
+strategies). The block's *carried* input (the residual stream: the tensor from before the block
+that has the same shape as the block's output) is consumed by the first layer only; layer i+1
+consumes layer i's output, so the trace's edges from the carried producer get weight 1 and
+"wrap" edges from the block output to the same consumers get weight count - 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from autopar.cost.collectives import axis_link, collective_s
+from autopar.cost.compute import backward_factor, op_kind, op_time_s
+from autopar.cost.hardware import ClusterSpec, LinkSpec
+from autopar.ir import DTYPE_BYTES, TensorMeta
+from autopar.placements import Shard
+from autopar.solver.ilp import IlpEdge, IlpProblem, LinearConstraint
+from autopar.solver.reshard import grad_target, reshard_kind, reshard_s
+from autopar.solver.runtime_profile import RuntimeProfile
+from autopar.solver.saved import DROPOUT_MASK_BYTES_PER_ELEM, is_dropout, kept_tensors, saves_input
+from autopar.solver.strategies import (GraphFacts, batch_scale, enumerate_strategies, ref_index,
+                                       scaled_bytes_moved, scaled_metas, tensor_nodes)
+
+PARTS = ("pre", "block", "post")
+# Tie-breaker added to the ILP objective: seconds per byte of memory a strategy keeps (local
+# parameter states at 16 B/element, saved activations). Among equally fast choices it prefers the
+# smaller one (sharded parameters also shrink the DP gradient sync the ILP cannot see); at 1e-15 s/B
+# a whole GB weighs 1 us, below any timing difference that matters.
+MEMORY_TIE_BREAK_S_PER_BYTE = 1e-15
+STATE_BYTES_PER_PARAM = 16
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """One node under one strategy, per micro-batch, one copy (one layer for block nodes)."""
+    fwd_s: float                          # forward compute
+    bwd_s: float                          # backward compute
+    comm_fwd: tuple[tuple[str, float], ...]
+    comm_bwd: tuple[tuple[str, float], ...]
+    saved_bytes: int                      # activation bytes kept for backward (ops)
+    param_numel: int                      # local parameter elements (params)
+    out_bytes: int                        # local output bytes
+
+    @property
+    def total_s(self) -> float:
+        return self.fwd_s + self.bwd_s + sum(s for _, s in self.comm_fwd) + sum(s for _, s in self.comm_bwd)
+
+
+@dataclass(frozen=True)
+class EdgeSpec:
+    u: str
+    v: str
+    pos: int                  # input position at v
+    index: int                # output index at u
+    weight: int               # occurrences per micro-batch in the whole model
+    part: str                 # "pre" | "block" | "post"
+    nbytes: int               # full tensor bytes at this micro-batch
+    grad: bool                # a gradient flows back along it
+    wrap: bool = False
+    regather: bool = False    # the consumer saves this input: an all-gathered one is re-gathered in bwd
+
+
+@dataclass(frozen=True)
+class EdgeCost:
+    fwd_kind: Optional[str]
+    fwd_s: float              # exposed
+    bwd_kind: Optional[str]
+    bwd_s: float              # exposed
+    regather_s: float = 0.0   # exposed backward all-gather of a saved input kept sharded
+
+    @property
+    def total_s(self) -> float:
+        return self.fwd_s + self.bwd_s + self.regather_s
+
+
+@dataclass
+class AxisTables:
+    """Strategies and costs of every tensor node for one (t, sp, mbs)."""
+    facts: GraphFacts
+    t: int
+    sp: bool
+    mbs: int
+    link: LinkSpec
+    profile: RuntimeProfile
+    keys: tuple[str, ...]
+    strategies: dict
+    costs: dict
+    weight: dict
+    edges: tuple[EdgeSpec, ...]
+    metas: dict
+    kinds: dict                       # key -> op kind ("param"/"input"/"buffer" for leaves)
+    core: frozenset                   # attention-core op keys (selective recompute)
+    carried: Optional[str]            # key of the block's carried producer (outside the block)
+    block_out: Optional[str]          # key of the block's output node
+    count: int                        # repeats of the block (1 without a block)
+    _edge_cache: dict = field(default_factory=dict)
+
+    def edge_costs(self, e: EdgeSpec) -> list[list[EdgeCost]]:
+        key = (e.u, e.v, e.pos, e.wrap)
+        if key not in self._edge_cache:
+            self._edge_cache[key] = _edge_matrix(self, e)
+        return self._edge_cache[key]
+
+
+def _block_info(facts: GraphFacts):
+    g = facts.graph
+    if len(g.blocks) != 1:
+        return None, None, 1
+    count = g.blocks[0].count // max(1, g.blocks[0].traced)
+    outs = [k for k, p in facts.part.items() if p == "block"
+            and any(facts.part.get(c) == "post" for c, _ in facts.consumers[k])]
+    if len(outs) != 1:
+        return None, None, count
+    w = outs[0]
+    wshape = facts.nodes[w].out.shape
+    cands = []
+    for k, n in facts.nodes.items():
+        if facts.part.get(k) == "block" or n.kind not in ("op", "input") or not n.outputs:
+            continue
+        if n.out.shape == wshape and any(facts.part.get(c) == "block" for c, _ in facts.consumers[k]):
+            cands.append(k)
+    return (cands[0] if len(cands) == 1 else None), w, count
+
+
+def _core_nodes(facts: GraphFacts) -> frozenset:
+    """Attention core: fused SDPA nodes and ops whose output has two sequence dims (scores)."""
+    core = set()
+    for k, p in facts.part.items():
+        n = facts.nodes[k]
+        if "scaled_dot_product" in n.target or "flash" in n.target:
+            core.add(k)
+        elif len(facts.seq_dims.get(k, ())) >= 2 and op_kind(n.target) != "free":
+            core.add(k)
+    return frozenset(core)
+
+
+def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs: int, dtype: str,
+                 profile: RuntimeProfile, cache: Optional[dict] = None) -> AxisTables:
+    """``cache``: a dict the caller keeps per (mbs, dtype) to share metas and rule proposals
+    between tables of different t / sp."""
+    gpu = cluster.gpu
+    link = axis_link(cluster, (1, t), 1)
+    cache = {} if cache is None else cache
+    if "metas" not in cache:
+        cache["metas"] = scaled_metas(facts, mbs, dtype)
+        cache["protos"] = {}
+        cache["kept"] = kept_tensors(facts)
+    metas = cache["metas"]
+    kept = cache["kept"]
+    carried, block_out, count = _block_info(facts)
+    g = facts.graph
+    keys, strategies, costs, weight, kinds = [], {}, {}, {}, {}
+    for n in tensor_nodes(g):
+        if n.kind != "op" and not facts.consumers[n.key]:
+            continue                      # e.g. the untraced twin of a tied weight
+        strats = enumerate_strategies(facts, n, metas, t, sp, cache["protos"])
+        if not strats:
+            continue
+        keys.append(n.key)
+        strategies[n.key] = strats
+        weight[n.key] = g.multiplicity(n)
+        if n.kind != "op":
+            kinds[n.key] = n.kind
+            is_param = n.kind == "param"
+            costs[n.key] = [NodeCost(0.0, 0.0, (), (), 0,
+                                     (metas[n.key][0].numel // (t if isinstance(s.output, Shard) else 1)) if is_param else 0,
+                                     s.out_bytes_local) for s in strats]
+            continue
+        kind = op_kind(n.target)
+        kinds[n.key] = kind
+        flops = n.flops * batch_scale(facts, n, mbs)
+        nbytes = scaled_bytes_moved(facts, n, mbs, dtype)
+        grad = facts.needs_grad.get(n.key, False)
+        saves = n.key in kept
+        mask = is_dropout(n) and grad
+        row = []
+        for s in strats:
+            fwd = op_time_s(flops * s.compute_scale, nbytes * s.compute_scale, dtype, gpu, kind)
+            bwd = fwd * backward_factor(kind) if grad else 0.0
+            cf = tuple((c.kind, collective_s(c.kind, c.nbytes, t, link)) for c in s.comms if c.phase == "fwd")
+            cb = tuple((c.kind, collective_s(c.kind, c.nbytes, t, link)) for c in s.comms if c.phase == "bwd" and grad)
+            saved = s.out_bytes_local if saves else 0
+            if mask:
+                saved += DROPOUT_MASK_BYTES_PER_ELEM * (s.out_bytes_local // max(1, DTYPE_BYTES[metas[n.key][0].dtype]))
+            row.append(NodeCost(fwd, bwd, cf, cb, saved, 0, s.out_bytes_local))
+        costs[n.key] = row
+    edges = _edges(facts, metas, set(keys), carried, block_out, count)
+    return AxisTables(facts, t, sp, mbs, link, profile, tuple(keys), strategies, costs, weight, tuple(edges),
+                      metas, kinds, _core_nodes(facts), carried, block_out, count)
+
+
+def _edges(facts: GraphFacts, metas: dict, present: set, carried, block_out, count) -> list[EdgeSpec]:
+    out = []
+    for k in facts.part:            # op nodes in topological order
+        if k not in present:
+            continue
+        n = facts.nodes[k]
+        vpart = facts.part[k]
+        rg = saves_input(n.target) and facts.needs_grad.get(k, False)
+        for pos, ref in enumerate(facts.inputs[k]):
+            if ref.key not in present:
+                continue
+            idx = ref_index(facts, n, ref)
+            meta: TensorMeta = metas[ref.key][idx]
+            grad = facts.needs_grad.get(ref.key, False)
+            upart = facts.part.get(ref.key)
+            if vpart == "block":
+                if ref.key == carried:
+                    out.append(EdgeSpec(ref.key, k, pos, idx, 1, "pre", meta.nbytes, grad, regather=rg))
+                    if count > 1:
+                        out.append(EdgeSpec(block_out, k, pos, 0, count - 1, "block", meta.nbytes, grad, wrap=True,
+                                            regather=rg))
+                else:
+                    out.append(EdgeSpec(ref.key, k, pos, idx, count, "block", meta.nbytes, grad, regather=rg))
+            else:
+                out.append(EdgeSpec(ref.key, k, pos, idx, 1, vpart, meta.nbytes, grad, regather=rg))
+    return out
+
+
+def _edge_matrix(tab: AxisTables, e: EdgeSpec) -> list[list[EdgeCost]]:
+    su_list, sv_list = tab.strategies[e.u], tab.strategies[e.v]
+    cu, cv = tab.costs[e.u], tab.costs[e.v]
+    mm_u, mm_v = tab.kinds[e.u] == "matmul", tab.kinds[e.v] == "matmul"
+    overlap = tab.profile.tp_overlap_kinds
+    cache: dict = {}
+
+    def rs(src, dst):
+        k = (src, dst)
+        if k not in cache:
+            cache[k] = (reshard_kind(src, dst), reshard_s(src, dst, e.nbytes, tab.t, tab.link))
+        return cache[k]
+
+    rows = []
+    for a, su in enumerate(su_list):
+        row = []
+        for b, sv in enumerate(sv_list):
+            fk, fs = rs(su.output, sv.inputs[e.pos])
+            bk, bs = rs(sv.input_grads[e.pos], grad_target(su.output)) if e.grad else (None, 0.0)
+            rg = fs if (e.regather and fk == "all_gather") else 0.0
+            if fk in overlap and fs > 0:
+                win = max(cu[a].fwd_s if mm_u else 0.0, cv[b].fwd_s if mm_v else 0.0)
+                fs = max(0.0, fs - win)
+            # backward: the gradient reshard and the re-gather share the matmul's backward window
+            hidden_b = (bs if bk in overlap else 0.0) + (rg if "all_gather" in overlap else 0.0)
+            if hidden_b > 0:
+                win = max(cu[a].bwd_s if mm_u else 0.0, cv[b].bwd_s if mm_v else 0.0)
+                scale = max(0.0, hidden_b - win) / hidden_b
+                bs = bs * scale if bk in overlap else bs
+                rg = rg * scale if "all_gather" in overlap else rg
+            row.append(EdgeCost(fk, fs, bk, bs, rg))
+        rows.append(row)
+    return rows
+
+
+# ---- the ILP ----------------------------------------------------------------------------------
+
+def ilp_problem(tab: AxisTables, constraints: tuple[LinearConstraint, ...] = ()) -> IlpProblem:
+    index = {k: i for i, k in enumerate(tab.keys)}
+    tie = MEMORY_TIE_BREAK_S_PER_BYTE
+    node_costs = [[tab.weight[k] * (c.total_s + tie * (c.param_numel * STATE_BYTES_PER_PARAM + c.saved_bytes))
+                   for c in tab.costs[k]] for k in tab.keys]
+    edges = []
+    for e in tab.edges:
+        m = tab.edge_costs(e)
+        if e.u == e.v:          # a wrap edge into the block output itself: both ends share one choice
+            for s in range(len(m)):
+                node_costs[index[e.u]][s] += e.weight * m[s][s].total_s
+            continue
+        edges.append(IlpEdge(index[e.u], index[e.v],
+                             tuple(tuple(e.weight * c.total_s for c in row) for row in m)))
+    return IlpProblem(tab.keys, tuple(tuple(r) for r in node_costs), tuple(edges), constraints)
+
+
+# ---- summaries of a choice --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PartCost:
+    """Per micro-batch, for one copy of the part (one layer for "block")."""
+    fwd_compute_s: float
+    bwd_compute_s: float
+    comm_fwd: dict                    # kind -> exposed seconds
+    comm_bwd: dict
+    saved_bytes: float                # activation bytes kept for backward
+    core_fwd_s: float                 # attention-core forward (selective recompute re-runs it)
+    core_saved_bytes: float           # activation bytes of the core (dropped by selective)
+    max_out_bytes: float              # largest single local output
+    param_numel: float                # local parameter elements used only by this part
+    window_fwd_s: float = 0.0         # compute that overlapped comm can hide behind (forward)
+    window_bwd_s: float = 0.0         # ... (backward); = the compute, or its max for bounds
+
+    @property
+    def fwd_s(self) -> float:
+        return self.fwd_compute_s + sum(self.comm_fwd.values())
+
+    @property
+    def bwd_s(self) -> float:
+        return self.bwd_compute_s + sum(self.comm_bwd.values())
+
+
+@dataclass(frozen=True)
+class AxisSummary:
+    """What the outer search needs from a tp-axis solution (or a lower bound of one)."""
+    t: int
+    sp: bool
+    mbs: int
+    parts: dict                       # "pre" | "block" | "post" -> PartCost
+    shared_param_numel: float         # local elements of params used by both pre and post (tied)
+    layer_input_bytes: float          # local bytes of one layer's input (full recompute, p2p)
+    count: int
+    objective_s: float                # the ILP objective (whole model, per micro-batch)
+    is_lower_bound: bool = False
+
+
+def _add(d: dict, kind: str, s: float) -> None:
+    if s > 0:
+        d[kind] = d.get(kind, 0.0) + s
+
+
+def summarize(tab: AxisTables, choice: dict) -> AxisSummary:
+    """``choice``: key -> strategy index."""
+    acc = {p: dict(fwd=0.0, bwd=0.0, cf={}, cb={}, saved=0.0, core_f=0.0, core_b=0.0, mx=0.0, params=0.0)
+           for p in PARTS}
+    shared = 0.0
+    count = tab.count
+    for k in tab.keys:
+        c = tab.costs[k][choice[k]]
+        kind = tab.kinds[k]
+        if kind in ("param", "buffer", "input"):
+            if kind == "param":
+                parts = tab.facts.param_parts[k]
+                if "block" in parts:
+                    acc["block"]["params"] += c.param_numel
+                elif parts >= {"pre", "post"}:
+                    shared += c.param_numel
+                else:
+                    acc[next(iter(parts))]["params"] += c.param_numel
+            continue
+        a = acc[tab.facts.part[k]]
+        a["fwd"] += c.fwd_s
+        a["bwd"] += c.bwd_s
+        for kd, s in c.comm_fwd:
+            _add(a["cf"], "tp:" + kd, s)
+        for kd, s in c.comm_bwd:
+            _add(a["cb"], "tp:" + kd, s)
+        a["saved"] += c.saved_bytes
+        a["mx"] = max(a["mx"], c.out_bytes)
+        if k in tab.core:
+            a["core_f"] += c.fwd_s
+            a["core_b"] += c.saved_bytes
+    for e in tab.edges:
+        ec = tab.edge_costs(e)[choice[e.u]][choice[e.v]]
+        a = acc[e.part]
+        scale = e.weight / count if e.part == "block" else e.weight
+        if ec.fwd_kind:
+            _add(a["cf"], "tp:" + ec.fwd_kind, ec.fwd_s * scale)
+        if ec.bwd_kind:
+            _add(a["cb"], "tp:" + ec.bwd_kind, ec.bwd_s * scale)
+        _add(a["cb"], "tp:all_gather", ec.regather_s * scale)
+    parts = {p: PartCost(v["fwd"], v["bwd"], v["cf"], v["cb"], v["saved"], v["core_f"], v["core_b"], v["mx"],
+                         v["params"], v["fwd"], v["bwd"]) for p, v in acc.items()}
+    layer_in = 0.0
+    if tab.block_out is not None and tab.block_out in choice:
+        layer_in = tab.costs[tab.block_out][choice[tab.block_out]].out_bytes
+    obj = ilp_problem_objective(tab, choice)
+    return AxisSummary(tab.t, tab.sp, tab.mbs, parts, shared, layer_in, count, obj)
+
+
+def ilp_problem_objective(tab: AxisTables, choice: dict) -> float:
+    total = sum(tab.weight[k] * tab.costs[k][choice[k]].total_s for k in tab.keys)
+    total += sum(e.weight * tab.edge_costs(e)[choice[e.u]][choice[e.v]].total_s for e in tab.edges)
+    return total
+
+
+def lower_bound_summary(tab: AxisTables, batch_only: bool = False) -> AxisSummary:
+    """A lower bound on the time and memory of ANY choice: every quantity at its own minimum over
+    strategies, edges at 0, and the overlap windows at their maximum (so exposed communication,
+    ``max(0, comm - window)``, is bounded below too). Used to prune outer configurations before
+    their ILP is solved."""
+    acc = {p: dict(fwd=0.0, bwd=0.0, saved=0.0, core_f=0.0, core_b=0.0, mx=0.0, params=0.0, wf=0.0, wb=0.0)
+           for p in PARTS}
+    shared = 0.0
+    for k in tab.keys:
+        cs = tab.costs[k]
+        kind = tab.kinds[k]
+        if kind == "param":
+            m = min(c.param_numel for c in cs)
+            parts = tab.facts.param_parts[k]
+            if "block" in parts:
+                acc["block"]["params"] += m
+            elif parts >= {"pre", "post"}:
+                shared += m
+            else:
+                acc[next(iter(parts))]["params"] += m
+            continue
+        if kind in ("buffer", "input"):
+            continue
+        a = acc[tab.facts.part[k]]
+        a["fwd"] += min(c.fwd_s for c in cs)
+        a["bwd"] += min(c.bwd_s for c in cs)
+        a["wf"] += max(c.fwd_s for c in cs)
+        a["wb"] += max(c.bwd_s for c in cs)
+        if batch_only and not tab.facts.batch_dims.get(k):
+            continue
+        a["saved"] += min(c.saved_bytes for c in cs)
+        a["mx"] = max(a["mx"], min(c.out_bytes for c in cs))
+        if k in tab.core:           # saved - core_saved must bound the non-core bytes from below
+            a["core_f"] += min(c.fwd_s for c in cs)
+            a["core_b"] += min(c.saved_bytes for c in cs)
+    parts = {p: PartCost(v["fwd"], v["bwd"], {}, {}, v["saved"], v["core_f"], v["core_b"], v["mx"], v["params"],
+                         v["wf"], v["wb"]) for p, v in acc.items()}
+    layer_in = 0.0
+    if tab.block_out is not None and tab.block_out in tab.costs:
+        layer_in = min(c.out_bytes for c in tab.costs[tab.block_out])
+    obj = sum(tab.weight[k] * min(c.total_s for c in tab.costs[k]) for k in tab.keys)
+    return AxisSummary(tab.t, tab.sp, tab.mbs, parts, shared, layer_in, tab.count, obj, is_lower_bound=True)

@@ -1,0 +1,49 @@
+"""What the training runtime overlaps, as data (no fudge factors in the cost model).
+
+A ``RuntimeProfile`` says which communication runs concurrently with which compute; the step-time
+model (``timing.py``) and the edge costs (``problem.py``) turn that into exposed time with one
+rule: an overlapped collective costs ``max(0, comm - window)`` where the window is the compute it
+runs beside, never a fraction. Contention between an overlapped collective and the GEMM it hides
+behind (SMs, HBM) is not modelled.
+
+- ``tp_overlap_kinds``: TP collectives pipelined with the adjacent GEMM (Megatron
+  ``--tp-comm-overlap``: the all-gather before a column-parallel GEMM and the reduce-scatter after a
+  row-parallel one, chunked through userbuffers; it requires sequence parallelism, and plain
+  all-reduces are not overlapped). Window: the fwd (or bwd) compute of the matmul on that edge.
+- ``grad_reduce_overlap``: the data-parallel gradient reduction runs in buckets during the backward
+  of the LAST micro-batch (Megatron ``--overlap-grad-reduce``, DDP buckets). Window: that backward.
+  ZeRO-2/3 reduce-scatter every micro-batch, each against that micro-batch's backward.
+- ``param_gather_overlap``: the all-gather of updated parameters (ZeRO-1/2, Megatron distributed
+  optimizer ``--overlap-param-gather``) runs during the next step's first forward; ZeRO-3's
+  per-micro-batch gathers are prefetched against the forward/backward. Window: that compute.
+- ``grad_bytes``: bytes per gradient element stored and reduced. Megatron with bf16 accumulates and
+  reduces gradients in fp32 (``accumulate_allreduce_grads_in_fp32`` is forced on with bf16).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RuntimeProfile:
+    name: str
+    tp_overlap_kinds: tuple[str, ...]     # TP collectives hidden behind the adjacent GEMM
+    grad_reduce_overlap: bool             # DP grad reduction overlapped with the last backward
+    param_gather_overlap: bool            # ZeRO param all-gathers overlapped with forward compute
+    grad_bytes: int                       # bytes per gradient element (fp32 main grads -> 4)
+    schedule: str = "1f1b"                # pipeline schedule (memory: in-flight micro-batches)
+
+
+# autopar's own runtime: DDP/FSDP2 bucketed gradient reduction and prefetched parameter gathers;
+# tensor-parallel collectives are issued synchronously by the generated code; bf16 gradients.
+AUTOPAR_RUNTIME = RuntimeProfile(
+    name="autopar", tp_overlap_kinds=(), grad_reduce_overlap=True, param_gather_overlap=True,
+    grad_bytes=2)
+
+# Megatron-Core with --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap (the flags of
+# the published H100 weak-scaling runs), bf16 with fp32 gradient accumulation/reduction.
+MEGATRON_RUNTIME = RuntimeProfile(
+    name="megatron-core-overlap", tp_overlap_kinds=("all_gather", "reduce_scatter"),
+    grad_reduce_overlap=True, param_gather_overlap=True, grad_bytes=4)
+
+PROFILES = {p.name: p for p in (AUTOPAR_RUNTIME, MEGATRON_RUNTIME)}

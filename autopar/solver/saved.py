@@ -1,0 +1,78 @@
+"""Which activations autograd keeps for the backward pass (the activation-memory model).
+
+A tensor is kept when an op that consumes it (directly or through views, which alias) saves that
+input for its backward, or when the op that makes it saves its own output:
+
+- saves inputs: matmuls (the activation operand), attention (q, k, v), norms, gelu/silu and other
+  activations computed from their input, mul/div/pow, gathers and losses;
+- saves its output: softmax / log_softmax, SDPA (output and log-sum-exp), relu, sigmoid, tanh,
+  exp, rsqrt, sqrt;
+- saves nothing: add/sub, views, copies, casts, reductions that sum, cat/split.
+Dropout keeps a 1-byte mask per element.
+
+On a GPT layer this reproduces Korthikanti et al.'s 34 sbh (2022, §4; without the attention score
+terms, which fused attention does not materialize): LN inputs 4, QKV input 2, Q/K/V 6, attention
+output 2 + projection input 2, MLP 2 + 8 + 8.
+
+When a consumer saves an input that reached it through an all-gather, the sharded copy is kept
+and re-gathered in backward (Megatron sequence parallelism; FSDP does the same for parameters):
+memory counts the producer's local bytes and ``problem.py`` adds the backward all-gather.
+"""
+from __future__ import annotations
+
+from autopar.cost.compute import op_kind
+from autopar.solver.rules import base_name
+from autopar.solver.strategies import GraphFacts
+
+SAVES_INPUT = frozenset({
+    "layer_norm", "native_layer_norm", "rms_norm", "group_norm", "batch_norm", "gelu", "silu", "mish",
+    "softplus", "elu", "leaky_relu", "hardswish", "hardsigmoid", "mul", "div", "pow", "embedding",
+    "cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d", "nll_loss_nd", "where",
+    "masked_fill", "log", "sin", "cos", "erf", "abs", "clamp", "index_select", "gather", "amax",
+    "max", "min", "var", "std", "var_mean", "norm", "square", "reciprocal",
+})
+SAVES_OUTPUT = frozenset({
+    "softmax", "_softmax", "log_softmax", "_log_softmax", "relu", "sigmoid", "tanh", "exp", "rsqrt", "sqrt",
+})
+DROPOUT = frozenset({"dropout", "native_dropout"})
+DROPOUT_MASK_BYTES_PER_ELEM = 1
+
+
+def saves_input(target: str) -> bool:
+    return op_kind(target) in ("matmul", "attention") or base_name(target) in SAVES_INPUT
+
+
+def saves_output(target: str) -> bool:
+    return op_kind(target) == "attention" or base_name(target) in SAVES_OUTPUT
+
+
+def is_dropout(node) -> bool:
+    if base_name(node.target) not in DROPOUT:
+        return False
+    p = node.args[1] if len(node.args) > 1 else dict(node.kwargs).get("p", 0.5)
+    return not isinstance(p, (int, float)) or p > 0
+
+
+def kept_tensors(facts: GraphFacts) -> frozenset:
+    """Keys of op nodes whose output is kept for backward (a view of it counts as it)."""
+    kept = set()
+    free = {k for k in facts.part if op_kind(facts.nodes[k].target) == "free"}
+
+    def consumed_by_saver(key: str, seen: set) -> bool:
+        for c, _ in facts.consumers.get(key, ()):
+            if c in seen or not facts.needs_grad.get(c, False):
+                continue
+            if saves_input(facts.nodes[c].target):
+                return True
+            if c in free:
+                seen.add(c)
+                if consumed_by_saver(c, seen):
+                    return True
+        return False
+
+    for k in facts.part:
+        if k in free or not facts.needs_grad.get(k, False):
+            continue
+        if saves_output(facts.nodes[k].target) or consumed_by_saver(k, set()):
+            kept.add(k)
+    return frozenset(kept)

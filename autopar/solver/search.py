@@ -1,0 +1,524 @@
+"""Outer search: mesh shape, pipeline depth, micro-batching, recompute, ZeRO, sequence parallelism.
+
+    plan_model(graph, cluster, global_batch=..., seq_len=...) -> Plan
+
+Space: tp | world, pp | layers of the repeated block (and world), dp = world / (tp pp) dividing
+the global batch, micro-batch size a power of two dividing global_batch / dp (1F1B needs
+m >= pp micro-batches), recompute in none/selective/full, ZeRO 0..3 (1..3 only with dp > 1),
+sequence parallelism on/off (only with tp > 1). Forced choices restrict it.
+
+Exact by branch and bound, with true lower bounds at each level:
+1. a memory bound per configuration from one tp=1, mbs=1 table (batch-dim activations scale
+   linearly with the micro-batch; nothing shards below 1/tp): prunes without building tables;
+2. for surviving (tp, sp, mbs) triples the cost tables are built and every quantity taken at its
+   own minimum over strategies (edges 0, overlap windows at their maximum): a bound on the step
+   time and memory of every configuration using the triple; memory-infeasible ones are pruned;
+3. configurations are visited in order of their bound; the first time the bound reaches the best
+   step time found, the rest are pruned.
+The tp-axis ILP is solved once per (tp, sp, mbs) triple (its solution does not depend on pp, ZeRO
+or recompute) and cached. A configuration whose memory does not fit with that solution goes back
+into the queue with a tighter bound (any memory-constrained choice has an ILP objective at least
+the unconstrained optimum, and the stage times sum to that objective plus recompute, so the slowest
+stage takes at least 1/pp of it) and gets the memory-constrained ILP for its own (pp, dp, ZeRO,
+recompute) only if it is still a contender. "Optimal" means: over the outer space, with each
+configuration's tp strategies chosen by the ILP's per-micro-batch objective (pipeline stage balance,
+DP sync and the optimizer are evaluated outside the ILP).
+
+Micro-batch scaling: the graph was traced at ``GraphIR.batch_size``; tensors' batch dims, FLOPs
+and activation bytes are scaled to the micro-batch size (``strategies.py``); parameter sizes are
+not. ``seq_len`` must be the traced sequence length (it seeds which dims are "sequence").
+
+Model FLOPs per step (MFU numerator) = 3 x the traced forward FLOPs of matmul and attention ops
+over the whole model (repeats included) at the global batch; recompute is not counted.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
+
+from autopar.cost.compute import op_kind
+from autopar.cost.hardware import ClusterSpec
+from autopar.cost.memory import model_state_bytes, pipeline_inflight_microbatches
+from autopar.forcing import Force, parse_force
+from autopar.ir import GraphIR
+from autopar.placements import Partial, Replicate, Shard
+from autopar.plan import ClusterRef, NodeStrategy, Plan, Stage
+from autopar.solver.errors import InfeasibleError, PlanningError
+from autopar.solver.ilp import IlpResult, LinearConstraint, solve_ilp
+from autopar.solver.problem import AxisSummary, AxisTables, PartCost, build_tables, ilp_problem, \
+    lower_bound_summary, summarize
+from autopar.solver.runtime_profile import AUTOPAR_RUNTIME, RuntimeProfile
+from autopar.solver.strategies import GraphFacts, graph_facts
+from autopar.solver.timing import PARAM_BYTES, Evaluation, OuterConfig, default_budget_bytes, evaluate
+
+Progress = Callable[[str, int, int], None]
+RECOMPUTES = ("none", "selective", "full")
+GB = 1e9
+
+
+@dataclass
+class SearchStats:
+    configs: int = 0                 # outer configurations enumerated
+    pruned_memory_quick: int = 0     # by bound 1
+    pruned_memory: int = 0           # by bound 2
+    pruned_bound: int = 0            # by bound 3
+    evaluated: int = 0               # evaluated exactly
+    tables_built: int = 0
+    ilp_solves: int = 0
+    ilp_constrained: int = 0
+    ilp_time_s: float = 0.0
+    ilp_max_variables: int = 0
+    ilp_max_constraints: int = 0
+    solver: str = ""
+
+
+@dataclass
+class AxisSolution:
+    tables: AxisTables
+    choice: dict                     # key -> strategy index
+    summary: AxisSummary
+    ilp: Optional[IlpResult]
+
+
+@dataclass
+class SearchResult:
+    plan: Plan
+    evaluation: Evaluation
+    solution: AxisSolution
+    stats: SearchStats
+    facts: GraphFacts
+    cluster: ClusterSpec
+    profile: RuntimeProfile
+    budget_bytes: float
+    dtype: str
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _pow2_divisors(n: int) -> list[int]:
+    out, d = [], 1
+    while d <= n:
+        if n % d == 0:
+            out.append(d)
+        d *= 2
+    return out
+
+
+# ---- model facts used to validate forced choices ------------------------------------------------
+
+def model_dims(graph: GraphIR) -> dict:
+    """Attention heads (from SDPA's query), hidden size (last dim of the block's input), layers."""
+    nodes = {n.key: n for n in graph.nodes}
+    heads = hidden = None
+    for n in graph.nodes:
+        if "scaled_dot_product_attention" in n.target and n.inputs:
+            q = nodes[n.inputs[0].key].outputs[0]
+            if len(q.shape) == 4:
+                heads = q.shape[1]
+        if hidden is None and n.block is not None and n.kind == "op" and n.inputs:
+            src = nodes.get(n.inputs[0].key)
+            if src is not None and src.block is None and src.outputs and len(src.out.shape) >= 2:
+                hidden = src.out.shape[-1]
+    layers = graph.blocks[0].count if len(graph.blocks) == 1 else 1
+    return {"heads": heads, "hidden": hidden, "layers": layers}
+
+
+def _check_force(force: Force, graph: GraphIR, world: int, global_batch: int) -> None:
+    dims = model_dims(graph)
+    if force.offload not in (None, "none"):
+        raise PlanningError(f"offload={force.offload} is not modelled by this planner yet; drop --force offload")
+    for name, v in (("tp", force.tp), ("pp", force.pp), ("dp", force.dp)):
+        if v is not None and world % v:
+            raise PlanningError(f"{name}={v} does not divide the {world} GPUs of the cluster")
+    if force.tp is not None and force.tp > 1:
+        if dims["heads"] and dims["heads"] % force.tp:
+            raise PlanningError(f"tp={force.tp} does not divide the {dims['heads']} attention heads; "
+                                f"use a tp that divides {dims['heads']}")
+        if dims["hidden"] and dims["hidden"] % force.tp:
+            raise PlanningError(f"tp={force.tp} does not divide the hidden size {dims['hidden']}")
+    if force.pp is not None and force.pp > 1:
+        if len(graph.blocks) != 1:
+            raise PlanningError(f"pp={force.pp} needs one repeated block to cut into stages; "
+                                f"this model has {len(graph.blocks)}")
+        if dims["layers"] % force.pp:
+            raise PlanningError(f"pp={force.pp} does not divide the {dims['layers']} layers evenly")
+    if None not in (force.tp, force.pp, force.dp) and force.tp * force.pp * force.dp != world:
+        raise PlanningError(f"Invalid parallel dims: dp({force.dp}) * tp({force.tp}) * pp({force.pp}) = "
+                            f"{force.dp * force.tp * force.pp} != WORLD_SIZE({world})")
+    if force.dp is not None and global_batch % force.dp:
+        raise PlanningError(f"dp={force.dp} does not divide the global batch {global_batch}")
+    if force.sequence_parallel and force.tp == 1:
+        raise PlanningError("sequence parallelism needs tp > 1 (it shards the sequence over the tp group)")
+
+
+# ---- enumeration ----------------------------------------------------------------------------------
+
+def _configs(force: Force, world: int, layers: int, has_block: bool, global_batch: int) -> list[OuterConfig]:
+    tps = [force.tp] if force.tp else _divisors(world)
+    pps = [force.pp] if force.pp else [p for p in _divisors(world) if layers % p == 0 and (has_block or p == 1)]
+    out = []
+    for tp in tps:
+        for pp in pps:
+            if world % (tp * pp):
+                continue
+            dp = world // (tp * pp)
+            if (force.dp and dp != force.dp) or global_batch % dp:
+                continue
+            per_replica = global_batch // dp
+            if force.micro_batch_size:
+                mbss = [force.micro_batch_size]
+            elif force.num_micro_batches:
+                mbss = [per_replica // force.num_micro_batches] if per_replica % force.num_micro_batches == 0 else []
+            else:
+                mbss = _pow2_divisors(per_replica)
+            for mbs in mbss:
+                if per_replica % mbs:
+                    continue
+                m = per_replica // mbs
+                if force.num_micro_batches and m != force.num_micro_batches:
+                    continue
+                if pp > 1 and m < pp:
+                    continue
+                sps = [force.sequence_parallel] if force.sequence_parallel is not None else \
+                    ([False, True] if tp > 1 else [False])
+                zeros = [force.zero_stage] if force.zero_stage is not None else ([0, 1, 2, 3] if dp > 1 else [0])
+                rcs = [force.recompute] if force.recompute else list(RECOMPUTES)
+                for sp in sps:
+                    if sp and tp == 1:
+                        continue
+                    for z in zeros:
+                        for rc in rcs:
+                            out.append(OuterConfig(tp, pp, dp, mbs, m, rc, z, sp))
+    return out
+
+
+def _no_config_error(force: Force, world: int, global_batch: int, layers: int) -> PlanningError:
+    if force.micro_batch_size or force.num_micro_batches:
+        return PlanningError(
+            f"no (tp, pp, dp) lets mbs={force.micro_batch_size or '?'} / micro-batches="
+            f"{force.num_micro_batches or '?'} divide the global batch {global_batch} on {world} GPUs "
+            f"(mbs must divide global_batch / dp, and 1F1B needs at least pp micro-batches)")
+    return PlanningError(f"no parallel configuration of {world} GPUs with the forced values "
+                         f"({', '.join(f'{k}={v}' for k, v in force.items())}) divides the global batch "
+                         f"{global_batch} and the {layers} layers")
+
+
+# ---- bounds ---------------------------------------------------------------------------------------
+
+def _quick_summary(base: AxisSummary, cfg: OuterConfig) -> AxisSummary:
+    """Memory-only bound from the tp=1, mbs=1 tables (batch-dim tensors only): activations scale as
+    mbs / tp at best, parameters as 1 / tp."""
+    f = cfg.mbs / base.mbs / cfg.tp
+    parts = {}
+    for k, p in base.parts.items():
+        parts[k] = PartCost(0.0, 0.0, {}, {}, p.saved_bytes * f, 0.0, p.core_saved_bytes * f, p.max_out_bytes * f,
+                            p.param_numel / cfg.tp, 0.0, 0.0)
+    return replace(base, t=cfg.tp, mbs=cfg.mbs, parts=parts, shared_param_numel=base.shared_param_numel / cfg.tp,
+                   layer_input_bytes=base.layer_input_bytes * f, is_lower_bound=True)
+
+
+# ---- the memory-constrained ILP ----------------------------------------------------------------------
+
+def _state_bytes_per_param(cfg: OuterConfig, profile: RuntimeProfile) -> float:
+    n = 1_000_000
+    return sum(model_state_bytes(n, cfg.dp, cfg.zero, param_bytes=PARAM_BYTES, grad_bytes=profile.grad_bytes).values()) / n
+
+
+def memory_constraints(tab: AxisTables, cfg: OuterConfig, unconstrained: Evaluation, profile: RuntimeProfile,
+                       budget: float, layer_input_bytes: float) -> tuple[LinearConstraint, ...]:
+    """Stage memory as a linear function of the strategy choice (first and last stage)."""
+    lps = tab.count // cfg.pp
+    per_param = _state_bytes_per_param(cfg, profile)
+    out = []
+    for st in unconstrained.stages:
+        s = st.index
+        first, last = s == 0, s == cfg.pp - 1
+        inflight = pipeline_inflight_microbatches(cfg.pp, s, cfg.m, profile.schedule)
+        coeffs = []
+        for k in tab.keys:
+            kind = tab.kinds[k]
+            if kind == "param":
+                parts = tab.facts.param_parts[k]
+                copies = lps if "block" in parts else (1 if ((("pre" in parts) and first) or (("post" in parts) and last)) else 0)
+                coeffs.append(tuple(c.param_numel * per_param * copies for c in tab.costs[k]))
+            elif kind in ("input", "buffer"):
+                coeffs.append(tuple(0.0 for _ in tab.costs[k]))
+            else:
+                part = tab.facts.part[k]
+                if part == "block":
+                    keep = cfg.recompute == "none" or (cfg.recompute == "selective" and k not in tab.core)
+                    mult = lps if keep else 0
+                else:
+                    mult = 1 if (part == "pre" and first) or (part == "post" and last) else 0
+                coeffs.append(tuple(c.saved_bytes * inflight * mult for c in tab.costs[k]))
+        const = st.memory.other_bytes
+        if cfg.recompute == "full":        # each layer keeps its input (the carried stream), fixed here
+            const += inflight * lps * layer_input_bytes
+        out.append(LinearConstraint(f"stage{s}", tuple(coeffs), budget - const))
+    return tuple(out)
+
+
+# ---- the search -------------------------------------------------------------------------------------
+
+class _Searcher:
+    def __init__(self, graph, cluster, global_batch, seq_len, dtype, budget, force, progress, profile):
+        self.graph, self.cluster, self.global_batch = graph, cluster, global_batch
+        self.dtype, self.budget, self.force, self.profile = dtype, budget, force, profile
+        self.progress = progress or (lambda stage, done, total: None)
+        self.facts = graph_facts(graph, seq_len)
+        self.stats = SearchStats()
+        self.tables: dict = {}
+        self.solutions: dict = {}
+        self._lb: dict = {}
+        self._caches: dict = {}
+
+    def table(self, tp: int, sp: bool, mbs: int) -> AxisTables:
+        key = (tp, sp, mbs)
+        if key not in self.tables:
+            cache = self._caches.setdefault(mbs, {})
+            self.tables[key] = build_tables(self.facts, self.cluster, tp, sp, mbs, self.dtype, self.profile, cache)
+            self.stats.tables_built += 1
+        return self.tables[key]
+
+    def _record(self, r: IlpResult) -> None:
+        self.stats.ilp_solves += 1
+        self.stats.ilp_time_s += r.solve_time_s
+        self.stats.ilp_max_variables = max(self.stats.ilp_max_variables, r.num_variables)
+        self.stats.ilp_max_constraints = max(self.stats.ilp_max_constraints, r.num_constraints)
+        self.stats.solver = r.solver
+
+    def solution(self, tp: int, sp: bool, mbs: int) -> AxisSolution:
+        key = (tp, sp, mbs)
+        if key not in self.solutions:
+            tab = self.table(tp, sp, mbs)
+            if all(len(tab.strategies[k]) == 1 for k in tab.keys):
+                choice = {k: 0 for k in tab.keys}
+                ilp = None
+            else:
+                ilp = solve_ilp(ilp_problem(tab))
+                self._record(ilp)
+                choice = {k: ilp.choice[i] for i, k in enumerate(tab.keys)}
+            self.solutions[key] = AxisSolution(tab, choice, summarize(tab, choice), ilp)
+        return self.solutions[key]
+
+    def constrained(self, cfg: OuterConfig, base: AxisSolution, ev: Evaluation) -> Optional[AxisSolution]:
+        tab = base.tables
+        cons = memory_constraints(tab, cfg, ev, self.profile, self.budget, base.summary.layer_input_bytes)
+        if any(c.rhs < 0 for c in cons):
+            return None
+        ilp = solve_ilp(ilp_problem(tab, cons))
+        self._record(ilp)
+        self.stats.ilp_constrained += 1
+        if ilp.status != "optimal":
+            return None
+        choice = {k: ilp.choice[i] for i, k in enumerate(tab.keys)}
+        return AxisSolution(tab, choice, summarize(tab, choice), ilp)
+
+    def run(self) -> tuple[Evaluation, AxisSolution]:
+        world = self.cluster.num_gpus
+        layers = self.graph.blocks[0].count if len(self.graph.blocks) == 1 else 1
+        configs = _configs(self.force, world, layers, len(self.graph.blocks) == 1, self.global_batch)
+        if not configs:
+            raise _no_config_error(self.force, world, self.global_batch, layers)
+        self.stats.configs = len(configs)
+
+        # bound 1: memory from the per-sample replicated tables
+        base = lower_bound_summary(self.table(1, False, 1), batch_only=True)
+        smallest: Optional[tuple[float, OuterConfig]] = None
+        by_triple: dict = {}
+        for cfg in configs:
+            ev = evaluate(_quick_summary(base, cfg), cfg, self.cluster, self.profile, self.budget)
+            if smallest is None or ev.memory.total_bytes < smallest[0]:
+                smallest = (ev.memory.total_bytes, cfg)
+            if not ev.fits:
+                self.stats.pruned_memory_quick += 1
+                continue
+            by_triple.setdefault((cfg.tp, cfg.sp, cfg.mbs), []).append(cfg)
+
+        # bound 2: per-triple tables
+        heap: list = []
+        for i, (triple, cfgs) in enumerate(sorted(by_triple.items())):
+            self.progress("bounds", i, len(by_triple))
+            lb = self._lb[triple] = lower_bound_summary(self.table(*triple))
+            for cfg in cfgs:
+                ev = evaluate(lb, cfg, self.cluster, self.profile, self.budget)
+                if ev.memory.total_bytes < smallest[0]:
+                    smallest = (ev.memory.total_bytes, cfg)
+                if not ev.fits:
+                    self.stats.pruned_memory += 1
+                    continue
+                heapq.heappush(heap, (ev.step.total_s, len(heap), cfg, 0, ev))
+        self.progress("bounds", len(by_triple), len(by_triple))
+
+        # bound 3: best first. Entries: (bound, tie, cfg, level, lb evaluation). Level 0: the table
+        # bound. Level 1: the unconstrained ILP solution did not fit; its bound is tightened with
+        # the ILP optimum (any memory-constrained choice has an objective >= it, and the
+        # objective plus recompute is the sum of the stage times, so max stage >= it / pp).
+        best: Optional[tuple[Evaluation, AxisSolution]] = None
+        smallest_exact: Optional[Evaluation] = None
+        total = len(heap)
+        done = 0
+        while heap:
+            bound, tie, cfg, level, lb_ev = heapq.heappop(heap)
+            if best is not None and bound >= best[0].step.total_s:
+                self.stats.pruned_bound += 1 + len(heap)
+                break
+            done += level == 0
+            self.progress("search", done, total)
+            sol = self.solution(cfg.tp, cfg.sp, cfg.mbs)
+            if level == 0:
+                ev = evaluate(sol.summary, cfg, self.cluster, self.profile, self.budget)
+                self.stats.evaluated += 1
+                if not ev.fits:
+                    if smallest_exact is None or ev.memory.total_bytes < smallest_exact.memory.total_bytes:
+                        smallest_exact = ev
+                    heapq.heappush(heap, (max(bound, self._constrained_bound(cfg, sol, lb_ev)), tie, cfg, 1, ev))
+                    continue
+            else:
+                csol = self.constrained(cfg, sol, lb_ev)          # lb_ev holds the exact evaluation here
+                if csol is None:
+                    continue
+                ev = evaluate(csol.summary, cfg, self.cluster, self.profile, self.budget)
+                if not ev.fits:
+                    continue
+                sol = csol
+            if best is None or ev.step.total_s < best[0].step.total_s:
+                best = (ev, sol)
+        self.progress("search", total, total)
+        if best is None:
+            raise self._infeasible(smallest, smallest_exact)
+        return best
+
+    def _constrained_bound(self, cfg: OuterConfig, sol: AxisSolution, lb_ev: Evaluation) -> float:
+        lb = self._lb[(cfg.tp, cfg.sp, cfg.mbs)]
+        blk = lb.parts["block"]
+        rc = {"none": 0.0, "selective": blk.core_fwd_s, "full": blk.fwd_compute_s}[cfg.recompute]
+        t_stage = (sol.summary.objective_s + sol.summary.count * rc) / cfg.pp
+        lb_stage = max(st.time_per_microbatch_s for st in lb_ev.stages)
+        outside = lb_ev.step.total_s - (cfg.m + cfg.pp - 1) * lb_stage       # DP sync + optimizer bounds
+        return (cfg.m + cfg.pp - 1) * max(t_stage, lb_stage) + outside
+
+    def _infeasible(self, smallest, smallest_exact: Optional[Evaluation]) -> InfeasibleError:
+        """``smallest``: the least memory bound over all configurations (a true lower bound);
+        ``smallest_exact``: the least memory among configurations evaluated exactly, if any."""
+        need, cfg = smallest
+        forced = self.force.items()
+        where = f" with the forced values ({', '.join(f'{k}={v}' for k, v in forced)})" if forced else ""
+        exact = ""
+        if smallest_exact is not None and smallest_exact.memory.total_bytes > need * 1.01:
+            exact = (f"; the leanest plan evaluated in full needs {smallest_exact.memory.total_bytes / GB:.1f} GB "
+                     f"({smallest_exact.config.short()})")
+        hints = ["a GPU with more memory", "--memory-gb ..."]
+        if not forced:
+            hints.insert(0, f"--nodes {self.cluster.nodes * 2}")
+        else:
+            hints.insert(0, "fewer --force pins (or larger tp/pp, zero=3, recompute=full)")
+        return InfeasibleError(
+            f"needs >= {need / GB:.1f} GB per GPU at the best plan{where} ({cfg.short()}){exact}; "
+            f"budget {self.budget / GB:.1f} GB per GPU; try {', '.join(hints)}")
+
+
+# ---- the Plan ---------------------------------------------------------------------------------------
+
+def _dp_placements(facts: GraphFacts, keys, zero: int) -> tuple[dict, dict]:
+    """dp-axis placements: (of each node's output, of each tensor as its consumers read it).
+    Activations are Shard(batch dim); parameters Replicate, stored Shard(0) under ZeRO-3 and
+    all-gathered before use (their consumers read them Replicate); values reduced over the batch
+    (the loss) are Partial."""
+    out, read = {}, {}
+    for k in keys:
+        n = facts.nodes[k]
+        if n.kind in ("param", "buffer"):
+            out[k] = Shard(0) if (zero == 3 and n.kind == "param") else Replicate()
+            read[k] = Replicate()
+            continue
+        bd = facts.batch_dims.get(k)
+        if bd:
+            out[k] = Shard(min(bd))
+        elif any(isinstance(read.get(r.key), (Shard, Partial)) for r in facts.inputs[k]):
+            out[k] = Partial()
+        else:
+            out[k] = Replicate()
+        read[k] = out[k]
+    return out, read
+
+
+def model_flops(graph: GraphIR, global_batch: int) -> float:
+    """3 x forward FLOPs of matmul/attention ops, whole model, at the global batch."""
+    total = 0.0
+    for n in graph.nodes:
+        if n.kind == "op" and op_kind(n.target) in ("matmul", "attention"):
+            total += n.flops * graph.multiplicity(n)
+    return 3.0 * total * global_batch / graph.batch_size
+
+
+def _build_plan(s: _Searcher, ev: Evaluation, sol: AxisSolution, seq_len, solve_time_s: float) -> Plan:
+    cfg = ev.config
+    tab = sol.tables
+    dpp, dp_read = _dp_placements(s.facts, tab.keys, cfg.zero)
+    strategies = []
+    for k in tab.keys:
+        st = tab.strategies[k][sol.choice[k]]
+        ins = tuple((dp_read.get(r.key, Replicate()), pl) for r, pl in zip(s.facts.inputs[k], st.inputs))
+        strategies.append(NodeStrategy(k, (dpp[k], st.output), ins, st.name))
+    full = evaluate(sol.summary, cfg, s.cluster, s.profile, s.budget, all_stages=True)
+    lps = tab.count // cfg.pp
+    stages = tuple(Stage(index=st.index, first_layer=st.index * lps, last_layer=(st.index + 1) * lps,
+                         has_embedding=st.index == 0, has_head=st.index == cfg.pp - 1,
+                         time_per_microbatch_s=st.time_per_microbatch_s, memory_bytes=st.memory.total_bytes)
+                   for st in full.stages)
+    notes = [f"runtime profile: {s.profile.name}",
+             f"search: {s.stats.configs} configurations; pruned {s.stats.pruned_memory_quick + s.stats.pruned_memory} "
+             f"by memory bounds, {s.stats.pruned_bound} by the step-time bound; {s.stats.evaluated} evaluated exactly",
+             f"tp-axis ILP: {s.stats.ilp_solves} solves ({s.stats.ilp_constrained} memory-constrained) with "
+             f"{s.stats.solver or 'no solver (tp=1 only)'}, {s.stats.ilp_time_s:.2f} s, up to "
+             f"{s.stats.ilp_max_variables} variables / {s.stats.ilp_max_constraints} constraints"]
+    if s.facts.unknown_targets:
+        notes.append("no sharding rule (replicated): " + ", ".join(s.facts.unknown_targets))
+    strided = [x.key for x in strategies if x.name == "strided"]
+    if strided:
+        notes.append("strided split (the producer's weight rows are interleaved per rank, as Megatron's fused QKV): "
+                     + ", ".join(strided))
+    return Plan(
+        model_name=s.graph.model_name, model_fingerprint=s.graph.fingerprint,
+        cluster=ClusterRef(s.cluster.name, s.cluster.gpu.name, s.cluster.nodes, s.cluster.gpus_per_node,
+                           int(s.budget)),
+        dtype=s.dtype, global_batch=s.global_batch, seq_len=seq_len,
+        dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, sequence_parallel=cfg.sp, zero_stage=cfg.zero,
+        micro_batch_size=cfg.mbs, num_micro_batches=cfg.m, recompute=cfg.recompute, offload="none",
+        mesh_axes=("dp", "tp"), mesh_shape=(cfg.dp, cfg.tp), strategies=tuple(strategies), stages=stages,
+        step_time=full.step, memory=full.memory, model_flops_per_step=model_flops(s.graph, s.global_batch),
+        solve_time_s=solve_time_s, forced=s.force.items(), notes=tuple(notes))
+
+
+def solve(graph: GraphIR, cluster: ClusterSpec, *, global_batch: int, seq_len: Optional[int],
+          dtype: str = "bfloat16", memory_budget_bytes: Optional[int] = None, force: Force = Force(),
+          progress: Optional[Progress] = None, runtime: RuntimeProfile = AUTOPAR_RUNTIME) -> SearchResult:
+    """Like ``plan_model`` but also returns the search's tables, solution and statistics."""
+    t0 = time.perf_counter()
+    if global_batch < 1:
+        raise PlanningError(f"global_batch must be >= 1, got {global_batch}")
+    world = cluster.num_gpus
+    force = parse_force(force)
+    _check_force(force, graph, world, global_batch)
+    budget = float(memory_budget_bytes) if memory_budget_bytes is not None else default_budget_bytes(cluster)
+    s = _Searcher(graph, cluster, global_batch, seq_len, dtype, budget, force, progress, runtime)
+    ev, sol = s.run()
+    plan = _build_plan(s, ev, sol, seq_len, time.perf_counter() - t0)
+    return SearchResult(plan, ev, sol, s.stats, s.facts, cluster, runtime, budget, dtype)
+
+
+def plan_model(graph: GraphIR, cluster: ClusterSpec, *, global_batch: int, seq_len: Optional[int],
+               dtype: str = "bfloat16", memory_budget_bytes: Optional[int] = None, force: Force = Force(),
+               progress: Optional[Progress] = None, runtime: RuntimeProfile = AUTOPAR_RUNTIME) -> Plan:
+    """Plan ``graph`` on ``cluster``: the fastest configuration that fits (module docstring).
+
+    Raises ``PlanningError`` for forced choices that cannot work and ``InfeasibleError`` when no
+    configuration fits the memory budget (default: HBM minus ``timing.MEMORY_RESERVE_FRACTION``).
+    ``progress(stage, done, total)`` is called with stage "bounds" and "search"."""
+    return solve(graph, cluster, global_batch=global_batch, seq_len=seq_len, dtype=dtype,
+                 memory_budget_bytes=memory_budget_bytes, force=force, progress=progress, runtime=runtime).plan

@@ -1,0 +1,326 @@
+"""Per-node strategies on the tensor-parallel axis "tp" of size t (the axis the ILP decides).
+
+The data-parallel axis is fixed and not enumerated here: activations Shard(batch dim) on "dp",
+parameters Replicate on "dp" (ZeRO-3 stores them Shard(0) there; the outer search accounts for it).
+
+``GraphFacts`` is computed once per graph: consumers, which tensors need gradients, where each
+node sits (before the repeated block, in it, after it) and the *role* of each tensor dim: "batch"
+(seeded at dim 0 of every graph input) and "seq" (seeded at input dims of size ``seq_len``),
+propagated through the same op rules that make strategies (a proposal mapping an input's S(e) to
+an output's S(d) carries e's roles to d). Roles do two things:
+
+- micro-batch scaling: the trace ran at ``GraphIR.batch_size``; a tensor's batch-role dims are
+  scaled to the micro-batch size, the rest (weights, masks) are not. FLOPs of ops touching
+  batch-role tensors scale linearly; bytes moved scale except for the unscaled tensors' share.
+- sequence parallelism: a Shard on a seq-role dim is allowed only when ``sp`` is on.
+
+A ``Strategy`` is a rule's proposal made concrete: every shard divides its dim (else dropped),
+input gradient placements derived (a Replicate input meeting split work gets a Partial gradient),
+local output bytes computed. Targets with no rule get only the fully replicated strategy and are
+listed in ``unknown_targets`` (the plan notes them); a sharded producer feeding them pays the
+resharding to Replicate on the edge.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from autopar.ir import DTYPE_BYTES, GraphIR, NodeInfo, Ref, TensorMeta
+from autopar.placements import Partial, Placement, Replicate, Shard
+from autopar.solver.rules import Comm, Proto, base_name, find_rule
+
+R = Replicate()
+FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
+TENSOR_KINDS = ("input", "param", "buffer", "op")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run a node on the tp axis."""
+    name: str                               # "replicate", "colwise", "rowwise", "data", "seq", ...
+    output: Placement                       # applies to every output of the node
+    inputs: tuple[Placement, ...]           # one per tensor input (NodeInfo.inputs order)
+    input_grads: tuple[Placement, ...]      # placement of the gradient this op produces per input
+    compute_scale: float                    # 1/t when the work is split, 1 when replicated
+    comms: tuple[Comm, ...]                 # collectives inside the op
+    out_bytes_local: int                    # bytes of the (first) output on one rank
+
+    def __str__(self) -> str:
+        ins = ",".join(str(p) for p in self.inputs)
+        return f"{self.name}: ({ins}) -> {self.output}"
+
+
+@dataclass(frozen=True)
+class GraphFacts:
+    graph: GraphIR
+    seq_len: Optional[int]
+    nodes: dict                               # key -> NodeInfo
+    consumers: dict                           # key -> tuple[(consumer key, input position)]
+    needs_grad: dict                          # key -> bool
+    batch_dims: dict                          # key -> frozenset[int]
+    seq_dims: dict                            # key -> frozenset[int]
+    inputs: dict                              # key -> tuple[Ref] (NodeInfo.inputs, computed once)
+    part: dict                                # op key -> "pre" | "block" | "post"
+    param_parts: dict                         # param/buffer key -> frozenset of parts using it
+    unknown_targets: tuple[str, ...]
+
+
+def tensor_nodes(graph: GraphIR) -> list[NodeInfo]:
+    return [n for n in graph.nodes if n.kind in TENSOR_KINDS and n.outputs]
+
+
+def input_meta(facts: GraphFacts, node: NodeInfo, pos: int, metas: dict) -> TensorMeta:
+    """Meta of tensor input ``pos`` of ``node`` (``metas``: key -> outputs tuple)."""
+    ref = facts.inputs[node.key][pos]
+    return metas[ref.key][ref_index(facts, node, ref)]
+
+
+def ref_index(facts: GraphFacts, node: NodeInfo, ref: Ref) -> int:
+    if ref.index is not None:
+        return ref.index
+    if base_name(node.target) == "getitem" and len(node.args) > 1 and isinstance(node.args[1], int):
+        n_out = len(facts.nodes[ref.key].outputs)
+        return node.args[1] if node.args[1] < n_out else 0
+    return 0
+
+
+# ---- facts ------------------------------------------------------------------------------------
+
+def graph_facts(graph: GraphIR, seq_len: Optional[int]) -> GraphFacts:
+    nodes = {n.key: n for n in graph.nodes}
+    inputs = {n.key: n.inputs for n in graph.nodes}
+    tnodes = tensor_nodes(graph)
+    consumers: dict[str, list] = {n.key: [] for n in graph.nodes}
+    for n in tnodes:
+        for i, r in enumerate(inputs[n.key]):
+            if r.key in consumers:
+                consumers[r.key].append((n.key, i))
+
+    needs_grad: dict[str, bool] = {}
+    for n in graph.nodes:
+        is_float = bool(n.outputs) and n.outputs[0].dtype in FLOAT_DTYPES
+        if n.kind == "param":
+            needs_grad[n.key] = is_float
+        elif n.kind == "op":
+            needs_grad[n.key] = is_float and any(needs_grad.get(r.key, False) for r in inputs[n.key])
+        else:
+            needs_grad[n.key] = False
+
+    part: dict[str, str] = {}
+    after_block: set[str] = set()
+    for n in graph.nodes:
+        if n.kind != "op":
+            continue
+        if n.block is not None:
+            part[n.key] = "block"
+            after_block.add(n.key)
+        elif any(r.key in after_block for r in inputs[n.key]):
+            part[n.key] = "post"
+            after_block.add(n.key)
+        else:
+            part[n.key] = "pre"
+    param_parts = {}
+    for n in graph.nodes:
+        if n.kind in ("param", "buffer", "input"):
+            ps = frozenset(part[c] for c, _ in consumers[n.key] if c in part)
+            param_parts[n.key] = ps or frozenset({"pre"})
+
+    facts = GraphFacts(graph, seq_len, nodes, {k: tuple(v) for k, v in consumers.items()}, needs_grad,
+                       {}, {}, inputs, part, param_parts, ())
+    batch_dims, seq_dims, unknown = _propagate_roles(facts, tnodes)
+    return replace(facts, batch_dims=batch_dims, seq_dims=seq_dims, unknown_targets=tuple(sorted(unknown)))
+
+
+def _propagate_roles(facts: GraphFacts, tnodes: list[NodeInfo]):
+    batch: dict[str, frozenset] = {}
+    seq: dict[str, frozenset] = {}
+    unknown: set[str] = set()
+    metas = {n.key: n.outputs for n in tnodes}
+    for n in tnodes:
+        if n.kind == "input":
+            shape = n.out.shape
+            batch[n.key] = frozenset({0}) if shape else frozenset()
+            seq[n.key] = frozenset(d for d in range(1, len(shape))
+                                   if facts.seq_len is not None and shape[d] == facts.seq_len)
+            continue
+        if n.kind != "op":
+            batch[n.key] = seq[n.key] = frozenset()
+            continue
+        fn = find_rule(n.target)
+        if fn is None:
+            unknown.add(n.target)
+            batch[n.key] = seq[n.key] = frozenset()
+            continue
+        ins = [input_meta(facts, n, i, metas) for i in range(len(facts.inputs[n.key]))]
+        b: set[int] = set()
+        s: set[int] = set()
+        for p in fn(n, ins, n.outputs):
+            if not isinstance(p.output, Shard):
+                continue
+            for ref, pl in zip(facts.inputs[n.key], p.inputs):
+                if isinstance(pl, Shard):
+                    if pl.dim in batch.get(ref.key, ()):
+                        b.add(p.output.dim)
+                    if pl.dim in seq.get(ref.key, ()):
+                        s.add(p.output.dim)
+        batch[n.key] = frozenset(b)
+        seq[n.key] = frozenset(s)
+    return batch, seq, unknown
+
+
+# ---- micro-batch scaling -----------------------------------------------------------------------
+
+def elem_bytes(dtype: str, plan_dtype: str) -> int:
+    """Float tensors are costed in the plan's dtype; integer tensors keep theirs."""
+    return DTYPE_BYTES[plan_dtype] if dtype in FLOAT_DTYPES else DTYPE_BYTES[dtype]
+
+
+def scaled_metas(facts: GraphFacts, mbs: int, plan_dtype: str) -> dict[str, tuple[TensorMeta, ...]]:
+    """Output metas at micro-batch ``mbs``: batch-role dims scaled by mbs / traced batch; float
+    dtypes replaced by the plan dtype."""
+    b0 = facts.graph.batch_size
+    out = {}
+    for n in tensor_nodes(facts.graph):
+        bd = facts.batch_dims.get(n.key, frozenset())
+        metas = []
+        for m in n.outputs:
+            shape = tuple(max(1, (s * mbs) // b0) if d in bd else s for d, s in enumerate(m.shape))
+            dtype = plan_dtype if m.dtype in FLOAT_DTYPES else m.dtype
+            metas.append(TensorMeta(shape, dtype))
+        out[n.key] = tuple(metas)
+    return out
+
+
+def batch_scale(facts: GraphFacts, node: NodeInfo, mbs: int) -> float:
+    """Factor for the node's FLOPs: mbs / traced batch when it touches a batch-role tensor."""
+    touches = bool(facts.batch_dims.get(node.key)) or any(facts.batch_dims.get(r.key) for r in facts.inputs[node.key])
+    return mbs / facts.graph.batch_size if touches else 1.0
+
+
+def scaled_bytes_moved(facts: GraphFacts, node: NodeInfo, mbs: int, plan_dtype: str) -> float:
+    """Forward bytes at micro-batch ``mbs`` in the plan dtype: the share of unscaled tensors
+    (weights, masks) stays, the rest scales by mbs / traced batch."""
+    if node.bytes_moved <= 0:
+        return 0.0
+    f = mbs / facts.graph.batch_size
+    # dtype ratio: the trace may have run in float32; cost in the plan dtype
+    ratio = 1.0
+    for m in node.outputs:
+        if m.dtype in FLOAT_DTYPES:
+            ratio = DTYPE_BYTES[plan_dtype] / DTYPE_BYTES[m.dtype]
+            break
+    fixed = 0.0
+    tensors = [(r.key, facts.nodes[r.key].outputs[0]) for r in facts.inputs[node.key] if facts.nodes[r.key].outputs]
+    tensors += [(node.key, m) for m in node.outputs]
+    for key, m in tensors:
+        if not facts.batch_dims.get(key):
+            fixed += m.nbytes
+    fixed = min(fixed, node.bytes_moved)
+    return (fixed + (node.bytes_moved - fixed) * f) * ratio
+
+
+# ---- enumeration -------------------------------------------------------------------------------
+
+def _divides(p: Placement, meta: TensorMeta, t: int) -> bool:
+    if not isinstance(p, Shard):
+        return True
+    return 0 <= p.dim < len(meta.shape) and meta.shape[p.dim] % t == 0 and meta.shape[p.dim] >= t
+
+
+def _seq_ok(p: Placement, key: str, facts: GraphFacts, sp: bool) -> bool:
+    return sp or not (isinstance(p, Shard) and p.dim in facts.seq_dims.get(key, ()))
+
+
+def _local_bytes(meta: TensorMeta, p: Placement, t: int) -> int:
+    n = meta.nbytes
+    return n // t if isinstance(p, Shard) else n
+
+
+def _auto_name(p: Proto, key: str, facts: GraphFacts) -> str:
+    if p.name:
+        return p.name
+    if isinstance(p.output, Shard):
+        if p.output.dim in facts.seq_dims.get(key, ()):
+            return "seq"
+        if p.output.dim in facts.batch_dims.get(key, ()):
+            return "data"
+        return f"shard{p.output.dim}"
+    return "partial" if isinstance(p.output, Partial) else "replicate"
+
+
+def _grad_placements(p: Proto) -> tuple[Placement, ...]:
+    grads = []
+    for pl in p.inputs:
+        if isinstance(pl, Partial):
+            grads.append(R)
+        elif isinstance(pl, Replicate) and not isinstance(p.output, Replicate):
+            grads.append(Partial())
+        else:
+            grads.append(pl)
+    return tuple(grads)
+
+
+def node_protos(facts: GraphFacts, node: NodeInfo, metas: dict) -> list[Proto]:
+    """Rule proposals for ``node`` (before filtering), plus the fully replicated one."""
+    n_in = len(facts.inputs[node.key])
+    rep = Proto("replicate", R, tuple(R for _ in range(n_in)), split=False)
+    if node.kind in ("input", "param", "buffer"):
+        return [rep] + [Proto("", Shard(d), (), split=False) for d in range(len(node.out.shape))]
+    fn = find_rule(node.target)
+    if fn is None:
+        return [rep]
+    ins = [input_meta(facts, node, i, metas) for i in range(n_in)]
+    return [rep] + list(fn(node, ins, metas[node.key]))
+
+
+def enumerate_strategies(facts: GraphFacts, node: NodeInfo, metas: dict, t: int, sp: bool,
+                         proto_cache: Optional[dict] = None) -> list[Strategy]:
+    """Concrete strategies of ``node`` on a tp axis of size ``t`` (``metas`` from ``scaled_metas``).
+    ``proto_cache`` (key -> proposals) may be shared by calls with the same ``metas``."""
+    outs = metas[node.key]
+    refs = facts.inputs[node.key]
+    ins = [input_meta(facts, node, i, metas) for i in range(len(refs))]
+    seen: set = set()
+    result: list[Strategy] = []
+    if proto_cache is None:
+        protos = node_protos(facts, node, metas)
+    else:
+        protos = proto_cache.get(node.key)
+        if protos is None:
+            protos = proto_cache[node.key] = node_protos(facts, node, metas)
+    for p in protos:
+        if t == 1 and (p.output != R or any(x != R for x in p.inputs)):
+            continue                                          # one rank: only "replicate" exists
+        if len(p.inputs) != len(ins):
+            continue
+        if not all(_divides(p.output, m, t) for m in outs):
+            continue
+        if not all(_divides(pl, m, t) for pl, m in zip(p.inputs, ins)):
+            continue
+        if not _seq_ok(p.output, node.key, facts, sp):
+            continue
+        if not all(_seq_ok(pl, r.key, facts, sp) for pl, r in zip(p.inputs, refs)):
+            continue
+        if isinstance(p.output, Partial) and outs[0].dtype not in FLOAT_DTYPES:
+            continue                                          # integers cannot be summands
+        if any(isinstance(pl, Partial) and m.dtype not in FLOAT_DTYPES for pl, m in zip(p.inputs, ins)):
+            continue
+        sig = (p.output, p.inputs)
+        if sig in seen:
+            continue
+        seen.add(sig)
+        split = p.split and t > 1 and (p.output != R or any(isinstance(x, Shard) for x in p.inputs))
+        result.append(Strategy(
+            name=_auto_name(p, node.key, facts), output=p.output, inputs=p.inputs,
+            input_grads=_grad_placements(p), compute_scale=1.0 / t if split else 1.0,
+            comms=p.comms if t > 1 else (), out_bytes_local=_local_bytes(outs[0], p.output, t)))
+    return result
+
+
+def shard_numel(meta: TensorMeta, p: Placement, t: int) -> int:
+    return meta.numel // t if isinstance(p, Shard) else meta.numel
+
+
+def elements(meta: TensorMeta) -> int:
+    return math.prod(meta.shape)

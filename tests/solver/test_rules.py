@@ -1,0 +1,100 @@
+"""Strategy rules and resharding on hand-made graphs (no tracing)."""
+import pytest
+
+from autopar.cost import collective_s, make_cluster
+from autopar.ir import Ref, TensorMeta
+from autopar.placements import Partial, Replicate, Shard
+from autopar.solver.reshard import grad_target, reshard_kind, reshard_s
+from autopar.solver.rules import einsum_protos, view_dim_map
+from autopar.solver.strategies import enumerate_strategies, graph_facts, scaled_metas
+
+from solver_helpers import linear_chain_graph, node, tensor
+
+R, P = Replicate(), Partial()
+
+
+def test_einsum_linear_gives_col_row_and_data():
+    x, w = TensorMeta((4, 8, 64), "float32"), TensorMeta((256, 64), "float32")
+    protos = {p.name or str(p.output): p for p in einsum_protos(["abk", "nk"], "abn", [x, w],
+                                                                   names={"n": "colwise", "k": "rowwise"})}
+    assert protos["colwise"].inputs == (R, Shard(0)) and protos["colwise"].output == Shard(2)
+    assert protos["rowwise"].inputs == (Shard(2), Shard(1)) and protos["rowwise"].output == P
+    assert protos["S(0)"].inputs == (Shard(0), R)          # batch: weight replicated
+
+
+@pytest.mark.parametrize("a,b,expected", [
+    ((2, 8, 64), (16, 64), {0: 0, 2: 1}),                  # merge (B, S) -> B*S: only the leading dim
+    ((2, 8, 64), (2, 8, 4, 16), {0: 0, 1: 1, 2: 2}),       # split hidden into heads: leading = heads
+    ((6, 4), (4, 6), {0: 0}),                              # many-to-many: leading to leading
+    ((2, 1, 3), (2, 3), {0: 0, 2: 1}),                     # size-1 dims are dropped
+])
+def test_view_dim_map(a, b, expected):
+    assert view_dim_map(a, b) == expected
+
+
+def test_linear_chain_strategies_and_gradients():
+    g = linear_chain_graph()
+    facts = graph_facts(g, None)
+    metas = scaled_metas(facts, 4, "bfloat16")
+    fc1 = next(n for n in g.nodes if n.key == "fc1")
+    strats = {s.name: s for s in enumerate_strategies(facts, fc1, metas, 2, False)}
+    assert set(strats) >= {"replicate", "colwise", "rowwise", "data"}
+    assert strats["colwise"].input_grads == (P, Shard(0))     # Megatron f: the input grad is Partial
+    assert strats["data"].input_grads == (Shard(0), P)        # weight grad all-reduce
+    assert strats["colwise"].compute_scale == 0.5 and strats["replicate"].compute_scale == 1.0
+    # bf16 local bytes: (4, 256) / 2
+    assert strats["colwise"].out_bytes_local == 4 * 256 * 2 // 2
+    # t=3 divides nothing: no shard survives (a Partial input stays possible: linear is linear in x)
+    assert all(not isinstance(p, Shard) for s in enumerate_strategies(facts, fc1, metas, 3, False)
+               for p in (s.output,) + s.inputs)
+
+
+def test_seq_shards_need_sequence_parallel():
+    from solver_helpers import traced
+    g, b = traced("gpt-tiny")
+    facts = graph_facts(g, b.seq_len)
+    metas = scaled_metas(facts, 2, "bfloat16")
+    ln = next(n for n in g.nodes if "ln_1" in n.key and n.kind == "op")
+    assert 1 in facts.seq_dims[ln.key] and 0 in facts.batch_dims[ln.key]
+    off = {s.output for s in enumerate_strategies(facts, ln, metas, 2, False)}
+    on = {s.output for s in enumerate_strategies(facts, ln, metas, 2, True)}
+    assert Shard(1) not in off and Shard(1) in on
+
+
+def test_unknown_target_is_replicated_and_listed():
+    from autopar.ir import GraphIR
+    nodes = (node("x", "input", outs=[tensor(4, 8)]),
+             node("w", "param", outs=[tensor(8, 8)]),
+             node("mm", "op", "aten.linear.default", [Ref("x"), Ref("w")], [tensor(4, 8)], flops=512, bytes_moved=512),
+             node("odd", "op", "aten.frobnicate.default", [Ref("mm")], [tensor(4, 8)], flops=32, bytes_moved=256))
+    g = GraphIR(nodes, (), 4, 64, 512, "x")
+    facts = graph_facts(g, None)
+    assert facts.unknown_targets == ("aten.frobnicate.default",)
+    strats = enumerate_strategies(facts, nodes[3], scaled_metas(facts, 4, "float32"), 2, False)
+    assert [s.name for s in strats] == ["replicate"]
+
+
+def test_reshard_semantics_and_times():
+    link = make_cluster("h100", 1).intra
+    nbytes, n = 64e6, 8
+    assert reshard_kind(Shard(1), R) == "all_gather"
+    assert reshard_kind(P, R) == "all_reduce"
+    assert reshard_kind(P, Shard(0)) == "reduce_scatter"
+    assert reshard_kind(Shard(0), Shard(1)) == "all_to_all"
+    assert reshard_kind(R, Shard(0)) is None and reshard_kind(R, P) is None and reshard_kind(Shard(2), Shard(2)) is None
+    assert reshard_s(Shard(1), R, nbytes, n, link) == collective_s("all_gather", nbytes, n, link)
+    assert reshard_s(P, Shard(1), nbytes, n, link) == collective_s("reduce_scatter", nbytes, n, link)
+    assert reshard_s(Shard(0), Shard(1), nbytes, n, link) == collective_s("all_to_all", nbytes / n, n, link)
+    assert reshard_s(P, R, nbytes, 1, link) == 0.0
+    assert grad_target(P) == R and grad_target(Shard(1)) == Shard(1)
+
+
+def test_partial_sums_only_add_tensors():
+    """x_P + y_P is a partial sum; x_P + 1e-5 would add the scalar on every rank."""
+    from autopar.solver.rules import find_rule
+    x = tensor(4, 8)
+    both = node("a", "op", "aten.add.Tensor", [Ref("x"), Ref("y")], [x])
+    scalar = node("b", "op", "aten.add.Tensor", [Ref("x"), 1e-5], [x])
+    rule = find_rule("aten.add.Tensor")
+    assert any(p.output == P for p in rule(both, [x, x], [x]))
+    assert not any(p.output == P for p in rule(scalar, [x], [x]))
