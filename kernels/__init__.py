@@ -1,0 +1,18 @@
+"""Fused Triton kernels for autopar's codegen, each with a plain-PyTorch reference.
+
+One module per kernel family; each reads like a Triton tutorial (docstring with the math and the
+memory traffic, the reference, the @triton.jit kernels, the launcher, an autograd.Function):
+
+    norms.py          layer_norm, rms_norm, add_layer_norm, add_rms_norm (fused residual add)
+    softmax.py        softmax over rows, online max/sum for rows of any width
+    cross_entropy.py  cross_entropy fused with log-softmax, chunked over the vocab, grad in place
+    activations.py    bias_gelu (erf / tanh), swiglu
+    attention.py      attention (FlashAttention-2 style, returns lse), merge_attention
+    rope.py           rope (rotate-half)
+    optimizers.py     adamw_step, lamb_step over flat fp32 buffers
+    registry.py       name -> KernelEntry(triton, reference, pattern); lookup, for_target, select
+
+Tests (CPU, Triton interpreter, about a minute):  pytest tests/kernels
+GPU benchmark (H200, < 4 minutes):             python benchmarks/kernels.py --json out.json
+The same benchmark on the CPU with tiny shapes:  python benchmarks/kernels.py --dry-run
+"""

@@ -1,0 +1,133 @@
+"""Fused attention: forward (out, lse) and backward against the reference, the merge of partial
+results over key shards, block-size edge cases and the supported head dims."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from kernels_testutil import KERNEL_SETTINGS, assert_close
+
+from kernels import attention as at
+
+# Small tiles so that sequences of a few dozen tokens cross several blocks and the diagonal.
+SMALL = at.AttentionBlocks(fwd_m=32, fwd_n=16, fwd_warps=4, bwd_kv_n=32, bwd_kv_m=16,
+                           bwd_kv_warps=4, bwd_q_m=32, bwd_q_n=16, bwd_q_warps=4, num_stages=1)
+OUT_TOL = {torch.float32: (2e-5, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
+LSE_TOL = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (1e-4, 1e-5)}  # fp32 math either way
+GRAD_TOL = {torch.float32: (1e-4, 1e-3), torch.bfloat16: (5e-2, 5e-2)}
+
+
+def _qkv(b, h, tq, tk, d, dtype, g):
+    q = torch.randn(b, h, tq, d, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(b, h, tk, d, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(b, h, tk, d, generator=g).to(dtype).requires_grad_()
+    return q, k, v
+
+
+def _check(q, k, v, causal, blocks, g, use_lse_grad=True):
+    dtype = q.dtype
+    out, lse = at.attention(q, k, v, causal, blocks=blocks)
+    out_ref, lse_ref = at.attention_ref(q, k, v, causal)
+    assert out.shape == q.shape and lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    assert_close(out, out_ref, OUT_TOL[dtype], "out")
+    assert_close(lse, lse_ref, LSE_TOL[dtype], "lse")
+    dout = torch.randn(out.shape, generator=g).to(dtype)
+    outs, outs_ref, douts = [out], [out_ref], [dout]
+    if use_lse_grad:
+        dlse = torch.randn(lse.shape, generator=g)
+        outs, outs_ref, douts = [out, lse], [out_ref, lse_ref], [dout, dlse]
+    grads = torch.autograd.grad(outs, (q, k, v), douts)
+    grads_ref = torch.autograd.grad(outs_ref, (q, k, v), douts)
+    for name, a, e in zip(("dq", "dk", "dv"), grads, grads_ref):
+        assert_close(a, e, GRAD_TOL[dtype], name)
+
+
+@KERNEL_SETTINGS
+@given(b=st.integers(1, 2), h=st.integers(1, 2), tq=st.integers(1, 70), tk=st.integers(1, 70),
+       d=st.sampled_from([16, 32, 64]), causal=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), use_lse_grad=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_attention_forward_backward(b, h, tq, tk, d, causal, dtype, use_lse_grad, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = _qkv(b, h, tq, tk, d, dtype, g)
+    _check(q, k, v, causal, SMALL, g, use_lse_grad)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_attention_default_blocks(causal, d):
+    """The GPU tiles (128 x 64 forward; 64 x 32 / 128 x 64 and 128 x 32 backward) on a sequence
+    that is not a multiple of any of them."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = _qkv(1, 1, 150, 150, d, torch.bfloat16, g)
+    _check(q, k, v, causal, None, g)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_attention_all_scores_very_negative():
+    """Every score is about -100, so lse is too: a padded key's exp(0 - lse) would overflow and
+    turn dQ into NaN unless the kernel masks it (the padded keys' own dK/dV rows do overflow,
+    harmlessly: they are never stored; NumPy warns about them in the interpreter)."""
+    g = torch.Generator().manual_seed(3)
+    q = (5 + 0.1 * torch.randn(1, 1, 20, 16, generator=g)).requires_grad_()
+    k = (-5 + 0.1 * torch.randn(1, 1, 21, 16, generator=g)).requires_grad_()
+    v = torch.randn(1, 1, 21, 16, generator=g).requires_grad_()
+    _check(q, k, v, False, SMALL, g)
+
+
+def test_reference_matches_sdpa():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = _qkv(2, 3, 17, 23, 16, torch.float32, g)
+    for causal in (False, True):
+        out, _ = at.attention_ref(q, k, v, causal)
+        assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                     (1e-5, 1e-5), f"causal={causal}")
+
+
+@KERNEL_SETTINGS
+@given(t=st.integers(1, 40), tk1=st.integers(1, 40), tk2=st.integers(1, 40),
+       seed=st.integers(0, 2**16))
+def test_merge_of_key_shards_equals_full_attention(t, tk1, tk2, seed):
+    """attention(q, [K1; K2], [V1; V2]) == merge(attention(q, K1, V1), attention(q, K2, V2)),
+    values and gradients (the gradient reaches the shards through both out and lse)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k1, v1 = _qkv(2, 2, t, tk1, 32, torch.float32, g)
+    _, k2, v2 = _qkv(2, 2, t, tk2, 32, torch.float32, g)
+    out_full, lse_full = at.attention(q, torch.cat([k1, k2], 2), torch.cat([v1, v2], 2),
+                                      blocks=SMALL)
+    o1, l1 = at.attention(q, k1, v1, blocks=SMALL)
+    o2, l2 = at.attention(q, k2, v2, blocks=SMALL)
+    out, lse = at.merge_attention(o1, l1, o2, l2)
+    assert_close(out, out_full, (2e-5, 1e-4), "out")
+    assert_close(lse, lse_full, (2e-5, 1e-5), "lse")
+    dout = torch.randn(out.shape, generator=g)
+    inputs = (q, k1, v1, k2, v2)
+    grads = torch.autograd.grad(out, inputs, dout)
+    grads_full = torch.autograd.grad(out_full, inputs, dout)
+    for name, a, e in zip(("dq", "dk1", "dv1", "dk2", "dv2"), grads, grads_full):
+        assert_close(a, e, (1e-4, 1e-3), name)
+
+
+def test_merge_with_empty_partial():
+    o = torch.randn(1, 1, 3, 16)
+    lse = torch.randn(1, 1, 3)
+    empty_lse = torch.full_like(lse, float("-inf"))
+    out, merged = at.merge_attention(o, lse, torch.zeros_like(o), empty_lse)
+    assert torch.equal(merged, lse)
+    assert_close(out, o, (0, 0), "out")
+
+
+@pytest.mark.parametrize("d", [8, 48, 96, 256])
+def test_unsupported_head_dim_raises(d):
+    q = torch.zeros(1, 1, 4, d)
+    with pytest.raises(ValueError, match="head dim"):
+        at.attention(q, q, q)
+
+
+def test_bad_blocks_raise():
+    with pytest.raises(ValueError, match="fwd_m % fwd_n"):
+        at.AttentionBlocks(fwd_m=32, fwd_n=64)
+    with pytest.raises(ValueError, match="powers of two"):
+        at.AttentionBlocks(fwd_m=48)
