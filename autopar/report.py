@@ -62,23 +62,43 @@ def degrees_table(plan: Plan) -> Table:
     return t
 
 
+def _short_target(target: str) -> str:
+    for prefix in ("aten.",):
+        target = target.removeprefix(prefix)
+    return target.removesuffix(".default")
+
+
 def strategies_table(plan: Plan, verbose: bool = False) -> Table:
+    """One row per operator; nodes of a repeated block are shown once, in a section of their own."""
     layers = plan.stages[-1].last_layer if plan.stages else 0
     t = Table(title="Per-operator strategies (placements per mesh axis " + ",".join(plan.mesh_axes) + ")",
               title_justify="left")
-    t.add_column("where")
+    t.add_column("module")
     t.add_column("operator")
     t.add_column("strategy")
     t.add_column("inputs -> output")
     hidden = 0
+    sections: dict[str, list] = {}
     for s in plan.strategies:
         if not verbose and _is_free(s.key):
             hidden += 1
             continue
         path, target = (s.key.split("|") + ["", ""])[:2]
-        where = f"{path} (x{layers})" if "*" in path else path or "(top)"
-        ins = ", ".join(format_placements(p) for p in s.inputs)
-        t.add_row(where, target, s.name, f"{ins} -> {format_placements(s.output)}")
+        if "*" in path:
+            block, _, rest = path.partition(".*")
+            title = f"each of the {layers} layers of {block}"
+            where = "*" + rest
+        else:
+            title, where = "outside repeated blocks", path or "(top)"
+        sections.setdefault(title, []).append((where, _short_target(target), s))
+    for i, (title, rows) in enumerate(sections.items()):
+        if i:
+            t.add_section()
+        t.add_row(f"[bold]{title}[/bold]", "", "", "")
+        for where, target, s in rows:
+            ins = ", ".join(format_placements(p) for p in s.inputs)
+            t.add_row(where, target, s.name, f"{ins} -> {format_placements(s.output)}" if ins
+                      else format_placements(s.output))
     if hidden:
         t.caption = f"{hidden} view/reshape-like operators not shown (--verbose shows them)"
     return t
