@@ -1,1 +1,13 @@
+"""Codegen: Plan + GraphIR -> each rank's program, run on DTensors over a ("dp", "tp") DeviceMesh.
 
+    program.py    plan -> per-node placements, parameters, recompute regions, strided QKV, local-dp
+    executor.py   the interpreter over the exported graph (edges, fallbacks, checkpoint regions)
+    fallback.py   ops DTensor has no rule for, run on local tensors
+    expected.py   the collectives a step should issue, from Plan + GraphIR
+    buckets.py    gradient buckets and ZeRO row chunks (shared by the reducer and the predictor)
+    shards.py     which slice of a full tensor a mesh coordinate holds
+"""
+from autopar.codegen.expected import expected_collectives
+from autopar.codegen.program import RankProgram, compile_program, local_dp_nodes
+
+__all__ = ["RankProgram", "compile_program", "expected_collectives", "local_dp_nodes"]

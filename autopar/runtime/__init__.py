@@ -1,1 +1,14 @@
+"""Runtime: the world (process groups, mesh, plan checks), parameters and ZeRO, the bucketed
+gradient reducer, deterministic init, collective logs, and launching CPU ranks.
 
+    world.py        init_world / build_mesh / check_agreement (timeouts everywhere)
+    params.py       ParamStore: tp-local storage, ZeRO row shards, parameters as DTensors
+    reducer.py      GradReducer: bucketed, overlapped all-reduce / reduce-scatter over dp
+    init.py         counter-based init of any shard; materialize(module_on_meta, seed)
+    collectives.py  Collective records and the recorder of DTensor's collectives
+    launch.py       spawn_ranks (N gloo ranks, fail fast) and run_command (``autopar run``)
+"""
+from autopar.runtime.init import materialize
+from autopar.runtime.launch import run_command, spawn_ranks
+
+__all__ = ["materialize", "run_command", "spawn_ranks"]

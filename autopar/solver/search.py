@@ -33,6 +33,8 @@ over the whole model (repeats included) at the global batch; recompute is not co
 """
 from __future__ import annotations
 
+import math
+
 import heapq
 import time
 from dataclasses import dataclass, replace
@@ -414,7 +416,10 @@ class _Searcher:
                      f"({smallest_exact.config.short()})")
         hints = ["a GPU with more memory", "--memory-gb ..."]
         if not forced:
-            hints.insert(0, f"--nodes {self.cluster.nodes * 2}")
+            # Model states shrink about as 1/GPUs when every axis shards them; activations need not,
+            # so this is the fewest nodes worth trying, not a guarantee.
+            nodes = max(self.cluster.nodes + 1, math.ceil(self.cluster.nodes * need / self.budget))
+            hints.insert(0, f"--nodes {nodes} or more")
         else:
             hints.insert(0, "fewer --force pins (or larger tp/pp, zero=3, recompute=full)")
         return InfeasibleError(

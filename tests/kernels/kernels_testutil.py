@@ -13,6 +13,17 @@ import os
 import torch
 from hypothesis import HealthCheck, settings
 
+# Where the tests run: "cpu" (Triton's interpreter, the default) or "cuda" (AUTOPAR_TEST_DEVICE=cuda;
+# tests/conftest.py then makes cuda torch's default device, so tensors built without a device land
+# there). Generators do not follow the default device, hence make_generator.
+DEVICE = torch.device(os.environ.get("AUTOPAR_TEST_DEVICE", "cpu"))
+ON_CUDA = DEVICE.type == "cuda"
+
+
+def make_generator(seed: int) -> torch.Generator:
+    """A seeded generator on the test device (on the CPU: the same stream as torch.Generator())."""
+    return torch.Generator(device=DEVICE).manual_seed(seed)
+
 # The interpreter runs each program in Python, so examples are few and shapes small.
 KERNEL_SETTINGS = settings(
     max_examples=int(os.environ.get("AUTOPAR_KERNEL_EXAMPLES", "25")),

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from kernels_testutil import BWD_TOL, FWD_TOL, KERNEL_SETTINGS, assert_close
+from kernels_testutil import BWD_TOL, FWD_TOL, KERNEL_SETTINGS, assert_close, make_generator
 
 from kernels import activations as act
 
@@ -16,7 +16,7 @@ DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
 @given(m=st.integers(1, 40), n=st.integers(1, 1100), dtype=DTYPES, with_bias=st.booleans(),
        approximate=st.sampled_from(["none", "tanh"]), seed=st.integers(0, 2**16))
 def test_bias_gelu_forward_backward(m, n, dtype, with_bias, approximate, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = make_generator(seed)
     x = (2 * torch.randn(m, n, generator=g)).to(dtype).requires_grad_()
     bias = torch.randn(n, generator=g).to(dtype).requires_grad_() if with_bias else None
     y = act.bias_gelu(x, bias, approximate)
@@ -46,7 +46,7 @@ def test_gelu_matches_torch_in_fp32():
 @given(shape=st.lists(st.integers(1, 37), min_size=1, max_size=3), dtype=DTYPES,
        seed=st.integers(0, 2**16))
 def test_swiglu_forward_backward(shape, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = make_generator(seed)
     a = (2 * torch.randn(shape, generator=g)).to(dtype).requires_grad_()
     b = torch.randn(shape, generator=g).to(dtype).requires_grad_()
     y, y_ref = act.swiglu(a, b), act.swiglu_ref(a, b)

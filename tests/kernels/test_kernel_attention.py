@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from kernels_testutil import KERNEL_SETTINGS, assert_close
+from kernels_testutil import KERNEL_SETTINGS, assert_close, make_generator
 
 from kernels import attention as at
 
@@ -49,7 +49,7 @@ def _check(q, k, v, causal, blocks, g, use_lse_grad=True):
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), use_lse_grad=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_attention_forward_backward(b, h, tq, tk, d, causal, dtype, use_lse_grad, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = make_generator(seed)
     q, k, v = _qkv(b, h, tq, tk, d, dtype, g)
     _check(q, k, v, causal, SMALL, g, use_lse_grad)
 
@@ -59,7 +59,7 @@ def test_attention_forward_backward(b, h, tq, tk, d, causal, dtype, use_lse_grad
 def test_attention_default_blocks(causal, d):
     """The GPU tiles (128 x 64 forward; 64 x 32 / 128 x 64 and 128 x 32 backward) on a sequence
     that is not a multiple of any of them."""
-    g = torch.Generator().manual_seed(1)
+    g = make_generator(1)
     q, k, v = _qkv(1, 1, 150, 150, d, torch.bfloat16, g)
     _check(q, k, v, causal, None, g)
 
@@ -70,7 +70,7 @@ def test_attention_all_scores_very_negative():
     """Every score is about -100, so lse is too: a padded key's exp(0 - lse) would overflow and
     turn dQ into NaN unless the kernel masks it (the padded keys' own dK/dV rows do overflow,
     harmlessly: they are never stored; NumPy warns about them in the interpreter)."""
-    g = torch.Generator().manual_seed(3)
+    g = make_generator(3)
     q = (5 + 0.1 * torch.randn(1, 1, 20, 16, generator=g)).requires_grad_()
     k = (-5 + 0.1 * torch.randn(1, 1, 21, 16, generator=g)).requires_grad_()
     v = torch.randn(1, 1, 21, 16, generator=g).requires_grad_()
@@ -78,7 +78,7 @@ def test_attention_all_scores_very_negative():
 
 
 def test_reference_matches_sdpa():
-    g = torch.Generator().manual_seed(2)
+    g = make_generator(2)
     q, k, v = _qkv(2, 3, 17, 23, 16, torch.float32, g)
     for causal in (False, True):
         out, _ = at.attention_ref(q, k, v, causal)
@@ -92,7 +92,7 @@ def test_reference_matches_sdpa():
 def test_merge_of_key_shards_equals_full_attention(t, tk1, tk2, seed):
     """attention(q, [K1; K2], [V1; V2]) == merge(attention(q, K1, V1), attention(q, K2, V2)),
     values and gradients (the gradient reaches the shards through both out and lse)."""
-    g = torch.Generator().manual_seed(seed)
+    g = make_generator(seed)
     q, k1, v1 = _qkv(2, 2, t, tk1, 32, torch.float32, g)
     _, k2, v2 = _qkv(2, 2, t, tk2, 32, torch.float32, g)
     out_full, lse_full = at.attention(q, torch.cat([k1, k2], 2), torch.cat([v1, v2], 2),

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from kernels_testutil import KERNEL_SETTINGS, assert_close
+from kernels_testutil import KERNEL_SETTINGS, assert_close, make_generator
 
 from kernels import cross_entropy as ce
 
@@ -18,7 +18,7 @@ GRAD_TOL = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (4e-3, 1.6e-2)}  # bf16
        block_v=st.sampled_from([16, 64, 4096]), reduction=st.sampled_from(["mean", "sum", "none"]),
        inplace=st.booleans(), ignore_frac=st.sampled_from([0.0, 0.3]), seed=st.integers(0, 2**16))
 def test_cross_entropy_forward_backward(m, v, dtype, block_v, reduction, inplace, ignore_frac, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = make_generator(seed)
     base = (4 * torch.randn(m, v, generator=g)).to(dtype).requires_grad_()
     target = torch.randint(0, v, (m,), generator=g)
     target[torch.rand(m, generator=g) < ignore_frac] = -100
@@ -52,7 +52,7 @@ def test_cross_entropy_all_ignored_mean_is_nan_like_torch():
 
 
 def test_cross_entropy_multi_dim_and_bad_args():
-    g = torch.Generator().manual_seed(3)
+    g = make_generator(3)
     logits = torch.randn(2, 5, 33, generator=g)
     target = torch.randint(0, 33, (2, 5), generator=g)
     assert_close(ce.cross_entropy(logits.clone(), target, block_v=16),

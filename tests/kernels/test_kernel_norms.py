@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from kernels_testutil import BWD_TOL, FWD_TOL, KERNEL_SETTINGS, assert_close
+from kernels_testutil import BWD_TOL, FWD_TOL, KERNEL_SETTINGS, assert_close, make_generator
 
 from kernels import norms
 
@@ -13,7 +13,7 @@ DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
 
 
 def _inputs(shape, dtype, seed, n_extra=0):
-    g = torch.Generator().manual_seed(seed)
+    g = make_generator(seed)
     n = shape[-1]
     x = torch.randn(shape, generator=g).to(dtype).requires_grad_()
     w = (1 + 0.5 * torch.randn(n, generator=g)).to(dtype).requires_grad_()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kernels_testutil import KERNEL_SETTINGS, assert_close
+from kernels_testutil import KERNEL_SETTINGS, assert_close, make_generator
 
 from kernels import optimizers as opt
 
@@ -22,7 +22,7 @@ LAMB_TOL = (1e-6, 1e-5)  # norms are summed in a different order than torch.norm
        weight_decay=st.sampled_from([0.0, 0.1]), betas=st.sampled_from([(0.9, 0.999), (0.8, 0.95)]),
        eps=st.sampled_from([1e-8, 1e-6]), seed=st.integers(0, 2**16))
 def test_adamw_matches_torch_optim(n, steps, lr, weight_decay, betas, eps, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = make_generator(seed)
     p0 = torch.randn(n, generator=g)
     param, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
     ref_param = torch.nn.Parameter(p0.clone())
@@ -47,7 +47,7 @@ def test_adamw_matches_torch_optim(n, steps, lr, weight_decay, betas, eps, seed)
 
 def test_adamw_first_step_by_hand():
     """Step 1: m_hat = g and v_hat = g^2, so p = p (1 - lr wd) - lr g / (|g| + eps)."""
-    g = torch.Generator().manual_seed(0)
+    g = make_generator(0)
     p, grad = torch.randn(1000, generator=g), torch.randn(1000, generator=g)
     expect = p * (1 - 1e-2 * 0.1) - 1e-2 * grad / (grad.abs() + 1e-8)
     opt.adamw_step(p, grad, torch.zeros(1000), torch.zeros(1000), step=1, lr=1e-2,
@@ -60,7 +60,7 @@ def test_adamw_first_step_by_hand():
        weight_decay=st.sampled_from([0.0, 0.01]), bias_correction=st.booleans(),
        scale=st.sampled_from([1e-3, 1.0, 100.0]), seed=st.integers(0, 2**16))
 def test_lamb_matches_reference(sizes, steps, weight_decay, bias_correction, scale, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = make_generator(seed)
     offsets = [0]
     for s in sizes:
         offsets.append(offsets[-1] + s)
@@ -83,7 +83,7 @@ def test_lamb_first_step_by_hand():
     """Step 1, no weight decay: m_hat = g and v_hat = g^2, so u = g / (|g| + eps) ~ sign(g),
     ||u|| = sqrt(n) and p moves by lr * clamp(||p|| / sqrt(n), 0.01, 10) * sign(g)."""
     n = 400
-    g = torch.Generator().manual_seed(0)
+    g = make_generator(0)
     grad = torch.randn(n, generator=g)
     for scale, expected_ratio in ((1.0, None), (1e3, 10.0), (1e-5, 0.01)):
         p = scale * torch.randn(n, generator=g)

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 import torch
-from kernels_testutil import assert_close
+from kernels_testutil import assert_close, make_generator
 
 from kernels import registry
 
@@ -47,11 +47,11 @@ def test_select_by_device(monkeypatch):
 def test_triton_on_cpu_without_interpreter_says_what_to_do(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        registry.lookup("softmax").triton(torch.zeros(2, 3))
+        registry.lookup("softmax").triton(torch.zeros(2, 3, device="cpu"))
 
 
 def _small_calls():
-    g = torch.Generator().manual_seed(0)
+    g = make_generator(0)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     x, w, b = r(5, 24), r(24), r(24)
     q, k, v = r(1, 2, 9, 16), r(1, 2, 9, 16), r(1, 2, 9, 16)

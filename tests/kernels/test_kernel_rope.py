@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kernels_testutil import FWD_TOL, KERNEL_SETTINGS, assert_close
+from kernels_testutil import FWD_TOL, KERNEL_SETTINGS, assert_close, make_generator
 
 from kernels import rope as rp
 
@@ -22,7 +22,7 @@ def hf_cos_sin(t, d, base=10000.0):
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), hf=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_rope_forward_backward(b, h, t, half, dtype, hf, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = make_generator(seed)
     d = 2 * half
     x = torch.randn(b, h, t, d, generator=g).to(dtype).requires_grad_()
     if hf:

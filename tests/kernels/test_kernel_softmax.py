@@ -3,7 +3,7 @@
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kernels_testutil import BWD_TOL, FWD_TOL, KERNEL_SETTINGS, assert_close
+from kernels_testutil import BWD_TOL, FWD_TOL, KERNEL_SETTINGS, assert_close, make_generator
 
 from kernels import softmax as sm
 
@@ -12,7 +12,7 @@ from kernels import softmax as sm
 @given(m=st.integers(1, 20), n=st.integers(1, 300), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        block_n=st.sampled_from([None, 16, 64]), masked=st.booleans(), seed=st.integers(0, 2**16))
 def test_softmax_forward_backward(m, n, dtype, block_n, masked, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = make_generator(seed)
     x = (3 * torch.randn(m, n, generator=g))
     if masked:  # some -inf entries, never a whole row: the online max must skip them
         drop = torch.rand(m, n, generator=g) < 0.3
@@ -31,7 +31,7 @@ def test_softmax_forward_backward(m, n, dtype, block_n, masked, seed):
 
 def test_softmax_long_row_uses_loop():
     """A row wider than the single-block limit takes the two-pass online path."""
-    g = torch.Generator().manual_seed(0)
+    g = make_generator(0)
     n = sm.SINGLE_BLOCK_MAX + 77
     x = torch.randn(2, n, generator=g).requires_grad_()
     assert sm._config(n, None) == (sm.LOOP_BLOCK, False)
