@@ -1,0 +1,347 @@
+"""``autoparallelize``: one call from an nn.Module to a model training on torch.distributed.
+
+    pm = autopar.autoparallelize(model, example_inputs, loss_fn=lambda out, y: ..., example_target=y,
+                                 optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4))
+    loss = pm.step(inputs, targets)     # one optimizer step on one GLOBAL batch; loss on every rank
+    out = pm(inputs)                    # forward only, full output on every rank
+    (batches keep the example's shapes: the traced graph's shape literals are those of the example)
+    pm.plan, pm.full_state_dict(), pm.collectives
+
+Every rank calls it with the same module (real weights: autopar shards them; meta device: each
+rank generates only its shards, see ``runtime/init.py``) and the same global batches.
+
+The flow (order matters where noted):
+  1. join the world (or start a one-process one) with timeouts        runtime/world.py
+  2. check --force degrees against the world size (before any work)
+  3. trace the FULL graph with the loss                                 autopar.trace
+  4. plan: the given Plan / file, or rank 0 solves and broadcasts       autopar.solver
+  5. every rank: plan fits the world, all ranks agree (one all_gather)  runtime/world.py
+  6. mesh ("dp", "tp"), program, parameters, reducer, optimizer         codegen/, runtime/
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES
+from autopar.codegen.executor import GraphExecutor, edge
+from autopar.codegen.program import RankProgram, compile_program, local_dp_nodes
+from autopar.forcing import Force, parse_force
+from autopar.plan import Plan
+from autopar.runtime.collectives import Collective, CollectiveLog, CollectiveRecorder
+from autopar.runtime.init import init_rules
+from autopar.runtime.params import ParamStore
+from autopar.runtime.reducer import GradReducer
+from autopar.runtime.world import (DEFAULT_TIMEOUT_S, PlanMismatchError, build_mesh, check_agreement,
+                                   init_world, mesh_dims, world_size_message)
+
+log = logging.getLogger("autopar.runtime")
+
+OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+
+
+class RankCommunicationError(RuntimeError):
+    """A collective failed: another rank died, diverged or stalled past the timeout."""
+
+
+_PEER_FAILURE_WORDS = ("timed out", "connection closed", "connection reset", "broken pipe", "timeout")
+
+
+@contextlib.contextmanager
+def peer_failures(what: str, timeout_s: float):
+    """Re-raise a backend's low-level peer failure with what autopar was doing and why."""
+    try:
+        yield
+    except RuntimeError as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        if isinstance(e, RankCommunicationError) or not any(w in first.lower() for w in _PEER_FAILURE_WORDS):
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise RankCommunicationError(
+            f"rank {rank}: {what} failed: another rank died, diverged or did not answer within "
+            f"{timeout_s:g} s (timeout_s). Check the other ranks' errors. Backend: {first}") from e
+
+
+def _tuple(x) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _is_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def check_force(force: Force, world: int) -> None:
+    """Forced degrees must divide the world (and multiply to it when all are given)."""
+    for name in ("dp", "tp", "pp"):
+        v = getattr(force, name)
+        if v is not None and world % v:
+            raise ValueError(f"--force {name}={v} does not divide the world size {world}; choose a "
+                             f"divisor of {world}")
+    given = [getattr(force, n) for n in ("dp", "tp", "pp")]
+    if all(v is not None for v in given) and given[0] * given[1] * given[2] != world:
+        raise ValueError(f"--force dp({given[0]}) * tp({given[1]}) * pp({given[2]}) != WORLD_SIZE({world})")
+
+
+def _default_cluster(device_type: str, world: int):
+    from autopar.cost.hardware import GPU_NAMES, resolve_cluster
+
+    if device_type == "cuda":
+        name = torch.cuda.get_device_name().lower()
+        gpu = next((g for g in GPU_NAMES if g.split("-")[0] in name), "h100")
+        return resolve_cluster(gpu, nodes=1, gpus_per_node=world)
+    return resolve_cluster("cpu", nodes=1, gpus_per_node=world)
+
+
+def _solve_on_rank0(model, inputs, loss_fn, target, cluster, force: Force, device_type: str,
+                    model_name: str) -> Plan:
+    """Rank 0 plans; every rank receives the plan JSON (or rank 0's error, raised everywhere)."""
+    payload: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            from autopar.cost.hardware import resolve_cluster
+            from autopar.solver import plan_model
+            from autopar.trace import trace_model
+
+            world = dist.get_world_size()
+            spec = (_default_cluster(device_type, world) if cluster is None
+                    else resolve_cluster(cluster, nodes=1, gpus_per_node=world) if isinstance(cluster, str)
+                    else cluster)
+            g = trace_model(model, inputs, loss_fn=loss_fn, example_target=target, model_name=model_name)
+            seq = inputs[0].shape[1] if inputs[0].dim() >= 2 else None
+            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+            p = plan_model(g, spec, global_batch=inputs[0].shape[0], seq_len=seq, dtype=dtype, force=force)
+            payload = [("plan", p.to_json())]
+        except Exception as e:  # sent to every rank and re-raised there, not swallowed
+            payload = [("error", f"{type(e).__name__}: {e}")]
+    dist.broadcast_object_list(payload, src=0)
+    kind, text = payload[0]
+    if kind == "error":
+        raise RuntimeError(f"planning failed on rank 0: {text}")
+    return Plan.from_json(text)
+
+
+class ParallelModel:
+    """A model running under a Plan on this rank. Build with ``autoparallelize``."""
+
+    def __init__(self, *, model: nn.Module, plan: Plan, train_graph, mesh, program: RankProgram,
+                 store: ParamStore, optimizer: torch.optim.Optimizer, reducer: GradReducer,
+                 buffers: dict, collective_log: CollectiveLog, device: torch.device,
+                 timeout_s: float, record_collectives: bool = True) -> None:
+        self.plan = plan
+        self.mesh = mesh
+        self.program = program
+        self.store = store
+        self.optimizer = optimizer
+        self.reducer = reducer
+        self.device = device
+        self._model = model
+        self._buffers = buffers
+        self._log = collective_log
+        self._train_graph = train_graph
+        self._train = self._executor(train_graph, program)
+        self._forward: Optional[GraphExecutor] = None
+        self._recorder = CollectiveRecorder(collective_log, {
+            axis: tuple(dist.get_process_group_ranks(mesh.get_group(axis))) for axis in ("dp", "tp")})
+        self.timeout_s = timeout_s
+        self.record_collectives = record_collectives
+
+    # ---- public --------------------------------------------------------------------------------
+    @property
+    def collectives(self) -> tuple[Collective, ...]:
+        """Collectives this rank issued (DTensor's and autopar's own), oldest first."""
+        return self._log.records
+
+    def reset_collectives(self) -> None:
+        self._log.clear()
+
+    @property
+    def fallbacks(self) -> frozenset[str]:
+        """Op targets that ran on local tensors because DTensor has no rule for them."""
+        f = set(self._train.fallbacks)
+        if self._forward is not None:
+            f |= self._forward.fallbacks
+        return frozenset(f)
+
+    def step(self, inputs, targets) -> float:
+        """One optimizer step on one global batch; returns the loss (same float on every rank)."""
+        with peer_failures("a training step", self.timeout_s):
+            return self._step(inputs, targets)
+
+    def _step(self, inputs, targets) -> float:
+        self.store.zero_grad()
+        self.reducer.begin_step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._log.phase = "forward"
+        with self._recording():
+            outs = self._train.run(_tuple(inputs), targets)
+            loss = self._user_output(self._train_graph, outs)
+            loss_local = edge(loss, _replicate(loss)).to_local()
+            self._log.phase = "backward"
+            loss_local.backward()
+        self._log.phase = "step"
+        self.reducer.reduce()
+        self.optimizer.step()
+        self.reducer.gather_params()
+        return float(loss_local.detach())
+
+    @torch.no_grad()
+    def __call__(self, inputs) -> torch.Tensor:
+        """Forward only: the model's (primary) output, full, on every rank."""
+        if self._forward is None:
+            from autopar.trace import trace_model
+
+            ex = tuple(x.to("cpu") if x.is_meta else x for x in _tuple(inputs))
+            if self.program.local_dp:
+                ex = tuple(x[: x.shape[0] // self.program.dims.dp] for x in ex)
+            g = trace_model(self._model, ex, collapse_repeats=False, model_name=self.plan.model_name)
+            self._forward_graph = g
+            keys = frozenset(n.key for n in self.program.nodes if n.dtensor) if self.program.local_dp else None
+            self._forward = self._executor(g, compile_program(g, self.plan, local_dp=keys))
+        self._log.phase = "forward"
+        with self._recording():
+            outs = self._forward.run(_tuple(inputs), None)
+            out = self._user_output(self._forward_graph, outs)
+            if not isinstance(out, DTensor):             # local-dp mode: this rank's batch rows
+                out = DTensor.from_local(out, self.mesh, (Shard(0), Replicate()), run_check=False)
+            return out.redistribute(out.device_mesh, _replicate(out)).to_local()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) parameters under the original module's names (tied names included),
+        and its buffers. Collective: every rank must call it."""
+        sd = self.store.full_dict("param")
+        sd.update({k: v.detach().clone() for k, v in self._buffers.items()})
+        return sd
+
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        """Full gradients of the last step (dp-reduced), by parameter name. Collective."""
+        return self.store.full_dict("grad")
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _recording(self):
+        return self._recorder if self.record_collectives else contextlib.nullcontext()
+
+    def _executor(self, graph, program: RankProgram) -> GraphExecutor:
+        from autopar.trace import graph_on_device
+
+        gm = graph_on_device(graph, self.device)
+        spec_targets = {s.arg.name: s.target for s in graph.exported.graph_signature.input_specs
+                        if hasattr(s.arg, "name")}
+        constants = {n.name: graph.exported.constants[spec_targets[n.name]].to(self.device)
+                     for n in graph.nodes if n.kind == "buffer" and n.param_name is None}
+        return GraphExecutor(gm, program, self.mesh, self.store, self._buffers, constants, self._log.paused)
+
+    def _user_output(self, graph, outs: list):
+        from torch.export.graph_signature import OutputKind
+
+        specs = graph.exported.graph_signature.output_specs
+        user = []
+        for spec, value in zip(specs, outs):
+            if spec.kind == OutputKind.BUFFER_MUTATION:
+                name = next(n.param_name for n in graph.nodes if n.kind == "buffer" and n.param_name and
+                            spec.target.endswith(n.param_name))
+                with torch.no_grad():
+                    self._buffers[name].copy_(value.full_tensor() if isinstance(value, DTensor) else value)
+            elif spec.kind == OutputKind.USER_OUTPUT:
+                user.append(value)
+        if len(user) != 1:
+            raise NotImplementedError(f"the graph has {len(user)} user outputs; autopar runs one (the loss)")
+        return user[0]
+
+
+def _replicate(t) -> tuple:
+    return tuple(Replicate() for _ in t.placements)
+
+
+def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequence[torch.Tensor]], *,
+                    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+                    example_target: torch.Tensor,
+                    optimizer: Optional[OptimizerFactory] = None,
+                    cluster: Any = None,
+                    force: Union[str, dict, Force, None] = None,
+                    plan: Union[Plan, str, None] = None,
+                    seed: int = 0,
+                    timeout_s: float = DEFAULT_TIMEOUT_S,
+                    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                    model_name: str = "",
+                    record_collectives: bool = True,
+                    dp_mode: str = "auto") -> ParallelModel:
+    """Plan (or take ``plan``) and compile ``model`` for the running world; see the module docstring.
+
+    example_inputs / example_target: one GLOBAL batch (shapes fix the plan's batch and sequence).
+    optimizer: ``params -> torch.optim.Optimizer`` (default AdamW, lr 3e-4); it receives this rank's
+        (sharded) parameters. cluster: None = the running world (CPU or the detected GPU), else a
+        name or TOML path as in ``autopar plan --cluster``. force: as ``autopar plan --force``.
+    plan: a Plan, or the path of ``autopar plan --json`` output (then nothing is solved).
+    seed: autopar's deterministic init, used when the model is on the meta device.
+    timeout_s: every process group's timeout (a dead or stuck rank fails the others in this time).
+    bucket_bytes: gradient bucket size of the data-parallel reducer.
+    dp_mode: "auto" runs a tp == 1 plan whose dp axis only carries the batch on plain local-batch
+        tensors (DTensor only for the loss: exact global semantics, DDP's speed); "dtensor" runs
+        every op on DTensors over ("dp", "tp").
+    record_collectives: log DTensor's collectives into ``pm.collectives`` (a dispatch mode around
+        forward and backward: a few microseconds per op; autopar's own reducer/ZeRO collectives are
+        always logged).
+    """
+    with peer_failures("autoparallelize (setup)", timeout_s):
+        pm = _autoparallelize(model, example_inputs, loss_fn, example_target, optimizer, cluster,
+                              force, plan, seed, timeout_s, bucket_bytes, model_name, dp_mode)
+    pm.record_collectives = record_collectives
+    return pm
+
+
+def _autoparallelize(model, example_inputs, loss_fn, example_target, optimizer, cluster, force, plan,
+                     seed, timeout_s, bucket_bytes, model_name, dp_mode) -> ParallelModel:
+    if dp_mode not in ("auto", "dtensor"):
+        raise ValueError(f"dp_mode={dp_mode!r}: choose 'auto' or 'dtensor'")
+    from autopar.trace import trace_model
+
+    meta = _is_meta(model)
+    device_type = "cuda" if torch.cuda.is_available() and (meta or next(model.parameters()).is_cuda) else "cpu"
+    rank, world = init_world(timeout_s, device_type)
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    inputs = _tuple(example_inputs)
+    force_ = parse_force(force)
+    check_force(force_, world)
+    graph = trace_model(model, inputs, loss_fn=loss_fn, example_target=example_target,
+                        collapse_repeats=False, model_name=model_name)
+    if plan is None:
+        plan_ = _solve_on_rank0(model, inputs, loss_fn, example_target, cluster, force_, device_type, model_name)
+    else:
+        plan_ = Plan.load(plan) if isinstance(plan, str) else plan
+    dims = mesh_dims(plan_)                                   # pp > 1: NotImplementedError
+    if dims.size != world:
+        raise PlanMismatchError(world_size_message(dims.dp, dims.tp, world))
+    check_agreement(plan_, graph.fingerprint)                 # raises on every rank alike
+    mesh = build_mesh(dims, device_type, timeout_s)
+    local_keys = local_dp_nodes(graph, plan_) if dp_mode == "auto" else None
+    local_dp = local_keys is not None
+    if local_dp:          # tp == 1: run the graph traced at the local batch on plain tensors
+        graph = trace_model(model, tuple(x[: x.shape[0] // dims.dp] for x in inputs), loss_fn=loss_fn,
+                            example_target=example_target[: example_target.shape[0] // dims.dp],
+                            collapse_repeats=False, model_name=model_name)
+    program = compile_program(graph, plan_, local_dp=local_keys)
+    clog = CollectiveLog()
+    if meta:
+        store = ParamStore.from_init(program.params, mesh, plan_.zero_stage, clog, device, model,
+                                     init_rules(model), seed, local_dp)
+    else:
+        store = ParamStore.from_module(program.params, mesh, plan_.zero_stage, clog, device, model, local_dp)
+    meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
+    if meta_buffers:
+        raise ValueError(f"buffers {meta_buffers[:4]} are on the meta device; autopar generates "
+                         "parameters only -- build the model's buffers on the CPU")
+    buffers = {n: b.detach().to(device).clone() for n, b in model.named_buffers()}
+    make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=3e-4))
+    opt = make_opt(store.optimizer_params())
+    reducer = GradReducer(store, bucket_bytes)
+    log.info("rank %d: plan dp=%d tp=%d zero=%d recompute=%s sp=%s", rank, dims.dp, dims.tp,
+             plan_.zero_stage, plan_.recompute, plan_.sequence_parallel)
+    return ParallelModel(model=model, plan=plan_, train_graph=graph, mesh=mesh, program=program,
+                         store=store, optimizer=opt, reducer=reducer, buffers=buffers,
+                         collective_log=clog, device=device, timeout_s=timeout_s)

@@ -1,0 +1,390 @@
+"""Run a RankProgram: an interpreter over the exported FX graph, every value a DTensor.
+
+Per op node: each tensor input is resharded to the plan's input placement (``edge``), the op runs
+on DTensors (DTensor's rules compute the local pieces), the output is resharded to the plan's
+output placement if DTensor produced another one, and plain tensors (factories such as
+``arange``) become replicated DTensors. Parameters enter through ``ParamStore.use`` in each scope
+that reads them (the main graph, or a recompute region).
+
+Gradients. ``edge`` is an autograd function: forward redistributes producer -> consumer placement;
+backward redistributes the gradient to the producer's output placement (Partial read as
+Replicate), which is the solver's cost model (``solver/reshard.py``). Edges into a Replicate input
+are wrapped even when nothing moves forward, because the consumer may hand back a Partial gradient
+(Megatron's "f"): the all-reduce then happens on that edge, where the plan costs it.
+
+Recompute regions run under ``torch.utils.checkpoint(use_reentrant=False)`` with early stopping
+off, so a region's forward collectives are issued again, all of them, during backward.
+
+Fallbacks: an op DTensor has no rule for is probed once per (target, placements) without autograd
+(deciding before the real call keeps a region's recomputation identical to its forward) and then
+runs on local tensors (``fallback.py``); ``GraphExecutor.fallbacks`` lists them.
+
+Local-dp mode (``program.local_dp``, tp == 1): the graph was traced at the local batch; nodes
+run on plain tensors, and only the nodes that reduce over the batch (the loss) wrap their plain
+inputs as DTensors (Shard(0) on dp) to get the global result.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import operator
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import fx
+from torch.distributed.tensor import DTensor, Replicate as TReplicate, Shard as TShard
+
+from autopar.codegen import fallback
+from autopar.codegen.program import NodePlan, Placements, Region, RankProgram
+from autopar.codegen.shards import contiguous_stride, local_ranges, slice_of
+from autopar.placements import Partial, Replicate, Shard, to_torch
+
+log = logging.getLogger("autopar.codegen")
+
+
+# ---- edges ------------------------------------------------------------------------------------
+
+def _grad_placements(placements) -> tuple:
+    return tuple(TReplicate() if p.is_partial() else p for p in placements)
+
+
+class _Edge(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, target, keep_partial_axes):
+        ctx.back = _grad_placements(x.placements)
+        ctx.keep = keep_partial_axes
+        if tuple(x.placements) == tuple(target):
+            return x.view_as(x)
+        return redistribute(x, target)
+
+    @staticmethod
+    def backward(ctx, g):
+        back = tuple(have if i in ctx.keep and have.is_partial() else want
+                     for i, (have, want) in enumerate(zip(g.placements, ctx.back)))
+        if tuple(g.placements) != back:
+            g = g.redistribute(g.device_mesh, back)
+        return g, None, None
+
+
+def redistribute(x: DTensor, target: tuple) -> DTensor:
+    """``x.redistribute`` that also turns Replicate into Partial(sum) (each rank holds 1/n of the
+    value: a bias added after a row-parallel matmul), which DTensor keeps internal."""
+    mesh = x.device_mesh
+    to_partial = [i for i, p in enumerate(target) if p.is_partial() and not x.placements[i].is_partial()]
+    if not to_partial:
+        return x.redistribute(mesh, target)
+    first = tuple(TReplicate() if i in to_partial else p for i, p in enumerate(target))
+    if tuple(x.placements) != first:
+        x = x.redistribute(mesh, first)
+    local = x.to_local()
+    for i in to_partial:
+        local = local / mesh.size(i)
+    return DTensor.from_local(local, mesh, target, run_check=False, shape=x.shape, stride=x.stride())
+
+
+def resolve(x: DTensor, want: Optional[Placements]) -> tuple:
+    """The torch placements ``want`` asks of ``x`` (None entries keep x's; a plan Partial accepts
+    any Partial x already has)."""
+    if want is None:
+        return tuple(x.placements)
+    out = []
+    for have, w in zip(x.placements, want):
+        if w is None or (isinstance(w, Partial) and have.is_partial()):
+            out.append(have)
+        elif isinstance(w, Shard) and w.dim < 0:
+            out.append(TShard(w.dim + x.ndim))
+        else:
+            out.append(to_torch(w))
+    return tuple(out)
+
+
+def edge(x: DTensor, target: tuple, keep_partial_axes: tuple[int, ...] = ()) -> DTensor:
+    """``x`` in ``target`` placements; see the module docstring for the backward. A gradient that
+    is Partial on an axis of ``keep_partial_axes`` stays Partial (a parameter's summand on dp is
+    reduced by the bucketed reducer, not here)."""
+    same = tuple(x.placements) == target
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return x if same else redistribute(x, target)
+    mesh = x.device_mesh
+    guard = any(isinstance(p, TReplicate) and mesh.size(i) > 1 and i not in keep_partial_axes
+                for i, p in enumerate(target))
+    if same and not guard:
+        return x
+    return _Edge.apply(x, target, keep_partial_axes)
+
+
+DP_AXIS = (0,)          # runtime mesh axis 0 is "dp"
+TP_AXIS = 1
+
+
+def _dtensors(args, kwargs) -> list:
+    flat: list = []
+    fx.node.map_aggregate((args, kwargs), lambda a: flat.append(a) if isinstance(a, DTensor) else None)
+    return flat
+
+
+class _ParamRef:
+    """Env marker for a parameter placeholder: resolved per scope (``ParamStore.use``)."""
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+# ---- the executor ----------------------------------------------------------------------------
+
+class GraphExecutor:
+    """Executes ``gm`` (an exported graph, placeholders = params, buffers, inputs, target) under
+    ``program`` on ``mesh``. ``params`` supplies parameter DTensors; ``buffers`` maps buffer
+    names (and lifted-constant placeholder names) to full tensors."""
+
+    def __init__(self, gm: fx.GraphModule, program: RankProgram, mesh, params, buffers: dict,
+                 constants: dict, log_paused=contextlib.nullcontext) -> None:
+        self.gm = gm
+        self.program = program
+        self.mesh = mesh
+        self.params = params
+        self.buffers = buffers
+        self.constants = constants
+        self.plans = {n.name: n for n in program.nodes}
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda"
+                       else torch.device(mesh.device_type))
+        self.fallbacks: set[str] = set()        # op targets run on local tensors
+        self._probed: set = set()
+        self._fallback_sigs: set = set()
+        self.log_paused = log_paused            # context manager: probes are not logged
+        self._units = self._make_units()
+
+    # ---- structure ----
+    def _make_units(self) -> list:
+        """Top-level units in graph order: ("node", fx.Node) or ("region", Region, [fx.Node]),
+        each with the names it reads from earlier units and the names to drop after it."""
+        region_of = {name: self.program.regions[p.region] for name, p in self.plans.items()
+                     if p.region is not None}
+        units: list = []
+        seen_regions: set[int] = set()
+        for node in self.gm.graph.nodes:
+            r = region_of.get(node.name)
+            if r is None:
+                units.append(["node", node])
+            elif r.index not in seen_regions:
+                seen_regions.add(r.index)
+                names = set(r.nodes)
+                members = [n for n in self.gm.graph.nodes if n.name in names]
+                units.append(["region", r, members])
+        last_use: dict[str, int] = {}
+        reads: list[list[str]] = []
+        for i, u in enumerate(units):
+            members = [u[1]] if u[0] == "node" else u[2]
+            inside = {n.name for n in members}
+            r = []
+            for n in members:
+                for a in n.all_input_nodes:
+                    if a.name not in inside and a.name not in r:
+                        r.append(a.name)
+            reads.append(r)
+            for name in r:
+                last_use[name] = i
+        out = []
+        for i, u in enumerate(units):
+            drop = [name for name, j in last_use.items() if j == i]
+            if u[0] == "region":
+                produced = {n.name for n in u[2]}
+                exported = [name for name, j in last_use.items() if name in produced and j > i]
+                out.append(("region", u[1], u[2], reads[i], exported, drop))
+            else:
+                out.append(("node", u[1], reads[i], drop))
+        return out
+
+    # ---- running ----
+    def run(self, inputs: Sequence[torch.Tensor], target: Optional[torch.Tensor] = None) -> list:
+        """Graph outputs (DTensors; buffer mutations first, then the user output)."""
+        env: dict[str, Any] = {}
+        scope: dict[str, DTensor] = {}
+        for u in self._units:
+            if u[0] == "node":
+                _, node, _, drop = u
+                if node.op == "output":
+                    return [self._value(a, env, scope) if isinstance(a, fx.Node) else a
+                            for a in node.args[0]]
+                env[node.name] = self._run_node(node, env, scope, inputs, target)
+            else:
+                _, region, members, reads, exported, drop = u
+                self._run_region(region, members, reads, exported, env)
+            for name in drop:
+                env.pop(name, None)
+        raise RuntimeError("the graph has no output node")
+
+    def _run_region(self, region: Region, members, reads, exported, env) -> None:
+        from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+        def fn(*vals):
+            local_env = dict(zip(reads, vals))
+            local_scope: dict[str, DTensor] = {}
+            for node in members:
+                local_env[node.name] = self._run_node(node, local_env, local_scope, (), None)
+            return tuple(local_env[n] for n in exported)
+
+        with set_checkpoint_early_stop(False):
+            outs = checkpoint(fn, *[env[n] for n in reads], use_reentrant=False)
+        env.update(zip(exported, outs))
+
+    def _value(self, n: fx.Node, env, scope):
+        v = env[n.name]
+        if isinstance(v, _ParamRef):
+            if v.name not in scope:
+                scope[v.name] = self.params.use(v.name)
+            return scope[v.name]
+        return v
+
+    def _run_node(self, node: fx.Node, env, scope, inputs, target):
+        p = self.plans[node.name]
+        if node.op == "placeholder":
+            return self._placeholder(node, p, inputs, target)
+        if node.op == "get_attr":
+            raise NotImplementedError(f"{node.format_node()}: get_attr nodes are not produced by "
+                                      "torch.export's lifted graphs; trace with autopar.trace")
+        if node.op != "call_function":
+            raise NotImplementedError(f"{node.format_node()}: node op {node.op!r} is not supported")
+        if self.program.local_dp and not p.dtensor:
+            return self._run_plain(node, env, scope)
+        counter = [0]
+
+        def arg(n: fx.Node):
+            is_param = isinstance(env[n.name], _ParamRef)
+            v = self._value(n, env, scope)
+            i = counter[0]
+            counter[0] += 1
+            if not isinstance(v, DTensor) and isinstance(v, torch.Tensor):
+                v = self._wrap_plain(v, n.name)       # local-dp mode: a plain producer
+            if isinstance(v, DTensor):
+                want = p.inputs[i] if i < len(p.inputs) else None
+                v = edge(v, resolve(v, want), DP_AXIS if is_param else ())
+            return v
+
+        args = fx.node.map_arg(node.args, arg)
+        kwargs = fx.node.map_arg(node.kwargs, arg)
+        if node.target is operator.getitem:
+            out = args[0][args[1]]
+        elif p.strided:
+            out = self._strided_split(p, args[0], p.strided)
+        else:
+            out = self._call(node, p, args, kwargs)
+        return self._fix_output(out, p)
+
+    def _run_plain(self, node: fx.Node, env, scope):
+        """Local-dp mode: the op on plain tensors of the local batch (see ``program.py``)."""
+        args = fx.node.map_arg(node.args, lambda n: self._value(n, env, scope))
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: self._value(n, env, scope))
+        if node.target is operator.getitem:
+            return args[0][args[1]]
+        return node.target(*args, **kwargs)
+
+    def _wrap_plain(self, t: torch.Tensor, producer: str) -> DTensor:
+        """A plain local-batch tensor entering a DTensor node: its planned placement, its global
+        shape (the batch dim sharded evenly: local-dp mode requires dp | batch)."""
+        want = self.plans[producer].output or (None,) * self.mesh.ndim
+        pl = tuple(TReplicate() if w is None or isinstance(w, Partial) else
+                   to_torch(Shard(w.dim + t.dim()) if isinstance(w, Shard) and w.dim < 0 else w) for w in want)
+        return DTensor.from_local(t, self.mesh, pl, run_check=False)
+
+    def _call(self, node: fx.Node, p: NodePlan, args, kwargs):
+        dts = _dtensors(args, kwargs)
+        if not dts:
+            return node.target(*args, **kwargs)
+        sig = (p.target, tuple(tuple(a.placements) for a in dts))
+        if sig not in self._probed:
+            self._probed.add(sig)
+            if self._lacks_rule(node, p, args, kwargs):
+                self.fallbacks.add(p.target)
+                self._fallback_sigs.add(sig)
+        if sig in self._fallback_sigs:
+            return self._run_local(node, p, args, kwargs)
+        return node.target(*args, **kwargs)
+
+    def _lacks_rule(self, node: fx.Node, p: NodePlan, args, kwargs) -> bool:
+        """Probe once per (target, placements), without autograd and with the collective log
+        paused, whether DTensor can run the op. Deciding before the real call keeps a recompute
+        region's replay identical to its forward."""
+        try:
+            with torch.no_grad(), self.log_paused():
+                node.target(*args, **kwargs)
+        except NotImplementedError as e:
+            if "sharding strategy" not in str(e) and "sharding propagation" not in str(e):
+                raise
+            log.info("DTensor has no sharding rule inside %s (%s); running it on local tensors "
+                        "(see autopar/codegen/fallback.py)", p.target, str(e).splitlines()[0][:160])
+            return True
+        return False
+
+    def _run_local(self, node: fx.Node, p: NodePlan, args, kwargs):
+        flat = _dtensors(args, kwargs)
+        chosen, out_pl = fallback.local_placements(p.target, args, kwargs, [t.placements for t in flat],
+                                                   [t.ndim for t in flat])
+        shapes = [tuple(t.shape) for t in flat]
+        it = iter(zip(flat, chosen))
+
+        def local(a):
+            if isinstance(a, DTensor):
+                t, pl = next(it)
+                return edge(t, tuple(pl)).to_local()
+            return a
+        largs = fx.node.map_aggregate(args, local)
+        lkwargs = fx.node.map_aggregate(kwargs, local)
+        out = node.target(*largs, **lkwargs)
+        if not isinstance(out, torch.Tensor):
+            raise NotImplementedError(f"{node.format_node()}: fallback for multi-output op {p.target}")
+        shape = fallback.global_output_shape(p.target, shapes, out.shape)
+        return DTensor.from_local(out, self.mesh, out_pl, run_check=False, shape=torch.Size(shape),
+                                  stride=contiguous_stride(shape))
+
+    def _strided_split(self, p: NodePlan, x: DTensor, k: int) -> tuple:
+        """Split a strided tp shard into its k chunks locally (see ``program.py``)."""
+        dim = x.placements[TP_AXIS].dim
+        shape = list(x.shape)
+        shape[dim] //= k
+        return tuple(DTensor.from_local(c, self.mesh, x.placements, run_check=False,
+                                        shape=torch.Size(shape), stride=contiguous_stride(shape))
+                     for c in torch.chunk(x.to_local(), k, dim=dim))
+
+    def _fix_output(self, out, p: NodePlan):
+        if isinstance(out, torch.Tensor) and not isinstance(out, DTensor) and not self.program.local_dp:
+            out = DTensor.from_local(out, self.mesh, tuple(TReplicate() for _ in range(self.mesh.ndim)),
+                                     run_check=False)
+        if p.output is None:
+            return out
+        if isinstance(out, DTensor):
+            return edge(out, resolve(out, p.output))
+        if isinstance(out, (tuple, list)):
+            return type(out)(edge(o, resolve(o, p.output)) if isinstance(o, DTensor) else o for o in out)
+        return out
+
+    def _placeholder(self, node: fx.Node, p: NodePlan, inputs, target):
+        if p.kind == "param":
+            return _ParamRef(p.param_name)
+        if p.kind == "buffer":
+            value = self.buffers.get(p.param_name) if p.param_name else self.constants[node.name]
+            return self._distribute(value, p.output)
+        if p.key == "|target|0":
+            if target is None:
+                raise ValueError("this graph computes the loss: pass the target")
+            return self._distribute(target, p.output)
+        i = int(p.key.rsplit("|", 1)[1])
+        if i >= len(inputs):
+            raise ValueError(f"the graph takes {i + 1}+ inputs, got {len(inputs)}")
+        return self._distribute(inputs[i], p.output)
+
+    def _distribute(self, t: torch.Tensor, want: Optional[Placements]) -> DTensor:
+        """A full tensor every rank holds -> this rank's shard (no communication)."""
+        pl = tuple(Replicate() if w is None or isinstance(w, Partial) else w
+                   for w in (want or (None,) * self.mesh.ndim))
+        pl = tuple(Shard(w.dim + t.dim()) if isinstance(w, Shard) and w.dim < 0 else w for w in pl)
+        ranges = local_ranges(t.shape, pl, tuple(self.mesh.shape), tuple(self.mesh.get_coordinate()))
+        local = slice_of(t, ranges) if t.dim() else t
+        if self.program.local_dp:
+            return local.to(self.device)
+        d = DTensor.from_local(local.to(self.device).contiguous(), self.mesh, tuple(to_torch(x) for x in pl),
+                               run_check=False, shape=t.shape, stride=contiguous_stride(t.shape))
+        return d
+
+

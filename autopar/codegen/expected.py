@@ -1,0 +1,223 @@
+"""The collectives a rank should issue for one training step, derived from Plan + GraphIR alone.
+
+What the runtime does (``executor.py``, ``runtime/params.py``, ``runtime/reducer.py``) written
+as counting rules, so a test can hold ``ParallelModel.collectives`` against it:
+
+forward, per tensor edge producer u -> consumer n (input i), per mesh axis a of size > 1:
+    ``reshard_kind(out(u)[a], in(n, i)[a])`` (``solver/reshard.py``: S->R all_gather, P->R
+    all_reduce, P->S reduce_scatter, S(i)->S(j) all_to_all -- all_gather on gloo, R->S and R->P
+    free). A getitem's edge is its producer's output -> the getitem's output. A parameter's
+    output is (Replicate, its tp storage placement): dp sharding is ZeRO's, below.
+backward, per edge whose value needs a gradient: the consumer's gradient placement G
+    (``input_grads``: R for a Partial input, Partial for a Replicate input of a node whose output
+    is not Replicate on that axis, else the input placement) -> the producer's output placement
+    with Partial read as Replicate (a parameter keeps a Partial gradient on dp: the reducer's).
+the loss: Partial axes of the loss are all-reduced (4 bytes) to return one float; DTensor's
+    nll_loss backward all-reduces its ``total_weight`` (4 bytes) on every axis where the loss is
+    Partial (a DTensor implementation detail, listed here so the count is exact).
+local-dp mode (tp == 1, ``program.local_dp_nodes``): only edges into nodes that run on DTensors
+    (the loss) count; the rest runs on plain local tensors.
+recompute: every forward collective of a node inside a recompute region is issued again in
+    backward (non-reentrant checkpoint, early stop off); ZeRO-3 gathers of parameters read in a
+    region too.
+ZeRO (dp > 1), per parameter read per scope (main graph or region): ZeRO-3 all_gather of its rows.
+    Per gradient bucket (``buckets.py``): all_reduce (ZeRO 0/1) or reduce_scatter (2/3); after the
+    optimizer step all_gather (ZeRO 1/2).
+
+``nbytes`` as ``autopar.cost.collectives``, of the piece the collective moves: the tensor divided
+by its shard counts on the other axes. Not predicted: ops DTensor has no rule for that must gather
+(``ParallelModel.fallbacks`` names them), and reshardings DTensor inserts inside an op whose
+planned input placements it does not accept -- both show up as differences, which is the point.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES, ParamLayout, bucket_comm_bytes, plan_buckets
+from autopar.codegen.program import RankProgram, compile_program, local_dp_nodes
+from autopar.codegen.shards import chunk_range
+from autopar.ir import DTYPE_BYTES, GraphIR, NodeInfo, TensorMeta
+from autopar.placements import Partial, Placement, Replicate, Shard
+from autopar.plan import Plan
+from autopar.runtime.collectives import Collective
+
+AXES = ("dp", "tp")
+FLOAT = frozenset({"float64", "float32", "float16", "bfloat16"})
+LOSS_TARGETS = frozenset({"aten.cross_entropy_loss.default", "aten.nll_loss.default",
+                          "aten.nll_loss_nd.default", "aten.nll_loss_forward.default"})
+
+
+def reshard_kind(src: Placement, dst: Placement, backend: str) -> Optional[str]:
+    from autopar.solver.reshard import reshard_kind as kind_of
+
+    k = kind_of(src, dst)
+    if k == "all_to_all" and backend == "gloo":
+        return "all_gather"            # DTensor on a CPU group: all-gather + local chunk
+    return k
+
+
+def _norm(p: Placement, ndim: int) -> Placement:
+    return Shard(p.dim + ndim) if isinstance(p, Shard) and p.dim < 0 else p
+
+
+def _piece_bytes(meta: TensorMeta, pl: Sequence[Placement], sizes: Sequence[int], axis: int, kind: str) -> int:
+    """Bytes a collective on ``axis`` moves for a tensor with placements ``pl`` elsewhere."""
+    shape = list(meta.shape)
+    for b, p in enumerate(pl):
+        if b != axis and isinstance(p, Shard) and shape:
+            d = p.dim % len(shape)
+            a, e = chunk_range(shape[d], sizes[b], 0)
+            shape[d] = e - a
+    nbytes = math.prod(shape) * DTYPE_BYTES[meta.dtype]
+    if kind == "all_to_all":
+        nbytes //= sizes[axis]
+    return nbytes
+
+
+def _grad_placement(b: Placement, out: Placement) -> Placement:
+    if isinstance(b, Partial):
+        return Replicate()
+    if isinstance(b, Replicate) and not isinstance(out, Replicate):
+        return Partial()
+    return b
+
+
+def _needs_grad(graph: GraphIR) -> dict[str, bool]:
+    need: dict[str, bool] = {}
+    for n in graph.nodes:
+        if n.kind == "param":
+            need[n.key] = True
+        elif n.kind == "op":
+            need[n.key] = bool(n.outputs) and n.outputs[0].dtype in FLOAT and any(
+                need.get(r.key, False) for r in n.inputs)
+        else:
+            need[n.key] = False
+    return need
+
+
+def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                         backend: str = "gloo", tp_rank: int = 0, dp_mode: str = "auto",
+                         program: Optional[RankProgram] = None) -> list[Collective]:
+    """One step's collectives on a rank with tp coordinate ``tp_rank`` (``graph``: the FULL trace
+    at the global batch). ``dp_mode`` as ``autoparallelize``'s: in local-dp mode only the nodes
+    that reduce over the batch run on DTensors, so only their edges communicate."""
+    if program is None:
+        program = compile_program(graph, plan, local_dp=local_dp_nodes(graph, plan) if dp_mode == "auto" else None)
+    sizes = (program.dims.dp, program.dims.tp)
+    by_key = {n.key: n for n in graph.nodes}
+    nplan = {n.key: n for n in program.nodes}
+    params = {p.name: p for p in program.params}
+    need = _needs_grad(graph)
+    region_of = {n.key: n.region for n in program.nodes}
+    out: list[Collective] = []
+
+    def add(kind, axis, nbytes, phase, source="dtensor"):
+        out.append(Collective(kind, AXES[axis], int(nbytes), phase, source))
+
+    def out_placement(n: NodeInfo) -> Optional[tuple]:
+        if n.kind == "param":
+            return (Replicate(), params[n.param_name or n.key].tp)
+        p = nplan[n.key].output
+        return p
+
+    def edge(u: NodeInfo, meta: TensorMeta, a_pl, b_pl, consumer_out, phases, grad: bool, is_param: bool):
+        if a_pl is None or b_pl is None:
+            return
+        nd = len(meta.shape)
+        a_pl = tuple(None if x is None else _norm(x, nd) for x in a_pl)
+        b_pl = tuple(None if x is None else _norm(x, nd) for x in b_pl)
+        for ax in range(2):
+            if sizes[ax] == 1 or a_pl[ax] is None or b_pl[ax] is None:
+                continue
+            k = reshard_kind(a_pl[ax], b_pl[ax], backend)
+            if k is not None:
+                for ph in phases:
+                    add(k, ax, _piece_bytes(meta, a_pl, sizes, ax, k), ph)
+            if not grad or consumer_out is None or consumer_out[ax] is None:
+                continue
+            g = _grad_placement(b_pl[ax], _norm(consumer_out[ax], nd) if consumer_out[ax] else consumer_out[ax])
+            t = Replicate() if isinstance(a_pl[ax], Partial) else a_pl[ax]
+            if is_param and ax == 0 and isinstance(g, Partial):
+                continue                                   # the reducer's summand
+            kb = reshard_kind(g, t, backend)
+            if kb is not None:
+                tgt = tuple(Replicate() if isinstance(x, Partial) else x for x in a_pl)
+                add(kb, ax, _piece_bytes(meta, tgt, sizes, ax, kb), "backward")
+
+    # ---- DTensor edges ----
+    for n in graph.nodes:
+        if n.kind != "op":
+            continue
+        np_ = nplan[n.key]
+        if program.local_dp and not np_.dtensor:
+            continue                                       # plain local tensors: no DTensor edges
+        phases = ("forward", "backward") if np_.region is not None else ("forward",)
+        if n.target == "getitem":
+            u = by_key[n.inputs[0].key]
+            edge(u, n.out, out_placement(u), np_.output, np_.output, phases,
+                 need[n.key], False)
+            continue
+        if not np_.inputs:
+            continue
+        for r, b_pl in zip(n.inputs, np_.inputs):
+            u = by_key[r.key]
+            if not u.outputs:
+                continue
+            meta = u.outputs[r.index or 0] if r.index is not None else u.out
+            if u.target in ("aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default"):
+                continue                                   # consumed through getitem
+            edge(u, meta, out_placement(u), b_pl, np_.output, phases, need[u.key], u.kind == "param")
+
+    # ---- the loss ----
+    loss = next((by_key[r.key] for r in by_key["|output|0"].inputs), None) if "|output|0" in by_key else None
+    if loss is not None and nplan[loss.key].output is not None:
+        for ax in range(2):
+            if sizes[ax] > 1 and isinstance(nplan[loss.key].output[ax], Partial):
+                add("all_reduce", ax, DTYPE_BYTES[loss.out.dtype], "forward")
+                if loss.target in LOSS_TARGETS:
+                    add("all_reduce", ax, DTYPE_BYTES[loss.out.dtype], "backward")
+
+    # ---- ZeRO and the reducer ----
+    dp = sizes[0]
+    if dp > 1:
+        layouts = [ParamLayout(p.name, _tp_local_shape(p, sizes[1], tp_rank), p.dtype) for p in program.params]
+        lay = {l.name: l for l in layouts}
+        if program.zero_stage == 3:
+            scopes = set()
+            for n in graph.nodes:
+                if n.kind != "op":
+                    continue
+                for r in n.inputs:
+                    u = by_key[r.key]
+                    if u.kind == "param":
+                        scopes.add((u.param_name or u.key, region_of.get(n.key)))
+            for name, region in scopes:
+                nb = lay[name].padded_numel(dp) * DTYPE_BYTES[lay[name].dtype]
+                add("all_gather", 0, nb, "forward", "zero")
+                if region is not None:
+                    add("all_gather", 0, nb, "backward", "zero")
+        for bucket in plan_buckets(layouts, bucket_bytes):
+            if program.zero_stage in (0, 1):
+                add("all_reduce", 0, bucket_comm_bytes(layouts, bucket, dp, "all_reduce"), "step", "reducer")
+            else:
+                add("reduce_scatter", 0, bucket_comm_bytes(layouts, bucket, dp, "reduce_scatter"), "step", "reducer")
+            if program.zero_stage in (1, 2):
+                add("all_gather", 0, bucket_comm_bytes(layouts, bucket, dp, "all_gather"), "step", "zero")
+    return out
+
+
+def _tp_local_shape(p, tp: int, tp_rank: int) -> tuple[int, ...]:
+    if not p.shape:
+        return ()
+    shape = list(p.shape)
+    if isinstance(p.tp, Shard):
+        d = p.tp.dim % len(shape)
+        if d == 0 and p.strided > 1:
+            m = shape[0] // p.strided
+            a, b = chunk_range(m, tp, tp_rank)
+            shape[0] = (b - a) * p.strided
+        else:
+            a, b = chunk_range(shape[d], tp, tp_rank)
+            shape[d] = b - a
+    return tuple(shape)

@@ -1,0 +1,313 @@
+"""Plan + GraphIR -> RankProgram: what every node of the FULL traced graph does on the mesh.
+
+The program is plain frozen data keyed by FX node name, the same on every rank; the executor
+(``executor.py``) runs it on DTensors. Placements are always on the runtime mesh ("dp", "tp"),
+whatever ``plan.mesh_axes`` lists (a missing axis has size 1).
+
+Reading a Plan (conventions agreed with the solver):
+
+- A node of layer i >= 1 of a full trace (key ``"...@i"``) takes the strategy of layer 0's key.
+- ``NodeStrategy.output`` / ``inputs`` hold one placement per plan mesh axis. A strategy with ONE
+  placement on a 2-axis plan is read as the tp placement; the dp placement is then left to DTensor
+  ("keep": ``None`` in ``NodePlan``), and inputs get Shard(0) on dp when they carry the batch.
+- Parameters: the tp placement of the parameter node's output is how the parameter is stored and
+  used. On dp a parameter is Replicate (ZeRO 0-2) or Shard(0) (ZeRO-3), which the runtime realizes
+  itself (``runtime/params.py``); any other dp placement of a parameter is an error.
+- Nodes without a strategy (getitem, views the solver skipped) keep what DTensor propagates.
+
+Strided shards (Megatron's fused QKV): a split into k equal chunks whose input is Shard(d) on tp
+along the split dim (the solver's "strided" split) can only be local if each rank holds 1/t of
+EVERY chunk. The column-parallel linear that produces the split input then stores its weight rows
+(and bias) as k blocks each split over tp (``ParamPlan.strided = k``), and the split runs on the
+local tensor. Any other producer is an error.
+
+Recompute regions: ``plan.recompute == "full"`` puts each layer's op nodes (same block and layer
+id, in graph order) in one ``torch.utils.checkpoint`` region; ``"selective"`` wraps each attention
+core (``ATTENTION_CORE`` targets) alone.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from autopar.ir import GraphIR, NodeInfo
+from autopar.placements import Partial, Placement, Replicate, Shard
+from autopar.plan import NodeStrategy, Plan
+from autopar.runtime.world import MESH_AXES, MeshDims, mesh_dims
+
+log = logging.getLogger("autopar.codegen")
+
+ATTENTION_CORE = frozenset({
+    "aten.scaled_dot_product_attention.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+})
+
+Placements = tuple[Optional[Placement], ...]   # one per runtime mesh axis; None = keep
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    name: str                                  # FX node name
+    key: str
+    kind: str                                  # "input" | "param" | "buffer" | "op" | "output"
+    target: str
+    inputs: tuple[Optional[Placements], ...]   # per tensor input (NodeInfo.inputs order); None = keep
+    output: Optional[Placements]               # None = keep what DTensor gives
+    region: Optional[int] = None               # recompute region id
+    param_name: Optional[str] = None
+    strided: int = 0                           # a split of k equal chunks of a strided tp shard: k
+    dtensor: bool = True                       # local-dp mode: False = runs on plain local tensors
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    name: str              # canonical name in the original module
+    shape: tuple[int, ...]
+    dtype: str
+    tp: Placement          # storage placement on the tp axis (Replicate or Shard)
+    uses: int              # parameter nodes of the graph that read it and have users
+    strided: int = 1       # k > 1: rows are k equal blocks, each Shard(0)-split on tp (fused QKV)
+
+
+@dataclass(frozen=True)
+class Region:
+    index: int
+    kind: str                      # "layer" | "attention"
+    nodes: tuple[str, ...]         # FX names, graph order
+
+
+@dataclass(frozen=True)
+class RankProgram:
+    dims: MeshDims
+    zero_stage: int
+    recompute: str
+    nodes: tuple[NodePlan, ...]
+    params: tuple[ParamPlan, ...]
+    regions: tuple[Region, ...]
+    unplanned: tuple[str, ...]     # op keys the plan has no strategy for (DTensor decides)
+    local_dp: bool = False         # dp as plain local batch shards (see ``local_dp_nodes``)
+
+    def node(self, name: str) -> NodePlan:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+
+def base_key(key: str) -> str:
+    return key.split("@", 1)[0]
+
+
+def to_mesh(placements: tuple[Placement, ...], plan: Plan, where: str) -> Placements:
+    """Plan placements (plan.mesh_axes order) -> runtime (dp, tp) order; see the module docstring."""
+    axes = tuple(plan.mesh_axes)
+    if len(placements) == len(axes):
+        by_axis = dict(zip(axes, placements))
+        return tuple(by_axis.get(a, Replicate()) for a in MESH_AXES)
+    if len(placements) == 1:
+        return (None, placements[0])
+    raise ValueError(f"{where}: {len(placements)} placements for mesh axes {axes}")
+
+
+def _strategies(plan: Plan) -> dict[str, NodeStrategy]:
+    return {s.key: s for s in plan.strategies}
+
+
+def _used_keys(graph: GraphIR) -> set[str]:
+    return {r.key for n in graph.nodes for r in n.inputs}
+
+
+def _param_dp_check(p: Optional[Placement], key: str) -> None:
+    if p not in (None, Replicate(), Shard(0)):
+        raise ValueError(f"parameter node {key}: dp placement {p} is not supported (parameters are "
+                         "Replicate on dp, or Shard(0) under ZeRO-3)")
+
+
+def _batch_default(n: NodeInfo, graph: GraphIR, dims: MeshDims) -> Placements:
+    carries = bool(n.outputs and n.out.shape and n.out.shape[0] == graph.batch_size and dims.dp > 1)
+    return (Shard(0) if carries else Replicate(), Replicate())
+
+
+def _regions(graph: GraphIR, recompute: str) -> tuple[tuple[Region, ...], dict[str, int]]:
+    regions: list[Region] = []
+    of: dict[str, int] = {}
+    if recompute == "full":
+        current: list[str] = []
+        layer = None
+        for n in graph.nodes:
+            here = (n.block, n.layer_id) if n.kind == "op" and n.layer_id is not None else None
+            if here != layer and current:
+                regions.append(Region(len(regions), "layer", tuple(current)))
+                current = []
+            layer = here
+            if here is not None:
+                current.append(n.name)
+        if current:
+            regions.append(Region(len(regions), "layer", tuple(current)))
+    elif recompute == "selective":
+        for n in graph.nodes:
+            if n.kind == "op" and n.target in ATTENTION_CORE:
+                regions.append(Region(len(regions), "attention", (n.name,)))
+    elif recompute != "none":
+        raise ValueError(f"plan.recompute={recompute!r} is not one of none, selective, full")
+    for r in regions:
+        for name in r.nodes:
+            of[name] = r.index
+    return tuple(regions), of
+
+
+SPLIT_TARGETS = ("aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default")
+
+
+def _split_chunks(n: NodeInfo) -> tuple[int, int]:
+    """(split dim, number of equal chunks) of a split node, or raise."""
+    nd = len(n.out.shape)
+    dim = n.args[2] if len(n.args) > 2 else dict(n.kwargs).get("dim", 0)
+    dim = dim + nd if dim < 0 else dim
+    k = len(n.outputs)
+    sizes = {m.shape[dim] for m in n.outputs}
+    if len(sizes) != 1:
+        raise NotImplementedError(f"node {n.key}: a strided tp shard needs equal chunks, got {sorted(sizes)}")
+    return dim, k
+
+
+def _strided_splits(graph: GraphIR, ins_of: dict, dims: MeshDims) -> tuple[dict[str, int], dict[str, int]]:
+    """Split nodes run on local chunks (name -> k) and the parameters stored strided (name -> k)."""
+    splits: dict[str, int] = {}
+    params: dict[str, int] = {}
+    if dims.tp == 1:
+        return splits, params
+    by_key = {n.key: n for n in graph.nodes}
+    for n in graph.nodes:
+        if n.kind != "op" or n.target not in SPLIT_TARGETS or not ins_of.get(n.name):
+            continue
+        tp_in = ins_of[n.name][0][1]
+        dim, k = _split_chunks(n)
+        if not (isinstance(tp_in, Shard) and tp_in.dim % len(n.out.shape) == dim):
+            continue
+        producer = by_key[n.inputs[0].key]
+        if producer.target != "aten.linear.default" or dim != len(producer.out.shape) - 1:
+            raise NotImplementedError(
+                f"node {n.key}: splitting a tp-sharded dim needs a strided layout, which the runtime "
+                f"builds only for a column-parallel linear's output (producer here: {producer.target}); "
+                "re-plan with that split Replicate on tp")
+        splits[n.name] = k
+        for r in producer.inputs[1:]:
+            pn = by_key[r.key]
+            if pn.kind == "param":
+                params[pn.param_name or pn.key] = k
+    return splits, params
+
+
+def _has_shape_literal(args) -> bool:
+    return any(isinstance(a, tuple) and any(isinstance(x, int) and not isinstance(x, bool) for x in a)
+               for a in args)
+
+
+def local_dp_nodes(graph: GraphIR, plan: Plan) -> Optional[frozenset[str]]:
+    """Local-dp mode: with tp == 1, nodes whose dp placement only carries the batch can run on
+    plain tensors of the LOCAL batch (a graph traced at global_batch / dp: no DTensor dispatch,
+    DDP's speed). Only nodes that reduce over the batch -- a Partial output on dp, and everything
+    after them (the loss) -- need DTensor's global semantics (an exact mean, ignore_index counts).
+    Returns those nodes' keys, or None when the plan does not allow the mode (tp > 1; a node whose
+    dp output is Replicate although an input is Shard, i.e. a batch reduction DTensor would all-reduce
+    mid-graph; a strategy without a dp placement; a batch not divisible by dp)."""
+    dims = mesh_dims(plan)
+    if dims.tp != 1 or dims.dp == 1 or graph.batch_size % dims.dp:
+        return None
+    strategies = _strategies(plan)
+    dp_out: dict[str, Optional[Placement]] = {}
+    dtensor: set[str] = set()
+    for n in graph.nodes:
+        s = strategies.get(base_key(n.key))
+        if s is None or len(s.output) != len(plan.mesh_axes):
+            if n.kind in ("op", "input"):
+                return None
+            dp_out[n.key] = Replicate()
+            continue
+        out = to_mesh(s.output, plan, n.key)[0]
+        dp_out[n.key] = out
+        if n.kind != "op":
+            continue
+        ins = [dp_out.get(r.key) for r in n.inputs]
+        if isinstance(out, Partial) or any(r.key in dtensor for r in n.inputs):
+            if _has_shape_literal(n.args):
+                return None                 # a global-shape literal on a local-batch graph
+            dtensor.add(n.key)
+        elif isinstance(out, Replicate) and any(isinstance(i, (Shard, Partial)) for i in ins):
+            return None
+    return frozenset(dtensor)
+
+
+def compile_program(graph: GraphIR, plan: Plan, *, local_dp: Optional[frozenset[str]] = None) -> RankProgram:
+    """The rank program for ``graph`` (a FULL trace: ``collapse_repeats=False``) under ``plan``.
+
+    local_dp: ``local_dp_nodes(global graph, plan)`` to run in local-dp mode (``graph`` is then
+    the trace at the local batch), None for DTensor everywhere."""
+    dims = mesh_dims(plan)
+    if plan.offload != "none":
+        raise NotImplementedError(f"plan.offload={plan.offload!r}: optimizer offload is not implemented "
+                                  "by the runtime; re-plan with --force offload=none")
+    if not 0 <= plan.zero_stage <= 3:
+        raise ValueError(f"plan.zero_stage={plan.zero_stage} is not 0..3")
+    collapsed = [b.path for b in graph.blocks if b.traced != b.count]
+    if collapsed:
+        raise ValueError(f"the graph has collapsed repeated blocks {collapsed}; the runtime executes a "
+                         "full trace (trace_model(..., collapse_repeats=False))")
+    strategies = _strategies(plan)
+    used = _used_keys(graph)
+    regions, region_of = _regions(graph, plan.recompute)
+    nodes: list[NodePlan] = []
+    unplanned: list[str] = []
+    param_tp: dict[str, Placement] = {}
+    param_meta: dict[str, tuple] = {}
+    param_uses: dict[str, int] = {}
+    for n in graph.nodes:
+        s = strategies.get(base_key(n.key))
+        where = f"node {n.key} ({n.name})"
+        out = to_mesh(s.output, plan, where) if s is not None else None
+        ins: tuple = tuple(to_mesh(p, plan, where) for p in s.inputs) if s is not None else ()
+        if s is not None and len(ins) != len(n.inputs):
+            log.warning("%s: the plan lists %d input placements for %d tensor inputs; inputs kept",
+                        where, len(ins), len(n.inputs))
+            ins = ()
+        if n.kind == "input" and (out is None or out[0] is None):
+            default = _batch_default(n, graph, dims)
+            out = default if out is None else (default[0], out[1])
+        if n.kind == "param":
+            _param_dp_check(out[0] if out else None, n.key)
+            tp = out[1] if out else Replicate()
+            if isinstance(tp, Partial):
+                raise ValueError(f"parameter node {n.key}: a Partial placement on tp is not a way to store a parameter")
+            name = n.param_name or n.key
+            param_meta.setdefault(name, (n.out.shape, n.out.dtype))
+            if n.key in used:
+                param_uses[name] = param_uses.get(name, 0) + 1
+                param_tp.setdefault(name, tp)
+        if n.kind == "op" and s is None and n.target != "getitem":
+            unplanned.append(n.key)
+        nodes.append(NodePlan(name=n.name, key=n.key, kind=n.kind, target=n.target,
+                              inputs=ins, output=out, region=region_of.get(n.name),
+                              param_name=n.param_name))
+    if local_dp is not None:
+        nodes = [replace(n, dtensor=n.key in local_dp) for n in nodes]
+    splits, strided = _strided_splits(graph, {n.name: n.inputs for n in nodes if n.inputs}, dims)
+    if splits:
+        nodes = [replace(n, strided=splits.get(n.name, 0)) for n in nodes]
+    for name, k in strided.items():
+        if param_tp.get(name) != Shard(0):
+            raise NotImplementedError(f"parameter {name} feeds a strided split but is stored "
+                                      f"{param_tp.get(name)} on tp, not Shard(0) (column parallel)")
+    params = tuple(ParamPlan(name=name, shape=tuple(shape), dtype=dtype,
+                             tp=param_tp.get(name, Replicate()), uses=param_uses.get(name, 0),
+                             strided=strided.get(name, 1))
+                   for name, (shape, dtype) in param_meta.items())
+    if unplanned:
+        log.info("plan has no strategy for %d op nodes (DTensor propagates): %s", len(unplanned),
+                 ", ".join(unplanned[:6]) + (" ..." if len(unplanned) > 6 else ""))
+    return RankProgram(dims=dims, zero_stage=plan.zero_stage, recompute=plan.recompute,
+                       nodes=tuple(nodes), params=params, regions=regions, unplanned=tuple(unplanned),
+                       local_dp=local_dp is not None)

@@ -1,0 +1,131 @@
+"""What a rank actually communicated: one frozen ``Collective`` per collective issued.
+
+Two sources feed one ``CollectiveLog``:
+
+- ``CollectiveRecorder``: a ``TorchDispatchMode`` around forward and backward. DTensor lowers every
+  redistribution to functional collectives (``torch.ops._c10d_functional.*``); the mode sees those
+  ops with their tensor and process-group name, which maps back to a mesh axis. (DTensor's
+  ``CommDebugMode`` counts the same ops but keeps neither the axis nor the size.)
+- autopar's own gradient reducer and ZeRO gathers call ``CollectiveLog.add`` directly.
+
+``nbytes`` follows ``autopar.cost.collectives``: all_reduce the tensor, all_gather the OUTPUT,
+reduce_scatter the INPUT, all_to_all each rank's send buffer.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterable
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str      # "all_reduce" | "all_gather" | "reduce_scatter" | "all_to_all" | "broadcast"
+    axis: str      # mesh axis name ("dp", "tp"), or "world"
+    nbytes: int    # see the module docstring
+    phase: str     # "forward" | "backward" | "step" (reducer / optimizer) | "setup"
+    source: str    # "dtensor" | "reducer" | "zero" | "fallback"
+
+    def key(self) -> tuple[str, str, int]:
+        """What tests compare: (kind, axis, nbytes)."""
+        return (self.kind, self.axis, self.nbytes)
+
+
+def tally(records: Iterable[Collective]) -> Counter:
+    """Multiset of (kind, axis, nbytes)."""
+    return Counter(r.key() for r in records)
+
+
+class CollectiveLog:
+    """The records of one rank, appended as they are issued (``records`` is a snapshot tuple)."""
+
+    def __init__(self) -> None:
+        self._records: list[Collective] = []
+        self.phase = "setup"
+        self._paused = 0
+
+    def add(self, kind: str, axis: str, nbytes: int, source: str) -> None:
+        if not self._paused:
+            self._records.append(Collective(kind, axis, int(nbytes), self.phase, source))
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Records nothing inside (probes that are not part of the program)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    @property
+    def records(self) -> tuple[Collective, ...]:
+        return tuple(self._records)
+
+    def clear(self) -> None:
+        self._records.clear()
+
+
+_FUNCOL_KINDS = {
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "broadcast_": "broadcast",
+}
+_COALESCED = {"all_reduce_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced"}
+
+
+class CollectiveRecorder(TorchDispatchMode):
+    """Records DTensor's functional collectives into ``log`` while active.
+
+    ``axis_ranks``: mesh axis name -> the global ranks of this rank's group on that axis. A group
+    is named by its ranks, not its name: DTensor caches redistribution plans per mesh layout, so a
+    second mesh of the same shape may run on the first mesh's (equal) groups."""
+
+    def __init__(self, log: CollectiveLog, axis_ranks: dict[str, tuple[int, ...]]) -> None:
+        super().__init__()
+        self.log = log
+        self.axis_ranks = {tuple(sorted(r)): a for a, r in axis_ranks.items() if len(r) > 1}
+        self._names: dict[str, str] = {}
+
+    def _axis(self, group_name: str) -> str:
+        if group_name not in self._names:
+            import torch.distributed as dist
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            ranks = tuple(sorted(dist.get_process_group_ranks(_resolve_process_group(group_name))))
+            self._names[group_name] = self.axis_ranks.get(ranks, f"group{list(ranks)}")
+        return self._names[group_name]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented            # let DTensor lower to plain ops first; we see those
+        out = func(*args, **kwargs)
+        ns = getattr(func, "namespace", "")
+        if ns in ("_c10d_functional", "_c10d_functional_autograd"):
+            name = func._opname
+            if name in _COALESCED:
+                raise NotImplementedError(f"autopar's collective log does not handle {func}")
+            kind = _FUNCOL_KINDS.get(name)
+            if kind is not None:
+                self._record(kind, args, out)
+        return out
+
+    def _record(self, kind: str, args, out) -> None:
+        axis = self._axis(args[-1])          # every functional collective ends with its group name
+        t = args[0]
+        if kind == "all_gather":
+            nbytes = out.numel() * out.element_size()
+        else:
+            nbytes = t.numel() * t.element_size()
+        self.log.add(kind, axis, nbytes, "dtensor")
+

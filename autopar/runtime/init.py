@@ -1,0 +1,120 @@
+"""autopar's deterministic parameter init: any shard of any parameter, generated on its own.
+
+A model built on the meta device has no values. autopar gives every parameter values that depend
+only on ``(seed, parameter name, row)``, so each rank generates exactly the rows it holds --
+never the full tensor -- and ``materialize`` builds the single-process reference with the SAME
+values. Counter-based: row ``i`` (an index along dim 0; a 0-d tensor is one row) of parameter
+``name`` is drawn from a fresh ``torch.Generator`` seeded with ``blake2b(seed, name, i)``; a shard
+that slices other dims draws its full rows one at a time and keeps its columns.
+
+Rules, by the module that owns the parameter (``init_rule``):
+
+    module                                   weight            bias
+    nn.Linear, nn.Embedding, nn.Conv*d       normal(0, 0.02)   0
+    class name ending in "Norm" (LayerNorm,  1                 0
+      RMSNorm, BatchNorm*, GroupNorm, ...)
+    anything else                            normal(0, 0.02) for >= 2-D tensors, 0 for 1-D/0-D
+
+Names are the canonical (first) names of ``model.named_parameters()``; tied weights share one.
+Buffers are not generated: a meta model's buffers must be recomputable (see ``materialize``).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class InitRule:
+    kind: str            # "normal" | "constant"
+    std: float = 0.0     # for "normal" (mean 0)
+    value: float = 0.0   # for "constant"
+
+    def __str__(self) -> str:
+        return f"normal(0, {self.std})" if self.kind == "normal" else f"constant({self.value})"
+
+
+def init_rule(module: nn.Module, attr: str, ndim: int) -> InitRule:
+    """The rule for parameter ``attr`` of ``module`` (see the module docstring)."""
+    if attr == "bias":
+        return InitRule("constant", value=0.0)
+    if type(module).__name__.endswith("Norm"):
+        return InitRule("constant", value=1.0 if attr == "weight" else 0.0)
+    if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)) or ndim >= 2:
+        return InitRule("normal", std=INIT_STD)
+    return InitRule("constant", value=0.0)
+
+
+def init_rules(model: nn.Module) -> dict[str, InitRule]:
+    """Canonical parameter name -> rule. A tied parameter takes the rule of its canonical owner
+    (the first module that holds it, the same walk order as ``named_parameters``)."""
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    rules: dict[str, InitRule] = {}
+    for _, mod in model.named_modules(remove_duplicate=False):
+        for attr, p in mod.named_parameters(recurse=False, remove_duplicate=False):
+            name = canonical.get(id(p))
+            if name is not None and name not in rules:
+                rules[name] = init_rule(mod, attr, p.dim())
+    return rules
+
+
+def row_seed(seed: int, name: str, row: int) -> int:
+    """The generator seed of row ``row`` of parameter ``name`` (63 bits of blake2b)."""
+    h = hashlib.blake2b(f"{seed}\x00{name}\x00{row}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+def generate(name: str, rule: InitRule, shape: Sequence[int], ranges: Optional[Sequence[tuple[int, int]]],
+             seed: int, *, dtype: torch.dtype = torch.float32, device="cpu") -> torch.Tensor:
+    """The values of ``full[ranges]`` for parameter ``name`` of full ``shape`` (``ranges`` None:
+    the whole tensor). Rows are generated one at a time; memory is the shard plus one row."""
+    shape = tuple(shape)
+    ranges = tuple(ranges) if ranges is not None else tuple((0, s) for s in shape)
+    if len(ranges) != len(shape):
+        raise ValueError(f"{name}: ranges {ranges} do not match shape {shape}")
+    local = tuple(b - a for a, b in ranges)
+    if rule.kind == "constant":
+        return torch.full(local, rule.value, dtype=dtype, device=device)
+    if rule.kind != "normal":
+        raise ValueError(f"{name}: unknown init rule {rule.kind!r}")
+    if not shape:                                        # a 0-d parameter is one row of one value
+        g = torch.Generator().manual_seed(row_seed(seed, name, 0))
+        return (torch.randn((), generator=g) * rule.std).to(dtype=dtype, device=device)
+    row_shape = shape[1:]
+    row_numel = math.prod(row_shape)
+    cols = tuple(slice(a, b) for a, b in ranges[1:])
+    out = torch.empty(local, dtype=dtype)
+    g = torch.Generator()
+    for j, i in enumerate(range(*ranges[0])):
+        g.manual_seed(row_seed(seed, name, i))
+        row = torch.randn(row_numel, generator=g).mul_(rule.std).view(row_shape)
+        out[j] = row[cols]
+    return out.to(device=device)
+
+
+def materialize(module_on_meta: nn.Module, seed: int = 0, *, device="cpu") -> nn.Module:
+    """Give a meta-device module autopar's deterministic values, in place (also returned): the
+    single-process reference whose parameters equal what the ranks generate shard by shard.
+    Tied parameters stay tied. Buffers on meta are an error (their values are not parameters; build
+    the model with them on the CPU, or register them as non-persistent and recompute in forward)."""
+    rules = init_rules(module_on_meta)
+    new: dict[int, nn.Parameter] = {}
+    for name, p in module_on_meta.named_parameters():
+        values = generate(name, rules[name], p.shape, None, seed, dtype=p.dtype, device=device)
+        new[id(p)] = nn.Parameter(values, requires_grad=p.requires_grad)
+    for mod in module_on_meta.modules():
+        for attr, p in list(mod._parameters.items()):
+            if p is not None and id(p) in new:
+                mod._parameters[attr] = new[id(p)]
+    meta_buffers = [n for n, b in module_on_meta.named_buffers() if b.is_meta]
+    if meta_buffers:
+        raise ValueError(f"cannot materialize buffers {meta_buffers[:4]} from the meta device: autopar "
+                         "generates parameters only; build the model on the CPU or compute them in forward")
+    return module_on_meta.to(device)

@@ -1,0 +1,223 @@
+"""Launching N CPU ranks (gloo) and ``autopar run``'s backend.
+
+``spawn_ranks(fn, nproc, args)`` starts ``nproc`` processes (forkserver with torch preloaded, so a
+rank starts in a fraction of a second), joins them into one gloo world on a free local port with
+``timeout_s``, runs ``fn(rank, world, *args)`` and returns every rank's result. If any rank raises,
+the others are terminated at once and ``RankFailure`` carries every rank's error; if the whole
+run exceeds ``timeout_s`` plus a grace period, every rank is killed. Nothing is left running.
+
+``run_command`` trains a model from the zoo on N ranks and on one process with the same data:
+
+    from autopar.runtime.launch import run_command
+    run_command("gpt-tiny", nproc=2, steps=3, force="dp=2")
+"""
+from __future__ import annotations
+
+import datetime
+import io
+import json
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from typing import Any, Callable, Optional, Sequence
+
+DEFAULT_RUN_TIMEOUT_S = 300.0
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks failed (their tracebacks are in the message)."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank: int, world: int, port: int, timeout_s: float, args: tuple, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+        out = fn(rank, world, *args)
+        buf = io.BytesIO()                   # tensors by value: the rank exits before the parent reads
+        torch.save(out, buf)
+        results.put((rank, "ok", buf.getvalue()))
+    except BaseException as e:  # reported to the parent, which raises RankFailure
+        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except RuntimeError:
+                pass
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "autopar.api"])
+    return ctx
+
+
+def spawn_ranks(fn: Callable, nproc: int, args: Sequence[Any] = (), *, timeout_s: float = 60.0,
+                grace_s: float = 30.0) -> list:
+    """Run ``fn(rank, nproc, *args)`` on ``nproc`` gloo ranks; results in rank order.
+
+    ``fn`` must be importable (a module-level function). ``timeout_s`` is the process-group
+    timeout; the whole run is killed after ``timeout_s + grace_s``."""
+    ctx = _context()
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, nproc, port, timeout_s, tuple(args), results),
+                         daemon=True) for r in range(nproc)]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple] = {}
+    deadline = time.monotonic() + timeout_s + grace_s
+    try:
+        while len(got) < nproc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RankFailure(f"ranks {sorted(set(range(nproc)) - set(got))} did not finish within "
+                                  f"{timeout_s + grace_s:.0f} s; all ranks killed")
+            try:
+                rank, status, payload = results.get(timeout=min(left, 0.5))
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in got and p.exitcode]
+                if dead:
+                    time.sleep(0.5)                 # a result may still be in the pipe
+                    if results.empty():
+                        raise RankFailure(f"ranks {dead} exited with codes "
+                                          f"{[procs[r].exitcode for r in dead]} without a result")
+                continue
+            got[rank] = (status, payload)
+            if status == "error":
+                _collect_errors(results, got, procs, wait_s=min(5.0, timeout_s))
+                errors = {r: p for r, (s, p) in sorted(got.items()) if s == "error"}
+                raise RankFailure("rank failure(s):\n" + "\n".join(f"--- rank {r} ---\n{msg}"
+                                                                  for r, msg in errors.items()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        results.close()
+    import torch
+
+    return [torch.load(io.BytesIO(got[r][1]), weights_only=False) for r in range(nproc)]
+
+
+def _first_lines(report: str) -> str:
+    """Each rank's error line of a RankFailure report (tracebacks dropped)."""
+    keep = [l for l in report.splitlines() if l.startswith("--- rank") or
+            (l and not l.startswith((" ", "Traceback", "rank failure")))]
+    out, last = [], None
+    for l in keep:
+        if l != last:
+            out.append(l)
+        last = l
+    return "\n".join(out)
+
+
+def _collect_errors(results, got: dict, procs, wait_s: float) -> None:
+    """After a first error, give the other ranks a moment to report theirs (same error on every
+    rank is what plan checks promise), then stop waiting."""
+    end = time.monotonic() + wait_s
+    while len(got) < len(procs) and time.monotonic() < end:
+        try:
+            rank, status, payload = results.get(timeout=0.2)
+            got[rank] = (status, payload)
+        except queue_mod.Empty:
+            if all(not p.is_alive() for r, p in enumerate(procs) if r not in got):
+                return
+
+
+# ---- autopar run ------------------------------------------------------------------------------
+
+def _train_rank(rank: int, world: int, model: str, steps: int, plan_json: Optional[str], force,
+                batch: Optional[int], seq_len: Optional[int], seed: int, timeout_s: float) -> dict:
+    import torch
+
+    from autopar.api import autoparallelize
+    from autopar.models import build_model
+    from autopar.plan import Plan
+
+    b = build_model(model, batch=batch, seq_len=seq_len, device="meta")
+    plan = Plan.from_json(plan_json) if plan_json else None
+    pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn,
+                         example_target=b.example_target, plan=plan, force=force, seed=seed,
+                         timeout_s=timeout_s, model_name=model,
+                         optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4))
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        inputs, target = b.make_batch(b.example_inputs[0].shape[0], gen)
+        losses.append(pm.step(inputs, target))
+    return {"losses": losses, "plan": pm.plan.to_json() if rank == 0 else None}
+
+
+def reference_losses(model: str, steps: int, *, batch: Optional[int], seq_len: Optional[int],
+                     seed: int) -> list[float]:
+    """The same training on one process: autopar's init (``materialize``), same batches, AdamW."""
+    import torch
+
+    from autopar.models import build_model
+    from autopar.runtime.init import materialize
+
+    b = build_model(model, batch=batch, seq_len=seq_len, device="meta")
+    m = materialize(b.module, seed)
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-4)
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        inputs, target = b.make_batch(b.example_inputs[0].shape[0], gen)
+        opt.zero_grad(set_to_none=True)
+        loss = b.loss_fn(m(*inputs), target)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = None, force=None,
+                json_path: Optional[str] = None, batch: Optional[int] = None,
+                seq_len: Optional[int] = None, seed: int = 0,
+                timeout_s: float = DEFAULT_RUN_TIMEOUT_S) -> dict:
+    """``autopar run MODEL --nproc N --steps K``: train on N CPU ranks (planned by the solver for a
+    "cpu" cluster of N, or ``plan_path``), then on one process; print and return the losses."""
+    from autopar.plan import Plan
+
+    plan_json = Plan.load(plan_path).to_json() if plan_path else None
+    t0 = time.monotonic()
+    try:
+        outs = spawn_ranks(_train_rank, nproc, (model, steps, plan_json, force, batch, seq_len, seed,
+                                               timeout_s), timeout_s=timeout_s)
+    except RankFailure as e:
+        print(f"autopar run {model} on {nproc} ranks failed; every rank was stopped.\n"
+              + _first_lines(str(e)))
+        raise
+    wall = time.monotonic() - t0
+    losses = outs[0]["losses"]
+    for i, l in enumerate(losses):
+        print(f"step {i + 1}: loss {l:.6f}")
+    ref = reference_losses(model, steps, batch=batch, seq_len=seq_len, seed=seed)
+    diff = max((abs(a - b) for a, b in zip(losses, ref)), default=0.0)
+    print("reference (1 process): " + ", ".join(f"{l:.6f}" for l in ref))
+    print(f"max |loss - reference| = {diff:.3e}   ({nproc} ranks, {wall:.1f} s)")
+    plan = Plan.from_json(outs[0]["plan"])
+    result = {"losses": losses, "reference_losses": ref, "max_abs_diff": diff, "plan": plan.summary()}
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    return result

@@ -1,0 +1,298 @@
+"""Parameters on the ranks: storage, use as DTensors, ZeRO sharding, full state dicts.
+
+How data parallelism and ZeRO are realized (the design in one place):
+
+- The graph runs on DTensors over the 2-D mesh ("dp", "tp"): activations carry the batch as
+  Shard(0) on dp, so every shape literal baked into the exported graph stays global and any loss
+  reduction is exact (a mean over the batch is Partial on dp, then reduced).
+- A parameter is stored as a PLAIN tensor: its tp-local shard (the plan's tp placement), full over
+  dp for ZeRO 0-2, only this dp rank's rows of it for ZeRO-3 (``codegen/buckets.py`` chunking).
+- Each graph scope that reads a parameter calls ``_UseParam``: forward wraps the tp-local tensor as
+  a DTensor ``(Replicate, tp placement)`` (ZeRO-3: all-gathers the rows over dp first); backward
+  receives the gradient DTensor, brings its tp placement back to the storage placement (e.g. a
+  layer-norm weight under sequence parallelism gets a Partial-on-tp gradient: all-reduce on tp)
+  and keeps it Partial on dp -- the per-rank summand. DTensor thus never reduces over dp; the
+  ``GradReducer`` does, bucketed: all-reduce (ZeRO 0/1) or reduce-scatter into row chunks (ZeRO
+  2/3). A gradient that arrives Replicate on dp (the parameter only met replicated data) is
+  divided by dp so the bucketed sum stays exact.
+- The optimizer (the user's factory) gets: ZeRO-0 the tp-local parameters; ZeRO-1/2 views of this
+  rank's rows of them (optimizer state sharded; after the step the rows are all-gathered back,
+  bucketed); ZeRO-3 the row shards themselves (nothing to gather after the step).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar.codegen.buckets import ParamLayout
+from autopar.codegen.program import ParamPlan
+from autopar.codegen.shards import chunk_range, contiguous_stride, local_ranges, slice_of
+from autopar.placements import Replicate, Shard, to_torch
+from autopar.runtime.collectives import CollectiveLog
+from autopar.runtime.init import InitRule, generate
+
+
+@dataclass
+class ParamSlot:
+    """One parameter on this rank (mutable runtime holder)."""
+    plan: ParamPlan
+    layout: ParamLayout            # tp-local shape
+    tp_ranges: tuple               # ranges of the full tensor this tp rank holds
+    rows: tuple[int, int]          # this dp rank's rows of the tp-local tensor (ZeRO chunks)
+    local: nn.Parameter            # ZeRO 0-2: the tp-local tensor; ZeRO-3: its rows ``rows``
+    opt_param: nn.Parameter        # what the optimizer updates
+    full_grad: Optional[torch.Tensor] = None   # ZeRO-3: the tp-local gradient summand of this step
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+
+@dataclass
+class ParamContext:
+    """What ``_UseParam`` needs at forward and backward time."""
+    mesh: object
+    dp: int
+    zero_stage: int
+    log: CollectiveLog
+    dp_group: object
+    tp_placements: dict = field(default_factory=dict)   # name -> torch placement on tp
+    local_dp: bool = False         # plain tensors (local-dp mode), no DTensor
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def gather_rows(slot: ParamSlot, chunk: torch.Tensor, ctx: ParamContext, record: bool = True) -> torch.Tensor:
+    """All-gather the dp row chunks of ``slot`` into its tp-local tensor (ZeRO-3)."""
+    lay = slot.layout
+    c, rn = lay.chunk_rows(ctx.dp), lay.row_numel
+    send = chunk.reshape(-1)
+    if send.numel() != c * rn:
+        padded = torch.zeros(c * rn, dtype=chunk.dtype, device=chunk.device)
+        padded[: send.numel()] = send
+        send = padded
+    out = torch.empty(ctx.dp * c * rn, dtype=chunk.dtype, device=chunk.device)
+    dist.all_gather_single(out, send.contiguous(), group=ctx.dp_group)
+    if record:
+        ctx.log.add("all_gather", "dp", out.numel() * out.element_size(), "zero")
+    return out[: lay.numel].view(lay.local_shape)
+
+
+class _UseParam(torch.autograd.Function):
+    """Stored parameter -> DTensor (Replicate on dp, its tp placement); see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, local, slot: ParamSlot, pctx: ParamContext):
+        from torch.distributed.tensor import DTensor
+
+        ctx.slot, ctx.pctx = slot, pctx
+        full = gather_rows(slot, local, pctx) if pctx.zero_stage == 3 and pctx.dp > 1 else local.view_as(local)
+        tp = pctx.tp_placements[slot.name]
+        return DTensor.from_local(full, pctx.mesh, (torch.distributed.tensor.Replicate(), tp),
+                                  run_check=False, shape=torch.Size(slot.plan.shape),
+                                  stride=contiguous_stride(slot.plan.shape))
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed.tensor import Partial as TPartial, Replicate as TReplicate
+
+        slot, pctx = ctx.slot, ctx.pctx
+        dp_pl = grad.placements[0]
+        keep_partial = isinstance(dp_pl, TPartial) and dp_pl.reduce_op in ("sum", "avg")
+        want = (dp_pl if keep_partial else TReplicate(), pctx.tp_placements[slot.name])
+        if tuple(grad.placements) != want:
+            grad = grad.redistribute(grad.device_mesh, want)
+        g = grad.to_local()
+        if pctx.dp > 1 and (not keep_partial or dp_pl.reduce_op == "avg"):
+            g = g / pctx.dp          # the reducer sums over dp
+        g = g.contiguous()
+        if pctx.zero_stage == 3 and pctx.dp > 1:
+            slot.full_grad = g if slot.full_grad is None else slot.full_grad + g
+            return None, None, None
+        return g, None, None
+
+
+class _UseParamLocal(torch.autograd.Function):
+    """Local-dp mode (tp == 1): the stored parameter as a plain tensor; ZeRO-3 gathers its rows.
+    Its gradient is this rank's summand (the loss is the global one, computed under DTensor)."""
+
+    @staticmethod
+    def forward(ctx, local, slot: ParamSlot, pctx: ParamContext):
+        ctx.slot, ctx.pctx = slot, pctx
+        if pctx.zero_stage == 3 and pctx.dp > 1:
+            return gather_rows(slot, local, pctx)
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, g):
+        slot, pctx = ctx.slot, ctx.pctx
+        g = g.contiguous()
+        if pctx.zero_stage == 3 and pctx.dp > 1:
+            slot.full_grad = g if slot.full_grad is None else slot.full_grad + g
+            return None, None, None
+        return g, None, None
+
+
+class ParamStore:
+    """All parameters of one rank. Build with ``from_module`` (real weights, every rank passes the
+    same module) or ``from_init`` (meta module: rows generated by ``runtime.init``)."""
+
+    def __init__(self, slots: list[ParamSlot], ctx: ParamContext, aliases: dict[str, str]) -> None:
+        self.slots = slots
+        self.by_name = {s.name: s for s in slots}
+        self.ctx = ctx
+        self.aliases = aliases        # every parameter name of the module -> canonical name
+
+    # ---- construction ------------------------------------------------------------------------
+    @classmethod
+    def build(cls, plans, mesh, zero_stage: int, log: CollectiveLog, device, aliases: dict[str, str],
+              values, local_dp: bool = False) -> "ParamStore":
+        """``values(plan, row_runs, col_ranges) -> tensor``: rows (runs of [start, end) along dim 0,
+        concatenated) and columns of the full tensor (any device)."""
+        dp_rank, tp_rank = mesh.get_coordinate()
+        dp, tp = mesh.size(0), mesh.size(1)
+        ctx = ParamContext(mesh=mesh, dp=dp, zero_stage=zero_stage, log=log,
+                           dp_group=mesh.get_group("dp"), local_dp=local_dp)
+        slots = []
+        for p in plans:
+            ctx.tp_placements[p.name] = to_torch(p.tp)
+            tp_ranges = local_ranges(p.shape, (Replicate(), p.tp), (dp, tp), (dp_rank, tp_rank))
+            rows = tp_local_rows(p, tp, tp_rank)
+            layout = ParamLayout(p.name, ((len(rows),) + tuple(b - a for a, b in tp_ranges[1:]))
+                                 if p.shape else (), p.dtype)
+            mine = layout.row_range(dp, dp_rank) if zero_stage >= 1 else (0, layout.rows)
+            if not p.shape:
+                t = values(p, None, ())
+                if zero_stage == 3:
+                    t = t.reshape(1)[mine[0]:mine[1]]
+            else:
+                stored = rows[mine[0]:mine[1]] if zero_stage == 3 else rows
+                t = values(p, row_runs(stored), tuple(tp_ranges[1:]))
+            t = t.to(device=device, dtype=_dtype(p.dtype))
+            local = nn.Parameter(t.detach().clone().contiguous(), requires_grad=True)
+            if zero_stage in (1, 2):
+                opt = nn.Parameter(local.data.view(layout.rows, layout.row_numel)[mine[0]:mine[1]],
+                                   requires_grad=True)
+            else:
+                opt = local
+            slots.append(ParamSlot(p, layout, tp_ranges, mine, local, opt))
+        return cls(slots, ctx, aliases)
+
+    @classmethod
+    def from_module(cls, plans, mesh, zero_stage, log, device, model: nn.Module,
+                    local_dp: bool = False) -> "ParamStore":
+        full = dict(model.named_parameters())
+        aliases = _aliases(model)
+
+        def values(p: ParamPlan, runs, cols):
+            t = full[p.name].detach()
+            if not t.dim():
+                return t
+            return torch.cat([slice_of(t, ((a, b),) + tuple(cols)) for a, b in runs])
+        return cls.build(plans, mesh, zero_stage, log, device, aliases, values, local_dp)
+
+    @classmethod
+    def from_init(cls, plans, mesh, zero_stage, log, device, model: nn.Module, rules: dict[str, InitRule],
+                  seed: int, local_dp: bool = False) -> "ParamStore":
+        aliases = _aliases(model)
+
+        def values(p: ParamPlan, runs, cols):
+            if not p.shape:
+                return generate(p.name, rules[p.name], p.shape, None, seed, dtype=_dtype(p.dtype))
+            return torch.cat([generate(p.name, rules[p.name], p.shape, ((a, b),) + tuple(cols), seed,
+                                       dtype=_dtype(p.dtype)) for a, b in runs])
+        return cls.build(plans, mesh, zero_stage, log, device, aliases, values, local_dp)
+
+    # ---- training ----------------------------------------------------------------------------
+    def use(self, name: str):
+        slot = self.by_name[self.aliases.get(name, name)]
+        fn = _UseParamLocal if self.ctx.local_dp else _UseParam
+        return fn.apply(slot.local, slot, self.ctx)
+
+    def optimizer_params(self) -> list[nn.Parameter]:
+        return [s.opt_param for s in self.slots]
+
+    def zero_grad(self) -> None:
+        for s in self.slots:
+            s.local.grad = None
+            s.opt_param.grad = None
+            s.full_grad = None
+
+    # ---- full tensors (collective: every rank calls) -------------------------------------------
+    def full_tensor(self, slot: ParamSlot, which: str = "param") -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Replicate as TReplicate
+
+        ctx = self.ctx
+        if which == "param":
+            t = slot.local.detach()
+            if ctx.zero_stage == 3 and ctx.dp > 1:
+                t = gather_rows(slot, t, ctx, record=False)
+        else:
+            t = self._tp_local_grad(slot)
+        d = DTensor.from_local(t, ctx.mesh, (TReplicate(), ctx.tp_placements[slot.name]), run_check=False,
+                               shape=torch.Size(slot.plan.shape), stride=contiguous_stride(slot.plan.shape))
+        full = d.full_tensor()
+        if slot.plan.strided > 1:               # tp ranks' rows in rank order -> the model's order
+            order = [r for i in range(ctx.mesh.size(1)) for r in tp_local_rows(slot.plan, ctx.mesh.size(1), i)]
+            out = torch.empty_like(full)
+            out[torch.tensor(order, device=full.device)] = full
+            full = out
+        return full
+
+    def _tp_local_grad(self, slot: ParamSlot) -> torch.Tensor:
+        ctx = self.ctx
+        if ctx.zero_stage in (0, 1) or ctx.dp == 1:
+            g = slot.local.grad
+            return torch.zeros(slot.layout.local_shape, dtype=_dtype(slot.plan.dtype),
+                               device=slot.local.device) if g is None else g
+        g = slot.opt_param.grad
+        if g is None:
+            g = torch.zeros_like(slot.opt_param)
+        return gather_rows(slot, g.reshape(-1), ctx, record=False)
+
+    def full_dict(self, which: str = "param") -> dict[str, torch.Tensor]:
+        """Every parameter name of the original module (tied names too) -> full tensor."""
+        full = {s.name: self.full_tensor(s, which) for s in self.slots}
+        return {alias: full[canon] for alias, canon in self.aliases.items() if canon in full}
+
+
+def tp_local_rows(p: ParamPlan, tp: int, tp_rank: int) -> list[int]:
+    """Rows (dim 0) of the full parameter held by tp rank ``tp_rank``, in local order."""
+    if not p.shape:
+        return [0]
+    n = p.shape[0]
+    if not (isinstance(p.tp, Shard) and p.tp.dim % len(p.shape) == 0):
+        return list(range(n))
+    if p.strided > 1:
+        m = n // p.strided
+        rows: list[int] = []
+        for j in range(p.strided):
+            a, b = chunk_range(m, tp, tp_rank)
+            rows.extend(range(j * m + a, j * m + b))
+        return rows
+    a, b = chunk_range(n, tp, tp_rank)
+    return list(range(a, b))
+
+
+def row_runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Consecutive runs [start, end) of a row list (an empty list gives one empty run)."""
+    runs: list[tuple[int, int]] = []
+    for r in rows:
+        if runs and runs[-1][1] == r:
+            runs[-1] = (runs[-1][0], r + 1)
+        else:
+            runs.append((r, r + 1))
+    return runs or [(0, 0)]
+
+
+def _aliases(model: nn.Module) -> dict[str, str]:
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    return {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+
+

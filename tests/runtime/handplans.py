@@ -1,0 +1,98 @@
+"""Test-only Plans with hand-assigned tensor parallelism for gpt-tiny-like GPTs.
+
+``hand_plan(graph, dp=2, tp=2, family="megatron")`` asks the solver for a plan with the mesh,
+ZeRO stage and recompute forced (it fills every field and the dp placements), then overwrites
+the tp placement of every node from a table:
+
+- "replicate": nothing sharded on tp (whatever the solver chose is replaced by R).
+- "megatron": column/row-parallel attention (fused QKV, strided split, heads-sharded attention)
+  and MLP; the residual stream Replicate; row-parallel outputs Partial, all-reduced at the add.
+- "megatron_sp": the same with sequence parallelism: the residual stream and layer norms
+  Shard(1) (sequence); all-gather before each column-parallel linear, reduce-scatter after each
+  row-parallel one.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+from autopar.cost.hardware import resolve_cluster
+from autopar.forcing import Force
+from autopar.ir import GraphIR
+from autopar.placements import Partial, Replicate, Shard
+from autopar.plan import NodeStrategy, Plan
+
+R, P = Replicate(), Partial()
+S = Shard
+
+_ATTN = {   # tp (output, inputs) by (target, k) inside the attention module
+    ("aten.split.Tensor", 0): (S(2), (S(2),)),
+    ("getitem", 0): (S(2), (S(2),)), ("getitem", 1): (S(2), (S(2),)), ("getitem", 2): (S(2), (S(2),)),
+    ("aten.view.default", 0): (S(2), (S(2),)), ("aten.view.default", 1): (S(2), (S(2),)),
+    ("aten.view.default", 2): (S(2), (S(2),)), ("aten.view.default", 3): (S(2), (S(2),)),
+    ("aten.transpose.int", 0): (S(1), (S(2),)), ("aten.transpose.int", 1): (S(1), (S(2),)),
+    ("aten.transpose.int", 2): (S(1), (S(2),)), ("aten.transpose.int", 3): (S(2), (S(1),)),
+    ("aten.scaled_dot_product_attention.default", 0): (S(1), (S(1), S(1), S(1))),
+    ("aten.contiguous.default", 0): (S(2), (S(2),)),
+}
+
+
+def _tp_table(family: str, key: str, n_inputs: int) -> Optional[tuple]:
+    """(tp output, tp inputs) for a node key of the (collapsed) graph, or None for all-R."""
+    if family == "replicate":
+        return None
+    sp = family == "megatron_sp"
+    act = S(1) if sp else R                       # the residual stream / layer-norm placement
+    path, target, k = key.split("|")
+    k = int(k)
+    if key.endswith("param|0"):
+        if path.endswith(("c_attn.weight", "c_attn.bias", "c_fc.weight", "c_fc.bias")):
+            return S(0), ()
+        if path.endswith("c_proj.weight"):
+            return S(1), ()
+        return R, ()
+    if target == "aten.linear.default":
+        if path.endswith(("c_attn", "c_fc")):
+            return S(2), (R, S(0), S(0))[:n_inputs]
+        if path.endswith("c_proj"):
+            return P, (S(2), S(1), P)[:n_inputs]
+        if path == "lm_head":
+            return R, (R, R)
+    if path.endswith(".attn") and (target, k) in _ATTN:
+        return _ATTN[(target, k)]
+    if target == "aten.gelu.default":
+        return S(2), (S(2),)
+    if target == "aten.layer_norm.default" and path != "transformer.ln_f":
+        return act, (act, R, R)
+    if target == "aten.layer_norm.default":
+        return act, (act, R, R)
+    if path == "transformer.h.*" and target == "aten.add.Tensor":
+        return act, (act, act)
+    if path == "" and target == "aten.add.Tensor":                  # token + position embeddings
+        return act, (act, S(0) if sp else R)
+    return None
+
+
+def hand_plan(graph: GraphIR, *, dp: int, tp: int, family: str = "megatron", zero: int = 0,
+              recompute: str = "none", sp: Optional[bool] = None) -> Plan:
+    from autopar.solver.search import plan_model
+
+    sp = (family == "megatron_sp") if sp is None else sp
+    force = Force(dp=dp, tp=tp, pp=1, zero_stage=zero, recompute=recompute,
+                  sequence_parallel=sp if tp > 1 else None)
+    base = plan_model(graph, resolve_cluster("cpu", nodes=1, gpus_per_node=dp * tp),
+                      global_batch=graph.batch_size, seq_len=None, dtype="float32", force=force)
+    if tp == 1:
+        return base
+    strategies = []
+    for s in base.strategies:
+        if "@" in s.key:                     # copies of layer 0 in a full trace: layer 0 decides
+            continue
+        t = _tp_table(family, s.key, len(s.inputs))
+        out_tp, ins_tp = (R, tuple(R for _ in s.inputs)) if t is None else t
+        if len(ins_tp) != len(s.inputs):
+            raise AssertionError(f"hand table for {s.key}: {len(ins_tp)} inputs, plan has {len(s.inputs)}")
+        strategies.append(NodeStrategy(s.key, (s.output[0], out_tp),
+                                       tuple((i[0], p) for i, p in zip(s.inputs, ins_tp)),
+                                       "strided" if "split" in s.key and t else s.name))
+    return replace(base, strategies=tuple(strategies), sequence_parallel=family == "megatron_sp")

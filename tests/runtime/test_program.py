@@ -1,0 +1,80 @@
+"""Single-process checks of plan -> program: regions, strided parameters, plan validation, and
+the collective predictor's arithmetic on a known plan."""
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+
+from autopar.codegen.expected import expected_collectives
+from autopar.codegen.program import compile_program
+from autopar.placements import Replicate, Shard
+from autopar.plan import NodeStrategy
+from autopar.runtime.world import PlanMismatchError, mesh_dims
+from handplans import hand_plan
+
+
+def test_recompute_regions(tiny_full):
+    g = tiny_full
+    full = compile_program(g, hand_plan(g, dp=2, tp=1, recompute="full"))
+    assert [r.kind for r in full.regions] == ["layer", "layer"]
+    first = {n.name for n in g.nodes if n.layer_id == 0 and n.kind == "op"}
+    assert set(full.regions[0].nodes) == first
+    sel = compile_program(g, hand_plan(g, dp=2, tp=1, recompute="selective"))
+    assert [r.kind for r in sel.regions] == ["attention", "attention"]
+    assert all(len(r.nodes) == 1 for r in sel.regions)
+
+
+def test_megatron_plan_marks_strided_qkv(tiny_full):
+    prog = compile_program(tiny_full, hand_plan(tiny_full, dp=1, tp=2))
+    params = {p.name: p for p in prog.params}
+    assert params["transformer.h.0.attn.c_attn.weight"].strided == 3
+    assert params["transformer.h.1.attn.c_attn.bias"].strided == 3
+    assert params["transformer.h.0.mlp.c_fc.weight"].strided == 1
+    assert params["transformer.h.0.attn.c_proj.weight"].tp == Shard(1)
+    assert sum(1 for n in prog.nodes if n.strided == 3) == 2      # one split per layer
+
+
+def test_single_placement_strategy_is_read_as_tp(tiny_full):
+    plan = hand_plan(tiny_full, dp=2, tp=2)
+    key = "transformer.h.*.mlp|aten.gelu.default|0"
+    strategies = tuple(NodeStrategy(s.key, (Shard(2),), ((Shard(2),),)) if s.key == key else s
+                       for s in plan.strategies)
+    prog = compile_program(tiny_full, replace(plan, strategies=strategies))
+    gelu = next(n for n in prog.nodes if n.key == key)
+    assert gelu.output == (None, Shard(2)) and gelu.inputs == ((None, Shard(2)),)
+
+
+def test_plan_validation_errors(tiny_full):
+    plan = hand_plan(tiny_full, dp=2, tp=1)
+    with pytest.raises(NotImplementedError, match="next runtime issue"):
+        mesh_dims(replace(plan, pp=2))
+    with pytest.raises(PlanMismatchError, match="disagrees"):
+        mesh_dims(replace(plan, mesh_shape=(4, 1)))
+    bad = tuple(NodeStrategy(s.key, (Shard(1), Replicate()), s.inputs) if s.key.endswith("param|0") else s
+                for s in plan.strategies)
+    with pytest.raises(ValueError, match="parameters are"):
+        compile_program(tiny_full, replace(plan, strategies=bad))
+    with pytest.raises(NotImplementedError, match="offload"):
+        compile_program(tiny_full, replace(plan, offload="optimizer"))
+
+
+def test_expected_collectives_megatron_counts(tiny_full):
+    """Megatron TP (no SP), tp=2, dp=1: per layer one forward all-reduce after each row-parallel
+    linear and one backward all-reduce before each column-parallel one (Megatron's g and f)."""
+    g = tiny_full
+    exp = Counter((c.kind, c.axis, c.phase) for c in expected_collectives(g, hand_plan(g, dp=1, tp=2)))
+    layers = 2
+    assert exp == Counter({("all_reduce", "tp", "forward"): 2 * layers,
+                           ("all_reduce", "tp", "backward"): 2 * layers})
+    sp = Counter((c.kind, c.axis, c.phase) for c in
+                 expected_collectives(g, hand_plan(g, dp=1, tp=2, family="megatron_sp")))
+    # SP: all-gather before each column-parallel linear (and the LM head), reduce-scatter after
+    # each row-parallel one; backward transposes them (the LM head's gather has a replicated
+    # gradient: free). The token and position embeddings are scattered to the sequence shard
+    # (backward: 2 all-gathers). Layer-norm weights see sequence shards: their gradients are
+    # Partial on tp, one all-reduce each (5 norms x weight, bias).
+    assert sp == Counter({("all_gather", "tp", "forward"): 2 * layers + 1,
+                          ("reduce_scatter", "tp", "forward"): 2 * layers,
+                          ("reduce_scatter", "tp", "backward"): 2 * layers,
+                          ("all_gather", "tp", "backward"): 2 * layers + 2,
+                          ("all_reduce", "tp", "backward"): 2 * (2 * layers + 1)})
