@@ -3,3 +3,7 @@
     model = autopar.autoparallelize(model, example_inputs, loss_fn=..., optimizer=...)
 """
 __version__ = "0.1.0"
+
+from autopar.api import ParallelModel, autoparallelize  # noqa: E402
+
+__all__ = ["autoparallelize", "ParallelModel", "__version__"]

@@ -101,12 +101,17 @@ def cmd_inspect(args, console: Console) -> int:
 
 
 def cmd_run(args, console: Console) -> int:
-    from autopar.runtime.launch import run_command
+    from autopar.runtime.launch import RankFailure, run_command
 
-    result = run_command(args.model, nproc=args.nproc, steps=args.steps, plan_path=args.plan_file,
-                         force=args.force or None, json_path=args.json_path, batch=args.batch,
-                         seq_len=args.seq_len, seed=args.seed)
-    return 0 if result.get("ok", True) else 1
+    if args.nproc < 1:
+        raise ValueError(f"--nproc {args.nproc}: need at least 1 rank")
+    try:
+        run_command(args.model, nproc=args.nproc, steps=args.steps, plan_path=args.plan_file,
+                    force=args.force or None, json_path=args.json_path, batch=args.batch,
+                    seq_len=args.seq_len, seed=args.seed)
+    except RankFailure:
+        return 1  # run_command printed every rank's first error lines
+    return 0
 
 
 def cmd_models(args, console: Console) -> int:

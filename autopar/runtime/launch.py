@@ -190,6 +190,16 @@ def reference_losses(model: str, steps: int, *, batch: Optional[int], seq_len: O
     return losses
 
 
+def _print_plan(plan) -> None:
+    from rich.console import Console
+
+    from autopar.report import degrees_table, strategies_table
+
+    console = Console()
+    console.print(degrees_table(plan))
+    console.print(strategies_table(plan))
+
+
 def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = None, force=None,
                 json_path: Optional[str] = None, batch: Optional[int] = None,
                 seq_len: Optional[int] = None, seed: int = 0,
@@ -208,6 +218,8 @@ def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = N
               + _first_lines(str(e)))
         raise
     wall = time.monotonic() - t0
+    plan = Plan.from_json(outs[0]["plan"])
+    _print_plan(plan)
     losses = outs[0]["losses"]
     for i, l in enumerate(losses):
         print(f"step {i + 1}: loss {l:.6f}")
@@ -215,7 +227,6 @@ def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = N
     diff = max((abs(a - b) for a, b in zip(losses, ref)), default=0.0)
     print("reference (1 process): " + ", ".join(f"{l:.6f}" for l in ref))
     print(f"max |loss - reference| = {diff:.3e}   ({nproc} ranks, {wall:.1f} s)")
-    plan = Plan.from_json(outs[0]["plan"])
     result = {"losses": losses, "reference_losses": ref, "max_abs_diff": diff, "plan": plan.summary()}
     if json_path:
         with open(json_path, "w") as f:
