@@ -2,7 +2,7 @@
 
     python benchmarks/megatron_fidelity.py [--rows 0,1,2] [--mbs 1|free] [--profile megatron-core-overlap]
 
-For each row of ``shared/reference/megatron_readme_h100_weak_scaling.csv`` (GPT, seq 4096, vocab
+For each row of ``reference/megatron_readme_h100_weak_scaling.csv`` (GPT, seq 4096, vocab
 131072, the row's hidden/layers/heads and global batch, n_gpus/8 H100 nodes) the published
 (tp, pp, dp) is forced and the planner chooses the rest (recompute, ZeRO stage, sequence
 parallelism). The table does not list the micro-batch size; we force Megatron's usual
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "megatron_readme_h100_weak_scaling.csv"
+REFERENCE = Path(__file__).resolve().parents[1] / "reference" / "megatron_readme_h100_weak_scaling.csv"
 TOLERANCE = 0.15
 
 

@@ -1,6 +1,6 @@
 """Collective times from the NCCL ring bus-bandwidth algebra, and which link a mesh axis crosses.
 
-Convention (nccl-tests, see ``shared/reference/nccl_busbw_reference.csv`` and NCCL's
+Convention (nccl-tests, see ``reference/nccl_busbw_reference.csv`` and NCCL's
 PERFORMANCE.md): for a collective on ``nbytes`` and ``n`` ranks,
 
     algbw = nbytes / time,        busbw = algbw * bus_factor(kind, n)

@@ -1,7 +1,7 @@
 """Hardware as data: GPU specs, links, clusters (and a small TOML format for user clusters).
 
 Datasheet figures (peak FLOP/s, HBM size and bandwidth) come from
-``shared/reference/gpu_specs.csv``; link bandwidths from ``shared/reference/nccl_busbw_reference.csv``
+``reference/gpu_specs.csv``; link bandwidths from ``reference/nccl_busbw_reference.csv``
 (each cited by row below). Efficiency factors (achieved / peak) are *empirical* and live in one
 place, ``autopar/cost/calibration.json``, written by ``benchmarks/calibrate.py`` on a real GPU.
 Entries there whose ``source`` says "uncalibrated default" are placeholders.
