@@ -1,10 +1,16 @@
 """Cross-entropy with a fused log-softmax over large vocabularies, forward and backward.
 
 For logits (M, V) and integer targets (M,), per row r with target t (ignore_index rows give 0):
-    lse_r  = log(sum_v exp(x_rv))                 (online max/sum, one pass over vocab blocks)
+    lse_r  = log(sum_v exp(x_rv))                 (per-slice max/sum, then a combine)
     loss_r = lse_r - x_rt
     loss   = sum_r loss_r / #{r : t_r != ignore_index}   (reduction="mean"; also "sum", "none")
     dx_rv  = (exp(x_rv - lse_r) - [v == t_r]) * g_r      (g_r = grad_out / n_valid for "mean")
+
+Parallelism: the vocab is split into BLOCK_V slices (16384 by default, 16 warps) and every
+(row, slice) pair is one program, so a 128k vocab keeps ~8x more programs streaming than one
+program per row would. The forward writes each slice's (max, sum exp) in fp32 to two (M, slices)
+buffers; a small combine kernel turns them into lse and the loss; the backward's grid is the same
+(row, slice) pairs.
 
 Memory: the forward reads the logits once (read MV) and writes two floats per row (loss_r, lse_r);
 no (M, V) temporary exists. The backward reads the logits and the saved lse again and writes the
@@ -28,10 +34,9 @@ import triton
 import triton.language as tl
 
 from kernels import _launch
-from kernels.softmax import _online_max_sum
 
-BLOCK_V = 4096
-NUM_WARPS = 8
+BLOCK_V = 16384  # vocab elements per program: 32 per thread at 16 warps
+COMBINE_ROWS = 16
 
 
 def cross_entropy_ref(logits, target, ignore_index: int = -100, reduction: str = "mean"):
@@ -48,34 +53,63 @@ def cross_entropy_ref(logits, target, ignore_index: int = -100, reduction: str =
 
 
 @triton.jit
-def _ce_fwd_kernel(LOGITS, TARGET, LOSS, LSE, V, stride_l, ignore_index, BLOCK_V: tl.constexpr):
+def _ce_partial_kernel(LOGITS, PART_M, PART_D, V, stride_l, n_chunks, BLOCK_V: tl.constexpr):
+    """Program (row, chunk): max and sum exp(x - max) of one BLOCK_V slice of a row (fp32)."""
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = LOGITS + row * stride_l
-    m_row, d_row = _online_max_sum(row_ptr, V, BLOCK_V)
-    lse = m_row + tl.log(d_row)
-    t = tl.load(TARGET + row)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
+    x = tl.load(LOGITS + row * stride_l + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, axis=0)  # every chunk holds at least one column, so m > -inf for finite logits
+    d = tl.sum(tl.exp(x - m), axis=0)
+    tl.store(PART_M + row * n_chunks + chunk, m)
+    tl.store(PART_D + row * n_chunks + chunk, d)
+
+
+@triton.jit
+def _ce_combine_kernel(LOGITS, TARGET, PART_M, PART_D, LOSS, LSE, M, stride_l, n_chunks,
+                       ignore_index, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """BLOCK_R rows per program: lse from the per-chunk partials, then loss = lse - x_target."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    chunks = tl.arange(0, BLOCK_C)
+    row_ok = rows < M
+    ok = row_ok[:, None] & (chunks[None, :] < n_chunks)
+    off = rows[:, None] * n_chunks + chunks[None, :]
+    pm = tl.load(PART_M + off, mask=ok, other=float("-inf"))
+    pd = tl.load(PART_D + off, mask=ok, other=0.0)
+    m = tl.max(pm, axis=1)
+    m_safe = tl.where(row_ok, m, 0.0)
+    d = tl.sum(pd * tl.exp(pm - m_safe[:, None]), axis=1)
+    lse = m_safe + tl.log(d)
+    t = tl.load(TARGET + rows, mask=row_ok, other=ignore_index)
     valid = t != ignore_index
-    x_t = tl.load(row_ptr + tl.where(valid, t, 0)).to(tl.float32)
-    tl.store(LOSS + row, tl.where(valid, lse - x_t, 0.0))
-    tl.store(LSE + row, lse)
+    x_t = tl.load(LOGITS + rows * stride_l + tl.where(valid, t, 0), mask=row_ok, other=0.0)
+    tl.store(LOSS + rows, tl.where(valid, lse - x_t.to(tl.float32), 0.0), mask=row_ok)
+    tl.store(LSE + rows, lse, mask=row_ok)
 
 
 @triton.jit
 def _ce_bwd_kernel(LOGITS, TARGET, LSE, SCALE, DLOGITS, V, stride_l, stride_d, stride_s,
                    ignore_index, BLOCK_V: tl.constexpr):
+    """Program (row, chunk): dx = (softmax - onehot) * g over one BLOCK_V slice (may be in place)."""
     row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = cols < V
     t = tl.load(TARGET + row)
     valid = t != ignore_index
     lse = tl.load(LSE + row)
     g = tl.load(SCALE + row * stride_s)
     g = tl.where(valid, g, 0.0)
-    for start in range(0, V, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < V
-        x = tl.load(LOGITS + row * stride_l + cols, mask=mask, other=0.0).to(tl.float32)
-        p = tl.exp(x - lse)
-        dx = (p - tl.where(cols == t, 1.0, 0.0)) * g
-        tl.store(DLOGITS + row * stride_d + cols, dx.to(DLOGITS.dtype.element_ty), mask=mask)
+    x = tl.load(LOGITS + row * stride_l + cols, mask=mask, other=0.0).to(tl.float32)
+    p = tl.exp(x - lse)
+    dx = (p - tl.where(cols == t, 1.0, 0.0)) * g
+    tl.store(DLOGITS + row * stride_d + cols, dx.to(DLOGITS.dtype.element_ty), mask=mask)
+
+
+def _chunking(v: int, block_v: int) -> tuple[int, int, int]:
+    """(block, n_chunks, num_warps): vocab slice per program (block_v capped at V's power of
+    two), how many slices cover V, and warps so each thread holds ~32 elements (4..16 warps)."""
+    block = min(block_v, triton.next_power_of_2(v))
+    return block, triton.cdiv(v, block), max(4, min(16, block // 1024))
 
 
 class _CrossEntropyFn(torch.autograd.Function):
@@ -94,8 +128,14 @@ class _CrossEntropyFn(torch.autograd.Function):
         loss_rows = _launch.empty((m,), torch.float32, logits.device)
         lse = _launch.empty((m,), torch.float32, logits.device)
         if m > 0:
-            _ce_fwd_kernel[(m,)](x2, t, loss_rows, lse, v, x2.stride(0), ignore_index,
-                                 BLOCK_V=block_v, num_warps=NUM_WARPS)
+            block, n_chunks, warps = _chunking(v, block_v)
+            part_m = _launch.empty((m, n_chunks), torch.float32, logits.device)
+            part_d = _launch.empty((m, n_chunks), torch.float32, logits.device)
+            _ce_partial_kernel[(m, n_chunks)](x2, part_m, part_d, v, x2.stride(0), n_chunks,
+                                              BLOCK_V=block, num_warps=warps)
+            _ce_combine_kernel[(triton.cdiv(m, COMBINE_ROWS),)](
+                x2, t, part_m, part_d, loss_rows, lse, m, x2.stride(0), n_chunks, ignore_index,
+                BLOCK_R=COMBINE_ROWS, BLOCK_C=triton.next_power_of_2(n_chunks), num_warps=4)
         n_valid = (t != ignore_index).sum()  # stays on the device: no host sync
         if reduction == "none":
             loss = loss_rows.view(target.shape)
@@ -121,9 +161,10 @@ class _CrossEntropyFn(torch.autograd.Function):
             stride_s = 0
         dx = x2 if inplace_backward else _launch.empty(x2.shape, x2.dtype, x2.device)
         if x2.shape[0] > 0:
-            _ce_bwd_kernel[(x2.shape[0],)](x2, t, lse, scale, dx, x2.shape[1], x2.stride(0),
-                                           dx.stride(0), stride_s, ignore_index,
-                                           BLOCK_V=block_v, num_warps=NUM_WARPS)
+            block, n_chunks, warps = _chunking(x2.shape[1], block_v)
+            _ce_bwd_kernel[(x2.shape[0], n_chunks)](x2, t, lse, scale, dx, x2.shape[1],
+                                                    x2.stride(0), dx.stride(0), stride_s,
+                                                    ignore_index, BLOCK_V=block, num_warps=warps)
         return dx.view(shape), None, None, None, None, None
 
 
@@ -133,7 +174,7 @@ def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "me
 
     Returns an fp32 loss. With ``inplace_backward=True`` (default) the backward overwrites the
     logits buffer with the gradient and returns it (see the module docstring). ``block_v`` is the
-    vocab block width (a power of two; tests use small ones to exercise the loop).
+    vocab slice per program (a power of two; tests use small ones to get several slices).
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"cross_entropy: reduction={reduction!r}; use 'mean', 'sum' or 'none'")

@@ -48,7 +48,12 @@ def _builds():
                     dict(IS_RMS=rms, HAS_RESIDUAL=True, HAS_BIAS=not rms, BLOCK_N=n),
                     norms._row_warps(n), 3))
         out.append((f"norm bwd N={n} rms={rms} +dh", norms._norm_bwd_kernel, ln_b,
-                    dict(IS_RMS=rms, HAS_DH=True, HAS_BIAS=not rms, BLOCK_N=n),
+                    dict(IS_RMS=rms, HAS_DH=True, HAS_BIAS=not rms, BLOCK_N=n,
+                         PREFETCH=norms.bwd_prefetch(rms, True)),
+                    norms._row_warps(n, per_thread=16), 3))
+        out.append((f"norm bwd N={n} rms={rms}", norms._norm_bwd_kernel, ln_b,
+                    dict(IS_RMS=rms, HAS_DH=False, HAS_BIAS=not rms, BLOCK_N=n,
+                         PREFETCH=norms.bwd_prefetch(rms, False)),
                     norms._row_warps(n, per_thread=16), 3))
     for n_cols in (8192, 100_000):
         blk, single = softmax._config(n_cols, None)
@@ -57,12 +62,15 @@ def _builds():
         out.append((f"softmax bwd N={n_cols}", softmax._softmax_bwd_kernel,
                     dict(Y=BF, DY=BF, DX=BF), dict(BLOCK_N=blk, SINGLE=single),
                     norms._row_warps(blk), 3))
-    out.append(("cross_entropy fwd", cross_entropy._ce_fwd_kernel,
-                dict(LOGITS=BF, TARGET=I64, LOSS=F32, LSE=F32),
-                dict(BLOCK_V=cross_entropy.BLOCK_V), cross_entropy.NUM_WARPS, 3))
+    ce_block, _, ce_warps = cross_entropy._chunking(128256, cross_entropy.BLOCK_V)
+    out.append(("cross_entropy fwd partial", cross_entropy._ce_partial_kernel,
+                dict(LOGITS=BF, PART_M=F32, PART_D=F32), dict(BLOCK_V=ce_block), ce_warps, 3))
+    out.append(("cross_entropy fwd combine", cross_entropy._ce_combine_kernel,
+                dict(LOGITS=BF, TARGET=I64, PART_M=F32, PART_D=F32, LOSS=F32, LSE=F32),
+                dict(BLOCK_R=cross_entropy.COMBINE_ROWS, BLOCK_C=8), 4, 3))
     out.append(("cross_entropy bwd", cross_entropy._ce_bwd_kernel,
                 dict(LOGITS=BF, TARGET=I64, LSE=F32, SCALE=F32, DLOGITS=BF),
-                dict(BLOCK_V=cross_entropy.BLOCK_V), cross_entropy.NUM_WARPS, 3))
+                dict(BLOCK_V=ce_block), ce_warps, 3))
     bm, bn = activations._gelu_blocks(28672)
     for tanh in (False, True):
         out.append((f"bias_gelu fwd tanh={tanh}", activations._bias_gelu_fwd_kernel,
@@ -96,6 +104,9 @@ def _builds():
                              sm_scale="fp32", qk_scale="fp32"),
                         dict(CAUSAL=causal, HEAD_D=d, BLOCK_M=b.bwd_q_m, BLOCK_N=b.bwd_q_n,
                              UPCAST=False), b.bwd_q_warps, b.num_stages))
+    out.append(("attention fwd fp32 D=64 (ieee dot)", attention._attn_fwd_kernel,
+                dict(Q=F32, K=F32, V=F32, O=F32, LSE=F32, qk_scale="fp32"),
+                dict(CAUSAL=True, HEAD_D=64, BLOCK_M=64, BLOCK_N=32, UPCAST=False), 4, 2))
     out.append(("attention bwd preprocess", attention._bwd_preprocess_kernel,
                 dict(O=BF, DO=BF, DLSE=F32, DELTA=F32),
                 dict(HAS_DLSE=True, HEAD_D=128, BLOCK_M=32), 4, 3))
