@@ -15,6 +15,11 @@ backward, per edge whose value needs a gradient: the consumer's gradient placeme
 the loss: Partial axes of the loss are all-reduced (4 bytes) to return one float; DTensor's
     nll_loss backward all-reduces its ``total_weight`` (4 bytes) on every axis where the loss is
     Partial (a DTensor implementation detail, listed here so the count is exact).
+vocab-parallel cross-entropy (``executor._VocabParallelCE``: logits Shard(1) on tp, no class
+    weight, no label smoothing): forward, on tp, three all_reduces of one value per local row
+    (row max and sum-exp in fp32, the target logit in the logits dtype); mean: on each other
+    axis that shards the rows, an all_reduce of the target count (4 bytes, fp32) in forward
+    instead of DTensor's backward ``total_weight`` all_reduce.
 local-dp mode (tp == 1, ``program.local_dp_nodes``): only edges into nodes that run on DTensors
     (the loss) count; the rest runs on plain local tensors.
 recompute: every forward collective of a node inside a recompute region is issued again in
@@ -44,6 +49,7 @@ from autopar.runtime.collectives import Collective
 
 AXES = ("dp", "tp")
 FLOAT = frozenset({"float64", "float32", "float16", "bfloat16"})
+VOCAB_CE_TARGET = "aten.cross_entropy_loss.default"
 LOSS_TARGETS = frozenset({"aten.cross_entropy_loss.default", "aten.nll_loss.default",
                           "aten.nll_loss_nd.default", "aten.nll_loss_forward.default"})
 
@@ -169,13 +175,36 @@ def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFA
                 continue                                   # consumed through getitem
             edge(u, meta, out_placement(u), b_pl, np_.output, phases, need[u.key], u.kind == "param")
 
+    # ---- vocab-parallel cross-entropy ----
+    vocab_ce = set()
+    for n in graph.nodes:
+        np_ = nplan.get(n.key)
+        if n.kind != "op" or np_ is None or not n.inputs or (program.local_dp and not np_.dtensor):
+            continue
+        x = by_key[n.inputs[0].key].outputs[n.inputs[0].index or 0]
+        nd = len(x.shape)
+        if not vocab_parallel_ce(n, np_, sizes, nd):
+            continue
+        vocab_ce.add(n.key)
+        phases = ("forward", "backward") if np_.region is not None else ("forward",)
+        pl = tuple(Replicate() if a == 1 else _norm(q, nd) for a, q in enumerate(np_.inputs[0]))
+        rows32 = TensorMeta(tuple(1 if d == 1 else s for d, s in enumerate(x.shape)), "float32")
+        rows_x = TensorMeta(rows32.shape, x.dtype)
+        for ph in phases:
+            for meta in (rows32, rows32, rows_x):          # row max, row sum-exp, target logit
+                add("all_reduce", 1, _piece_bytes(meta, pl, sizes, 1, "all_reduce"), ph)
+            if _ce_reduction(n) == 1:
+                for ax in range(2):
+                    if ax != 1 and sizes[ax] > 1 and isinstance(pl[ax], Shard):
+                        add("all_reduce", ax, 4, ph)       # the global target count
+
     # ---- the loss ----
     loss = next((by_key[r.key] for r in by_key["|output|0"].inputs), None) if "|output|0" in by_key else None
     if loss is not None and nplan[loss.key].output is not None:
         for ax in range(2):
             if sizes[ax] > 1 and isinstance(nplan[loss.key].output[ax], Partial):
                 add("all_reduce", ax, DTYPE_BYTES[loss.out.dtype], "forward")
-                if loss.target in LOSS_TARGETS:
+                if loss.target in LOSS_TARGETS and loss.key not in vocab_ce:
                     add("all_reduce", ax, DTYPE_BYTES[loss.out.dtype], "backward")
 
     # ---- ZeRO and the reducer ----
@@ -205,6 +234,29 @@ def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFA
             if program.zero_stage in (1, 2):
                 add("all_gather", 0, bucket_comm_bytes(layouts, bucket, dp, "all_gather"), "step", "zero")
     return out
+
+
+def _ce_reduction(n: NodeInfo) -> int:
+    i, name = 3, "reduction"
+    return n.args[i] if i < len(n.args) else dict(n.kwargs).get(name, 1)
+
+
+def vocab_parallel_ce(n: NodeInfo, np_, sizes: Sequence[int], ndim: int) -> bool:
+    """Whether the executor runs this node as vocab-parallel cross-entropy: the plan's logits
+    placement is Shard(class dim 1) on tp (size > 1) and Shard(another dim) or Replicate elsewhere,
+    no class weight, no label smoothing (``executor.vocab_parallel_ce`` decides the same on the
+    runtime placements)."""
+    from autopar.ir import Ref
+
+    if n.target != VOCAB_CE_TARGET or sizes[1] == 1 or ndim < 2 or not np_.inputs or np_.inputs[0] is None:
+        return False
+    weight = n.args[2] if len(n.args) > 2 else dict(n.kwargs).get("weight")
+    smoothing = n.args[5] if len(n.args) > 5 else dict(n.kwargs).get("label_smoothing", 0.0)
+    if isinstance(weight, Ref) or float(smoothing or 0.0) != 0.0:
+        return False
+    pl = tuple(None if q is None else _norm(q, ndim) for q in np_.inputs[0])
+    return isinstance(pl[1], Shard) and pl[1].dim == 1 and all(
+        isinstance(q, Replicate) or (isinstance(q, Shard) and q.dim != 1) for a, q in enumerate(pl) if a != 1)
 
 
 def _tp_local_shape(p, tp: int, tp_rank: int) -> tuple[int, ...]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from autopar.ir import NodeInfo, Ref, TensorMeta
+from autopar.ir import DTYPE_BYTES, NodeInfo, Ref, TensorMeta
 from autopar.placements import Partial, Placement, Replicate, Shard
 
 R = Replicate()
@@ -207,13 +207,17 @@ def _conv(node, ins, outs):
 @rule("aten.scaled_dot_product_attention.default")
 def _sdpa(node, ins, outs):
     # q (b,h,s,d), k (b,h,t,d), v (b,h,t,e) -> (b,h,s,e); the optional mask broadcasts to (b,h,s,t).
-    # Only b, h and the query sequence s can be sharded (softmax over t is not linear).
+    # Only b, h and the query sequence s can be sharded (softmax over t is not linear). With
+    # is_causal or an attn_mask, s cannot: a causal mask is relative to global query positions, so
+    # a local query shard is not exact (the runtime would gather; see codegen/fallback.py).
     if len(ins[0].shape) != 4:
         return []
     labels = ["bhsd", "bhtd", "bhte"]
     if len(ins) > 3:
         labels.append("bhst"[4 - len(ins[3].shape):])
-    return einsum_protos(labels, "bhse", ins, names={"h": "heads", "s": "seq"}, shardable="bhs")
+    masked = len(ins) > 3 or isinstance(arg(node, 3, "attn_mask"), Ref) or bool(arg(node, 5, "is_causal", False))
+    return einsum_protos(labels, "bhse", ins, names={"h": "heads", "s": "seq"},
+                         shardable="bh" if masked else "bhs")
 
 
 # ---- elementwise / broadcasting ---------------------------------------------------------------
@@ -492,10 +496,12 @@ def _cross_entropy(node, ins, outs):
         return []
     protos = _loss_rows_protos(node, ins, outs, len(ins) - 2)
     rows = x.numel // x.shape[1]
-    # vocab-parallel (Megatron): logits sharded on the class dim; all-reduce the per-row max and
-    # sum-exp forward (fp32, 2 x rows x 4 B) and the target logit (rows x 4 B). No comm backward.
+    # vocab-parallel (Megatron; the runtime uses torch's loss_parallel): logits sharded on the class
+    # dim; three forward all-reduces of one value per row: the row max and the row sum-exp (fp32)
+    # and the target logit (logits dtype). No comm backward.
     protos.append(Proto("vocab", R, (Shard(1), R) + tuple(R for _ in ins[2:]),
-                        comms=(Comm("all_reduce", rows * 4 * 2, "fwd"), Comm("all_reduce", rows * 4, "fwd"))))
+                        comms=(Comm("all_reduce", rows * 4, "fwd"), Comm("all_reduce", rows * 4, "fwd"),
+                               Comm("all_reduce", rows * DTYPE_BYTES[x.dtype], "fwd"))))
     return protos
 
 

@@ -10,6 +10,11 @@ the tp placement of every node from a table:
 - "megatron_sp": the same with sequence parallelism: the residual stream and layer norms
   Shard(1) (sequence); all-gather before each column-parallel linear, reduce-scatter after each
   row-parallel one.
+- "megatron_vocab": "megatron" plus a vocab-parallel head: the tied embedding/lm_head weight
+  stored Shard(0) (vocab rows), lm_head column-parallel, and cross-entropy on class-sharded logits
+  (``loss_parallel``). The token embedding reads the weight all-gathered: its masked-lookup
+  strategy (Partial output) currently fails in the executor (the probe leaves DTensor's
+  _MaskPartial buffer materialized: "MaskBuffer has been materialized with conflicting data").
 """
 from __future__ import annotations
 
@@ -37,6 +42,16 @@ _ATTN = {   # tp (output, inputs) by (target, k) inside the attention module
 }
 
 
+_VOCAB = {  # tp (output, inputs) of the vocab-parallel head ("megatron_vocab")
+    ("transformer.wte.weight", "param", 0): (S(0), ()),
+    ("lm_head.weight", "param", 0): (S(0), ()),
+    ("transformer.wte", "aten.embedding.default", 0): (R, (R, R)),   # weight all-gathered (see below)
+    ("lm_head", "aten.linear.default", 0): (S(2), (R, S(0))),
+    ("", "aten.reshape.default", 0): (S(1), (S(2),)),
+    ("", "aten.cross_entropy_loss.default", 0): (R, (S(1), R)),
+}
+
+
 def _tp_table(family: str, key: str, n_inputs: int) -> Optional[tuple]:
     """(tp output, tp inputs) for a node key of the (collapsed) graph, or None for all-R."""
     if family == "replicate":
@@ -45,6 +60,8 @@ def _tp_table(family: str, key: str, n_inputs: int) -> Optional[tuple]:
     act = S(1) if sp else R                       # the residual stream / layer-norm placement
     path, target, k = key.split("|")
     k = int(k)
+    if family == "megatron_vocab" and (path, target, k) in _VOCAB:
+        return _VOCAB[(path, target, k)]
     if key.endswith("param|0"):
         if path.endswith(("c_attn.weight", "c_attn.bias", "c_fc.weight", "c_fc.bias")):
             return S(0), ()
@@ -73,6 +90,14 @@ def _tp_table(family: str, key: str, n_inputs: int) -> Optional[tuple]:
     return None
 
 
+def _name(family: str, s: NodeStrategy, t) -> str:
+    if "split" in s.key and t:
+        return "strided"
+    if family == "megatron_vocab" and "cross_entropy" in s.key:
+        return "vocab"
+    return s.name
+
+
 def hand_plan(graph: GraphIR, *, dp: int, tp: int, family: str = "megatron", zero: int = 0,
               recompute: str = "none", sp: Optional[bool] = None) -> Plan:
     from autopar.solver.search import plan_model
@@ -94,5 +119,5 @@ def hand_plan(graph: GraphIR, *, dp: int, tp: int, family: str = "megatron", zer
             raise AssertionError(f"hand table for {s.key}: {len(ins_tp)} inputs, plan has {len(s.inputs)}")
         strategies.append(NodeStrategy(s.key, (s.output[0], out_tp),
                                        tuple((i[0], p) for i, p in zip(s.inputs, ins_tp)),
-                                       "strided" if "split" in s.key and t else s.name))
+                                       _name(family, s, t)))
     return replace(base, strategies=tuple(strategies), sequence_parallel=family == "megatron_sp")
