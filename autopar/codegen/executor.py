@@ -66,6 +66,18 @@ class _Edge(torch.autograd.Function):
         return g, None, None
 
 
+def _release_masks(out) -> None:
+    """A probe's output is thrown away unreduced, so release the mask a masked-Partial placement
+    (the vocab-sharded embedding lookup) materialized; otherwise the next call with other indices
+    finds it still held ("MaskBuffer has been materialized with conflicting data")."""
+    for t in torch.utils._pytree.tree_leaves(out):
+        if isinstance(t, DTensor):
+            for p in t.placements:
+                buf = getattr(p, "mask_buffer", None)
+                if buf is not None and buf.data is not None:
+                    buf.release_mask()
+
+
 def redistribute(x: DTensor, target: tuple) -> DTensor:
     """``x.redistribute`` that also turns Replicate into Partial(sum) (each rank holds 1/n of the
     value: a bias added after a row-parallel matmul), which DTensor keeps internal."""
@@ -431,7 +443,7 @@ class GraphExecutor:
         region's replay identical to its forward."""
         try:
             with torch.no_grad(), self.log_paused():
-                node.target(*args, **kwargs)
+                _release_masks(node.target(*args, **kwargs))
         except NotImplementedError as e:
             if "sharding strategy" not in str(e) and "sharding propagation" not in str(e):
                 raise

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kernels_testutil import KERNEL_SETTINGS, assert_close, make_generator
+from kernels_testutil import ON_CUDA, KERNEL_SETTINGS, assert_close, make_generator
 
 from kernels import optimizers as opt
 
@@ -14,7 +14,10 @@ from kernels import optimizers as opt
 # measured bitwise equal to torch's single-tensor AdamW for exp_avg / exp_avg_sq in the
 # interpreter and within 2 ulp for param (torch's scalar-tensor ops round differently).
 ADAMW_TOL = (1e-7, 1e-6)
-LAMB_TOL = (1e-6, 1e-5)  # norms are summed in a different order than torch.norm
+# Norms are summed in a different order than torch.norm. On a GPU the order differs more: the
+# H200 run (benchmarks/results/kernel_tests_h200.txt) saw 2.1e-6 absolute / 3.3e-5 relative on
+# one element of a 42-element tensor at scale 100.
+LAMB_TOL = (1e-5, 1e-4) if ON_CUDA else (1e-6, 1e-5)
 
 
 @KERNEL_SETTINGS

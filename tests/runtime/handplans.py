@@ -12,9 +12,8 @@ the tp placement of every node from a table:
   row-parallel one.
 - "megatron_vocab": "megatron" plus a vocab-parallel head: the tied embedding/lm_head weight
   stored Shard(0) (vocab rows), lm_head column-parallel, and cross-entropy on class-sharded logits
-  (``loss_parallel``). The token embedding reads the weight all-gathered: its masked-lookup
-  strategy (Partial output) currently fails in the executor (the probe leaves DTensor's
-  _MaskPartial buffer materialized: "MaskBuffer has been materialized with conflicting data").
+  (``loss_parallel``). The token embedding looks up its vocab rows locally (masked lookup,
+  Partial output, all-reduced where the residual stream needs it replicated).
 """
 from __future__ import annotations
 
@@ -45,7 +44,7 @@ _ATTN = {   # tp (output, inputs) by (target, k) inside the attention module
 _VOCAB = {  # tp (output, inputs) of the vocab-parallel head ("megatron_vocab")
     ("transformer.wte.weight", "param", 0): (S(0), ()),
     ("lm_head.weight", "param", 0): (S(0), ()),
-    ("transformer.wte", "aten.embedding.default", 0): (R, (R, R)),   # weight all-gathered (see below)
+    ("transformer.wte", "aten.embedding.default", 0): (P, (S(0), R)),  # masked lookup on vocab rows
     ("lm_head", "aten.linear.default", 0): (S(2), (R, S(0))),
     ("", "aten.reshape.default", 0): (S(1), (S(2),)),
     ("", "aten.cross_entropy_loss.default", 0): (R, (S(1), R)),
