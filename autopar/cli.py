@@ -13,6 +13,8 @@ import time
 
 from rich.console import Console
 
+from autopar.report import make_console
+
 GIB = 1 << 30
 
 
@@ -124,7 +126,7 @@ def cmd_models(args, console: Console) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    console = Console()
+    console = make_console()
     handler = {"plan": cmd_plan, "inspect": cmd_inspect, "run": cmd_run, "models": cmd_models}[args.command]
     try:
         return handler(args, console)

@@ -2,6 +2,9 @@
 what `autopar plan` printed when it wrote the file."""
 from __future__ import annotations
 
+import os
+import sys
+
 from rich.console import Console
 from rich.table import Table
 
@@ -13,6 +16,13 @@ _FREE_TARGETS = ("getitem", "aten.view", "aten.transpose", "aten.reshape", "aten
                  "aten.detach", "aten.alias", "aten.slice", "aten.squeeze", "aten.flatten")
 
 GB = 1e9
+
+
+def make_console() -> Console:
+    """Piped output (logs, CI) gets a wide page instead of rich's 80-column default."""
+    if sys.stdout.isatty() or "COLUMNS" in os.environ:
+        return Console()
+    return Console(width=140)
 
 
 def _gb(nbytes: float) -> str:
@@ -149,7 +159,7 @@ def stages_table(plan: Plan) -> Table:
 
 
 def render(plan: Plan, console: Console | None = None, verbose: bool = False) -> None:
-    console = console or Console()
+    console = console or make_console()
     console.print(degrees_table(plan))
     console.print(strategies_table(plan, verbose=verbose))
     if plan.pp > 1:

@@ -191,11 +191,9 @@ def reference_losses(model: str, steps: int, *, batch: Optional[int], seq_len: O
 
 
 def _print_plan(plan) -> None:
-    from rich.console import Console
+    from autopar.report import degrees_table, make_console, strategies_table
 
-    from autopar.report import degrees_table, strategies_table
-
-    console = Console()
+    console = make_console()
     console.print(degrees_table(plan))
     console.print(strategies_table(plan))
 
