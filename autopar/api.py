@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES
 from autopar.codegen.executor import GraphExecutor, edge
+from autopar.codegen.fused import FusedKernels, fused_kernels
 from autopar.codegen.program import RankProgram, compile_program, local_dp_nodes
 from autopar.forcing import Force, parse_force
 from autopar.plan import Plan
@@ -132,7 +133,8 @@ class ParallelModel:
     def __init__(self, *, model: nn.Module, plan: Plan, train_graph, mesh, program: RankProgram,
                  store: ParamStore, optimizer: torch.optim.Optimizer, reducer: GradReducer,
                  buffers: dict, collective_log: CollectiveLog, device: torch.device,
-                 timeout_s: float, record_collectives: bool = True) -> None:
+                 timeout_s: float, record_collectives: bool = True,
+                 fused: Optional[FusedKernels] = None) -> None:
         self.plan = plan
         self.mesh = mesh
         self.program = program
@@ -144,6 +146,7 @@ class ParallelModel:
         self._buffers = buffers
         self._log = collective_log
         self._train_graph = train_graph
+        self._fused = fused
         self._train = self._executor(train_graph, program)
         self._forward: Optional[GraphExecutor] = None
         self._recorder = CollectiveRecorder(collective_log, {
@@ -167,6 +170,16 @@ class ParallelModel:
         if self._forward is not None:
             f |= self._forward.fallbacks
         return frozenset(f)
+
+    @property
+    def fused_kernels(self) -> tuple[tuple[str, str], ...]:
+        """(node key, kernel name) of the nodes that ran through a fused Triton kernel (or its
+        reference, see ``autoparallelize(kernels=...)``); filled as nodes run (after a step)."""
+        seen = dict(self._train.fused_kernels)
+        if self._forward is not None:
+            for k, v in self._forward.fused_kernels:
+                seen.setdefault(k, v)
+        return tuple(seen.items())
 
     def step(self, inputs, targets) -> float:
         """One optimizer step on one global batch; returns the loss (same float on every rank)."""
@@ -234,7 +247,9 @@ class ParallelModel:
                         if hasattr(s.arg, "name")}
         constants = {n.name: graph.exported.constants[spec_targets[n.name]].to(self.device)
                      for n in graph.nodes if n.kind == "buffer" and n.param_name is None}
-        return GraphExecutor(gm, program, self.mesh, self.store, self._buffers, constants, self._log.paused)
+        fused = None if self._fused is None else FusedKernels(self._fused.implementation)
+        return GraphExecutor(gm, program, self.mesh, self.store, self._buffers, constants, self._log.paused,
+                             fused)
 
     def _user_output(self, graph, outs: list):
         from torch.export.graph_signature import OutputKind
@@ -270,7 +285,8 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
                     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                     model_name: str = "",
                     record_collectives: bool = True,
-                    dp_mode: str = "auto") -> ParallelModel:
+                    dp_mode: str = "auto",
+                    kernels: str = "off") -> ParallelModel:
     """Plan (or take ``plan``) and compile ``model`` for the running world; see the module docstring.
 
     example_inputs / example_target: one GLOBAL batch (shapes fix the plan's batch and sequence).
@@ -284,26 +300,35 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
     dp_mode: "auto" runs a tp == 1 plan whose dp axis only carries the batch on plain local-batch
         tensors (DTensor only for the loss: exact global semantics, DDP's speed); "dtensor" runs
         every op on DTensors over ("dp", "tp").
+    kernels: fused-kernel substitution (``codegen/fused.py``): "auto" runs the Triton kernels of
+        ``kernels/`` in place of the aten ops they replace exactly (layer_norm, gelu, attention,
+        cross-entropy, ...) on CUDA and nothing on the CPU; "on" substitutes on any device (Triton
+        on CUDA or under TRITON_INTERPRET=1, else the plain-torch references: tests); "off" never.
+        ``pm.fused_kernels`` lists the substituted nodes. Default "off": the substitution is tested
+        against aten on CPU ranks through Triton's interpreter, but has not yet run on a GPU.
     record_collectives: log DTensor's collectives into ``pm.collectives`` (a dispatch mode around
         forward and backward: a few microseconds per op; autopar's own reducer/ZeRO collectives are
         always logged).
     """
     with peer_failures("autoparallelize (setup)", timeout_s):
         pm = _autoparallelize(model, example_inputs, loss_fn, example_target, optimizer, cluster,
-                              force, plan, seed, timeout_s, bucket_bytes, model_name, dp_mode)
+                              force, plan, seed, timeout_s, bucket_bytes, model_name, dp_mode, kernels)
     pm.record_collectives = record_collectives
     return pm
 
 
 def _autoparallelize(model, example_inputs, loss_fn, example_target, optimizer, cluster, force, plan,
-                     seed, timeout_s, bucket_bytes, model_name, dp_mode) -> ParallelModel:
+                     seed, timeout_s, bucket_bytes, model_name, dp_mode, kernels) -> ParallelModel:
     if dp_mode not in ("auto", "dtensor"):
         raise ValueError(f"dp_mode={dp_mode!r}: choose 'auto' or 'dtensor'")
+    if kernels not in ("auto", "on", "off"):
+        raise ValueError(f"kernels={kernels!r}: choose 'auto', 'on' or 'off'")
     from autopar.trace import trace_model
 
     meta = _is_meta(model)
     device_type = "cuda" if torch.cuda.is_available() and (meta or next(model.parameters()).is_cuda) else "cpu"
     rank, world = init_world(timeout_s, device_type)
+    fused = fused_kernels(kernels, device_type)
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     inputs = _tuple(example_inputs)
     force_ = parse_force(force)
@@ -344,4 +369,4 @@ def _autoparallelize(model, example_inputs, loss_fn, example_target, optimizer, 
              plan_.zero_stage, plan_.recompute, plan_.sequence_parallel)
     return ParallelModel(model=model, plan=plan_, train_graph=graph, mesh=mesh, program=program,
                          store=store, optimizer=opt, reducer=reducer, buffers=buffers,
-                         collective_log=clog, device=device, timeout_s=timeout_s)
+                         collective_log=clog, device=device, timeout_s=timeout_s, fused=fused)

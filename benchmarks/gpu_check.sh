@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one GPU check of this repo, for a lent GPU (the `device` tool) or any CUDA machine:
 #   1. kernel tests compiled for the device (not the interpreter), few hypothesis examples;
-#   2. the kernel benchmark (Triton vs eager vs torch.compile, % of measured ceilings).
+#   2. the kernel benchmark (Triton vs eager vs torch.compile, % of measured ceilings);
+#   3. fused-kernel substitution in a training step (benchmarks/fused_step_gpu.py).
 # Writes logs and JSON under $OUT (default ./out). Usage: bash benchmarks/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,3 +16,7 @@ AUTOPAR_TEST_DEVICE=cuda AUTOPAR_KERNEL_EXAMPLES=${KERNEL_EXAMPLES:-6} timeout "
 echo "kernel tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/kernel_tests.log"
 timeout "${BENCH_TIMEOUT:-280}" python3 benchmarks/kernels.py --quick --budget-s "${BENCH_BUDGET:-220}" --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels_bench.log"
 echo "benchmark exit: ${PIPESTATUS[0]}"
+# 3. fused-kernel substitution in a real training step (kernels="auto" vs "off", one rank);
+#    not yet run on a GPU: the first lent GPU should confirm it before "auto" becomes the default.
+timeout "${FUSED_TIMEOUT:-90}" python3 benchmarks/fused_step_gpu.py 2>&1 | tee "$OUT/fused_step.log"
+echo "fused step exit: ${PIPESTATUS[0]}"

@@ -19,6 +19,10 @@ Fallbacks: an op DTensor has no rule for is probed once per (target, placements)
 (deciding before the real call keeps a region's recomputation identical to its forward) and then
 runs on local tensors (``fallback.py``); ``GraphExecutor.fallbacks`` lists them.
 
+Fused kernels (``fused``, see ``fused.py``): an op node whose aten call a registry kernel replaces
+exactly under its input placements runs the kernel on local tensors (after the edges, before the
+DTensor dispatch); ``GraphExecutor.fused_kernels`` lists (node key, kernel name).
+
 Local-dp mode (``program.local_dp``, tp == 1): the graph was traced at the local batch; nodes
 run on plain tensors, and only the nodes that reduce over the batch (the loss) wrap their plain
 inputs as DTensors (Shard(0) on dp) to get the global result.
@@ -35,6 +39,7 @@ from torch import fx
 from torch.distributed.tensor import DTensor, Partial as TPartial, Replicate as TReplicate, Shard as TShard
 
 from autopar.codegen import fallback
+from autopar.codegen.fused import FusedKernels
 from autopar.codegen.program import NodePlan, Placements, Region, RankProgram
 from autopar.codegen.shards import contiguous_stride, local_ranges, slice_of
 from autopar.placements import Partial, Replicate, Shard, to_torch
@@ -267,7 +272,8 @@ class GraphExecutor:
     names (and lifted-constant placeholder names) to full tensors."""
 
     def __init__(self, gm: fx.GraphModule, program: RankProgram, mesh, params, buffers: dict,
-                 constants: dict, log_paused=contextlib.nullcontext) -> None:
+                 constants: dict, log_paused=contextlib.nullcontext,
+                 fused: Optional[FusedKernels] = None) -> None:
         self.gm = gm
         self.program = program
         self.mesh = mesh
@@ -281,7 +287,18 @@ class GraphExecutor:
         self._probed: set = set()
         self._fallback_sigs: set = set()
         self.log_paused = log_paused            # context manager: probes are not logged
+        self.fused = fused                      # fused-kernel substitution, None = off
         self._units = self._make_units()
+
+    @property
+    def fused_kernels(self) -> tuple[tuple[str, str], ...]:
+        """(node key, kernel name) of every node run through a fused kernel so far."""
+        return tuple(self.fused.used.items()) if self.fused is not None else ()
+
+    def _fused(self, p: NodePlan, args, kwargs):
+        if self.fused is None or p.kind != "op":
+            return None
+        return self.fused.run(p.key, p.target, args, kwargs)
 
     # ---- structure ----
     def _make_units(self) -> list:
@@ -399,6 +416,8 @@ class GraphExecutor:
         elif p.target == VOCAB_CE_TARGET and vocab_parallel_ce(args, kwargs, self.mesh):
             out = _VocabParallelCE.apply(args[0], args[1], _ce_arg(args, kwargs, 3, "reduction", 1),
                                          _ce_arg(args, kwargs, 4, "ignore_index", -100))
+        elif (fused := self._fused(p, args, kwargs)) is not None:
+            out = fused
         else:
             if p.target == VOCAB_CE_TARGET and _class_sharded_on_tp(args[0], self.mesh):
                 self.fallbacks.add(p.target)           # class weight / label smoothing: DTensor gathers
@@ -413,6 +432,9 @@ class GraphExecutor:
         kwargs = fx.node.map_arg(node.kwargs, lambda n: self._value(n, env, scope))
         if node.target is operator.getitem:
             return args[0][args[1]]
+        fused = self._fused(self.plans[node.name], args, kwargs)
+        if fused is not None:
+            return fused
         return node.target(*args, **kwargs)
 
     def _wrap_plain(self, t: torch.Tensor, producer: str) -> DTensor:

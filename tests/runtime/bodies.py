@@ -163,3 +163,32 @@ def stalls(rank: int, world: int) -> str:
 
     dist.all_gather_object([None] * world, "hello")
     return "gathered"
+
+
+# ---- fused kernels ---------------------------------------------------------------------------
+
+def fused_jobs(rank: int, world: int, jobs: list) -> list:
+    """Each job: a plan (JSON), ``kernels`` mode, ``steps``, optional ``dp_mode``; the same model
+    and batches as ``train_job``. Returns losses, fused nodes and (rank 0) parameters and grads."""
+    import time
+
+    from autopar.api import autoparallelize
+    from autopar.plan import Plan
+
+    out = []
+    for job in jobs:
+        b = build(False)
+        data = batches(b, job["steps"])
+        kwargs = {k: job[k] for k in ("dp_mode",) if k in job}
+        pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
+                             optimizer=adamw, plan=Plan.from_json(job["plan"]), timeout_s=60,
+                             kernels=job["kernels"], **kwargs)
+        t0 = time.perf_counter()
+        losses = [pm.step(x, y) for x, y in data[:job["steps"]]]
+        res = {"losses": losses, "fused": list(pm.fused_kernels), "fallbacks": sorted(pm.fallbacks),
+               "step_s": (time.perf_counter() - t0) / job["steps"]}
+        sd, grads = pm.full_state_dict(), pm.full_grad_dict()
+        if rank == 0:
+            res.update(sd=sd, grads=grads)
+        out.append(res)
+    return out

@@ -1,0 +1,399 @@
+"""Fused-kernel substitution: which graph nodes a ``kernels/`` registry kernel replaces, and how.
+
+    fk = fused_kernels("auto", device_type)     # None: nothing is substituted
+    out = fk.run(key, target, args, kwargs)      # the node's output through the kernel, or None
+
+The executor calls ``run`` for every op node after its inputs were placed (``edge``); ``None``
+means "run the aten op as usual" (no adapter, or a condition fails: the reason is logged once per
+node and placement signature). Values are DTensors (the kernel runs on each rank's LOCAL tensor
+and the output is re-wrapped with ``DTensor.from_local``, so autograd flows through the kernel's
+``autograd.Function``) or plain tensors (local-dp mode: the local batch, nothing to check).
+
+Modes (``autoparallelize(kernels=...)``):
+    "auto"  substitute on CUDA (Triton kernels); on the CPU nothing, even with TRITON_INTERPRET=1
+    "on"    substitute on any device with ``registry.select``: Triton on CUDA or when
+            TRITON_INTERPRET=1 (the interpreter: tests), else the plain-torch reference
+    "off"   never
+
+Adapter table (aten call of torch.export's training IR -> kernel call; every condition must hold):
+
+  aten.layer_norm.default(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable)
+      -> layer_norm(x, weight, bias, eps)
+      normalized_shape == (x.shape[-1],) <= 65536; x fp32/bf16/fp16; weight/bias None or (N,) of
+      x's dtype; x not Partial nor sharded on its last dim on any axis; weight/bias Replicate on
+      every axis (their local gradient is Partial on each axis that shards x).
+  aten.rms_norm.default(x, normalized_shape, weight=None, eps=None)
+      -> rms_norm(x, weight, eps if not None else finfo(x.dtype).eps)      conditions as layer_norm
+  aten.gelu.default(x, approximate="none"|"tanh") -> bias_gelu(x, None, approximate)
+      x fp32/bf16/fp16, not Partial (elementwise: any shard is exact)
+  aten.softmax.int(x, dim, dtype=None) -> softmax(x)
+      dim is the last dim, dtype None or x's; x not Partial nor sharded on the last dim
+  aten.scaled_dot_product_attention.default(q, k, v, attn_mask=None, dropout_p=0.0,
+          is_causal=False, scale=None, enable_gqa=False) -> attention(q, k, v, is_causal, scale)[0]
+      no mask, dropout_p == 0, enable_gqa False; q, k, v 4-D (B, H, T, D), one float dtype,
+      k.shape == v.shape, same B, H, D as q, D in attention.SUPPORTED_HEAD_DIMS, Tk > 0;
+      per mesh axis q, k, v have the same placement, Replicate or Shard(0 = batch / 1 = heads).
+  aten.cross_entropy_loss.default(logits, target, weight=None, reduction=1, ignore_index=-100,
+          label_smoothing=0.0) -> cross_entropy(logits, target, ignore_index, "sum"|"mean"|"none")
+      logits 2-D (N, C) float, target 1-D integer; weight None, label_smoothing 0; logits not
+      Partial, not sharded on the class dim (the vocab-parallel path handles that; it is checked
+      first by the executor); the target is redistributed to the logits' placements.
+      The mean must be over the GLOBAL batch: where rows are sharded (Shard(0) on an axis of size
+      > 1) each rank computes its rows' SUM with the kernel and divides by the global count of
+      non-ignored targets (one 4-byte all_reduce per sharded axis, forward); the result is
+      Partial on those axes. (DTensor's own rule all-reduces the count in the backward instead.)
+      The loss is returned in the logits' dtype, as aten does (the kernel's is fp32).
+      The kernel's in-place backward (the gradient written into the logits buffer) is off: the
+      local logits may be shared with other users.
+
+Not substituted (gaps): multi-node patterns of the registry (add + layer_norm, add + gelu,
+silu * mul = swiglu, RoPE) need a graph matcher; ``aten._softmax``; LLaMA's hand-written RMSNorm
+(pow / mean / rsqrt / mul) is not ``aten.rms_norm``.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+log = logging.getLogger("autopar.codegen")
+
+MODES = ("auto", "on", "off")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+NORM_MAX_N = 65536                 # kernels/norms.py MAX_N: one row fits one block
+
+
+# ---- placements of a DTensor or plain tensor -------------------------------------------------
+
+def _is_dt(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _placements(t) -> tuple:
+    return tuple(t.placements) if _is_dt(t) else ()
+
+
+def _shard_dim(p, ndim: int) -> Optional[int]:
+    from torch.distributed.tensor import Shard
+
+    return p.dim % ndim if isinstance(p, Shard) else None
+
+
+def _no_partial(t, what: str) -> Optional[str]:
+    if any(p.is_partial() for p in _placements(t)):
+        return f"{what} is Partial"
+    return None
+
+
+def _last_dim_local(t, what: str) -> Optional[str]:
+    why = _no_partial(t, what)
+    if why:
+        return why
+    if any(_shard_dim(p, t.ndim) == t.ndim - 1 for p in _placements(t)):
+        return f"{what} is sharded on its last (normalized) dim"
+    return None
+
+
+def _replicated(t, what: str) -> Optional[str]:
+    if t is None or not _is_dt(t):
+        return None
+    if not all(p.is_replicate() for p in t.placements):
+        return f"{what} is not Replicate on every axis ({t.placements})"
+    return None
+
+
+def _float(t, what: str) -> Optional[str]:
+    if not isinstance(t, torch.Tensor):
+        return f"{what} is not a tensor"
+    if t.dtype not in FLOAT_DTYPES:
+        return f"{what} dtype {t.dtype} is not one of fp32/bf16/fp16"
+    return None
+
+
+def _first(*reasons) -> Optional[str]:
+    return next((r for r in reasons if r), None)
+
+
+# ---- local tensors in, DTensor out -----------------------------------------------------------
+
+def _local(t, grad_placements=None):
+    if t is None or not _is_dt(t):
+        return t
+    return t.to_local(grad_placements=grad_placements)
+
+
+def _param_grad_placements(x) -> Optional[tuple]:
+    """A Replicate parameter used with data ``x``: its local gradient is a partial sum on each axis
+    that shards x (each rank saw its rows), complete on the others."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    if not _is_dt(x):
+        return None
+    return tuple(Partial() if _shard_dim(p, x.ndim) is not None else Replicate() for p in x.placements)
+
+
+def _wrap(y: torch.Tensor, like, placements: tuple, shape) -> Any:
+    """``y`` (local) as a DTensor on ``like``'s mesh with ``placements`` and global ``shape``;
+    plain ``y`` when ``like`` is plain."""
+    if not _is_dt(like):
+        return y
+    from torch.distributed.tensor import DTensor
+
+    from autopar.codegen.shards import contiguous_stride
+
+    shape = torch.Size(shape)
+    return DTensor.from_local(y, like.device_mesh, placements, run_check=False, shape=shape,
+                              stride=contiguous_stride(tuple(shape)))
+
+
+def _arg(args, kwargs, i: int, name: str, default=None):
+    return args[i] if i < len(args) else kwargs.get(name, default)
+
+
+# ---- adapters ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Adapter:
+    target: str                                          # aten target, str of the OpOverload
+    kernel: str                                          # kernels.registry name
+    check: Callable[[tuple, dict], Optional[str]]        # why it cannot substitute, None = it can
+    launch: Callable[[Callable, tuple, dict], Any]       # (kernel fn, args, kwargs) -> output
+
+
+def _norm_check(args, kwargs, has_bias: bool) -> Optional[str]:
+    x = args[0]
+    shape = tuple(_arg(args, kwargs, 1, "normalized_shape", ()))
+    weight = _arg(args, kwargs, 2, "weight")
+    bias = _arg(args, kwargs, 3, "bias") if has_bias else None
+    why = _float(x, "input")
+    if why:
+        return why
+    n = x.shape[-1] if x.ndim else 0
+    if shape != (n,):
+        return f"normalized_shape {shape} is not the last dim only ({n},)"
+    if n > NORM_MAX_N:
+        return f"last dim {n} > {NORM_MAX_N}"
+    for t, what in ((weight, "weight"), (bias, "bias")):
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != (n,) or t.dtype != x.dtype):
+            return f"{what} is not a ({n},) tensor of dtype {x.dtype}"
+    return _first(_last_dim_local(x, "input"), _replicated(weight, "weight"), _replicated(bias, "bias"))
+
+
+def _layer_norm_launch(fn, args, kwargs):
+    x = args[0]
+    weight, bias = _arg(args, kwargs, 2, "weight"), _arg(args, kwargs, 3, "bias")
+    eps = float(_arg(args, kwargs, 4, "eps", 1e-5))
+    gp = _param_grad_placements(x)
+    y = fn(_local(x), _local(weight, gp), _local(bias, gp), eps)
+    return _wrap(y, x, _placements(x), x.shape)
+
+
+def _rms_norm_launch(fn, args, kwargs):
+    x = args[0]
+    weight = _arg(args, kwargs, 2, "weight")
+    eps = _arg(args, kwargs, 3, "eps")
+    eps = float(torch.finfo(x.dtype).eps if eps is None else eps)
+    y = fn(_local(x), _local(weight, _param_grad_placements(x)), eps)
+    return _wrap(y, x, _placements(x), x.shape)
+
+
+def _gelu_check(args, kwargs) -> Optional[str]:
+    x = args[0]
+    approx = _arg(args, kwargs, 1, "approximate", "none")
+    if approx not in ("none", "tanh"):
+        return f"approximate={approx!r}"
+    return _first(_float(x, "input"), _no_partial(x, "input"))
+
+
+def _gelu_launch(fn, args, kwargs):
+    x = args[0]
+    y = fn(_local(x), None, _arg(args, kwargs, 1, "approximate", "none"))
+    return _wrap(y, x, _placements(x), x.shape)
+
+
+def _softmax_check(args, kwargs) -> Optional[str]:
+    x = args[0]
+    why = _float(x, "input")
+    if why:
+        return why
+    dim = _arg(args, kwargs, 1, "dim")
+    dtype = _arg(args, kwargs, 2, "dtype")
+    if x.ndim == 0 or dim % x.ndim != x.ndim - 1:
+        return f"dim={dim} is not the last dim"
+    if dtype is not None and dtype != x.dtype:
+        return f"dtype={dtype} converts"
+    return _last_dim_local(x, "input")
+
+
+def _softmax_launch(fn, args, kwargs):
+    x = args[0]
+    return _wrap(fn(_local(x)), x, _placements(x), x.shape)
+
+
+def _sdpa_check(args, kwargs) -> Optional[str]:
+    from kernels.attention import SUPPORTED_HEAD_DIMS
+    from torch.distributed.tensor import Replicate
+
+    q, k, v = args[:3]
+    if _arg(args, kwargs, 3, "attn_mask") is not None:
+        return "attn_mask is given"
+    if float(_arg(args, kwargs, 4, "dropout_p", 0.0)) != 0.0:
+        return "dropout_p != 0"
+    if _arg(args, kwargs, 7, "enable_gqa", False):
+        return "enable_gqa"
+    why = _first(_float(q, "q"), _float(k, "k"), _float(v, "v"))
+    if why:
+        return why
+    if not q.ndim == k.ndim == v.ndim == 4:
+        return f"q, k, v are not 4-D (B, H, T, D): {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+    if not q.dtype == k.dtype == v.dtype:
+        return "q, k, v dtypes differ"
+    b, h, _, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[1] != h or k.shape[3] != d or k.shape[2] == 0:
+        return f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}"
+    if d not in SUPPORTED_HEAD_DIMS:
+        return f"head dim {d} is not in {SUPPORTED_HEAD_DIMS}"
+    pq, pk, pv = _placements(q), _placements(k), _placements(v)
+    if not (pq == pk == pv):
+        return f"q, k, v placements differ ({pq}, {pk}, {pv})"
+    for p in pq:
+        if not (isinstance(p, Replicate) or _shard_dim(p, 4) in (0, 1)):
+            return f"q, k, v placement {p} is not Replicate or a batch/head shard"
+    return None
+
+
+def _sdpa_launch(fn, args, kwargs):
+    q, k, v = args[:3]
+    causal = bool(_arg(args, kwargs, 5, "is_causal", False))
+    scale = _arg(args, kwargs, 6, "scale")
+    out, _lse = fn(_local(q), _local(k), _local(v), causal, scale)
+    return _wrap(out, q, _placements(q), tuple(q.shape[:-1]) + (v.shape[-1],))
+
+
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+def _ce_check(args, kwargs) -> Optional[str]:
+    x, t = args[0], args[1]
+    why = _float(x, "logits")
+    if why:
+        return why
+    if x.ndim != 2 or not isinstance(t, torch.Tensor) or t.ndim != 1 or t.is_floating_point():
+        return "not (N, C) logits with (N,) integer targets"
+    if _arg(args, kwargs, 2, "weight") is not None:
+        return "a class weight is given"
+    if float(_arg(args, kwargs, 5, "label_smoothing", 0.0)) != 0.0:
+        return "label_smoothing != 0"
+    if _arg(args, kwargs, 3, "reduction", 1) not in _REDUCTIONS:
+        return f"reduction {_arg(args, kwargs, 3, 'reduction', 1)}"
+    why = _no_partial(x, "logits")
+    if why:
+        return why
+    if any(_shard_dim(p, 2) == 1 for p in _placements(x)):
+        return "logits are sharded on the class dim"
+    return None
+
+
+def _ce_launch(fn, args, kwargs):
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    x, t = args[0], args[1]
+    reduction = _REDUCTIONS[_arg(args, kwargs, 3, "reduction", 1)]
+    ignore_index = int(_arg(args, kwargs, 4, "ignore_index", -100))
+    if not _is_dt(x):
+        return fn(x, t, ignore_index, reduction).to(x.dtype)
+    mesh = x.device_mesh
+    if _is_dt(t) and tuple(t.placements) != tuple(x.placements):
+        t = t.redistribute(mesh, tuple(x.placements))
+    rows_sharded = [i for i, p in enumerate(x.placements) if isinstance(p, Shard) and mesh.size(i) > 1]
+    xl, tl = _local(x), _local(t)
+    if reduction == "none":
+        y = fn(xl, tl, ignore_index, "none").to(x.dtype)
+        pl = tuple(Shard(0) if isinstance(p, Shard) else Replicate() for p in x.placements)
+        return _wrap(y, x, pl, (x.shape[0],))
+    if not rows_sharded:
+        y = fn(xl, tl, ignore_index, reduction).to(x.dtype)
+        return _wrap(y, x, tuple(Replicate() for _ in x.placements), ())
+    total = fn(xl, tl, ignore_index, "sum")                 # fp32, this rank's rows
+    if reduction == "mean":
+        count = (tl != ignore_index).sum().to(torch.float32)
+        for i in rows_sharded:
+            count = funcol.wait_tensor(funcol.all_reduce(count, "sum", group=(mesh, i)))
+        total = total / count
+    pl = tuple(Partial() if i in rows_sharded else Replicate() for i in range(mesh.ndim))
+    return _wrap(total.to(x.dtype), x, pl, ())
+
+
+ADAPTERS: dict[str, Adapter] = {a.target: a for a in (
+    Adapter("aten.layer_norm.default", "layer_norm", lambda a, k: _norm_check(a, k, True), _layer_norm_launch),
+    Adapter("aten.rms_norm.default", "rms_norm", lambda a, k: _norm_check(a, k, False), _rms_norm_launch),
+    Adapter("aten.gelu.default", "gelu", _gelu_check, _gelu_launch),
+    Adapter("aten.softmax.int", "softmax", _softmax_check, _softmax_launch),
+    Adapter("aten.scaled_dot_product_attention.default", "attention", _sdpa_check, _sdpa_launch),
+    Adapter("aten.cross_entropy_loss.default", "cross_entropy", _ce_check, _ce_launch),
+)}
+
+
+# ---- the pass ----------------------------------------------------------------------------------
+
+class FusedKernels:
+    """Substitutes registry kernels for the nodes ``ADAPTERS`` accept. ``implementation`` is
+    "triton" (the kernels' launchers) or "reference" (their plain-torch references).
+
+    ``used`` maps node key -> kernel name, in the order nodes were first substituted."""
+
+    def __init__(self, implementation: str) -> None:
+        if implementation not in ("triton", "reference"):
+            raise ValueError(f"implementation={implementation!r}: choose 'triton' or 'reference'")
+        from kernels.registry import lookup
+
+        self.implementation = implementation
+        self._fns = {a.kernel: getattr(lookup(a.kernel), implementation) for a in ADAPTERS.values()}
+        if implementation == "triton":      # the local logits may have other users: no in-place grad
+            self._fns["cross_entropy"] = functools.partial(self._fns["cross_entropy"], inplace_backward=False)
+        self._decided: dict[tuple, Optional[str]] = {}
+        self.used: dict[str, str] = {}
+
+    def run(self, key: str, target: str, args: tuple, kwargs: dict) -> Optional[Any]:
+        """The node's output through its kernel, or None to run the aten op."""
+        adapter = ADAPTERS.get(target)
+        if adapter is None:
+            return None
+        sig = (key, tuple(_placements(a) for a in args if isinstance(a, torch.Tensor)))
+        if sig not in self._decided:
+            why = adapter.check(args, kwargs)
+            self._decided[sig] = why
+            if why:
+                log.info("node %s: %s kernel not substituted: %s", key, adapter.kernel, why)
+        if self._decided[sig]:
+            return None
+        self.used.setdefault(key, adapter.kernel)
+        return adapter.launch(self._fns[adapter.kernel], args, kwargs)
+
+
+def fused_kernels(mode: str, device_type: str) -> Optional[FusedKernels]:
+    """The substitution pass for ``mode`` (see the module docstring) on ``device_type``, or None."""
+    import os
+
+    if mode not in MODES:
+        raise ValueError(f"kernels={mode!r}: choose one of {', '.join(MODES)}")
+    if mode == "off" or (mode == "auto" and device_type != "cuda"):
+        return None
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    impl = "triton" if device_type == "cuda" or interpret else "reference"
+    try:
+        return FusedKernels(impl)
+    except ImportError as e:
+        if mode == "on":
+            raise ImportError(f"kernels='on' needs the kernels package and triton ({e}); install "
+                              "autopar[kernels] or pass kernels='off'") from e
+        log.warning("fused kernels are off: %s (install autopar[kernels], or pass kernels='off' "
+                    "to silence this)", e)
+        return None

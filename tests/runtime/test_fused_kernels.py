@@ -1,0 +1,169 @@
+"""Fused-kernel substitution (autopar/codegen/fused.py).
+
+(a) One process: every adapter, through the Triton kernel (TRITON_INTERPRET=1, which the root
+    conftest sets) and through the reference, equals the aten op it replaces, forward and backward;
+    calls outside an adapter's conditions are left to aten.
+(b) Two gloo ranks, gpt-tiny, 2 AdamW steps (fp32): dp=2 (local-dp and DTensor modes) and tp=2
+    (hand Megatron plan) with kernels="on" (Triton interpreter) equal kernels="off" within 1e-5,
+    and ``pm.fused_kernels`` lists every layer_norm, gelu, attention and the cross-entropy.
+    kernels="auto" substitutes nothing on the CPU (the default is "off").
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from autopar.codegen.fused import ADAPTERS, FusedKernels, fused_kernels
+
+aten = torch.ops.aten
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+IMPLS = ["reference"] + (["triton"] if INTERPRET or torch.cuda.is_available() else [])
+
+
+def _rand(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).requires_grad_(True)
+
+
+def _op(target: str):
+    _, name, overload = target.split(".")
+    return getattr(getattr(aten, name), overload)
+
+
+def _cases():
+    """(name, aten target, args builder, kwargs as the traced graph writes them)."""
+    tgt = torch.tensor([3, -100, 0, 36, 5, 5, -100, 1, 2, 9])
+    ln, rms, sdpa, ce = ("aten.layer_norm.default", "aten.rms_norm.default",
+                         "aten.scaled_dot_product_attention.default", "aten.cross_entropy_loss.default")
+    return [
+        ("layer_norm", ln, lambda: (_rand(3, 5, 48), [48], _rand(48, seed=1), _rand(48, seed=2), 1e-5, False), {}),
+        ("layer_norm_no_affine", ln, lambda: (_rand(7, 33), [33], None, None, 1e-6, False), {}),
+        ("rms_norm", rms, lambda: (_rand(3, 5, 48), [48], _rand(48, seed=1), 1e-6), {}),
+        ("rms_norm_eps_none", rms, lambda: (_rand(4, 40), [40], _rand(40, seed=1), None), {}),
+        ("gelu", "aten.gelu.default", lambda: (_rand(3, 5, 70),), {}),
+        ("gelu_tanh", "aten.gelu.default", lambda: (_rand(3, 70),), {"approximate": "tanh"}),
+        ("softmax", "aten.softmax.int", lambda: (_rand(3, 5, 37), -1), {}),
+        ("sdpa", sdpa, lambda: (_rand(2, 3, 20, 16), _rand(2, 3, 24, 16, seed=1), _rand(2, 3, 24, 16, seed=2)), {}),
+        ("sdpa_causal_scale", sdpa, lambda: (_rand(1, 2, 19, 32), _rand(1, 2, 19, 32, seed=1),
+                                            _rand(1, 2, 19, 32, seed=2), None, 0.0, True), {"scale": 0.3}),
+        ("cross_entropy_mean", ce, lambda: (_rand(10, 37), tgt, None, 1, -100, 0.0), {}),
+        ("cross_entropy_sum", ce, lambda: (_rand(10, 37), tgt, None, 2, -100, 0.0), {}),
+        ("cross_entropy_none", ce, lambda: (_rand(10, 37), tgt), {"reduction": 0}),
+    ]
+
+
+def _fwd_bwd(fn, args):
+    out = fn(*args)
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
+    grads = torch.autograd.grad((out * g).sum(), leaves)
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: c[0])
+def test_adapter_matches_aten(case, impl):
+    name, target, build, kw = case
+    fk = FusedKernels(impl)
+    want, want_g = _fwd_bwd(lambda *a: _op(target)(*a, **kw), build())
+    got, got_g = _fwd_bwd(lambda *a: fk.run(f"k|{name}", target, a, kw), build())
+    assert fk.used == {f"k|{name}": ADAPTERS[target].kernel}
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert len(got_g) == len(want_g)
+    for a, b in zip(got_g, want_g):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("target,args,kwargs,why", [
+    ("aten.scaled_dot_product_attention.default",
+     (torch.ones(1, 2, 8, 16),) * 3 + (torch.ones(8, 8, dtype=torch.bool),), {}, "attn_mask"),
+    ("aten.scaled_dot_product_attention.default", (torch.ones(1, 2, 8, 16),) * 3 + (None, 0.1), {}, "dropout"),
+    ("aten.scaled_dot_product_attention.default", (torch.ones(1, 2, 8, 24),) * 3, {}, "head dim 24"),
+    ("aten.scaled_dot_product_attention.default", (torch.ones(1, 2, 8, 16),) * 3, {"enable_gqa": True},
+     "enable_gqa"),
+    ("aten.layer_norm.default", (torch.ones(2, 4, 8), [4, 8], None, None, 1e-5, False), {}, "normalized_shape"),
+    ("aten.layer_norm.default", (torch.ones(2, 8, dtype=torch.float64), [8]), {}, "dtype"),
+    ("aten.cross_entropy_loss.default", (torch.ones(4, 5), torch.zeros(4, dtype=torch.long), torch.ones(5)),
+     {}, "class weight"),
+    ("aten.cross_entropy_loss.default", (torch.ones(4, 5), torch.zeros(4, dtype=torch.long), None, 1, -100, 0.1),
+     {}, "label_smoothing"),
+    ("aten.cross_entropy_loss.default", (torch.ones(2, 5, 3), torch.zeros(2, 3, dtype=torch.long)), {}, "(N, C)"),
+    ("aten.softmax.int", (torch.ones(3, 4), 0), {}, "last dim"),
+    ("aten.add.Tensor", (torch.ones(3), torch.ones(3)), {}, "no adapter"),
+])
+def test_adapter_declines(target, args, kwargs, why):
+    fk = FusedKernels("reference")
+    assert fk.run("k", target, args, kwargs) is None, why
+    assert fk.used == {}
+
+
+def test_modes():
+    assert fused_kernels("off", "cuda") is None
+    assert fused_kernels("auto", "cpu") is None                 # even with TRITON_INTERPRET=1
+    fk = fused_kernels("on", "cpu")
+    assert fk.implementation == ("triton" if INTERPRET else "reference")
+    with pytest.raises(ValueError, match="choose one of"):
+        fused_kernels("yes", "cpu")
+
+
+# ---- two ranks ---------------------------------------------------------------------------------
+
+STEPS = 2
+TOL = 1e-5
+FAMILIES = {     # name: (hand_plan kwargs, job extras)
+    "dp": (dict(dp=2, tp=1), {}),
+    "dp_dtensor_mode": (dict(dp=2, tp=1), {"dp_mode": "dtensor"}),
+    "tp": (dict(dp=1, tp=2, family="megatron"), {}),
+}
+
+
+@pytest.fixture(scope="module")
+def fused_runs(tiny_full):
+    from autopar.runtime.launch import spawn_ranks
+    from bodies import fused_jobs
+    from handplans import hand_plan
+
+    jobs, index = [], {}
+    for name, (plan_kw, extra) in FAMILIES.items():
+        plan = hand_plan(tiny_full, **plan_kw).to_json()
+        for mode in ("on", "off"):
+            index[(name, mode)] = len(jobs)
+            jobs.append(dict(plan=plan, kernels=mode, steps=STEPS, **extra))
+    index[("dp", "auto")] = len(jobs)
+    jobs.append(dict(plan=jobs[index[("dp", "off")]]["plan"], kernels="auto", steps=1))
+    per_rank = spawn_ranks(fused_jobs, 2, (jobs,), timeout_s=120)
+    return {k: [per_rank[r][i] for r in range(2)] for k, i in index.items()}
+
+
+def _max_diff(a: dict, b: dict) -> tuple[float, str]:
+    assert set(a) == set(b)
+    return max(((a[k].float() - b[k].float()).abs().max().item(), k) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_two_ranks_kernels_equal_aten(family, fused_runs, tiny_full):
+    on, off = fused_runs[(family, "on")], fused_runs[(family, "off")]
+    for r in range(2):
+        for a, b in zip(on[r]["losses"], off[r]["losses"]):
+            assert abs(a - b) <= TOL, (family, r, on[r]["losses"], off[r]["losses"])
+        assert off[r]["fused"] == []
+    d, k = _max_diff(on[0]["sd"], off[0]["sd"])
+    assert d <= TOL, f"{family}: parameter {k} differs by {d:.3e}"
+    d, k = _max_diff(on[0]["grads"], off[0]["grads"])
+    assert d <= TOL, f"{family}: gradient {k} differs by {d:.3e}"
+    want = {}
+    for n in tiny_full.nodes:
+        if n.target in ADAPTERS:
+            want[n.key] = ADAPTERS[n.target].kernel
+    for r in range(2):
+        assert dict(on[r]["fused"]) == want, (family, r, on[r]["fused"])
+    assert sorted(set(want.values())) == ["attention", "cross_entropy", "gelu", "layer_norm"]
+
+
+@pytest.mark.slow
+def test_auto_substitutes_nothing_on_cpu(fused_runs):
+    assert all(res["fused"] == [] for res in fused_runs[("dp", "auto")])
