@@ -12,7 +12,7 @@ global rank = stage * prod(mesh_shape) + mesh rank.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
 from autopar.placements import Placement, format_placements, parse_placements

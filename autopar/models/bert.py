@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.models.init import init_normal
+
 
 @dataclass(frozen=True)
 class BertConfig:
@@ -68,10 +70,7 @@ class BertForMaskedLM(nn.Module):
         self.decoder = nn.Linear(cfg.hidden, cfg.vocab)
         self.decoder.weight = self.word_embeddings.weight          # tied, as in BERT
         for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, mean=0.0, std=0.02)
-            if isinstance(m, nn.Linear) and m.bias is not None:
-                nn.init.zeros_(m.bias)
+            init_normal(m)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         B, T = tokens.shape                                                 # (B, T) token ids

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.models.init import init_normal
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -132,8 +134,7 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)   # (seq, hd)
         self.register_buffer("rope_sin", sin, persistent=False)   # (seq, hd)
         for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            init_normal(m)                                      # its linears have no bias
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         B, T = tokens.shape                                  # (B, T) token ids

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.models.init import init_normal
+
 
 @dataclass(frozen=True)
 class ViTConfig:
@@ -67,9 +69,7 @@ class ViT(nn.Module):
         nn.init.normal_(self.cls_token, std=0.02)
         nn.init.normal_(self.pos_embed, std=0.02)
         for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Conv2d)):
-                nn.init.normal_(m.weight, mean=0.0, std=0.02)
-                nn.init.zeros_(m.bias)
+            init_normal(m, types=(nn.Linear, nn.Conv2d))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         B = images.shape[0]                                                 # (B, 3, H, W)

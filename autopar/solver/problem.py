@@ -214,7 +214,6 @@ def _edges(facts: GraphFacts, metas: dict, present: set, carried, block_out, cou
             idx = ref_index(facts, n, ref)
             meta: TensorMeta = metas[ref.key][idx]
             grad = facts.needs_grad.get(ref.key, False)
-            upart = facts.part.get(ref.key)
             if vpart == "block":
                 if ref.key == carried:
                     out.append(EdgeSpec(ref.key, k, pos, idx, 1, "pre", meta.nbytes, grad, regather=rg))

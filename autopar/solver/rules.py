@@ -131,7 +131,7 @@ def _lead(n: int) -> str:
 
 @rule("aten.linear.default")
 def _linear(node, ins, outs):
-    x, w = ins[0], ins[1]
+    x = ins[0]
     lead = _lead(len(x.shape) - 1)
     labels = [lead + "k", "nk"] + (["n"] if len(ins) > 2 else [])
     protos = einsum_protos(labels, lead + "n", ins, names={"n": "colwise", "k": "rowwise"},
@@ -467,7 +467,7 @@ def _cat(node, ins, outs):
 
 @rule("embedding")
 def _embedding(node, ins, outs):
-    w, idx = ins[0], ins[1]
+    idx = ins[1]
     no = len(outs[0].shape)
     protos = [Proto("", Shard(d), (R, Shard(d))) for d in range(len(idx.shape))]
     protos.append(Proto("colwise", Shard(no - 1), (Shard(1), R)))
@@ -477,7 +477,7 @@ def _embedding(node, ins, outs):
 
 def _loss_rows_protos(node, ins, outs, n_extra: int) -> list[Proto]:
     """Rows (batch/sequence) sharded: each rank's loss is a summand (mean: of the local mean / t)."""
-    x, tgt = ins[0], ins[1]
+    x = ins[0]
     reduce_none = len(outs[0].shape) > 0
     protos = []
     for d in range(len(x.shape)):
