@@ -61,3 +61,44 @@ def float_dtypes_ok(name: str, *tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.dtype not in ok:
             raise ValueError(f"{name}: dtype {t.dtype} is not supported; use one of {ok}")
+
+
+class Tuned:
+    """A ``@triton.jit`` kernel with an explicit list of launch configs.
+
+    On CUDA ``tuned[grid](*args)`` launches through ``triton.autotune`` (keyed on ``key`` plus the
+    dtypes of the tensor arguments): the first launch per key times every config and keeps the
+    fastest, so a config list that contains the previous fixed choice cannot end up slower than it
+    (up to timing noise). Under the interpreter there is nothing to time: it launches
+    ``configs[0]``. ``tuned.launch(i, grid, *args)`` runs config ``i`` on any device (tests run each
+    config against the reference; benchmarks time them one by one).
+
+    ``grid`` is a tuple or a function of the config's kwargs (as for ``triton.autotune``).
+    Kernels that write into an input (in-place gradients) must name it in ``restore_value``, and
+    accumulators must be named in ``reset_to_zero``: autotuning runs the kernel several times.
+    """
+
+    def __init__(self, kernel, configs, key, **autotune_kw) -> None:
+        import triton
+
+        if not configs:
+            raise ValueError("Tuned needs at least one config")
+        self.kernel = kernel
+        self.configs = tuple(configs)
+        self._autotuner = triton.autotune(configs=list(self.configs), key=list(key), **autotune_kw)(kernel)
+
+    def launch(self, i: int, grid, *args, **kwargs):
+        c = self.configs[i]
+        g = grid(c.kwargs) if callable(grid) else grid
+        return self.kernel[g](*args, **kwargs, **c.kwargs, num_warps=c.num_warps,
+                              num_stages=c.num_stages)
+
+    def __getitem__(self, grid):
+        if interpreting():
+            return lambda *args, **kwargs: self.launch(0, grid, *args, **kwargs)
+        return self._autotuner[grid]
+
+    @property
+    def best_config(self):
+        """The config the last CUDA launch used (None before one, or under the interpreter)."""
+        return getattr(self._autotuner, "best_config", None)
