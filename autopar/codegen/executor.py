@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor, Partial as TPartial, Replicate as 
 
 from autopar.codegen import fallback
 from autopar.codegen.fused import FusedKernels
+from autopar.codegen.patterns import Match, find_fusions, node_inputs
 from autopar.codegen.program import NodePlan, Placements, Region, RankProgram
 from autopar.codegen.shards import contiguous_stride, local_ranges, slice_of
 from autopar.placements import Partial, Replicate, Shard, to_torch
@@ -102,14 +103,19 @@ def redistribute(x: DTensor, target: tuple) -> DTensor:
 def resolve(x: DTensor, want: Optional[Placements]) -> tuple:
     """The torch placements ``want`` asks of ``x`` (None entries keep x's; a plan Partial accepts
     any Partial x already has)."""
+    return resolve_placements(tuple(x.placements), x.ndim, want)
+
+
+def resolve_placements(have: tuple, ndim: int, want: Optional[Placements]) -> tuple:
+    """``resolve`` for a value of ``ndim`` dims that has torch placements ``have``."""
     if want is None:
-        return tuple(x.placements)
+        return have
     out = []
-    for have, w in zip(x.placements, want):
-        if w is None or (isinstance(w, Partial) and have.is_partial()):
-            out.append(have)
+    for h, w in zip(have, want):
+        if w is None or (isinstance(w, Partial) and h.is_partial()):
+            out.append(h)
         elif isinstance(w, Shard) and w.dim < 0:
-            out.append(TShard(w.dim + x.ndim))
+            out.append(TShard(w.dim + ndim))
         else:
             out.append(to_torch(w))
     return tuple(out)
@@ -288,6 +294,7 @@ class GraphExecutor:
         self._fallback_sigs: set = set()
         self.log_paused = log_paused            # context manager: probes are not logged
         self.fused = fused                      # fused-kernel substitution, None = off
+        self._matches, self._deferred = self._find_matches() if fused is not None else ({}, {})
         self._units = self._make_units()
 
     @property
@@ -301,22 +308,40 @@ class GraphExecutor:
         return self.fused.run(p.key, p.target, args, kwargs)
 
     # ---- structure ----
+    def _find_matches(self) -> tuple[dict[str, tuple[Match, list]], dict[str, str]]:
+        """Multi-node fusion regions (``patterns.py``) whose members share one scope (the same
+        recompute region, or none) and one mode (all DTensor or all local): anchor name ->
+        (match, member nodes), and member -> anchor for the members run at their anchor."""
+        nodes = {n.name: n for n in self.gm.graph.nodes}
+        matches, deferred = {}, {}
+        for m in find_fusions(self.gm.graph):
+            plans = [self.plans[n] for n in m.members]
+            if len({(p.region, p.dtensor) for p in plans}) != 1 or any(p.strided for p in plans):
+                continue
+            matches[m.anchor] = (m, [nodes[n] for n in m.members])
+            deferred.update((n, m.anchor) for n in m.members[:-1])
+        return matches, deferred
+
     def _make_units(self) -> list:
         """Top-level units in graph order: ("node", fx.Node) or ("region", Region, [fx.Node]),
         each with the names it reads from earlier units and the names to drop after it."""
         region_of = {name: self.program.regions[p.region] for name, p in self.plans.items()
                      if p.region is not None}
         units: list = []
-        seen_regions: set[int] = set()
+        unit_of: dict[str, int] = {}
+        seen_regions: dict[int, int] = {}
         for node in self.gm.graph.nodes:
             r = region_of.get(node.name)
             if r is None:
+                unit_of[node.name] = len(units)
                 units.append(["node", node])
             elif r.index not in seen_regions:
-                seen_regions.add(r.index)
+                seen_regions[r.index] = unit_of[node.name] = len(units)
                 names = set(r.nodes)
                 members = [n for n in self.gm.graph.nodes if n.name in names]
                 units.append(["region", r, members])
+            else:
+                unit_of[node.name] = seen_regions[r.index]
         last_use: dict[str, int] = {}
         reads: list[list[str]] = []
         for i, u in enumerate(units):
@@ -328,8 +353,10 @@ class GraphExecutor:
                     if a.name not in inside and a.name not in r:
                         r.append(a.name)
             reads.append(r)
+            # a deferred fusion member reads its inputs when its anchor runs
+            at = unit_of[self._deferred[u[1].name]] if u[0] == "node" and u[1].name in self._deferred else i
             for name in r:
-                last_use[name] = i
+                last_use[name] = max(last_use.get(name, -1), at)
         out = []
         for i, u in enumerate(units):
             drop = [name for name, j in last_use.items() if j == i]
@@ -352,7 +379,7 @@ class GraphExecutor:
                 if node.op == "output":
                     return [self._value(a, env, scope) if isinstance(a, fx.Node) else a
                             for a in node.args[0]]
-                env[node.name] = self._run_node(node, env, scope, inputs, target)
+                self._step(node, env, scope, inputs, target)
             else:
                 _, region, members, reads, exported, drop = u
                 self._run_region(region, members, reads, exported, env)
@@ -367,12 +394,54 @@ class GraphExecutor:
             local_env = dict(zip(reads, vals))
             local_scope: dict[str, DTensor] = {}
             for node in members:
-                local_env[node.name] = self._run_node(node, local_env, local_scope, (), None)
+                self._step(node, local_env, local_scope, (), None)
             return tuple(local_env[n] for n in exported)
 
         with set_checkpoint_early_stop(False):
             outs = checkpoint(fn, *[env[n] for n in reads], use_reentrant=False)
         env.update(zip(exported, outs))
+
+    def _step(self, node: fx.Node, env, scope, inputs, target) -> None:
+        """Run ``node`` into ``env``: a fusion member waits for its anchor, which runs them all."""
+        if node.name in self._deferred:
+            return
+        if node.name in self._matches:
+            self._run_match(*self._matches[node.name], env, scope, inputs, target)
+        else:
+            env[node.name] = self._run_node(node, env, scope, inputs, target)
+
+    def _run_match(self, m: Match, members: list, env, scope, inputs, target) -> None:
+        """One kernel for the region ``m`` when its operands' planned placements allow it (decided
+        before any edge runs), else its members one by one as usual."""
+        by_name = {n.name: n for n in members}
+        ops = {}
+        for role, o in m.operands:
+            node = by_name[o.member]
+            ops[role] = self._operand(self.plans[node.name], node_inputs(node)[o.index], o.index, env, scope)
+        key = self.plans[m.anchor].key
+        specs = {role: (v, tuple(pl) if pl is not None else ()) for role, (v, pl, _) in ops.items()}
+        if self.fused.check_match(key, m, specs, lambda: self._internal_moves(m, specs)):
+            outs = self.fused.run_match(key, m, {role: self._edged(*op) for role, op in ops.items()})
+            for name, i in m.outputs:
+                env[name] = self._fix_output(outs[i], self.plans[name])
+            return
+        for node in members:
+            env[node.name] = self._run_node(node, env, scope, inputs, target)
+
+    def _internal_moves(self, m: Match, specs: dict) -> Optional[str]:
+        """Why the region's own edges would move data: every internal value has the placements
+        of the data operand (the first), which each internal edge's plan must keep."""
+        x, pl = next(iter(specs.values()))
+        if not pl:
+            return None
+        for producer, consumer, i in m.internal:
+            wants = [self.plans[producer].output]
+            inputs = self.plans[consumer].inputs
+            wants.append(inputs[i] if i < len(inputs) else None)
+            for want in wants:
+                if resolve_placements(pl, x.ndim, want) != pl:
+                    return f"the plan reshards {producer} -> {consumer} inside the region"
+        return None
 
     def _value(self, n: fx.Node, env, scope):
         v = env[n.name]
@@ -396,16 +465,8 @@ class GraphExecutor:
         counter = [0]
 
         def arg(n: fx.Node):
-            is_param = isinstance(env[n.name], _ParamRef)
-            v = self._value(n, env, scope)
-            i = counter[0]
             counter[0] += 1
-            if not isinstance(v, DTensor) and isinstance(v, torch.Tensor):
-                v = self._wrap_plain(v, n.name)       # local-dp mode: a plain producer
-            if isinstance(v, DTensor):
-                want = p.inputs[i] if i < len(p.inputs) else None
-                v = edge(v, resolve(v, want), DP_AXIS if is_param else ())
-            return v
+            return self._edged(*self._operand(p, n, counter[0] - 1, env, scope))
 
         args = fx.node.map_arg(node.args, arg)
         kwargs = fx.node.map_arg(node.kwargs, arg)
@@ -425,6 +486,23 @@ class GraphExecutor:
                          "smoothing; DTensor gathers the logits", node.name)
             out = self._call(node, p, args, kwargs)
         return self._fix_output(out, p)
+
+    def _operand(self, p: NodePlan, n: fx.Node, i: int, env, scope) -> tuple:
+        """(value, placements its edge gives it or None, is a parameter) of ``n``, the ``i``-th
+        FX-node argument of the node planned by ``p``."""
+        is_param = isinstance(env[n.name], _ParamRef)
+        v = self._value(n, env, scope)
+        if self.program.local_dp and not p.dtensor:
+            return v, None, is_param
+        if not isinstance(v, DTensor) and isinstance(v, torch.Tensor):
+            v = self._wrap_plain(v, n.name)           # local-dp mode: a plain producer
+        if not isinstance(v, DTensor):
+            return v, None, is_param
+        return v, resolve(v, p.inputs[i] if i < len(p.inputs) else None), is_param
+
+    @staticmethod
+    def _edged(v, placements: Optional[tuple], is_param: bool):
+        return v if placements is None else edge(v, placements, DP_AXIS if is_param else ())
 
     def _run_plain(self, node: fx.Node, env, scope):
         """Local-dp mode: the op on plain tensors of the local batch (see ``program.py``)."""

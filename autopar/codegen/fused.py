@@ -85,27 +85,39 @@ def _shard_dim(p, ndim: int) -> Optional[int]:
     return p.dim % ndim if isinstance(p, Shard) else None
 
 
-def _no_partial(t, what: str) -> Optional[str]:
-    if any(p.is_partial() for p in _placements(t)):
-        return f"{what} is Partial"
+def _why_partial(pl: tuple, what: str) -> Optional[str]:
+    return f"{what} is Partial" if any(p.is_partial() for p in pl) else None
+
+
+def _why_sharded(pl: tuple, ndim: int, dims: tuple[int, ...], what: str) -> Optional[str]:
+    """Why ``pl`` (placements of an ``ndim``-dim value) is not local along ``dims`` (negative ok)."""
+    why = _why_partial(pl, what)
+    if why:
+        return why
+    local = {d % ndim for d in dims}
+    hit = sorted({_shard_dim(p, ndim) for p in pl} & local)
+    return f"{what} is sharded on dim {hit[0]}" if hit else None
+
+
+def _why_not_replicated(pl: tuple, what: str) -> Optional[str]:
+    if not all(p.is_replicate() for p in pl):
+        return f"{what} is not Replicate on every axis ({pl})"
     return None
+
+
+def _no_partial(t, what: str) -> Optional[str]:
+    return _why_partial(_placements(t), what)
 
 
 def _last_dim_local(t, what: str) -> Optional[str]:
-    why = _no_partial(t, what)
-    if why:
-        return why
-    if any(_shard_dim(p, t.ndim) == t.ndim - 1 for p in _placements(t)):
-        return f"{what} is sharded on its last (normalized) dim"
-    return None
+    why = _why_sharded(_placements(t), t.ndim, (-1,), what)
+    return why.replace(f"dim {t.ndim - 1}", "its last (normalized) dim") if why else None
 
 
 def _replicated(t, what: str) -> Optional[str]:
     if t is None or not _is_dt(t):
         return None
-    if not all(p.is_replicate() for p in t.placements):
-        return f"{what} is not Replicate on every axis ({t.placements})"
-    return None
+    return _why_not_replicated(tuple(t.placements), what)
 
 
 def _float(t, what: str) -> Optional[str]:
@@ -341,6 +353,151 @@ ADAPTERS: dict[str, Adapter] = {a.target: a for a in (
 )}
 
 
+# ---- multi-node regions (patterns.py) ------------------------------------------------------------
+#
+# A region adapter sees its operands as (value, placements the value will have after its planned
+# edge) before any edge runs, so a declined match costs no communication; the executor has already
+# checked that the region's internal edges move nothing (every internal value keeps the data
+# operand's placements). Conditions, per kernel:
+#   add_rms_norm / add_layer_norm / rms_norm (hand-written): the data operands (x, residual) float,
+#       one dtype and shape, the same placements, not Partial nor sharded on the last dim (the norm's
+#       dim, <= NORM_MAX_N); weight / bias None or (N,) of x's dtype, Replicate. eps from the graph
+#       (aten.rms_norm's eps=None: finfo(dtype).eps, as aten).
+#   swiglu: a and b float, one dtype, shape and placements, not Partial.
+#   bias_gelu: x float, not Partial nor sharded on its last dim; bias (N,) of x's dtype, Replicate.
+#   rope: x (..., T, D) float, D even, not Partial nor sharded on T or D; cos and sin (T, D) of x's
+#       dtype, Replicate, not requiring grad (the kernel gives them none).
+
+Spec = tuple          # (value, torch placements after its edge; () for plain tensors)
+
+
+def _spec_float(spec: Spec, what: str, like: Optional[torch.Tensor] = None) -> Optional[str]:
+    t = spec[0]
+    why = _float(t, what)
+    if why is None and like is not None and t.dtype != like.dtype:
+        why = f"{what} dtype {t.dtype} differs from {like.dtype}"
+    return why
+
+
+def _same_data(specs: list, names: list) -> Optional[str]:
+    (x, pl), rest = specs[0], specs[1:]
+    for (t, tpl), what in zip(rest, names[1:]):
+        why = _spec_float((t, tpl), what, x)
+        if why:
+            return why
+        if tuple(t.shape) != tuple(x.shape):
+            return f"{what} shape {tuple(t.shape)} differs from {names[0]} {tuple(x.shape)}"
+        if tpl != pl:
+            return f"{what} placements {tpl} differ from {names[0]} {pl}"
+    return _spec_float(specs[0], names[0])
+
+
+def _vector(spec: Optional[Spec], n: int, x: torch.Tensor, what: str) -> Optional[str]:
+    """A weight or bias: None, or an (n,) tensor of x's dtype, Replicate."""
+    if spec is None:
+        return None
+    t, pl = spec
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != (n,) or t.dtype != x.dtype:
+        return f"{what} is not a ({n},) tensor of dtype {x.dtype}"
+    return _why_not_replicated(pl, what)
+
+
+def _region_norm_check(m, ops: dict) -> Optional[str]:
+    data = [r for r in ("x", "residual") if r in ops]
+    why = _same_data([ops[r] for r in data], data)
+    if why:
+        return why
+    x, pl = ops["x"]
+    n = x.shape[-1] if x.ndim else 0
+    if x.ndim == 0 or n > NORM_MAX_N:
+        return f"last dim {n} is not in 1..{NORM_MAX_N}"
+    return _first(_why_sharded(pl, x.ndim, (-1,), "input"), _vector(ops.get("weight"), n, x, "weight"),
+                  _vector(ops.get("bias"), n, x, "bias"))
+
+
+def _region_norm_launch(fn, m, vals: dict) -> tuple:
+    x = vals["x"]
+    gp = _param_grad_placements(x)
+    eps = m.const("eps")
+    eps = float(torch.finfo(x.dtype).eps if eps is None else eps)
+    params = [_local(vals.get("weight"), gp)] + ([_local(vals.get("bias"), gp)] if "layer" in m.kernel else [])
+    if "residual" not in vals:
+        return (_wrap(fn(_local(x), *params, eps), x, _placements(x), x.shape),)
+    y, h = fn(_local(x), _local(vals["residual"]), *params, eps)
+    return tuple(_wrap(t, x, _placements(x), x.shape) for t in (y, h))
+
+
+def _region_swiglu_check(m, ops: dict) -> Optional[str]:
+    return _first(_same_data([ops["a"], ops["b"]], ["a", "b"]), _why_partial(ops["a"][1], "a"))
+
+
+def _region_swiglu_launch(fn, m, vals: dict) -> tuple:
+    a = vals["a"]
+    return (_wrap(fn(_local(a), _local(vals["b"])), a, _placements(a), a.shape),)
+
+
+def _region_bias_gelu_check(m, ops: dict) -> Optional[str]:
+    x, pl = ops["x"]
+    if m.const("approximate", "none") not in ("none", "tanh"):
+        return f"approximate={m.const('approximate')!r}"
+    return _first(_spec_float(ops["x"], "input"), _why_sharded(pl, x.ndim, (-1,), "input"),
+                  _vector(ops["bias"], x.shape[-1], x, "bias"))
+
+
+def _region_bias_gelu_launch(fn, m, vals: dict) -> tuple:
+    x = vals["x"]
+    y = fn(_local(x), _local(vals["bias"], _param_grad_placements(x)), m.const("approximate", "none"))
+    return (_wrap(y, x, _placements(x), x.shape),)
+
+
+def _region_rope_check(m, ops: dict) -> Optional[str]:
+    x, pl = ops["x"]
+    why = _spec_float(ops["x"], "x")
+    if why:
+        return why
+    if x.ndim < 2 or x.shape[-1] % 2:
+        return f"x {tuple(x.shape)} is not (..., T, D) with D even"
+    why = _why_sharded(pl, x.ndim, (-2, -1), "x")
+    if why:
+        return why
+    for role in ("cos", "sin"):
+        t, tpl = ops[role]
+        why = _spec_float(ops[role], role, x)
+        if why:
+            return why
+        if tuple(t.shape) != tuple(x.shape[-2:]):
+            return f"{role} {tuple(t.shape)} is not (T, D) = {tuple(x.shape[-2:])}"
+        if t.requires_grad:
+            return f"{role} requires grad (the kernel gives cos and sin none)"
+        why = _why_not_replicated(tpl, role)
+        if why:
+            return why
+    return None
+
+
+def _region_rope_launch(fn, m, vals: dict) -> tuple:
+    x = vals["x"]
+    cos, sin = (_local(vals[r]).contiguous() for r in ("cos", "sin"))
+    return (_wrap(fn(_local(x), cos, sin), x, _placements(x), x.shape),)
+
+
+@dataclass(frozen=True)
+class RegionAdapter:
+    kernel: str                                              # kernels.registry name
+    check: Callable[[Any, dict], Optional[str]]              # (match, role -> Spec) -> why not
+    launch: Callable[[Callable, Any, dict], tuple]           # (fn, match, role -> value) -> outputs
+
+
+REGION_ADAPTERS: dict[str, RegionAdapter] = {a.kernel: a for a in (
+    RegionAdapter("add_rms_norm", _region_norm_check, _region_norm_launch),
+    RegionAdapter("add_layer_norm", _region_norm_check, _region_norm_launch),
+    RegionAdapter("rms_norm", _region_norm_check, _region_norm_launch),
+    RegionAdapter("swiglu", _region_swiglu_check, _region_swiglu_launch),
+    RegionAdapter("bias_gelu", _region_bias_gelu_check, _region_bias_gelu_launch),
+    RegionAdapter("rope", _region_rope_check, _region_rope_launch),
+)}
+
+
 # ---- the pass ----------------------------------------------------------------------------------
 
 class FusedKernels:
@@ -355,27 +512,46 @@ class FusedKernels:
         from kernels.registry import lookup
 
         self.implementation = implementation
-        self._fns = {a.kernel: getattr(lookup(a.kernel), implementation) for a in ADAPTERS.values()}
+        kernels = {a.kernel for a in ADAPTERS.values()} | set(REGION_ADAPTERS)
+        self._fns = {k: getattr(lookup(k), implementation) for k in kernels}
         if implementation == "triton":      # the local logits may have other users: no in-place grad
             self._fns["cross_entropy"] = functools.partial(self._fns["cross_entropy"], inplace_backward=False)
         self._decided: dict[tuple, Optional[str]] = {}
         self.used: dict[str, str] = {}
+
+    def decide(self, key: str, kernel: str, sig: tuple, why: Callable[[], Optional[str]]) -> bool:
+        """Whether node ``key`` runs ``kernel`` for inputs of placement signature ``sig``: ``why()``
+        is asked once per (key, sig) and a reason not to is logged once."""
+        if (key, sig) not in self._decided:
+            reason = why()
+            self._decided[(key, sig)] = reason
+            if reason:
+                log.info("node %s: %s kernel not substituted: %s", key, kernel, reason)
+        return self._decided[(key, sig)] is None
 
     def run(self, key: str, target: str, args: tuple, kwargs: dict) -> Optional[Any]:
         """The node's output through its kernel, or None to run the aten op."""
         adapter = ADAPTERS.get(target)
         if adapter is None:
             return None
-        sig = (key, tuple(_placements(a) for a in args if isinstance(a, torch.Tensor)))
-        if sig not in self._decided:
-            why = adapter.check(args, kwargs)
-            self._decided[sig] = why
-            if why:
-                log.info("node %s: %s kernel not substituted: %s", key, adapter.kernel, why)
-        if self._decided[sig]:
+        sig = tuple(_placements(a) for a in args if isinstance(a, torch.Tensor))
+        if not self.decide(key, adapter.kernel, sig, lambda: adapter.check(args, kwargs)):
             return None
         self.used.setdefault(key, adapter.kernel)
         return adapter.launch(self._fns[adapter.kernel], args, kwargs)
+
+    def check_match(self, key: str, match, specs: dict, plan_why: Callable[[], Optional[str]]) -> bool:
+        """Whether ``match`` (patterns.Match, anchored at node ``key``) runs fused with operands
+        ``specs`` (role -> (value, placements after its edge)); ``plan_why`` says why the plan
+        forbids it (a reshard inside the region), if it does."""
+        adapter = REGION_ADAPTERS[match.kernel]
+        sig = tuple(pl for _, pl in specs.values())
+        return self.decide(key, match.kernel, sig, lambda: plan_why() or adapter.check(match, specs))
+
+    def run_match(self, key: str, match, values: dict) -> tuple:
+        """The kernel outputs of an accepted ``match`` from its edged operands (role -> value)."""
+        self.used.setdefault(key, match.kernel)
+        return REGION_ADAPTERS[match.kernel].launch(self._fns[match.kernel], match, values)
 
 
 def fused_kernels(mode: str, device_type: str) -> Optional[FusedKernels]:

@@ -19,13 +19,16 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.01)
 
 
-def build(meta: bool):
+LLAMA_TINY = "llama:hidden=64,layers=2,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16"
+
+
+def build(meta: bool, spec: str = "gpt-tiny"):
     from autopar.models import build_model
 
     if meta:
-        return build_model("gpt-tiny", device="meta", batch=BATCH)
+        return build_model(spec, device="meta", batch=BATCH)
     torch.manual_seed(0)
-    return build_model("gpt-tiny", device="cpu", batch=BATCH)
+    return build_model(spec, device="cpu", batch=BATCH)
 
 
 def batches(b, n: int = STEPS):
@@ -168,16 +171,25 @@ def stalls(rank: int, world: int) -> str:
 # ---- fused kernels ---------------------------------------------------------------------------
 
 def fused_jobs(rank: int, world: int, jobs: list) -> list:
-    """Each job: a plan (JSON), ``kernels`` mode, ``steps``, optional ``dp_mode``; the same model
-    and batches as ``train_job``. Returns losses, fused nodes and (rank 0) parameters and grads."""
+    """Each job: a plan (JSON), ``kernels`` mode, ``steps``, optional ``dp_mode`` and ``model``
+    (a spec, default gpt-tiny), ``decline`` (region kernels whose adapter then always says no,
+    so their members run one by one); the batches of ``train_job``. Returns losses, fused nodes
+    and (rank 0) parameters and grads."""
     import time
+    from dataclasses import replace
+
+    from autopar.codegen import fused
 
     from autopar.api import autoparallelize
     from autopar.plan import Plan
 
     out = []
+    adapters = dict(fused.REGION_ADAPTERS)
     for job in jobs:
-        b = build(False)
+        fused.REGION_ADAPTERS.update(adapters)
+        for k in job.get("decline", ()):
+            fused.REGION_ADAPTERS[k] = replace(adapters[k], check=lambda m, ops: "declined by the test")
+        b = build(False, job.get("model", "gpt-tiny"))
         data = batches(b, job["steps"])
         kwargs = {k: job[k] for k in ("dp_mode",) if k in job}
         pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,

@@ -3,14 +3,20 @@
 (a) One process: every adapter, through the Triton kernel (TRITON_INTERPRET=1, which the root
     conftest sets) and through the reference, equals the aten op it replaces, forward and backward;
     calls outside an adapter's conditions are left to aten.
-(b) Two gloo ranks, gpt-tiny, 2 AdamW steps (fp32): dp=2 (local-dp and DTensor modes) and tp=2
-    (hand Megatron plan) with kernels="on" (Triton interpreter) equal kernels="off" within 1e-5,
-    and ``pm.fused_kernels`` lists every layer_norm, gelu, attention and the cross-entropy.
-    kernels="auto" substitutes nothing on the CPU (the default is "off").
+(b) Two gloo ranks, 2 AdamW steps (fp32), kernels="on" (Triton interpreter) equal kernels="off"
+    within 1e-5 (losses, parameters, gradients), and ``pm.fused_kernels`` lists what ran fused:
+    gpt-tiny with dp=2 (local-dp and DTensor modes), tp=2 (hand Megatron plan) and tp=2 with
+    sequence parallelism (the residual stream Shard(1) through add + LayerNorm): every
+    layer_norm (add_layer_norm where a residual add feeds it), gelu, attention and the
+    cross-entropy; a tiny LLaMA with dp=2 (both modes) and tp=2 replicated: its multi-node regions
+    (hand-written RMSNorm, add + RMSNorm, RoPE, SwiGLU, codegen/patterns.py) too. A declined
+    region runs its members one by one with the same result. kernels="auto" substitutes nothing
+    on the CPU (the default is "off").
 """
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import pytest
 import torch
@@ -113,40 +119,53 @@ def test_modes():
 
 STEPS = 2
 TOL = 1e-5
-FAMILIES = {     # name: (hand_plan kwargs, job extras)
-    "dp": (dict(dp=2, tp=1), {}),
-    "dp_dtensor_mode": (dict(dp=2, tp=1), {"dp_mode": "dtensor"}),
-    "tp": (dict(dp=1, tp=2, family="megatron"), {}),
+FAMILIES = {     # name: (model, hand_plan kwargs, job extras)
+    "dp": ("gpt-tiny", dict(dp=2, tp=1), {}),
+    "dp_dtensor_mode": ("gpt-tiny", dict(dp=2, tp=1), {"dp_mode": "dtensor"}),
+    "tp": ("gpt-tiny", dict(dp=1, tp=2, family="megatron"), {}),
+    "tp_sp": ("gpt-tiny", dict(dp=1, tp=2, family="megatron_sp"), {}),
+    "llama_dp": ("llama", dict(dp=2, tp=1), {}),
+    "llama_dp_dtensor_mode": ("llama", dict(dp=2, tp=1), {"dp_mode": "dtensor"}),
+    "llama_tp_replicate": ("llama", dict(dp=1, tp=2, family="replicate"), {}),
 }
+GPT = [f for f, (model, _, _) in FAMILIES.items() if model == "gpt-tiny"]
+LLAMA = [f for f in FAMILIES if f not in GPT]
 
 
 @pytest.fixture(scope="module")
-def fused_runs(tiny_full):
+def llama_full():
+    from autopar.models import build_model
+    from autopar.trace import trace_model
+    from bodies import BATCH, LLAMA_TINY
+
+    torch.manual_seed(0)
+    b = build_model(LLAMA_TINY, device="cpu", batch=BATCH)
+    return trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
+                       collapse_repeats=False, model_name="llama-tiny")
+
+
+@pytest.fixture(scope="module")
+def fused_runs(tiny_full, llama_full):
     from autopar.runtime.launch import spawn_ranks
-    from bodies import fused_jobs
+    from bodies import LLAMA_TINY, fused_jobs
     from handplans import hand_plan
 
     jobs, index = [], {}
-    for name, (plan_kw, extra) in FAMILIES.items():
-        plan = hand_plan(tiny_full, **plan_kw).to_json()
+    for name, (model, plan_kw, extra) in FAMILIES.items():
+        graph, spec = (tiny_full, "gpt-tiny") if model == "gpt-tiny" else (llama_full, LLAMA_TINY)
+        plan = hand_plan(graph, **plan_kw).to_json()
         for mode in ("on", "off"):
             index[(name, mode)] = len(jobs)
-            jobs.append(dict(plan=plan, kernels=mode, steps=STEPS, **extra))
+            jobs.append(dict(plan=plan, kernels=mode, steps=STEPS, model=spec, **extra))
+    index[("llama_dp", "declined")] = len(jobs)
+    jobs.append(dict(jobs[index[("llama_dp", "on")]], decline=("add_rms_norm", "rope")))
     index[("dp", "auto")] = len(jobs)
     jobs.append(dict(plan=jobs[index[("dp", "off")]]["plan"], kernels="auto", steps=1))
-    per_rank = spawn_ranks(fused_jobs, 2, (jobs,), timeout_s=120)
+    per_rank = spawn_ranks(fused_jobs, 2, (jobs,), timeout_s=180)
     return {k: [per_rank[r][i] for r in range(2)] for k, i in index.items()}
 
 
-def _max_diff(a: dict, b: dict) -> tuple[float, str]:
-    assert set(a) == set(b)
-    return max(((a[k].float() - b[k].float()).abs().max().item(), k) for k in a)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_two_ranks_kernels_equal_aten(family, fused_runs, tiny_full):
-    on, off = fused_runs[(family, "on")], fused_runs[(family, "off")]
+def _check_equal(family: str, on: list, off: list) -> None:
     for r in range(2):
         for a, b in zip(on[r]["losses"], off[r]["losses"]):
             assert abs(a - b) <= TOL, (family, r, on[r]["losses"], off[r]["losses"])
@@ -155,13 +174,53 @@ def test_two_ranks_kernels_equal_aten(family, fused_runs, tiny_full):
     assert d <= TOL, f"{family}: parameter {k} differs by {d:.3e}"
     d, k = _max_diff(on[0]["grads"], off[0]["grads"])
     assert d <= TOL, f"{family}: gradient {k} differs by {d:.3e}"
+
+
+def _max_diff(a: dict, b: dict) -> tuple[float, str]:
+    assert set(a) == set(b)
+    return max(((a[k].float() - b[k].float()).abs().max().item(), k) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", GPT)
+def test_two_ranks_kernels_equal_aten(family, fused_runs, tiny_full):
+    on, off = fused_runs[(family, "on")], fused_runs[(family, "off")]
+    _check_equal(family, on, off)
     want = {}
     for n in tiny_full.nodes:
         if n.target in ADAPTERS:
             want[n.key] = ADAPTERS[n.target].kernel
+    for key in want:             # every LayerNorm but the first reads a residual add: one kernel
+        if "layer_norm" in key and key != "transformer.h.*.ln_1|aten.layer_norm.default|0":
+            want[key] = "add_layer_norm"
     for r in range(2):
         assert dict(on[r]["fused"]) == want, (family, r, on[r]["fused"])
-    assert sorted(set(want.values())) == ["attention", "cross_entropy", "gelu", "layer_norm"]
+    assert sorted(want.values()).count("add_layer_norm") == 4
+    assert sorted(set(want.values())) == ["add_layer_norm", "attention", "cross_entropy", "gelu", "layer_norm"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", LLAMA)
+def test_two_ranks_llama_regions_equal_aten(family, fused_runs):
+    """LLaMA's hand-written RMSNorm, its residual add + RMSNorm, rotate-half RoPE and SwiGLU are
+    multi-node regions (codegen/patterns.py): 2 layers give 1 rms_norm (the first norm reads the
+    embedding), 4 add_rms_norm (the other three norms and the final one), 4 rope (q and k), 2
+    swiglu, and the single-node attention and cross-entropy."""
+    on, off = fused_runs[(family, "on")], fused_runs[(family, "off")]
+    _check_equal(family, on, off)
+    want = {"rms_norm": 1, "add_rms_norm": 4, "rope": 4, "swiglu": 2, "attention": 2, "cross_entropy": 1}
+    for r in range(2):
+        assert Counter(k for _, k in on[r]["fused"]) == want, (family, r, on[r]["fused"])
+
+
+@pytest.mark.slow
+def test_declined_regions_run_their_members(fused_runs):
+    """A region the adapter declines runs node by node at its anchor (its inputs kept alive until
+    then): the same numbers, and those kernels are absent from the fused list."""
+    got, off = fused_runs[("llama_dp", "declined")], fused_runs[("llama_dp", "off")]
+    _check_equal("llama_dp declined", got, off)
+    want = {"rms_norm": 1, "swiglu": 2, "attention": 2, "cross_entropy": 1}
+    assert Counter(k for _, k in got[0]["fused"]) == want
 
 
 @pytest.mark.slow
