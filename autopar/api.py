@@ -301,8 +301,9 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
         tensors (DTensor only for the loss: exact global semantics, DDP's speed); "dtensor" runs
         every op on DTensors over ("dp", "tp").
     kernels: fused-kernel substitution (``codegen/fused.py``): "auto" runs the Triton kernels of
-        ``kernels/`` in place of the aten ops they replace exactly (layer_norm, gelu, attention,
-        cross-entropy, ...) on CUDA and nothing on the CPU; "on" substitutes on any device (Triton
+        ``kernels/`` in place of the aten ops and multi-node regions they replace exactly
+        (layer_norm, gelu, attention, cross-entropy, residual add + norm, hand-written RMSNorm,
+        RoPE, SwiGLU, ...; ``codegen/patterns.py``) on CUDA and nothing on the CPU; "on" substitutes on any device (Triton
         on CUDA or under TRITON_INTERPRET=1, else the plain-torch references: tests); "off" never.
         ``pm.fused_kernels`` lists the substituted nodes. Default "off": the substitution is tested
         against aten on CPU ranks through Triton's interpreter, but has not yet run on a GPU.

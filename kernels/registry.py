@@ -8,8 +8,9 @@ An entry's ``pattern`` is the graph region it replaces, as data: the aten target
 OpOverload) of ``torch.export``'s training IR, which GraphIR records ("aten.layer_norm.default",
 "aten.scaled_dot_product_attention.default", "aten.cross_entropy_loss.default"), in graph order. A
 single-op pattern replaces that op; a longer one is a connected region (add -> gelu for bias_gelu;
-the mul/slice/neg/cat/mul/add of rotate-half RoPE), which codegen must match, arguments included,
-before substituting. Argument conventions differ from aten's in places (rms_norm's eps defaults to
+the mul/chunk/neg/cat/mul/add of rotate-half RoPE), which ``autopar/codegen/patterns.py`` matches,
+arguments and users included, before substituting (it also knows the variants: slices instead of
+chunk, LLaMA's hand-written RMSNorm for rms_norm). Argument conventions differ from aten's in places (rms_norm's eps defaults to
 1e-6, not finfo.eps; attention also returns lse): the caller maps them. Kernels with no aten
 counterpart (LAMB) have an empty pattern and are reached by name only. The Triton and reference
 callables of an entry take the same arguments; the Triton one may take extra keyword-only tuning
@@ -69,8 +70,8 @@ def _entries() -> dict[str, KernelEntry]:
                     ("aten.scaled_dot_product_attention.default",),
                     "fused attention (B, H, T, D), causal or not, returns (out, lse)"),
         KernelEntry("rope", rope.rope, rope.rope_ref,
-                    ("aten.mul.Tensor", "aten.slice.Tensor", "aten.slice.Tensor", "aten.neg.default",
-                     "aten.cat.default", "aten.mul.Tensor", "aten.add.Tensor"),
+                    ("aten.mul.Tensor", "aten.chunk.default", "aten.neg.default", "aten.cat.default",
+                     "aten.mul.Tensor", "aten.add.Tensor"),
                     "rotary embedding, rotate-half convention"),
         KernelEntry("adamw", optimizers.adamw_step, optimizers.adamw_step_ref,
                     ("aten._fused_adamw_.default",), "AdamW step over flat fp32 buffers"),

@@ -46,9 +46,16 @@ Adapter table (aten call of torch.export's training IR -> kernel call; every con
       The kernel's in-place backward (the gradient written into the logits buffer) is off: the
       local logits may be shared with other users.
 
-Not substituted (gaps): multi-node patterns of the registry (add + layer_norm, add + gelu,
-silu * mul = swiglu, RoPE) need a graph matcher; ``aten._softmax``; LLaMA's hand-written RMSNorm
-(pow / mean / rsqrt / mul) is not ``aten.rms_norm``.
+Multi-node regions (``patterns.py`` finds them, ``REGION_ADAPTERS`` below checks and launches):
+residual add + LayerNorm/RMSNorm (one kernel returning the normed value and the new residual),
+hand-written RMSNorm (LLaMA's pow/mean/add/rsqrt/mul/mul), rotate-half RoPE, SwiGLU, bias + GeLU.
+The executor defers a region's members to its anchor and runs the kernel there when every
+internal edge of the plan keeps the data operand's placements and the adapter accepts; otherwise
+the members run one by one.
+
+Not substituted (gaps): ``aten._softmax``; LayerNorm/RMSNorm over more than the last dim; RoPE
+whose x is sharded on T or D (the kernel indexes cos/sin by the local T); GeLU after a bias add
+that torch.export folded into ``aten.linear`` (the common case: there is no add to fuse).
 """
 from __future__ import annotations
 
