@@ -273,6 +273,28 @@ def _replicate(t) -> tuple:
     return tuple(Replicate() for _ in t.placements)
 
 
+def _buffers(model: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every buffer of ``model`` on ``device`` (copies: the user's module is left as it is). A
+    module whose buffers were built on the meta device regenerates them if it defines
+    ``init_buffers(device) -> {local name: tensor}`` (computed tables such as RoPE's cos/sin; as
+    torchtitan's ``init_weights(buffer_device)``); any other meta buffer is an error."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, mod in model.named_modules():
+        local = {n: b for n, b in mod.named_buffers(recurse=False) if b is not None}
+        if any(b.is_meta for b in local.values()) and hasattr(mod, "init_buffers"):
+            fresh = mod.init_buffers(device)
+            local.update({n: fresh[n].to(dtype=b.dtype) for n, b in local.items() if n in fresh})
+        for n, b in local.items():
+            name = f"{prefix}.{n}" if prefix else n
+            if b.is_meta:
+                raise ValueError(f"buffer {name!r} is on the meta device and its module "
+                                 f"({type(mod).__name__}) defines no init_buffers(device) to "
+                                 "regenerate it; build the model's buffers on the CPU, or define "
+                                 "init_buffers(device) -> {name: tensor} on that module")
+            out.setdefault(name, b.detach().to(device).clone())
+    return out
+
+
 def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequence[torch.Tensor]], *,
                     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
                     example_target: torch.Tensor,
@@ -358,11 +380,7 @@ def _autoparallelize(model, example_inputs, loss_fn, example_target, optimizer, 
                                      init_rules(model), seed, local_dp)
     else:
         store = ParamStore.from_module(program.params, mesh, plan_.zero_stage, clog, device, model, local_dp)
-    meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
-    if meta_buffers:
-        raise ValueError(f"buffers {meta_buffers[:4]} are on the meta device; autopar generates "
-                         "parameters only -- build the model's buffers on the CPU")
-    buffers = {n: b.detach().to(device).clone() for n, b in model.named_buffers()}
+    buffers = _buffers(model, device)
     make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=3e-4))
     opt = make_opt(store.optimizer_params())
     reducer = GradReducer(store, bucket_bytes)

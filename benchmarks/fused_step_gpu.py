@@ -1,15 +1,18 @@
 """GPU smoke check of fused-kernel substitution: one CUDA device, one rank, kernels="auto" vs "off".
 
-    python benchmarks/fused_step_gpu.py                       # GPT hidden 1024, 4 layers, bf16
+    python benchmarks/fused_step_gpu.py          # a GPT and a LLaMA, hidden 1024, 4 layers, bf16
     python benchmarks/fused_step_gpu.py --spec gpt:hidden=512,layers=2,heads=8,vocab=32000,seq=512
+    python benchmarks/fused_step_gpu.py --dry-run   # tiny models on the CPU, Triton interpreter
 
-Builds the model on the meta device (autopar generates the weights on the GPU, same seed for both
-runs), autoparallelizes it twice on a one-process world (dp = tp = 1, a hand plan: no solver) with
-``kernels="auto"`` (Triton layer_norm, gelu, attention, cross-entropy) and ``kernels="off"`` (aten),
-runs the same batches through both, and checks that the losses agree (bf16: within --rtol).
-Prints the median step time of each, their ratio and the fused nodes. Exit status 0 = agree,
-1 = losses differ, 2 = cannot run here (no CUDA, no triton, a kernel failed to compile).
-Budget: < 60 s on an H200 (first-step Triton compilation included).
+Per model: builds it on the meta device (autopar generates the weights on the GPU, same seed for
+both runs), autoparallelizes it twice on a one-process world (dp = tp = 1, a hand plan: no solver)
+with ``kernels="auto"`` (Triton kernels: GPT's add + LayerNorm, gelu, attention, cross-entropy;
+LLaMA's hand-written RMSNorm, add + RMSNorm, RoPE, SwiGLU, attention, cross-entropy) and
+``kernels="off"`` (aten), runs the same batches through both, and checks that the losses agree
+(bf16: within --rtol). Prints the median step time of each, their ratio and the fused kernels.
+Exit status 0 = all agree, 1 = losses differ or nothing was fused, 2 = cannot run here (no CUDA,
+no triton, a kernel failed to compile). Budget: < 60 s per model on an H200 (first-step Triton
+compilation included).
 """
 from __future__ import annotations
 
@@ -25,7 +28,10 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent))
 
-DEFAULT_SPEC = "gpt:hidden=1024,layers=4,heads=16,vocab=32000,seq=1024"
+DRY_RUN_SPECS = ("gpt:hidden=64,layers=2,heads=4,vocab=256,seq=32",
+                 "llama:hidden=64,layers=2,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16")
+DEFAULT_SPECS = ("gpt:hidden=1024,layers=4,heads=16,vocab=32000,seq=1024",
+                 "llama:hidden=1024,layers=4,heads=16,kv_heads=4,ffn=2816,vocab=32000,seq=1024")
 
 
 def _plan(graph, dtype: str):
@@ -41,19 +47,20 @@ def _plan(graph, dtype: str):
                 model_flops_per_step=1.0, solve_time_s=0.0)
 
 
-def _run(mode: str, args, dtype, data) -> dict:
+def _run(mode: str, spec: str, args, dtype, data) -> dict:
     import torch
 
     from autopar.api import autoparallelize
     from autopar.models import build_model
     from autopar.trace import trace_model
 
-    b = build_model(args.spec, device="meta", batch=args.batch, dtype=dtype)
+    b = build_model(spec, device="meta", batch=args.batch, dtype=dtype)
     t0 = time.perf_counter()
     graph = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target)
     pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
                          plan=_plan(graph, str(dtype).removeprefix("torch.")), seed=7, timeout_s=60,
-                         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4), kernels=mode,
+                         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+                         kernels="on" if mode == "auto" and args.dry_run else mode,
                          record_collectives=False)
     setup_s = time.perf_counter() - t0
     losses, times = [], []
@@ -70,17 +77,25 @@ def _run(mode: str, args, dtype, data) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--spec", default=DEFAULT_SPEC)
+    ap.add_argument("--spec", action="append", help="model spec (repeatable); default: "
+                    + " and ".join(DEFAULT_SPECS))
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=6, help="steps per mode, the first one is warm-up")
     ap.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
     ap.add_argument("--rtol", type=float, default=2e-2, help="loss agreement (relative); bf16 default")
+    ap.add_argument("--dry-run", action="store_true", help="check this script on the CPU: tiny "
+                    "models, fp32, kernels='on' through the Triton interpreter instead of 'auto'")
     args = ap.parse_args()
     t_start = time.perf_counter()
+    if args.dry_run:
+        import os
+
+        os.environ["TRITON_INTERPRET"] = "1"      # before triton is imported
+        args.spec, args.dtype, args.steps = args.spec or list(DRY_RUN_SPECS), "float32", min(args.steps, 2)
 
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not args.dry_run:
         print("error: no CUDA device; this smoke check runs on one GPU (CPU tests: "
               "pytest tests/runtime/test_fused_kernels.py)", file=sys.stderr)
         return 2
@@ -92,24 +107,42 @@ def main() -> int:
         print(f"error: triton / kernels not importable ({e}); install autopar[kernels]", file=sys.stderr)
         return 2
     if args.dtype == "auto":
-        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+        dtype = torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
     else:
         dtype = getattr(torch, args.dtype)
     if dtype == torch.float32 and args.rtol == 2e-2:
         args.rtol = 1e-3
-    print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
-          f"model {args.spec}  batch {args.batch}  dtype {dtype}")
+    device = "CPU (dry run)" if args.dry_run else torch.cuda.get_device_name()
+    print(f"device {device}  torch {torch.__version__}  triton {triton.__version__}  "
+          f"batch {args.batch}  dtype {dtype}")
+    status = 0
+    for spec in args.spec or DEFAULT_SPECS:
+        status = max(status, _check(spec, args, dtype))
+        if status == 2:
+            break
+    print(f"total {time.perf_counter() - t_start:.1f} s")
+    if status == 0:
+        print("OK")
+    return status
+
+
+def _check(spec: str, args, dtype) -> int:
+    """auto vs off for one model: 0 agree, 1 differ or nothing fused, 2 a mode failed to run."""
+    from collections import Counter
+
+    import torch
 
     from autopar.models import build_model
 
-    b = build_model(args.spec, device="meta", batch=args.batch, dtype=dtype)
+    print(f"\nmodel {spec}")
+    b = build_model(spec, device="meta", batch=args.batch, dtype=dtype)
     gen = torch.Generator().manual_seed(1)
     data = [b.make_batch(args.batch, gen) for _ in range(args.steps)]
 
     results = {}
     for mode in ("auto", "off"):
         try:
-            results[mode] = _run(mode, args, dtype, data)
+            results[mode] = _run(mode, spec, args, dtype, data)
         except Exception as e:  # report which mode failed and why, then stop with status 2
             import traceback
 
@@ -123,21 +156,18 @@ def main() -> int:
               f"  fallbacks {r['fallbacks']}")
 
     on, off = results["auto"], results["off"]
-    print(f"fused nodes ({len(on['fused'])}):")
-    for key, name in on["fused"]:
-        print(f"  {name:14s} {key}")
+    counts = Counter(name for _, name in on["fused"])
+    print(f"fused nodes ({len(on['fused'])}): " + ", ".join(f"{k} x{n}" for k, n in sorted(counts.items())))
     print(f"step time auto / off = {on['step_s'] / off['step_s']:.3f}  "
           f"({on['step_s'] * 1e3:.1f} ms vs {off['step_s'] * 1e3:.1f} ms)")
     worst = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(on["losses"], off["losses"]))
-    print(f"max relative loss difference {worst:.2e} (tolerance {args.rtol:g}); "
-          f"total {time.perf_counter() - t_start:.1f} s")
+    print(f"max relative loss difference {worst:.2e} (tolerance {args.rtol:g})")
     if not on["fused"]:
         print("error: kernels='auto' substituted nothing on CUDA", file=sys.stderr)
         return 1
     if worst > args.rtol:
         print("error: losses differ beyond the tolerance", file=sys.stderr)
         return 1
-    print("OK")
     return 0
 
 

@@ -18,5 +18,5 @@ timeout "${BENCH_TIMEOUT:-280}" python3 benchmarks/kernels.py --quick --budget-s
 echo "benchmark exit: ${PIPESTATUS[0]}"
 # 3. fused-kernel substitution in a real training step (kernels="auto" vs "off", one rank);
 #    not yet run on a GPU: the first lent GPU should confirm it before "auto" becomes the default.
-timeout "${FUSED_TIMEOUT:-90}" python3 benchmarks/fused_step_gpu.py 2>&1 | tee "$OUT/fused_step.log"
+timeout "${FUSED_TIMEOUT:-150}" python3 benchmarks/fused_step_gpu.py 2>&1 | tee "$OUT/fused_step.log"
 echo "fused step exit: ${PIPESTATUS[0]}"

@@ -20,6 +20,10 @@ vocab-parallel cross-entropy (``executor._VocabParallelCE``: logits Shard(1) on 
     (row max and sum-exp in fp32, the target logit in the logits dtype); mean: on each other
     axis that shards the rows, an all_reduce of the target count (4 bytes, fp32) in forward
     instead of DTensor's backward ``total_weight`` all_reduce.
+fused cross-entropy (``codegen/fused.py``, node keys in ``fused``: ``ParallelModel.fused_kernels``):
+    mean over rows sharded on an axis: an all_reduce of the target count (4 bytes, fp32) in
+    forward on that axis instead of DTensor's backward ``total_weight`` all_reduce. The other
+    fused kernels run where the plan's edges are unchanged: they issue nothing of their own.
 local-dp mode (tp == 1, ``program.local_dp_nodes``): only edges into nodes that run on DTensors
     (the loss) count; the rest runs on plain local tensors.
 recompute: every forward collective of a node inside a recompute region is issued again in
@@ -37,7 +41,7 @@ planned input placements it does not accept -- both show up as differences, whic
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES, ParamLayout, bucket_comm_bytes, plan_buckets
 from autopar.codegen.program import RankProgram, compile_program, local_dp_nodes
@@ -104,10 +108,11 @@ def _needs_grad(graph: GraphIR) -> dict[str, bool]:
 
 def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                          backend: str = "gloo", tp_rank: int = 0, dp_mode: str = "auto",
-                         program: Optional[RankProgram] = None) -> list[Collective]:
+                         program: Optional[RankProgram] = None, fused: Collection[str] = ()) -> list[Collective]:
     """One step's collectives on a rank with tp coordinate ``tp_rank`` (``graph``: the FULL trace
     at the global batch). ``dp_mode`` as ``autoparallelize``'s: in local-dp mode only the nodes
-    that reduce over the batch run on DTensors, so only their edges communicate."""
+    that reduce over the batch run on DTensors, so only their edges communicate. ``fused``: keys
+    of the nodes that ran through a fused kernel (``ParallelModel.fused_kernels``)."""
     if program is None:
         program = compile_program(graph, plan, local_dp=local_dp_nodes(graph, plan) if dp_mode == "auto" else None)
     sizes = (program.dims.dp, program.dims.tp)
@@ -204,7 +209,10 @@ def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFA
         for ax in range(2):
             if sizes[ax] > 1 and isinstance(nplan[loss.key].output[ax], Partial):
                 add("all_reduce", ax, DTYPE_BYTES[loss.out.dtype], "forward")
-                if loss.target in LOSS_TARGETS and loss.key not in vocab_ce:
+                if loss.key in fused and loss.target == VOCAB_CE_TARGET:
+                    if _ce_reduction(loss) == 1:
+                        add("all_reduce", ax, 4, "forward")        # the kernel's global target count
+                elif loss.target in LOSS_TARGETS and loss.key not in vocab_ce:
                     add("all_reduce", ax, DTYPE_BYTES[loss.out.dtype], "backward")
 
     # ---- ZeRO and the reducer ----

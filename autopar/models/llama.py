@@ -136,6 +136,12 @@ class Llama(nn.Module):
         for m in self.modules():
             init_normal(m)                                      # its linears have no bias
 
+    def init_buffers(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The RoPE tables on ``device`` (autoparallelize regenerates meta-built buffers so)."""
+        with torch.device("cpu"):
+            cos, sin = rope_tables(self.cfg.seq, self.cfg.head_dim, self.cfg.rope_theta)
+        return {"rope_cos": cos.to(device), "rope_sin": sin.to(device)}
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         B, T = tokens.shape                                  # (B, T) token ids
         x = self.tok_embeddings(tokens)                      # (B, T, C)

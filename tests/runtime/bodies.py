@@ -195,10 +195,12 @@ def fused_jobs(rank: int, world: int, jobs: list) -> list:
         pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
                              optimizer=adamw, plan=Plan.from_json(job["plan"]), timeout_s=60,
                              kernels=job["kernels"], **kwargs)
+        pm.reset_collectives()
         t0 = time.perf_counter()
         losses = [pm.step(x, y) for x, y in data[:job["steps"]]]
         res = {"losses": losses, "fused": list(pm.fused_kernels), "fallbacks": sorted(pm.fallbacks),
-               "step_s": (time.perf_counter() - t0) / job["steps"]}
+               "step_s": (time.perf_counter() - t0) / job["steps"],
+               "issued": [c.key() for c in pm.collectives], "coord": tuple(pm.mesh.get_coordinate())}
         sd, grads = pm.full_state_dict(), pm.full_grad_dict()
         if rank == 0:
             res.update(sd=sd, grads=grads)

@@ -157,12 +157,31 @@ def fused_runs(tiny_full, llama_full):
         for mode in ("on", "off"):
             index[(name, mode)] = len(jobs)
             jobs.append(dict(plan=plan, kernels=mode, steps=STEPS, model=spec, **extra))
+    index["plans"] = {name: jobs[index[(name, "on")]]["plan"] for name in FAMILIES}
     index[("llama_dp", "declined")] = len(jobs)
     jobs.append(dict(jobs[index[("llama_dp", "on")]], decline=("add_rms_norm", "rope")))
     index[("dp", "auto")] = len(jobs)
     jobs.append(dict(plan=jobs[index[("dp", "off")]]["plan"], kernels="auto", steps=1))
     per_rank = spawn_ranks(fused_jobs, 2, (jobs,), timeout_s=180)
-    return {k: [per_rank[r][i] for r in range(2)] for k, i in index.items()}
+    plans = index.pop("plans")
+    return {"plans": plans} | {k: [per_rank[r][i] for r in range(2)] for k, i in index.items()}
+
+
+def _check_collectives(graph, plan_json: str, family: str, res: list, extra: dict) -> None:
+    """Each rank issued STEPS times what ``expected_collectives`` predicts for the plan with the
+    fused nodes it reported."""
+    from autopar.codegen.expected import expected_collectives
+    from autopar.plan import Plan
+
+    plan = Plan.from_json(plan_json)
+    for r, rank_res in enumerate(res):
+        fused = {k for k, _ in rank_res["fused"]}
+        want = Counter()
+        for c in expected_collectives(graph, plan, tp_rank=rank_res["coord"][1], fused=fused, **extra):
+            want[c.key()] += STEPS
+        got = Counter(rank_res["issued"])
+        assert got == want, (f"{family} rank {r}: issued-but-not-predicted {dict(got - want)}, "
+                             f"predicted-but-not-issued {dict(want - got)}")
 
 
 def _check_equal(family: str, on: list, off: list) -> None:
@@ -186,6 +205,9 @@ def _max_diff(a: dict, b: dict) -> tuple[float, str]:
 def test_two_ranks_kernels_equal_aten(family, fused_runs, tiny_full):
     on, off = fused_runs[(family, "on")], fused_runs[(family, "off")]
     _check_equal(family, on, off)
+    extra = FAMILIES[family][2]
+    for mode, res in (("on", on), ("off", off)):
+        _check_collectives(tiny_full, fused_runs["plans"][family], f"{family} {mode}", res, extra)
     want = {}
     for n in tiny_full.nodes:
         if n.target in ADAPTERS:
@@ -201,13 +223,15 @@ def test_two_ranks_kernels_equal_aten(family, fused_runs, tiny_full):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", LLAMA)
-def test_two_ranks_llama_regions_equal_aten(family, fused_runs):
+def test_two_ranks_llama_regions_equal_aten(family, fused_runs, llama_full):
     """LLaMA's hand-written RMSNorm, its residual add + RMSNorm, rotate-half RoPE and SwiGLU are
     multi-node regions (codegen/patterns.py): 2 layers give 1 rms_norm (the first norm reads the
     embedding), 4 add_rms_norm (the other three norms and the final one), 4 rope (q and k), 2
     swiglu, and the single-node attention and cross-entropy."""
     on, off = fused_runs[(family, "on")], fused_runs[(family, "off")]
     _check_equal(family, on, off)
+    for mode, res in (("on", on), ("off", off)):
+        _check_collectives(llama_full, fused_runs["plans"][family], f"{family} {mode}", res, FAMILIES[family][2])
     want = {"rms_norm": 1, "add_rms_norm": 4, "rope": 4, "swiglu": 2, "attention": 2, "cross_entropy": 1}
     for r in range(2):
         assert Counter(k for _, k in on[r]["fused"]) == want, (family, r, on[r]["fused"])
@@ -226,3 +250,20 @@ def test_declined_regions_run_their_members(fused_runs):
 @pytest.mark.slow
 def test_auto_substitutes_nothing_on_cpu(fused_runs):
     assert all(res["fused"] == [] for res in fused_runs[("dp", "auto")])
+
+
+@pytest.mark.slow
+def test_gpu_smoke_script_dry_run():
+    """benchmarks/fused_step_gpu.py (step 3 of gpu_check.sh) runs end to end on the CPU, so the
+    first lent GPU spends its minutes on the check, not on a broken script."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "fused_step_gpu.py"
+    proc = subprocess.run([sys.executable, str(script), "--dry-run"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.rstrip().endswith("OK")
+    for name in ("add_layer_norm", "rope x4", "swiglu x2", "add_rms_norm x4", "attention x2"):
+        assert name in proc.stdout, proc.stdout
