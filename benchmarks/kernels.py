@@ -18,6 +18,11 @@ datasheet ceiling, and pass/fail columns for the goals:
 Bytes count the traffic the fused algorithm must move (each row spells its formula out); eager
 and torch.compile are timed on the same work, so their throughput is the same ratio of times.
 "err" is max|triton - eager| / max|eager| on the row's first output (a sanity check, not a test).
+Kernels launched through kernels/_launch.Tuned (norms, softmax, cross-entropy, ...) autotune: a
+row's first Triton call tunes them, untimed, and the timed calls reuse the choice; a
+"config <kernel>" footnote per row names the config that ran (and, where the row tuned it, the
+fastest and second-fastest times), and the JSON row's "tuned" field holds the same with every
+config's median time (triton.autotune's do_bench of that kernel alone).
 
 Each row fails soft: an exception is printed and recorded for that row (and a torch.compile
 failure only for its column), and the run goes on. ``--budget-s`` (default 200) stops starting
@@ -48,6 +53,7 @@ import torch  # noqa: E402
 
 from benchmarks.kernel_cases import (  # noqa: E402  (re-exported: tests use bench.Case)
     ATTENTION_GOAL_PCT, MEMORY_GOAL_PCT, Case, build_cases, grads_of)
+from kernels import _launch  # noqa: E402
 
 DATASHEET_HBM_BPS = 4.8e12  # H200 SXM, HBM3e
 DATASHEET_BF16_FLOPS = 989e12  # H200 SXM, dense bf16 tensor core
@@ -88,6 +94,9 @@ class Row:
     err: float | None = None
     error: str | None = None  # the row's failure, if any
     notes: list[str] = field(default_factory=list)
+    # autotuned kernels the Triton column ran: {kernel: {"config": ..., "tuning": {config: ms}}}
+    # ("tuning" only where the autotuner timed its list during this row)
+    tuned: dict = field(default_factory=dict)
 
 
 def fill_derived(row: Row, ceilings: Ceilings) -> Row:
@@ -177,6 +186,15 @@ def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
 
 
+def config_note(kernel: str, tuned: dict) -> str:
+    """The footnote for one autotuned kernel: its config, and the margin when it was tuned here."""
+    note = f"config {kernel}: {tuned['config']}"
+    times = sorted(tuned.get("tuning", {}).values())
+    if len(times) > 1:
+        note += f" (fastest of {len(times)}: {times[0]:.3f} ms; next {times[1]:.3f} ms)"
+    return note
+
+
 def run_case(case: Case, timer, ceilings: Ceilings, *, compile_backend: str | None,
              device, skip_compile_note: str | None = None) -> Row:
     """One row: check, time Triton and eager, then torch.compile with compile_backend (None:
@@ -185,7 +203,9 @@ def run_case(case: Case, timer, ceilings: Ceilings, *, compile_backend: str | No
     impls = None
     try:
         impls = case.build()
-        out_t = impls["triton"]()
+        with _launch.recording() as row.tuned:  # the first call autotunes; the timed ones reuse
+            out_t = impls["triton"]()
+        row.notes += [config_note(name, t) for name, t in row.tuned.items()]
         if impls.get("check", True):
             row.err = _rel_err(out_t, impls["eager"]())
             if row.err > 5e-2:

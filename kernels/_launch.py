@@ -1,4 +1,5 @@
-"""Helpers shared by the kernel launchers: device checks, output allocation, sizes.
+"""Helpers shared by the kernel launchers: device checks, output allocation, sizes, and launch
+config lists autotuned on CUDA (``Tuned``; ``recording`` reports which config ran).
 
 Poisoned outputs: with ``AUTOPAR_KERNELS_POISON=1`` in the environment every launcher allocates
 its floating-point outputs (and scratch buffers) filled with NaN instead of uninitialised memory,
@@ -8,11 +9,15 @@ tests/kernels/conftest.py sets it; production runs leave it unset (``torch.empty
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 
 POISON_ENV = "AUTOPAR_KERNELS_POISON"
+# Memory-bound kernels pass this as Tuned(min_numel=...): below ~2 MB of bf16 a launch is
+# launch-bound and not worth timing configs for.
+TUNE_MIN_NUMEL = 1 << 20
 
 
 def interpreting() -> bool:
@@ -63,6 +68,29 @@ def float_dtypes_ok(name: str, *tensors: torch.Tensor) -> None:
             raise ValueError(f"{name}: dtype {t.dtype} is not supported; use one of {ok}")
 
 
+_recorders: list[dict] = []
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect, for every ``Tuned`` launch inside the block, ``{kernel name: {"config": ...}}``,
+    plus ``"tuning": {config: median ms}`` for a kernel the autotuner timed inside the block:
+    benchmarks/kernels.py reports which config each row ran and by what margin it won. (Each
+    launch inside pays a few microseconds for this: record a first call, not a timed loop.)"""
+    used: dict = {}
+    _recorders.append(used)
+    try:
+        yield used
+    finally:
+        _recorders.remove(used)
+
+
+def describe(config) -> str:
+    """A ``triton.Config`` on one line: ``BLOCK_V=16384 num_warps=16 num_stages=3``."""
+    parts = [f"{k}={v}" for k, v in config.kwargs.items()]
+    return " ".join(parts + [f"num_warps={config.num_warps}", f"num_stages={config.num_stages}"])
+
+
 class Tuned:
     """A ``@triton.jit`` kernel with an explicit list of launch configs.
 
@@ -71,32 +99,63 @@ class Tuned:
     fastest, so a config list that contains the previous fixed choice cannot end up slower than it
     (up to timing noise). Under the interpreter there is nothing to time: it launches
     ``configs[0]``. ``tuned.launch(i, grid, *args)`` runs config ``i`` on any device (tests run each
-    config against the reference; benchmarks time them one by one).
+    config against the reference; benchmarks time them one by one). Every launch returns the
+    ``triton.Config`` that ran, for launchers whose follow-up work depends on it (how many rows of
+    a partial-sum buffer the chosen grid wrote, how many chunks a row was split into).
 
     ``grid`` is a tuple or a function of the config's kwargs (as for ``triton.autotune``).
     Kernels that write into an input (in-place gradients) must name it in ``restore_value``, and
     accumulators must be named in ``reset_to_zero``: autotuning runs the kernel several times.
+    ``min_numel``: when the kernel's first positional argument (a tensor) has fewer elements,
+    launch ``configs[0]`` without the autotuner (nor its cache, which would keep that choice for
+    later large launches of the same key): such launches take microseconds, configs differ by
+    noise there, and timing each costs ~0.1 s (plus its compile) per new key.
     """
 
-    def __init__(self, kernel, configs, key, **autotune_kw) -> None:
+    def __init__(self, kernel, configs, key, *, min_numel: int = 0, **autotune_kw) -> None:
         import triton
 
         if not configs:
             raise ValueError("Tuned needs at least one config")
         self.kernel = kernel
+        self.name = kernel.__name__.strip("_")
         self.configs = tuple(configs)
+        self.min_numel = min_numel
         self._autotuner = triton.autotune(configs=list(self.configs), key=list(key), **autotune_kw)(kernel)
 
+    def run(self, grid, *args, config=None, **kwargs):
+        """Launch ``config`` (an index into ``configs``, a ``triton.Config``, or None: the
+        autotuned choice on CUDA, ``configs[0]`` under the interpreter) and return the
+        ``triton.Config`` that ran. An explicit config's ``pre_hook`` runs first, as the
+        autotuner runs it (attention sizes its TMA boxes there)."""
+        timings = None
+        if config is None and not interpreting() and (
+                not self.min_numel or args[0].numel() >= self.min_numel):
+            before = getattr(self._autotuner, "configs_timings", None)
+            self._autotuner[grid](*args, **kwargs)
+            c = self._autotuner.best_config
+            after = getattr(self._autotuner, "configs_timings", None)
+            timings = None if after is before else after
+        else:
+            c = config if hasattr(config, "kwargs") else self.configs[config or 0]
+            if c.pre_hook is not None:
+                c.pre_hook({**dict(zip(self.kernel.arg_names, args)), **kwargs, **c.kwargs})
+            g = grid(c.kwargs) if callable(grid) else grid
+            self.kernel[g](*args, **kwargs, **c.kwargs, num_warps=c.num_warps,
+                           num_stages=c.num_stages)
+        for used in _recorders:
+            entry = used.setdefault(self.name, {})
+            entry["config"] = describe(c)
+            if timings:  # do_bench quantiles (median first); inf for a config that did not build
+                entry["tuning"] = {describe(k): (t[0] if isinstance(t, (list, tuple)) else t)
+                                   for k, t in timings.items()}
+        return c
+
     def launch(self, i: int, grid, *args, **kwargs):
-        c = self.configs[i]
-        g = grid(c.kwargs) if callable(grid) else grid
-        return self.kernel[g](*args, **kwargs, **c.kwargs, num_warps=c.num_warps,
-                              num_stages=c.num_stages)
+        return self.run(grid, *args, config=i, **kwargs)
 
     def __getitem__(self, grid):
-        if interpreting():
-            return lambda *args, **kwargs: self.launch(0, grid, *args, **kwargs)
-        return self._autotuner[grid]
+        return lambda *args, **kwargs: self.run(grid, *args, **kwargs)
 
     @property
     def best_config(self):

@@ -7,26 +7,45 @@ F.scaled_dot_product_attention(is_causal=True) does.
 
 Forward (Dao et al., FlashAttention-2): one program per (query block, batch*head) streams the
 key/value blocks through SRAM, keeping the running row max m, the running sum l and the output
-accumulator in registers (scores in the log2 domain: exp2(s * scale * log2 e)):
-    s = q k^T * scale;  m' = max(m, rowmax s);  p = exp(s - m');  l = l e^(m - m') + rowsum p
-    acc = acc e^(m - m') + p v;       out = acc / l,   lse = m + log l   (fp32, natural log)
+accumulator in registers. Scores live in the log2 domain, the softmax scale folded into one
+constant qk_scale = scale * log2(e), so the exponential is the hardware exp2:
+    s = q k^T qk_scale;  m' = max(m, rowmax s);  p = 2^(s - m');  l = l 2^(m - m') + rowsum p
+    acc = acc 2^(m - m') + p v;       out = acc / l,   lse = (m + log2 l) ln 2   (fp32, natural log)
 Key blocks strictly below the diagonal (and inside Tk) run without any masking; only the
-diagonal blocks and the Tk tail pay for the mask. Work: 4 B H Tq Tk D FLOPs (half when causal),
-memory: read 3 BHTD + write BHTD (+ BHT lse), no (T, T) matrix ever exists.
+diagonal band and the Tk tail pay for the mask (the Triton tutorial 06-fused-attention's
+off-band / on-band split). Work: 4 B H Tq Tk D FLOPs (half when causal), memory: read 3 BHTD +
+write BHTD (+ BHT lse), no (T, T) matrix ever exists.
 
 The lse output lets partial results over sequence shards be merged exactly
 (``merge_attention``), and it is differentiable: its gradient d lse_i / d s_ij = p_ij folds into
 the backward's delta_i = rowsum(dO_i * O_i) - dlse_i.
 
-Backward: a preprocessing kernel computes delta; one kernel per key block accumulates dK, dV
-over the query blocks that see it, and one kernel per query block accumulates dQ over key blocks
-(p is recomputed from q, k and the saved lse; nothing of size T x T is stored):
-    p = exp(s - lse);  dV += p^T dO;  dP = dO V^T;  dS = p * (dP - delta);  dK += dS^T Q * scale
-    dQ += dS K * scale
+Backward (FlashAttention-2, in the tutorial's three-kernel form): a preprocessing kernel computes
+delta; one kernel per key block keeps K, V in SRAM and accumulates dK, dV over the query blocks
+that see it; one kernel per query block accumulates dQ over key blocks (p is recomputed from q, k
+and the saved lse; nothing of size T x T is stored, and no program writes another's rows, so no
+atomics):
+    p = 2^(s - lse log2 e);  dV += p^T dO;  dP = dO V^T;  dS = p * (dP - delta);
+    dK += dS^T Q * scale;    dQ += dS K * scale
 FLOPs: 2.5x the forward's (5 matmuls against 2).
+
+Loads of q, k, v and dO go through TMA tensor descriptors (Hopper's bulk copy engine, as the
+tutorial's Hopper path): the copy engine computes the addresses, so the pipelined loops keep no
+per-thread pointers in registers (the sm_90a build of the 128 x 64 forward at D=128 drops from 255
+registers and a spill to ~140), and a descriptor over the (B*H, T, D) view zero-fills rows past T,
+so the Tq/Tk tails need no load masks either, only the score masks above. Outputs are written
+with masked stores (their dtype then also keys the autotuning: descriptors carry none).
+Descriptors need 16-byte aligned rows and base: D * itemsize >= 32 bytes always is, and an
+unaligned base is copied first.
 
 On the GPU fp32 inputs use full fp32 products (tl.dot input_precision="ieee", not Triton's TF32
 default): slower than bf16 but accurate to ~1e-6 like the reference; bf16 uses the tensor cores.
+
+Launch configs (tiles, warps, pipeline stages) are ``_launch.Tuned`` lists per kernel
+(``FWD_CONFIGS``, ``DKDV_CONFIGS``, ``DQ_CONFIGS``): on CUDA the first call per (Tq, Tk, D,
+causal, dtype) times them all and keeps the fastest; the interpreter runs the first. Every entry
+builds for sm_90a in bf16 without register spills (tests/kernels/sm90_build.py prints the
+counts); fp32, whose products skip the tensor cores, spills in all of them and runs the first.
 
 ``merge_attention(out1, lse1, out2, lse2)`` (plain torch) combines two partial attentions of the
 same queries over disjoint key sets: lse = logaddexp(lse1, lse2),
@@ -43,18 +62,75 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import _launch
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configs
+# --------------------------------------------------------------------------------------------
+
+
+def _size_boxes(nargs):
+    """Config pre_hook (the tutorial's _tma_pre_hook): the descriptors' TMA boxes follow the
+    config's tiles, BLOCK_M rows of q / dO and BLOCK_N rows of k / v."""
+    for name, block in (("desc_q", "BLOCK_M"), ("desc_do", "BLOCK_M"),
+                        ("desc_k", "BLOCK_N"), ("desc_v", "BLOCK_N")):
+        if name in nargs:
+            nargs[name].block_shape = [1, nargs[block], nargs["HEAD_D"]]
+
+
+def _config(block_m, block_n, warps, stages):
+    return triton.Config(dict(BLOCK_M=block_m, BLOCK_N=block_n), num_warps=warps,
+                         num_stages=stages, pre_hook=_size_boxes)
+
+
+# Every list starts with the tiles used before the lists existed (the interpreter runs that one)
+# and adds the tutorial's Hopper configs that build for sm_90a without spills at D=64 and D=128;
+# a config that runs out of shared memory on some Triton version is skipped by the autotuner.
+# Forward: BLOCK_M queries per program, BLOCK_N keys per iteration (BLOCK_M % BLOCK_N == 0 keeps
+# the diagonal on whole key blocks).
+FWD_CONFIGS = (
+    _config(128, 64, 8, 3),
+    _config(128, 128, 8, 3),  # the tutorial's Hopper (TMA) tile: 225 KB of shared memory at D=128
+    _config(128, 128, 8, 2),  # ... with one stage less (161 KB)
+    _config(128, 64, 4, 3),  # the tutorial's 4-warp tiles (one warpgroup per 128 rows)
+)
+# dK/dV: BLOCK_N keys per program, BLOCK_M queries per iteration (BLOCK_N % BLOCK_M == 0). Keyed by
+# the largest head dim a list serves: the dK and dV accumulators (BLOCK_N x D fp32 each) leave no
+# room for 128 keys per program at D=128 (116 bytes of spills with 8 warps, kilobytes with 4; the
+# tutorial's 32 x 128 with 4 warps spills at D=64 too, so it appears with 8).
+DKDV_CONFIGS = {
+    64: (
+        _config(64, 128, 8, 3),
+        _config(32, 128, 8, 3),
+        _config(32, 64, 4, 5),  # the tutorial's 4 warps and 5 stages
+        _config(64, 64, 4, 3),
+    ),
+    128: (
+        _config(32, 64, 4, 3),
+        _config(32, 64, 4, 5),
+        _config(64, 64, 4, 3),
+    ),
+}
+# dQ: BLOCK_M queries per program, BLOCK_N keys per iteration (BLOCK_M % BLOCK_N == 0).
+DQ_CONFIGS = (
+    _config(128, 32, 8, 3),
+    _config(128, 32, 4, 5),  # the tutorial's dQ tile, warps and stages
+    _config(128, 64, 8, 3),
+)
 
 
 @dataclass(frozen=True)
 class AttentionBlocks:
-    """Tile sizes and warps. fwd_m % fwd_n == 0, bwd_kv_n % bwd_kv_m == 0 and
-    bwd_q_m % bwd_q_n == 0 keep the diagonal aligned to whole blocks; all are powers of two >= 16."""
+    """Fixed tiles and warps in place of the tuned lists (tests use small ones so that short
+    sequences cross several blocks); the defaults are the lists' first configs at D=128.
+    fwd_m % fwd_n == 0, bwd_kv_n % bwd_kv_m == 0 and bwd_q_m % bwd_q_n == 0 keep the diagonal
+    aligned to whole blocks; all are powers of two >= 16."""
 
     fwd_m: int = 128  # query rows per forward program
     fwd_n: int = 64  # keys per forward iteration
@@ -75,17 +151,12 @@ class AttentionBlocks:
             raise ValueError(f"AttentionBlocks: need fwd_m % fwd_n == 0, bwd_kv_n % bwd_kv_m == 0, "
                              f"bwd_q_m % bwd_q_n == 0; got {sizes}")
 
-
-def default_blocks(head_dim: int) -> AttentionBlocks:
-    """Tiles for Hopper, chosen from ptxas reports of the sm_90a build (Triton 3.9 here; no GPU
-    timing yet): at D=128 the forward (128x64, 8 warps) spills 28 bytes, dK/dV 64x32 with 4 warps
-    and dQ 128x32 with 8 warps spill 0 and 32 bytes; larger backward tiles spill hundreds. At
-    D <= 64 register pressure halves and the dK/dV tile grows to 128x64 with 8 warps. The
-    tutorial's Hopper forward tile 128x128 (8 warps, 3 stages) spills 452 bytes causal (20 non-
-    causal) in this two-loop kernel, so the forward keeps 128x64 until a GPU timing says otherwise."""
-    if head_dim <= 64:
-        return AttentionBlocks(bwd_kv_n=128, bwd_kv_m=64, bwd_kv_warps=8)
-    return AttentionBlocks()
+    def configs(self):
+        """(forward, dK/dV, dQ) launch configs."""
+        s = self.num_stages
+        return (_config(self.fwd_m, self.fwd_n, self.fwd_warps, s),
+                _config(self.bwd_kv_m, self.bwd_kv_n, self.bwd_kv_warps, s),
+                _config(self.bwd_q_m, self.bwd_q_n, self.bwd_q_warps, s))
 
 
 # --------------------------------------------------------------------------------------------
@@ -139,71 +210,68 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, offs_m, lo, hi, T_K, qk_scale,
+def _fwd_inner(acc, l_i, m_i, q, desc_k, desc_v, bh, offs_m, lo, hi, T_K, qk_scale,
                HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
-               CAUSAL_MASK: tl.constexpr, KEY_MASK: tl.constexpr, UPCAST: tl.constexpr):
-    offs_d = tl.arange(0, HEAD_D)
+               MASK: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+    """Key blocks [lo, hi). MASK: the diagonal band or the Tk tail (the descriptor zero-fills
+    keys past Tk; their scores are masked to -inf here), causally masked when CAUSAL."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_off = offs_n[:, None] * HEAD_D + offs_d[None, :]
-        if KEY_MASK:
-            k = tl.load(k_base + kv_off, mask=offs_n[:, None] < T_K, other=0.0)
+        k = desc_k.load([bh, start_n, 0]).reshape(BLOCK_N, HEAD_D)
+        qk = _dot(q, tl.trans(k), None, UPCAST)  # (BLOCK_M, BLOCK_N) raw scores
+        if MASK:
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            keep = offs_n[None, :] < T_K
+            if CAUSAL:
+                keep = keep & (offs_m[:, None] >= offs_n[None, :])
+            s = tl.where(keep, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            s = s - m_new[:, None]
         else:
-            k = tl.load(k_base + kv_off)
-        s = _dot(q, tl.trans(k), None, UPCAST) * qk_scale  # (BLOCK_M, BLOCK_N), log2 domain
-        if KEY_MASK:
-            s = tl.where(offs_n[None, :] < T_K, s, float("-inf"))
-        if CAUSAL_MASK:
-            s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
+            # the tutorial's order: row max of the raw scores (qk_scale >= 0, see _AttentionFn),
+            # then scale and shift in one FMA per score
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            s = qk * qk_scale - m_new[:, None]
+        p = tl.exp2(s)
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if KEY_MASK:
-            v = tl.load(v_base + kv_off, mask=offs_n[:, None] < T_K, other=0.0)
-        else:
-            v = tl.load(v_base + kv_off)
+        v = desc_v.load([bh, start_n, 0]).reshape(BLOCK_N, HEAD_D)
         acc = _dot(p.to(v.dtype), v, acc, UPCAST)
         m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, O, LSE, T_Q, T_K, qk_scale,
+def _attn_fwd_kernel(desc_q, desc_k, desc_v, O, LSE, T_Q, T_K, qk_scale,
                      CAUSAL: tl.constexpr, HEAD_D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
     # the largest (most expensive, when causal) query blocks go first
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)
-    q_base = Q + bh * T_Q * HEAD_D
-    k_base = K + bh * T_K * HEAD_D
-    v_base = V + bh * T_K * HEAD_D
+    bh = tl.program_id(1)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_D)
-    row_ok = offs_m < T_Q
-    q = tl.load(q_base + offs_m[:, None] * HEAD_D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = desc_q.load([bh, start_m, 0]).reshape(BLOCK_M, HEAD_D)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
     full_hi = (T_K // BLOCK_N) * BLOCK_N  # keys in whole blocks
     if CAUSAL:
-        unmasked_hi = tl.minimum(start_m, full_hi)  # key blocks every query row here sees whole
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, offs_m, 0, unmasked_hi, T_K,
-                                   qk_scale, HEAD_D, BLOCK_N, False, False, UPCAST)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, offs_m, unmasked_hi,
-                                   tl.minimum(start_m + BLOCK_M, T_K), T_K, qk_scale,
-                                   HEAD_D, BLOCK_N, True, True, UPCAST)
+        masked_lo = tl.minimum(start_m, full_hi)  # key blocks every query row here sees whole
+        hi = tl.minimum(start_m + BLOCK_M, T_K)
     else:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, offs_m, 0, full_hi, T_K,
-                                   qk_scale, HEAD_D, BLOCK_N, False, False, UPCAST)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, offs_m, full_hi, T_K, T_K,
-                                   qk_scale, HEAD_D, BLOCK_N, False, True, UPCAST)
+        masked_lo = full_hi
+        hi = T_K
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, desc_k, desc_v, bh, offs_m, 0, masked_lo, T_K,
+                               qk_scale, HEAD_D, BLOCK_N, False, CAUSAL, UPCAST)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, desc_k, desc_v, bh, offs_m, masked_lo, hi, T_K,
+                               qk_scale, HEAD_D, BLOCK_N, True, CAUSAL, UPCAST)
     out = acc / l_i[:, None]
-    tl.store(O + bh * T_Q * HEAD_D + offs_m[:, None] * HEAD_D + offs_d[None, :],
+    row_ok = offs_m < T_Q
+    offs_d = tl.arange(0, HEAD_D)
+    bh64 = bh.to(tl.int64)
+    tl.store(O + bh64 * T_Q * HEAD_D + offs_m[:, None] * HEAD_D + offs_d[None, :],
              out.to(O.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(LSE + bh * T_Q + offs_m, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+    tl.store(LSE + bh64 * T_Q + offs_m, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,30 +295,28 @@ def _bwd_preprocess_kernel(O, DO, DLSE, DELTA, n_rows, HAS_DLSE: tl.constexpr,
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, lo, hi, T_Q,
-                    qk_scale, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    CAUSAL_MASK: tl.constexpr, ROW_MASK: tl.constexpr, UPCAST: tl.constexpr):
-    # Padded query rows load q = dO = lse = delta = 0, so they add exactly zero to dK and dV.
-    offs_d = tl.arange(0, HEAD_D)
+def _bwd_dkdv_inner(dk, dv, k, v, desc_q, desc_do, lse_base, delta_base, bh, offs_n, lo, hi,
+                    T_Q, qk_scale, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    MASK: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+    """Query blocks [lo, hi). MASK: the diagonal band or the Tq tail (masked lse/delta loads,
+    causal mask when CAUSAL). Query rows past Tq load q = dO = lse = delta = 0 (the descriptors
+    zero-fill), so p = 1 there but dP = 0 and dS = 0: they add exactly zero to dK and dV."""
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        off = offs_m[:, None] * HEAD_D + offs_d[None, :]
-        if ROW_MASK:
+        q = desc_q.load([bh, start_m, 0]).reshape(BLOCK_M, HEAD_D)
+        if MASK:
             ok = offs_m < T_Q
-            q = tl.load(q_base + off, mask=ok[:, None], other=0.0)
-            do = tl.load(do_base + off, mask=ok[:, None], other=0.0)
             lse2 = tl.load(lse_base + offs_m, mask=ok, other=0.0) * 1.4426950408889634
             delta = tl.load(delta_base + offs_m, mask=ok, other=0.0)
         else:
-            q = tl.load(q_base + off)
-            do = tl.load(do_base + off)
             lse2 = tl.load(lse_base + offs_m) * 1.4426950408889634
             delta = tl.load(delta_base + offs_m)
         s_t = _dot(k, tl.trans(q), None, UPCAST) * qk_scale  # (BLOCK_N, BLOCK_M): keys x queries
         p_t = tl.exp2(s_t - lse2[None, :])
-        if CAUSAL_MASK:
+        if MASK and CAUSAL:
             p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+        do = desc_do.load([bh, start_m, 0]).reshape(BLOCK_M, HEAD_D)
         dv = _dot(p_t.to(do.dtype), do, dv, UPCAST)
         dp_t = _dot(v, tl.trans(do), None, UPCAST)  # (BLOCK_N, BLOCK_M)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -259,66 +325,61 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n,
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T_Q, T_K, sm_scale, qk_scale,
-                          CAUSAL: tl.constexpr, HEAD_D: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):
+def _attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, LSE, DELTA, DK, DV, T_Q, T_K,
+                          sm_scale, qk_scale, CAUSAL: tl.constexpr, HEAD_D: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1).to(tl.int64)
-    q_base = Q + bh * T_Q * HEAD_D
-    do_base = DO + bh * T_Q * HEAD_D
-    lse_base = LSE + bh * T_Q
-    delta_base = DELTA + bh * T_Q
+    bh = tl.program_id(1)
+    bh64 = bh.to(tl.int64)
+    lse_base = LSE + bh64 * T_Q
+    delta_base = DELTA + bh64 * T_Q
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_D)
-    kv_off = bh * T_K * HEAD_D + offs_n[:, None] * HEAD_D + offs_d[None, :]
-    key_ok = offs_n[:, None] < T_K
-    # padded key rows load as zeros; whatever accumulates in their dK/dV rows is never stored
-    k = tl.load(K + kv_off, mask=key_ok, other=0.0)
-    v = tl.load(V + kv_off, mask=key_ok, other=0.0)
+    # key rows past Tk load as zeros; whatever accumulates in their dK/dV rows is never stored
+    k = desc_k.load([bh, start_n, 0]).reshape(BLOCK_N, HEAD_D)
+    v = desc_v.load([bh, start_n, 0]).reshape(BLOCK_N, HEAD_D)
     dk = tl.zeros([BLOCK_N, HEAD_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_D], dtype=tl.float32)
     full_hi = (T_Q // BLOCK_M) * BLOCK_M  # queries in whole blocks
     if CAUSAL:
         # queries [start_n, start_n + BLOCK_N) straddle the diagonal; earlier ones see none of
         # these keys, later ones see all of them
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n,
-                                 start_n, tl.minimum(start_n + BLOCK_N, T_Q), T_Q, qk_scale,
-                                 HEAD_D, BLOCK_M, True, True, UPCAST)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, desc_q, desc_do, lse_base, delta_base, bh,
+                                 offs_n, start_n, tl.minimum(start_n + BLOCK_N, T_Q), T_Q,
+                                 qk_scale, HEAD_D, BLOCK_M, True, True, UPCAST)
         rest_lo = start_n + BLOCK_N
     else:
         rest_lo = 0
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n,
-                             rest_lo, full_hi, T_Q, qk_scale, HEAD_D, BLOCK_M, False, False,
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, desc_q, desc_do, lse_base, delta_base, bh, offs_n,
+                             rest_lo, full_hi, T_Q, qk_scale, HEAD_D, BLOCK_M, False, CAUSAL,
                              UPCAST)
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n,
-                             tl.maximum(rest_lo, full_hi), T_Q, T_Q, qk_scale,
-                             HEAD_D, BLOCK_M, False, True, UPCAST)
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, desc_q, desc_do, lse_base, delta_base, bh, offs_n,
+                             tl.maximum(rest_lo, full_hi), T_Q, T_Q, qk_scale, HEAD_D, BLOCK_M,
+                             True, False, UPCAST)
+    offs_d = tl.arange(0, HEAD_D)
+    kv_off = bh64 * T_K * HEAD_D + offs_n[:, None] * HEAD_D + offs_d[None, :]
+    key_ok = offs_n[:, None] < T_K
     tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok)
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=key_ok)
 
 
 @triton.jit
-def _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, offs_m, lo, hi, T_K, qk_scale,
+def _bwd_dq_inner(dq, q, do, lse2, delta, desc_k, desc_v, bh, offs_m, lo, hi, T_K, qk_scale,
                   HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  CAUSAL_MASK: tl.constexpr, KEY_MASK: tl.constexpr, UPCAST: tl.constexpr):
-    # Padded key rows load k = v = 0 and their p is masked, so they add nothing to dQ.
-    offs_d = tl.arange(0, HEAD_D)
+                  MASK: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+    """Key blocks [lo, hi). MASK: the diagonal band or the Tk tail. Keys past Tk load k = v = 0
+    and their p is masked (2^(0 - lse2) could overflow when every score is very negative)."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_off = offs_n[:, None] * HEAD_D + offs_d[None, :]
-        if KEY_MASK:
-            k = tl.load(k_base + kv_off, mask=offs_n[:, None] < T_K, other=0.0)
-            v = tl.load(v_base + kv_off, mask=offs_n[:, None] < T_K, other=0.0)
-        else:
-            k = tl.load(k_base + kv_off)
-            v = tl.load(v_base + kv_off)
+        k = desc_k.load([bh, start_n, 0]).reshape(BLOCK_N, HEAD_D)
+        v = desc_v.load([bh, start_n, 0]).reshape(BLOCK_N, HEAD_D)
         s = _dot(q, tl.trans(k), None, UPCAST) * qk_scale  # (BLOCK_M, BLOCK_N)
         p = tl.exp2(s - lse2[:, None])
-        if KEY_MASK:  # exp2(0 - lse2) of a padded key can overflow when all scores are tiny
-            p = tl.where(offs_n[None, :] < T_K, p, 0.0)
-        if CAUSAL_MASK:
-            p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
+        if MASK:
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            keep = offs_n[None, :] < T_K
+            if CAUSAL:
+                keep = keep & (offs_m[:, None] >= offs_n[None, :])
+            p = tl.where(keep, p, 0.0)
         dp = _dot(do, tl.trans(v), None, UPCAST)
         ds = p * (dp - delta[:, None])
         dq = _dot(ds.to(k.dtype), k, dq, UPCAST)
@@ -326,41 +387,61 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, offs_m, lo, hi, T_K, q
 
 
 @triton.jit
-def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T_Q, T_K, sm_scale, qk_scale,
-                        CAUSAL: tl.constexpr, HEAD_D: tl.constexpr,
+def _attn_bwd_dq_kernel(desc_q, desc_k, desc_v, desc_do, LSE, DELTA, DQ, T_Q, T_K, sm_scale,
+                        qk_scale, CAUSAL: tl.constexpr, HEAD_D: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)
-    k_base = K + bh * T_K * HEAD_D
-    v_base = V + bh * T_K * HEAD_D
+    bh = tl.program_id(1)
+    bh64 = bh.to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_D)
     row_ok = offs_m < T_Q
-    q_off = bh * T_Q * HEAD_D + offs_m[:, None] * HEAD_D + offs_d[None, :]
-    q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + q_off, mask=row_ok[:, None], other=0.0)
-    lse2 = tl.load(LSE + bh * T_Q + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + bh * T_Q + offs_m, mask=row_ok, other=0.0)
+    q = desc_q.load([bh, start_m, 0]).reshape(BLOCK_M, HEAD_D)
+    do = desc_do.load([bh, start_m, 0]).reshape(BLOCK_M, HEAD_D)
+    lse2 = tl.load(LSE + bh64 * T_Q + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + bh64 * T_Q + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
     full_hi = (T_K // BLOCK_N) * BLOCK_N
     if CAUSAL:
-        unmasked_hi = tl.minimum(start_m, full_hi)
-        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, offs_m, 0, unmasked_hi, T_K,
-                           qk_scale, HEAD_D, BLOCK_N, False, False, UPCAST)
-        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, offs_m, unmasked_hi,
-                           tl.minimum(start_m + BLOCK_M, T_K), T_K, qk_scale,
-                           HEAD_D, BLOCK_N, True, True, UPCAST)
+        masked_lo = tl.minimum(start_m, full_hi)
+        hi = tl.minimum(start_m + BLOCK_M, T_K)
     else:
-        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, offs_m, 0, full_hi, T_K,
-                           qk_scale, HEAD_D, BLOCK_N, False, False, UPCAST)
-        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, offs_m, full_hi, T_K, T_K,
-                           qk_scale, HEAD_D, BLOCK_N, False, True, UPCAST)
-    tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+        masked_lo = full_hi
+        hi = T_K
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, desc_k, desc_v, bh, offs_m, 0, masked_lo, T_K,
+                       qk_scale, HEAD_D, BLOCK_N, False, CAUSAL, UPCAST)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, desc_k, desc_v, bh, offs_m, masked_lo, hi, T_K,
+                       qk_scale, HEAD_D, BLOCK_N, True, CAUSAL, UPCAST)
+    offs_d = tl.arange(0, HEAD_D)
+    tl.store(DQ + bh64 * T_Q * HEAD_D + offs_m[:, None] * HEAD_D + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 # --------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------
+
+def _fp32_first_config(configs, nargs, **kwargs):
+    """Autotuner prune: fp32 products (input_precision="ieee") run without tensor cores and
+    spill in every config, each taking ptxas tens of seconds at D=128, so fp32 is not timed: it
+    runs the first config."""
+    return configs[:1] if kwargs["desc_q"].base.dtype == torch.float32 else configs
+
+
+def _tuned(kernel, configs):
+    return _launch.Tuned(kernel, configs, key=["T_Q", "T_K", "HEAD_D", "CAUSAL"],
+                         prune_configs_by=dict(early_config_prune=_fp32_first_config))
+
+
+_FWD = _tuned(_attn_fwd_kernel, FWD_CONFIGS)
+_DKDV = {max_d: _tuned(_attn_bwd_dkdv_kernel, c) for max_d, c in DKDV_CONFIGS.items()}
+_DQ = _tuned(_attn_bwd_dq_kernel, DQ_CONFIGS)
+
+
+def _desc(t):
+    """A TMA descriptor over contiguous (B, H, T, D) ``t`` viewed as (B*H, T, D); _size_boxes
+    sets its box per config. Rows past T read as zeros."""
+    b, h, n, d = t.shape
+    return TensorDescriptor(t, [b * h, n, d], [n * d, d, 1], [1, 16, d])
 
 
 def _check(q, k, v):
@@ -382,23 +463,21 @@ def _check(q, k, v):
         raise ValueError("attention: no keys (Tk == 0)")
 
 
-def _forward(q, k, v, causal, scale, blocks):
+def _forward(q, k, v, causal, scale, config=None):
+    """(out, lse) from contiguous, 16-byte aligned q, k, v with at least one query; scale >= 0."""
     b, h, tq, d = q.shape
-    tk = k.shape[2]
     o = _launch.empty(q.shape, q.dtype, q.device)
     lse = _launch.empty((b, h, tq), torch.float32, q.device)
-    grid = (triton.cdiv(tq, blocks.fwd_m), b * h)
-    _attn_fwd_kernel[grid](q, k, v, o, lse, tq, tk, scale * LOG2E,
-                           CAUSAL=causal, HEAD_D=d, BLOCK_M=blocks.fwd_m, BLOCK_N=blocks.fwd_n,
-                           UPCAST=_launch.interpreting(),
-                           num_warps=blocks.fwd_warps, num_stages=blocks.num_stages)
+    _FWD.run(lambda c: (triton.cdiv(tq, c["BLOCK_M"]), b * h), config=config,
+             desc_q=_desc(q), desc_k=_desc(k), desc_v=_desc(v), O=o, LSE=lse, T_Q=tq, T_K=k.shape[2],
+             qk_scale=scale * LOG2E, CAUSAL=causal, HEAD_D=d, UPCAST=_launch.interpreting())
     return o, lse
 
 
-def _backward(q, k, v, o, lse, do, dlse, causal, scale, blocks):
+def _backward(q, k, v, o, lse, do, dlse, causal, scale, dkdv_config=None, dq_config=None):
+    """(dq, dk, dv); the same preconditions as _forward, plus contiguous, aligned do."""
     b, h, tq, d = q.shape
     tk = k.shape[2]
-    do = do.contiguous()
     delta = _launch.empty((b, h, tq), torch.float32, q.device)
     n_rows = b * h * tq
     pre_block = 32
@@ -408,46 +487,58 @@ def _backward(q, k, v, o, lse, do, dlse, causal, scale, blocks):
     dq = _launch.empty(q.shape, q.dtype, q.device)
     dk = _launch.empty(k.shape, k.dtype, k.device)
     dv = _launch.empty(v.shape, v.dtype, v.device)
-    _attn_bwd_dkdv_kernel[(triton.cdiv(tk, blocks.bwd_kv_n), b * h)](
-        q, k, v, do, lse, delta, dk, dv, tq, tk, scale, scale * LOG2E,
-        CAUSAL=causal, HEAD_D=d, BLOCK_N=blocks.bwd_kv_n, BLOCK_M=blocks.bwd_kv_m,
-        UPCAST=_launch.interpreting(),
-        num_warps=blocks.bwd_kv_warps, num_stages=blocks.num_stages)
-    _attn_bwd_dq_kernel[(triton.cdiv(tq, blocks.bwd_q_m), b * h)](
-        q, k, v, do, lse, delta, dq, tq, tk, scale, scale * LOG2E,
-        CAUSAL=causal, HEAD_D=d, BLOCK_M=blocks.bwd_q_m, BLOCK_N=blocks.bwd_q_n,
-        UPCAST=_launch.interpreting(),
-        num_warps=blocks.bwd_q_warps, num_stages=blocks.num_stages)
+    args = dict(desc_q=_desc(q), desc_k=_desc(k), desc_v=_desc(v), desc_do=_desc(do), LSE=lse,
+                DELTA=delta, T_Q=tq, T_K=tk, sm_scale=scale, qk_scale=scale * LOG2E,
+                CAUSAL=causal, HEAD_D=d, UPCAST=_launch.interpreting())
+    _DKDV[64 if d <= 64 else 128].run(lambda c: (triton.cdiv(tk, c["BLOCK_N"]), b * h),
+                                      config=dkdv_config, DK=dk, DV=dv, **args)
+    _DQ.run(lambda c: (triton.cdiv(tq, c["BLOCK_M"]), b * h), config=dq_config, DQ=dq, **args)
     return dq, dk, dv
+
+
+def _prepared(t):
+    """Contiguous with a 16-byte aligned start, as the TMA descriptors require."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 class _AttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, sm_scale, blocks):
         _check(q, k, v)
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        q, k, v = _prepared(q), _prepared(k), _prepared(v)
         scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        blocks = blocks or default_blocks(q.shape[-1])
-        o, lse = _forward(q, k, v, causal, scale, blocks)
+        # the forward takes row maxima of unscaled scores, which needs scale >= 0:
+        # s = q k^T scale = q (-k)^T (-scale) (exact), and dk flips back in backward
+        flip = scale < 0
+        if flip:
+            k, scale = -k, -scale
+        configs = blocks.configs() if blocks is not None else (None, None, None)
+        if q.numel() == 0:  # no queries: nothing to launch (descriptors need a nonempty shape)
+            o, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+        else:
+            o, lse = _forward(q, k, v, causal, scale, configs[0])
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.meta = (causal, scale, blocks)
+        ctx.meta = (causal, scale, flip, configs)
         ctx.set_materialize_grads(False)  # unused lse: dlse is None and the kernel skips it
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        causal, scale, blocks = ctx.meta
-        if do is None:
-            do = torch.zeros_like(o)
-        dq, dk, dv = _backward(q, k, v, o, lse, do, dlse, causal, scale, blocks)
-        return dq, dk, dv, None, None, None
+        causal, scale, flip, configs = ctx.meta
+        if q.numel() == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None
+        do = _prepared(do) if do is not None else torch.zeros_like(o)
+        dq, dk, dv = _backward(q, k, v, o, lse, do, dlse, causal, scale, *configs[1:])
+        return dq, -dk if flip else dk, dv, None, None, None
 
 
 def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *,
               blocks: AttentionBlocks | None = None):
     """Fused attention over (B, H, T, D) tensors; returns (out (B, H, Tq, D), lse (B, H, Tq) fp32).
 
-    ``sm_scale`` defaults to 1/sqrt(D); ``blocks`` overrides the tile sizes (tests use small ones
-    so that short sequences still cross block boundaries). Both outputs are differentiable."""
+    ``sm_scale`` defaults to 1/sqrt(D); ``blocks`` fixes the tiles instead of the tuned config
+    lists (tests use small ones so that short sequences still cross block boundaries). Both
+    outputs are differentiable."""
     return _AttentionFn.apply(q, k, v, causal, sm_scale, blocks)

@@ -6,11 +6,13 @@ For logits (M, V) and integer targets (M,), per row r with target t (ignore_inde
     loss   = sum_r loss_r / #{r : t_r != ignore_index}   (reduction="mean"; also "sum", "none")
     dx_rv  = (exp(x_rv - lse_r) - [v == t_r]) * g_r      (g_r = grad_out / n_valid for "mean")
 
-Parallelism: the vocab is split into BLOCK_V slices (16384 by default, 16 warps) and every
-(row, slice) pair is one program, so a 128k vocab keeps ~8x more programs streaming than one
-program per row would. The forward writes each slice's (max, sum exp) in fp32 to two (M, slices)
-buffers; a small combine kernel turns them into lse and the loss; the backward's grid is the same
-(row, slice) pairs.
+Parallelism: the vocab is split into BLOCK_V slices and every (row, slice) pair is one program, so
+a 128k vocab keeps many more programs streaming than one program per row would. The forward
+writes each slice's (max, sum exp) in fp32 to two (M, slices) buffers; a small combine kernel
+turns them into lse and the loss; the backward's grid is the same (row, slice) pairs. BLOCK_V
+(with its warps) and the combine's rows per program are autotuned on CUDA over short lists
+(``_tuned``); the first entries, 16384 with 16 warps and 16 rows, are the choices made by hand
+before tuning existed and what the interpreter runs.
 
 Memory: the forward reads the logits once (read MV) and writes two floats per row (loss_r, lse_r);
 no (M, V) temporary exists. The backward reads the logits and the saved lse again and writes the
@@ -29,14 +31,15 @@ Run the tests:  TRITON_INTERPRET=1 pytest tests/kernels/test_kernel_cross_entrop
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels import _launch
 
-BLOCK_V = 16384  # vocab elements per program: 32 per thread at 16 warps
-COMBINE_ROWS = 16
+BLOCK_V = 16384  # the widest vocab slice per program: 32 elements per thread at 16 warps
 
 
 def cross_entropy_ref(logits, target, ignore_index: int = -100, reduction: str = "mean"):
@@ -53,7 +56,7 @@ def cross_entropy_ref(logits, target, ignore_index: int = -100, reduction: str =
 
 
 @triton.jit
-def _ce_partial_kernel(LOGITS, PART_M, PART_D, V, stride_l, n_chunks, BLOCK_V: tl.constexpr):
+def _ce_partial_kernel(LOGITS, PART_M, PART_D, V, stride_l, stride_p, BLOCK_V: tl.constexpr):
     """Program (row, chunk): max and sum exp(x - max) of one BLOCK_V slice of a row (fp32)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -61,19 +64,19 @@ def _ce_partial_kernel(LOGITS, PART_M, PART_D, V, stride_l, n_chunks, BLOCK_V: t
     x = tl.load(LOGITS + row * stride_l + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
     m = tl.max(x, axis=0)  # every chunk holds at least one column, so m > -inf for finite logits
     d = tl.sum(tl.exp(x - m), axis=0)
-    tl.store(PART_M + row * n_chunks + chunk, m)
-    tl.store(PART_D + row * n_chunks + chunk, d)
+    tl.store(PART_M + row * stride_p + chunk, m)
+    tl.store(PART_D + row * stride_p + chunk, d)
 
 
 @triton.jit
-def _ce_combine_kernel(LOGITS, TARGET, PART_M, PART_D, LOSS, LSE, M, stride_l, n_chunks,
+def _ce_combine_kernel(LOGITS, TARGET, PART_M, PART_D, LOSS, LSE, M, stride_l, stride_p, n_chunks,
                        ignore_index, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """BLOCK_R rows per program: lse from the per-chunk partials, then loss = lse - x_target."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     chunks = tl.arange(0, BLOCK_C)
     row_ok = rows < M
     ok = row_ok[:, None] & (chunks[None, :] < n_chunks)
-    off = rows[:, None] * n_chunks + chunks[None, :]
+    off = rows[:, None] * stride_p + chunks[None, :]
     pm = tl.load(PART_M + off, mask=ok, other=float("-inf"))
     pd = tl.load(PART_D + off, mask=ok, other=0.0)
     m = tl.max(pm, axis=1)
@@ -105,11 +108,60 @@ def _ce_bwd_kernel(LOGITS, TARGET, LSE, SCALE, DLOGITS, V, stride_l, stride_d, s
     tl.store(DLOGITS + row * stride_d + cols, dx.to(DLOGITS.dtype.element_ty), mask=mask)
 
 
-def _chunking(v: int, block_v: int) -> tuple[int, int, int]:
-    """(block, n_chunks, num_warps): vocab slice per program (block_v capped at V's power of
-    two), how many slices cover V, and warps so each thread holds ~32 elements (4..16 warps)."""
-    block = min(block_v, triton.next_power_of_2(v))
-    return block, triton.cdiv(v, block), max(4, min(16, block // 1024))
+@functools.cache
+def _tuned(cap: int) -> tuple[_launch.Tuned, _launch.Tuned, _launch.Tuned]:
+    """(partial, combine, backward) for vocab slices of at most ``cap`` (a power of two).
+
+    Partial and backward: slices of cap, cap/2, cap/4 (16384/8192/4096 by default) with warps so
+    each thread holds ~32 elements (4..16): wider slices mean fewer programs and partials, narrower
+    ones more programs to spread over the SMs and a shorter reduction each. The backward writes
+    the gradient into the logits when in place, so tuning restores DLOGITS after every trial.
+    Combine: 16 rows per program (4 warps), then 64 (fewer, longer programs) and 4 (one warp each:
+    more programs in flight for the scattered target-logit loads)."""
+    blocks = dict.fromkeys(max(1, cap >> s) for s in range(3))
+    slices = [triton.Config({"BLOCK_V": b}, num_warps=max(4, min(16, b // 1024))) for b in blocks]
+    rows = [triton.Config({"BLOCK_R": r}, num_warps=w) for r, w in ((16, 4), (64, 4), (4, 1))]
+    small = _launch.TUNE_MIN_NUMEL
+    return (_launch.Tuned(_ce_partial_kernel, slices, key=["V"], min_numel=small),
+            _launch.Tuned(_ce_combine_kernel, rows, key=["n_chunks"], min_numel=small),
+            _launch.Tuned(_ce_bwd_kernel, slices, key=["V"], restore_value=["DLOGITS"],
+                          min_numel=small))
+
+
+def _lse_and_loss(x2, t, ignore_index, block_v, configs=(None, None)):
+    """Per-row loss and lse of logits x2 (M, V). ``configs``: (partial, combine) indices to run
+    instead of the tuned choices."""
+    m, v = x2.shape
+    loss_rows = _launch.empty((m,), torch.float32, x2.device)
+    lse = _launch.empty((m,), torch.float32, x2.device)
+    if m == 0:
+        return loss_rows, lse
+    partial, combine, _ = _tuned(min(block_v, triton.next_power_of_2(v)))
+
+    def chunks(meta):
+        return triton.cdiv(v, meta["BLOCK_V"])
+
+    stride_p = max(chunks(c.kwargs) for c in partial.configs)  # room for the narrowest slices
+    part_m = _launch.empty((m, stride_p), torch.float32, x2.device)
+    part_d = _launch.empty((m, stride_p), torch.float32, x2.device)
+    ran = partial.run(lambda meta: (m, chunks(meta)), x2, part_m, part_d, v, x2.stride(0), stride_p,
+                      config=configs[0])
+    n_chunks = chunks(ran.kwargs)  # the columns the config that ran wrote
+    combine.run(lambda meta: (triton.cdiv(m, meta["BLOCK_R"]),), x2, t, part_m, part_d, loss_rows,
+                lse, m, x2.stride(0), stride_p, n_chunks, ignore_index,
+                BLOCK_C=triton.next_power_of_2(n_chunks), config=configs[1])
+    return loss_rows, lse
+
+
+def _grad_logits(x2, t, lse, scale, stride_s, dx, ignore_index, block_v, config=None):
+    """dx = (softmax(x2) - onehot(t)) * scale, written into dx (may be x2). ``config``: the index
+    of the backward's config to run instead of the tuned choice."""
+    m, v = x2.shape
+    if m > 0:
+        bwd = _tuned(min(block_v, triton.next_power_of_2(v)))[2]
+        bwd.run(lambda meta: (m, triton.cdiv(v, meta["BLOCK_V"])), x2, t, lse, scale, dx, v,
+                x2.stride(0), dx.stride(0), stride_s, ignore_index, config=config)
+    return dx
 
 
 class _CrossEntropyFn(torch.autograd.Function):
@@ -124,18 +176,7 @@ class _CrossEntropyFn(torch.autograd.Function):
         t = target.reshape(-1)
         if t.shape[0] != x2.shape[0]:
             raise ValueError(f"cross_entropy: {t.shape[0]} targets for {x2.shape[0]} rows of logits")
-        m = x2.shape[0]
-        loss_rows = _launch.empty((m,), torch.float32, logits.device)
-        lse = _launch.empty((m,), torch.float32, logits.device)
-        if m > 0:
-            block, n_chunks, warps = _chunking(v, block_v)
-            part_m = _launch.empty((m, n_chunks), torch.float32, logits.device)
-            part_d = _launch.empty((m, n_chunks), torch.float32, logits.device)
-            _ce_partial_kernel[(m, n_chunks)](x2, part_m, part_d, v, x2.stride(0), n_chunks,
-                                              BLOCK_V=block, num_warps=warps)
-            _ce_combine_kernel[(triton.cdiv(m, COMBINE_ROWS),)](
-                x2, t, part_m, part_d, loss_rows, lse, m, x2.stride(0), n_chunks, ignore_index,
-                BLOCK_R=COMBINE_ROWS, BLOCK_C=triton.next_power_of_2(n_chunks), num_warps=4)
+        loss_rows, lse = _lse_and_loss(x2, t, ignore_index, block_v)
         n_valid = (t != ignore_index).sum()  # stays on the device: no host sync
         if reduction == "none":
             loss = loss_rows.view(target.shape)
@@ -160,11 +201,7 @@ class _CrossEntropyFn(torch.autograd.Function):
                 scale = scale / n_valid
             stride_s = 0
         dx = x2 if inplace_backward else _launch.empty(x2.shape, x2.dtype, x2.device)
-        if x2.shape[0] > 0:
-            block, n_chunks, warps = _chunking(x2.shape[1], block_v)
-            _ce_bwd_kernel[(x2.shape[0], n_chunks)](x2, t, lse, scale, dx, x2.shape[1],
-                                                    x2.stride(0), dx.stride(0), stride_s,
-                                                    ignore_index, BLOCK_V=block, num_warps=warps)
+        _grad_logits(x2, t, lse, scale, stride_s, dx, ignore_index, block_v)
         return dx.view(shape), None, None, None, None, None
 
 
@@ -174,7 +211,8 @@ def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "me
 
     Returns an fp32 loss. With ``inplace_backward=True`` (default) the backward overwrites the
     logits buffer with the gradient and returns it (see the module docstring). ``block_v`` is the
-    vocab slice per program (a power of two; tests use small ones to get several slices).
+    widest vocab slice per program (a power of two; the tuned lists try it, half and a quarter of
+    it; tests use small ones to get several slices).
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"cross_entropy: reduction={reduction!r}; use 'mean', 'sum' or 'none'")

@@ -10,18 +10,25 @@ N elements fit in one block (BLOCK_N = next_power_of_2(N) <= 65536), so x is rea
               dx = rstd * (g - xhat * mean(g * xhat) - mean(g))   (drop the last term for RMSNorm)
               dw = sum_rows dy * xhat,  db = sum_rows dy
 
-The backward runs a persistent grid (a few programs per SM), each walking a contiguous range of
-rows and accumulating dw/db for its rows in registers; the per-program partial sums (G, N) fp32
-are summed by torch afterwards (G*N is small next to M*N). The loop is software-pipelined by
-hand: the next row's x and dy loads are issued before the current row's reductions, so each SM
-keeps two rows of loads in flight instead of idling through the reduction (BWD_PREFETCH). Statistics are fp32; mean and rstd are
-saved (M floats each) so the backward recomputes xhat instead of storing it.
+The backward runs a persistent grid (PROGRAMS_PER_SM programs per SM), each walking a contiguous
+range of rows and accumulating dw/db for its rows in registers; the per-program partial sums
+(G, N) fp32 are summed by torch afterwards (G*N is small next to M*N). The loop can be
+software-pipelined by hand (PREFETCH): the next row's x and dy loads are issued before the current
+row's reductions, so each SM keeps two rows of loads in flight instead of idling through the
+reduction. Statistics are fp32; mean and rstd are saved (M floats each) so the backward
+recomputes xhat instead of storing it.
+
+Launch parameters (warps; for the backward also programs per SM and PREFETCH) are not fixed: each
+kernel has a short config list per row width (row_tuned, bwd_tuned), autotuned on CUDA by
+_launch.Tuned; the first entry of each list is the choice made by hand before tuning existed.
 
 Run the tests:  TRITON_INTERPRET=1 pytest tests/kernels/test_kernel_norms.py
 Benchmark:      python benchmarks/kernels.py --only layer_norm rms_norm add_rms_norm
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -30,11 +37,6 @@ import triton.language as tl
 from kernels import _launch
 
 MAX_N = 65536
-# Backward: load row r+1 while row r is reduced (False: the plain loop, one row's loads at a time;
-# kept selectable because only the sm_90a build, not a GPU timing, has checked the pipelined one).
-BWD_PREFETCH = True
-# Backward: persistent programs per SM (each walks a contiguous range of rows).
-BWD_PROGRAMS_PER_SM = 4
 
 
 # --------------------------------------------------------------------------------------------
@@ -114,11 +116,13 @@ def _norm_fwd_kernel(
 @triton.jit
 def _norm_bwd_kernel(
     DY, X, W, MEAN, RSTD, DH, DX, DW_PART, DB_PART,
-    M, N, stride_dy, stride_x, stride_dh, stride_dx, rows_per_program,
+    M, N, stride_dy, stride_x, stride_dh, stride_dx,
     IS_RMS: tl.constexpr, HAS_DH: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
+    PROGRAMS_PER_SM: tl.constexpr,  # read by the launcher's grid only (a tuned parameter)
 ):
     pid = tl.program_id(0)
+    rows_per_program = tl.cdiv(M, tl.num_programs(0))  # the grid is _bwd_grid: no program idles
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     if not PREFETCH:
@@ -173,18 +177,57 @@ def _norm_bwd_kernel(
 
 def _row_warps(block_n: int, per_thread: int = 32) -> int:
     """Warps for a one-row block: enough threads that each holds <= per_thread elements of a
-    row array (4..32 warps). ptxas (sm_90a) reports no spills at 8192 wide with 8 warps forward
-    and 16 backward (per_thread=16, the backward keeps ~7 row arrays live); rows of 32768 or more
-    spill even with 32 warps, correct but slower."""
+    row array (4..32 warps). The first config of every one-row kernel's list (the choice before
+    tuning): the forward uses per_thread=32, the backward 16 (it keeps ~7 row arrays live)."""
     return max(4, min(32, block_n // (32 * per_thread)))
 
 
-def bwd_prefetch(is_rms: bool, has_dh: bool) -> bool:
-    """Pipeline the backward's row loop? ptxas (sm_90a, N=8192, 16 warps, Triton 3.9) reports no
-    spill for RMSNorm (with or without dh) but 116 B for LayerNorm (204 B with dh: its extra db
-    and mean registers), so LayerNorm keeps the plain loop until a GPU timing says otherwise."""
-    del has_dh  # same verdict either way for now; kept so the rule can depend on it
-    return BWD_PREFETCH and is_rms
+@functools.cache
+def row_tuned(kernel, block_n: int, key: tuple[str, ...]) -> _launch.Tuned:
+    """Configs of a kernel holding one block_n-wide row per program (norm forward, softmax):
+    _row_warps first, then twice as many warps (half the elements per thread: fewer registers,
+    more loads in flight) and half as many (a cheaper cross-warp reduction). One list per row
+    width, since the warps scale with it; sm90_build.py reports no spill for any of them at 8192
+    except 4 B in the RMSNorm forward's first config (8 warps), kept as the pre-tuning choice."""
+    w = _row_warps(block_n)
+    warps = dict.fromkeys(x for x in (w, 2 * w, w // 2) if 1 <= x <= 32)
+    return _launch.Tuned(kernel, [triton.Config({}, num_warps=x) for x in warps], key=list(key),
+                         min_numel=_launch.TUNE_MIN_NUMEL)
+
+
+def fwd_tuned(block_n: int) -> _launch.Tuned:
+    """The forward's configs for rows of block_n (tuned per N and per kind of norm)."""
+    return row_tuned(_norm_fwd_kernel, block_n, ("N", "IS_RMS", "HAS_RESIDUAL", "HAS_BIAS"))
+
+
+@functools.cache
+def bwd_tuned(block_n: int, is_rms: bool) -> _launch.Tuned:
+    """Backward configs for rows of block_n. First the pre-tuning choice: 4 programs per SM,
+    _row_warps(per_thread=16) warps, the pipelined loop for RMSNorm only. At N=8192 (sm_90a) one
+    program fills an SM's register file (16 warps x 128 registers, or 32 x 64), so one program is
+    resident per SM and PROGRAMS_PER_SM sets the number of waves: 1 is a single wave with 4x fewer
+    dw partial rows to write and sum, 2 is in between, 8 suits narrower rows where several
+    programs share an SM. Twice the warps halves each thread's share of a row (no spill at 8192).
+    RMSNorm also tries the plain loop; LayerNorm's pipelined loop spills at 8192 (116 B, 204 B
+    with dh: its extra mean and db registers), so LayerNorm keeps the plain loop only."""
+    warps = _row_warps(block_n, per_thread=16)
+
+    def cfg(programs=4, num_warps=warps, prefetch=is_rms):
+        return triton.Config(dict(PROGRAMS_PER_SM=programs, PREFETCH=prefetch), num_warps=num_warps)
+
+    configs = [cfg(), cfg(programs=1), cfg(programs=2), cfg(programs=8)]
+    if warps < 32:
+        configs.append(cfg(num_warps=2 * warps))
+    if is_rms:
+        configs.append(cfg(prefetch=False))
+    return _launch.Tuned(_norm_bwd_kernel, configs, key=["N", "HAS_DH", "HAS_BIAS"],
+                         min_numel=_launch.TUNE_MIN_NUMEL)
+
+
+def _bwd_grid(m: int, programs: int) -> int:
+    """Programs of the persistent backward: about ``programs``, each walking cdiv(m, grid) rows,
+    none left without a row (the kernel recomputes its rows per program as cdiv(M, grid))."""
+    return triton.cdiv(m, triton.cdiv(m, max(1, min(m, programs))))
 
 
 def _rows(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -195,7 +238,8 @@ def _rows(name: str, x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, n).contiguous()
 
 
-def _norm_fwd(x, residual, weight, bias, eps, is_rms, name):
+def _norm_fwd(x, residual, weight, bias, eps, is_rms, name, config=None):
+    """``config``: run that index of the forward's config list instead of the tuned choice."""
     _launch.check_device(name, *(t for t in (x, residual, weight, bias) if t is not None))
     _launch.float_dtypes_ok(name, x)
     n = x.shape[-1]
@@ -214,37 +258,42 @@ def _norm_fwd(x, residual, weight, bias, eps, is_rms, name):
     mean = _launch.empty((m,), torch.float32, x.device)
     rstd = _launch.empty((m,), torch.float32, x.device)
     block_n = triton.next_power_of_2(n)
-    _norm_fwd_kernel[(m,)](
-        x2, r2 if r2 is not None else x2, weight, bias if bias is not None else weight, y,
+    fwd_tuned(block_n).run(
+        (m,), x2, r2 if r2 is not None else x2, weight, bias if bias is not None else weight, y,
         h if h is not None else y, mean, rstd,
         n, x2.stride(0), (r2 if r2 is not None else x2).stride(0), y.stride(0),
         (h if h is not None else y).stride(0), eps,
-        IS_RMS=is_rms, HAS_RESIDUAL=r2 is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, num_warps=_row_warps(block_n),
+        IS_RMS=is_rms, HAS_RESIDUAL=r2 is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n,
+        config=config,
     )
     return y, h, mean, rstd, weight, x2
 
 
-def _norm_bwd(dy, x2, weight, has_bias, mean, rstd, dh, is_rms):
+def _norm_bwd(dy, x2, weight, has_bias, mean, rstd, dh, is_rms, config=None):
+    """``config``: run that index of bwd_tuned's list instead of the tuned choice."""
     m, n = x2.shape
     dy2 = dy.reshape(m, n).contiguous()
     dh2 = None if dh is None else dh.reshape(m, n).contiguous()
     dx = _launch.empty((m, n), x2.dtype, x2.device)
-    grid = max(1, min(m, BWD_PROGRAMS_PER_SM * _launch.num_programs_hint(x2.device)))
-    rows_per_program = triton.cdiv(m, grid)
-    grid = triton.cdiv(m, rows_per_program)
-    dw_part = _launch.empty((grid, n), torch.float32, x2.device)
-    db_part = _launch.empty((grid, n), torch.float32, x2.device) if has_bias else dw_part
     block_n = triton.next_power_of_2(n)
-    _norm_bwd_kernel[(grid,)](
-        dy2, x2, weight, mean, rstd, dh2 if dh2 is not None else dy2, dx, dw_part, db_part,
+    tuned = bwd_tuned(block_n, is_rms)
+    sms = _launch.num_programs_hint(x2.device)
+
+    def grid(meta):
+        return (_bwd_grid(m, meta["PROGRAMS_PER_SM"] * sms),)
+
+    # one partial dw (db) row per program: room for the largest grid any config launches
+    rows = max(grid(c.kwargs)[0] for c in tuned.configs)
+    dw_part = _launch.empty((rows, n), torch.float32, x2.device)
+    db_part = _launch.empty((rows, n), torch.float32, x2.device) if has_bias else dw_part
+    ran = tuned.run(
+        grid, dy2, x2, weight, mean, rstd, dh2 if dh2 is not None else dy2, dx, dw_part, db_part,
         m, n, dy2.stride(0), x2.stride(0), (dh2 if dh2 is not None else dy2).stride(0), dx.stride(0),
-        rows_per_program,
-        IS_RMS=is_rms, HAS_DH=dh2 is not None, HAS_BIAS=has_bias,
-        BLOCK_N=block_n, PREFETCH=bwd_prefetch(is_rms, dh2 is not None), num_warps=_row_warps(block_n, per_thread=16),
+        IS_RMS=is_rms, HAS_DH=dh2 is not None, HAS_BIAS=has_bias, BLOCK_N=block_n, config=config,
     )
-    dw = dw_part.sum(0)  # fp32; the caller casts to the parameter dtypes
-    db = db_part.sum(0) if has_bias else None
+    used = grid(ran.kwargs)[0]  # the rows the config that ran wrote (autotuning may leave others)
+    dw = dw_part[:used].sum(0)  # fp32; the caller casts to the parameter dtypes
+    db = db_part[:used].sum(0) if has_bias else None
     return dx, dw, db
 
 

@@ -10,6 +10,9 @@ Backward: dx = y * (dy - sum(y * dy))                       read 2 MN, write MN 
 
 A row that is entirely -inf gives NaN, as torch.softmax does.
 
+Warps are autotuned on CUDA per block width (norms.row_tuned: _row_warps first, the choice made
+by hand before tuning existed, then twice and half as many).
+
 Run the tests:  TRITON_INTERPRET=1 pytest tests/kernels/test_kernel_softmax.py
 """
 
@@ -20,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels import _launch
-from kernels.norms import _row_warps
+from kernels.norms import row_tuned
 
 SINGLE_BLOCK_MAX = 32768
 LOOP_BLOCK = 4096
@@ -107,17 +110,35 @@ def _config(n: int, block_n: int | None):
     return LOOP_BLOCK, False
 
 
+def _softmax_fwd(x2, block_n, config=None):
+    """y = softmax(x2) over rows; ``config``: the index of the warps config to run."""
+    n = x2.shape[1]
+    y = _launch.empty(x2.shape, x2.dtype, x2.device)
+    blk, single = _config(n, block_n)
+    row_tuned(_softmax_fwd_kernel, blk, ("N",)).run(
+        (x2.shape[0],), x2, y, n, x2.stride(0), y.stride(0), BLOCK_N=blk, SINGLE=single,
+        config=config)
+    return y
+
+
+def _softmax_bwd(y, dy2, block_n, config=None):
+    """dx = y * (dy - sum(y * dy)) over rows; ``config`` as for _softmax_fwd."""
+    n = y.shape[1]
+    dx = _launch.empty(y.shape, y.dtype, y.device)
+    blk, single = _config(n, block_n)
+    row_tuned(_softmax_bwd_kernel, blk, ("N",)).run(
+        (y.shape[0],), y, dy2, dx, n, y.stride(0), dy2.stride(0), dx.stride(0), BLOCK_N=blk,
+        SINGLE=single, config=config)
+    return dx
+
+
 class _SoftmaxFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, block_n):
         _launch.check_device("softmax", x)
         _launch.float_dtypes_ok("softmax", x)
         n = x.shape[-1]
-        x2 = x.reshape(-1, n).contiguous()  # (M, N)
-        y = _launch.empty(x2.shape, x.dtype, x.device)
-        blk, single = _config(n, block_n)
-        _softmax_fwd_kernel[(x2.shape[0],)](x2, y, n, x2.stride(0), y.stride(0),
-                                            BLOCK_N=blk, SINGLE=single, num_warps=_row_warps(blk))
+        y = _softmax_fwd(x.reshape(-1, n).contiguous(), block_n)  # (M, N)
         ctx.save_for_backward(y)
         ctx.block_n = block_n
         return y.view(x.shape)
@@ -125,13 +146,8 @@ class _SoftmaxFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
-        n = y.shape[-1]
-        dy2 = dy.reshape(-1, n).contiguous()
-        dx = _launch.empty(y.shape, y.dtype, y.device)
-        blk, single = _config(n, ctx.block_n)
-        _softmax_bwd_kernel[(y.shape[0],)](y, dy2, dx, n, y.stride(0), dy2.stride(0), dx.stride(0),
-                                           BLOCK_N=blk, SINGLE=single, num_warps=_row_warps(blk))
-        return dx.view(dy.shape), None
+        dy2 = dy.reshape(-1, y.shape[-1]).contiguous()
+        return _softmax_bwd(y, dy2, ctx.block_n).view(dy.shape), None
 
 
 def softmax(x, *, block_n: int | None = None):

@@ -311,14 +311,17 @@ class GraphExecutor:
     def _find_matches(self) -> tuple[dict[str, tuple[Match, list]], dict[str, str]]:
         """Multi-node fusion regions (``patterns.py``) whose members share one scope (the same
         recompute region, or none) and one mode (all DTensor or all local): anchor name ->
-        (match, member nodes), and member -> anchor for the members run at their anchor."""
+        (match, member nodes, (role, member, input node, input index) per operand), and
+        member -> anchor for the members run at their anchor."""
         nodes = {n.name: n for n in self.gm.graph.nodes}
         matches, deferred = {}, {}
         for m in find_fusions(self.gm.graph):
             plans = [self.plans[n] for n in m.members]
             if len({(p.region, p.dtensor) for p in plans}) != 1 or any(p.strided for p in plans):
                 continue
-            matches[m.anchor] = (m, [nodes[n] for n in m.members])
+            operands = tuple((role, nodes[o.member], node_inputs(nodes[o.member])[o.index], o.index)
+                             for role, o in m.operands)
+            matches[m.anchor] = (m, [nodes[n] for n in m.members], operands)
             deferred.update((n, m.anchor) for n in m.members[:-1])
         return matches, deferred
 
@@ -410,14 +413,11 @@ class GraphExecutor:
         else:
             env[node.name] = self._run_node(node, env, scope, inputs, target)
 
-    def _run_match(self, m: Match, members: list, env, scope, inputs, target) -> None:
+    def _run_match(self, m: Match, members: list, operands: tuple, env, scope, inputs, target) -> None:
         """One kernel for the region ``m`` when its operands' planned placements allow it (decided
         before any edge runs), else its members one by one as usual."""
-        by_name = {n.name: n for n in members}
-        ops = {}
-        for role, o in m.operands:
-            node = by_name[o.member]
-            ops[role] = self._operand(self.plans[node.name], node_inputs(node)[o.index], o.index, env, scope)
+        ops = {role: self._operand(self.plans[member.name], n, i, env, scope)
+               for role, member, n, i in operands}
         key = self.plans[m.anchor].key
         specs = {role: (v, tuple(pl) if pl is not None else ()) for role, (v, pl, _) in ops.items()}
         if self.fused.check_match(key, m, specs, lambda: self._internal_moves(m, specs)):

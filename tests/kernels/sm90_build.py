@@ -2,9 +2,10 @@
 
 The interpreter runs kernels as NumPy and accepts code the GPU compiler rejects; this script
 runs Triton's real pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin through the ptxas that ships
-in the triton wheel) for the configurations the launchers pick for the benchmark shapes, so a
-kernel that would not compile on the H200 fails here. It must run with TRITON_INTERPRET unset
-(tests/kernels/test_kernel_sm90_build.py starts it in a subprocess):
+in the triton wheel) for the configurations the launchers use at the benchmark shapes (every
+config of an autotuned kernel's list, labelled "#index" plus its tuned parameters), so a kernel
+that would not compile on the H200 fails here, and a config that spills shows it. It must run
+with TRITON_INTERPRET unset (tests/kernels/test_kernel_sm90_build.py starts it in a subprocess):
 
     env -u TRITON_INTERPRET python tests/kernels/sm90_build.py        # table on stdout
 Exit status 1 if any build fails. Register and spill counts are ptxas's, for this Triton version
@@ -33,44 +34,50 @@ from kernels import (activations, attention, cross_entropy, norms, optimizers,  
 
 TARGET = GPUTarget("cuda", 90, 32)
 BF, F32, I64 = "*bf16", "*fp32", "*i64"
+WIDTH = 66  # of the label column
+
+
+def _every_config(label, tuned, types, consts):
+    """One build per config of a Tuned list, labelled with its index and tuned parameters."""
+    return [(" ".join([f"{label} #{i}", *(f"{k}={v}" for k, v in c.kwargs.items())]), tuned.kernel,
+             types, {**consts, **c.kwargs}, c.num_warps, c.num_stages)
+            for i, c in enumerate(tuned.configs)]
 
 
 def _builds():
     """(label, jit kernel, pointer/float arg types, constexprs, num_warps, num_stages); every
-    argument not named in the types is an i32 scalar."""
+    argument not named in the types is an i32 scalar. Tuned kernels: every config of their lists
+    at the benchmark shapes (norms N=8192, softmax 8192 and 100000, cross-entropy V=128256)."""
     ln = {**dict.fromkeys("XRWBYH", BF), "MEAN": F32, "RSTD": F32, "eps": "fp32"}
     ln_b = {**dict.fromkeys(["DY", "X", "W", "DH", "DX"], BF), "MEAN": F32, "RSTD": F32,
             "DW_PART": F32, "DB_PART": F32}
     n = 8192
     out = []
     for rms in (False, True):
-        out.append((f"norm fwd N={n} rms={rms} +residual", norms._norm_fwd_kernel, ln,
-                    dict(IS_RMS=rms, HAS_RESIDUAL=True, HAS_BIAS=not rms, BLOCK_N=n),
-                    norms._row_warps(n), 3))
-        out.append((f"norm bwd N={n} rms={rms} +dh", norms._norm_bwd_kernel, ln_b,
-                    dict(IS_RMS=rms, HAS_DH=True, HAS_BIAS=not rms, BLOCK_N=n,
-                         PREFETCH=norms.bwd_prefetch(rms, True)),
-                    norms._row_warps(n, per_thread=16), 3))
-        out.append((f"norm bwd N={n} rms={rms}", norms._norm_bwd_kernel, ln_b,
-                    dict(IS_RMS=rms, HAS_DH=False, HAS_BIAS=not rms, BLOCK_N=n,
-                         PREFETCH=norms.bwd_prefetch(rms, False)),
-                    norms._row_warps(n, per_thread=16), 3))
+        for res in (False, True):
+            out += _every_config(f"norm fwd N={n} rms={rms}{' +residual' if res else ''}",
+                                 norms.fwd_tuned(n), ln,
+                                 dict(IS_RMS=rms, HAS_RESIDUAL=res, HAS_BIAS=not rms, BLOCK_N=n))
+        for dh in (False, True):
+            out += _every_config(f"norm bwd N={n} rms={rms}{' +dh' if dh else ''}",
+                                 norms.bwd_tuned(n, rms), ln_b,
+                                 dict(IS_RMS=rms, HAS_DH=dh, HAS_BIAS=not rms, BLOCK_N=n))
     for n_cols in (8192, 100_000):
         blk, single = softmax._config(n_cols, None)
-        out.append((f"softmax fwd N={n_cols}", softmax._softmax_fwd_kernel, dict(X=BF, Y=BF),
-                    dict(BLOCK_N=blk, SINGLE=single), norms._row_warps(blk), 3))
-        out.append((f"softmax bwd N={n_cols}", softmax._softmax_bwd_kernel,
-                    dict(Y=BF, DY=BF, DX=BF), dict(BLOCK_N=blk, SINGLE=single),
-                    norms._row_warps(blk), 3))
-    ce_block, _, ce_warps = cross_entropy._chunking(128256, cross_entropy.BLOCK_V)
-    out.append(("cross_entropy fwd partial", cross_entropy._ce_partial_kernel,
-                dict(LOGITS=BF, PART_M=F32, PART_D=F32), dict(BLOCK_V=ce_block), ce_warps, 3))
-    out.append(("cross_entropy fwd combine", cross_entropy._ce_combine_kernel,
-                dict(LOGITS=BF, TARGET=I64, PART_M=F32, PART_D=F32, LOSS=F32, LSE=F32),
-                dict(BLOCK_R=cross_entropy.COMBINE_ROWS, BLOCK_C=8), 4, 3))
-    out.append(("cross_entropy bwd", cross_entropy._ce_bwd_kernel,
-                dict(LOGITS=BF, TARGET=I64, LSE=F32, SCALE=F32, DLOGITS=BF),
-                dict(BLOCK_V=ce_block), ce_warps, 3))
+        consts = dict(BLOCK_N=blk, SINGLE=single)
+        out += _every_config(f"softmax fwd N={n_cols}", softmax.row_tuned(
+            softmax._softmax_fwd_kernel, blk, ("N",)), dict(X=BF, Y=BF), consts)
+        out += _every_config(f"softmax bwd N={n_cols}", softmax.row_tuned(
+            softmax._softmax_bwd_kernel, blk, ("N",)), dict(Y=BF, DY=BF, DX=BF), consts)
+    partial, combine, ce_bwd = cross_entropy._tuned(cross_entropy.BLOCK_V)
+    out += _every_config("cross_entropy fwd partial", partial,
+                         dict(LOGITS=BF, PART_M=F32, PART_D=F32), {})
+    for n_chunks in (8, 32):  # V=128256 in slices of 16384 and of 4096
+        out += _every_config(f"cross_entropy combine chunks={n_chunks}", combine,
+                             dict(LOGITS=BF, TARGET=I64, PART_M=F32, PART_D=F32, LOSS=F32, LSE=F32),
+                             dict(BLOCK_C=n_chunks))
+    out += _every_config("cross_entropy bwd", ce_bwd,
+                         dict(LOGITS=BF, TARGET=I64, LSE=F32, SCALE=F32, DLOGITS=BF), {})
     bm, bn = activations._gelu_blocks(28672)
     for tanh in (False, True):
         out.append((f"bias_gelu fwd tanh={tanh}", activations._bias_gelu_fwd_kernel,
@@ -86,27 +93,7 @@ def _builds():
     for bwd in (False, True):
         out.append((f"rope backward={bwd}", rope._rope_kernel, dict(X=BF, COS=BF, SIN=BF, Y=BF),
                     dict(BACKWARD=bwd, BLOCK_R=rope.ROWS_PER_PROGRAM, BLOCK_H=64), 4, 3))
-    for d in (64, 128):
-        b = attention.default_blocks(d)
-        for causal in (True, False):
-            tag = f"D={d} causal={causal}"
-            out.append((f"attention fwd {tag}", attention._attn_fwd_kernel,
-                        dict(Q=BF, K=BF, V=BF, O=BF, LSE=F32, qk_scale="fp32"),
-                        dict(CAUSAL=causal, HEAD_D=d, BLOCK_M=b.fwd_m, BLOCK_N=b.fwd_n,
-                             UPCAST=False), b.fwd_warps, b.num_stages))
-            out.append((f"attention dk/dv {tag}", attention._attn_bwd_dkdv_kernel,
-                        dict(Q=BF, K=BF, V=BF, DO=BF, DK=BF, DV=BF, LSE=F32, DELTA=F32,
-                             sm_scale="fp32", qk_scale="fp32"),
-                        dict(CAUSAL=causal, HEAD_D=d, BLOCK_N=b.bwd_kv_n, BLOCK_M=b.bwd_kv_m,
-                             UPCAST=False), b.bwd_kv_warps, b.num_stages))
-            out.append((f"attention dq {tag}", attention._attn_bwd_dq_kernel,
-                        dict(Q=BF, K=BF, V=BF, DO=BF, DQ=BF, LSE=F32, DELTA=F32,
-                             sm_scale="fp32", qk_scale="fp32"),
-                        dict(CAUSAL=causal, HEAD_D=d, BLOCK_M=b.bwd_q_m, BLOCK_N=b.bwd_q_n,
-                             UPCAST=False), b.bwd_q_warps, b.num_stages))
-    out.append(("attention fwd fp32 D=64 (ieee dot)", attention._attn_fwd_kernel,
-                dict(Q=F32, K=F32, V=F32, O=F32, LSE=F32, qk_scale="fp32"),
-                dict(CAUSAL=True, HEAD_D=64, BLOCK_M=64, BLOCK_N=32, UPCAST=False), 4, 2))
+    out += _attention_builds()
     out.append(("attention bwd preprocess", attention._bwd_preprocess_kernel,
                 dict(O=BF, DO=BF, DLSE=F32, DELTA=F32),
                 dict(HAS_DLSE=True, HEAD_D=128, BLOCK_M=32), 4, 3))
@@ -122,6 +109,40 @@ def _builds():
                 {**dict.fromkeys("PMV", F32), "RATIO": F32, "CHUNK_TENSOR": I64,
                  "CHUNK_START": I64, "CHUNK_END": I64, **flt},
                 dict(BLOCK=optimizers.LAMB_BLOCK), 8, 3))
+    return out
+
+
+def _attention_builds():
+    """Every config of the attention lists (kernels/attention.py), causal and not, labelled like
+    _every_config plus the stages: forward and dQ at D=64 and D=128, each dK/dV list at the head
+    dim it serves; plus the fp32 forward (ieee products, no tensor cores), which runs its list's
+    first config (fp32 is not autotuned)."""
+    rows = dict(desc_q="BLOCK_M", desc_do="BLOCK_M", desc_k="BLOCK_N", desc_v="BLOCK_N")
+
+    def types(c, d, dt):  # descriptor types carry the config's TMA box
+        descs = {a: f"tensordesc<{dt}[1,{c.kwargs[r]},{d}]>" for a, r in rows.items()}
+        return {**descs, **dict.fromkeys(["O", "DK", "DV", "DQ"], f"*{dt}"), "LSE": F32,
+                "DELTA": F32, "qk_scale": "fp32", "sm_scale": "fp32"}
+
+    both = (True, False)
+    lists = [("fwd", d, attention._attn_fwd_kernel, attention.FWD_CONFIGS, "bf16", both)
+             for d in (64, 128)]
+    lists += [("dk/dv", d, attention._attn_bwd_dkdv_kernel, c, "bf16", both)
+              for d, c in attention.DKDV_CONFIGS.items()]
+    lists += [("dq", d, attention._attn_bwd_dq_kernel, attention.DQ_CONFIGS, "bf16", both)
+              for d in (64, 128)]
+    lists.append(("fwd fp32", 64, attention._attn_fwd_kernel, attention.FWD_CONFIGS[:1], "fp32",
+                  (True,)))
+    out = []
+    for name, d, fn, configs, dt, causals in lists:
+        for causal in causals:
+            for i, c in enumerate(configs):
+                label = " ".join([f"attention {name} D={d}{' causal' if causal else ''} #{i}",
+                                  *(f"{k}={v}" for k, v in c.kwargs.items()),
+                                  f"stages={c.num_stages}"])
+                out.append((label, fn, types(c, d, dt), dict(CAUSAL=causal, HEAD_D=d,
+                                                             UPCAST=False, **c.kwargs),
+                            c.num_warps, c.num_stages))
     return out
 
 
@@ -155,15 +176,15 @@ def main() -> int:
     ptxas = _ptxas()
     failures = 0
     print(f"triton {triton.__version__}, target sm_90a, ptxas {ptxas.name}")
-    print(f"{'kernel':42s} {'warps':>5s} {'regs':>5s} {'spill B':>8s} {'smem B':>7s} wgmma")
+    print(f"{'kernel':{WIDTH}s} {'warps':>5s} {'regs':>5s} {'spill B':>8s} {'smem B':>7s} wgmma")
     for label, fn, types, consts, warps, stages in _builds():
         try:
             r = build(label, fn, types, consts, warps, stages, ptxas)
         except Exception as e:  # report every failing kernel, not just the first
             failures += 1
-            print(f"{label:42s} BUILD FAILED: {type(e).__name__}: {str(e)[:400]}")
+            print(f"{label:{WIDTH}s} BUILD FAILED: {type(e).__name__}: {str(e)[:400]}")
             continue
-        print(f"{label:42s} {r['warps']:5d} {r['regs']:5d} {r['spill_bytes']:8d} "
+        print(f"{label:{WIDTH}s} {r['warps']:5d} {r['regs']:5d} {r['spill_bytes']:8d} "
               f"{r['smem_bytes']:7d} {'yes' if r['wgmma'] else ''}", flush=True)
     print(f"{failures} build failure(s)")
     return 1 if failures else 0

@@ -57,11 +57,46 @@ def test_attention_forward_backward(b, h, tq, tk, d, causal, dtype, use_lse_grad
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
 def test_attention_default_blocks(causal, d):
-    """The GPU tiles (128 x 64 forward; 64 x 32 / 128 x 64 and 128 x 32 backward) on a sequence
-    that is not a multiple of any of them."""
+    """No ``blocks``: the tuned lists (their first configs here; on CUDA the autotuned ones) on a
+    sequence that is not a multiple of any tile."""
     g = make_generator(1)
     q, k, v = _qkv(1, 1, 150, 150, d, torch.bfloat16, g)
     _check(q, k, v, causal, None, g)
+
+
+def _tuned_configs():
+    """(kernel, head dim, index) of every entry of the tuned config lists."""
+    cases = [("fwd", 64, i) for i in range(len(at.FWD_CONFIGS))]
+    cases += [("dkdv", d, i) for d, c in at.DKDV_CONFIGS.items() for i in range(len(c))]
+    return cases + [("dq", 64, i) for i in range(len(at.DQ_CONFIGS))]
+
+
+@pytest.mark.parametrize("kernel, d, i", _tuned_configs())
+def test_every_tuned_config(kernel, d, i):
+    """Config i of one kernel's list (the others at their first config; the interpreter would
+    otherwise only ever run the first), forward and backward with a gradient through lse, against
+    the reference: causal and not, fp32 and bf16, Tq != Tk and neither a multiple of any tile, so
+    both the unmasked and the masked loops and both tails run."""
+    fwd_cfg = at.FWD_CONFIGS[i] if kernel == "fwd" else None
+    dkdv_cfg = at.DKDV_CONFIGS[d][i] if kernel == "dkdv" else None
+    dq_cfg = at.DQ_CONFIGS[i] if kernel == "dq" else None
+    g = make_generator(i)
+    for dtype in (torch.float32, torch.bfloat16):
+        for causal in (False, True):
+            q, k, v = _qkv(1, 1, 150, 139, d, dtype, g)
+            scale = d ** -0.5
+            out, lse = at._forward(q.detach(), k.detach(), v.detach(), causal, scale, fwd_cfg)
+            out_ref, lse_ref = at.attention_ref(q, k, v, causal)
+            what = f"{dtype} causal={causal}"
+            assert_close(out, out_ref, OUT_TOL[dtype], f"out {what}")
+            assert_close(lse, lse_ref, LSE_TOL[dtype], f"lse {what}")
+            dout = torch.randn(out.shape, generator=g).to(dtype)
+            dlse = torch.randn(lse.shape, generator=g)
+            grads = at._backward(q.detach(), k.detach(), v.detach(), out, lse, dout, dlse, causal,
+                                 scale, dkdv_cfg, dq_cfg)
+            grads_ref = torch.autograd.grad([out_ref, lse_ref], (q, k, v), [dout, dlse])
+            for name, a, e in zip(("dq", "dk", "dv"), grads, grads_ref):
+                assert_close(a, e, GRAD_TOL[dtype], f"{name} {what}")
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")

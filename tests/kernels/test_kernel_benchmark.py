@@ -36,6 +36,12 @@ def test_dry_run_writes_table_and_json(bench, tmp_path, capsys):
     assert data["dry_run"] and data["ceilings"]["hbm_Bps_datasheet"] == 4.8e12
     assert "bf16 dense" in printed and "cross_entropy fwd+bwd" in printed
     assert "read logits MV once" in printed  # the byte counts are spelled out
+    rows = {r["name"]: r for r in data["rows"]}  # autotuned kernels name the config that ran
+    assert set(rows["cross_entropy fwd+bwd"]["tuned"]) == {"ce_partial_kernel", "ce_combine_kernel",
+                                                          "ce_bwd_kernel"}
+    bwd = rows["rms_norm fwd+bwd"]["tuned"]["norm_bwd_kernel"]["config"]
+    assert bwd.startswith("PROGRAMS_PER_SM=4 PREFETCH=True")  # configs[0] under the interpreter
+    assert "config norm_bwd_kernel: PROGRAMS_PER_SM=4" in printed
 
 
 def test_dry_run_compile_column_wiring(bench, tmp_path):
@@ -93,3 +99,9 @@ def test_derived_columns_and_goals(bench):
     cells = bench.table_rows([mem, att])
     assert cells[0][9] == "PASS" and cells[0][10] == "FAIL" and cells[1][10] == "-"
     assert cells[1][5].endswith("TFLOP/s") and cells[0][5].endswith("GB/s")
+
+
+def test_config_note_names_the_margin(bench):
+    assert bench.config_note("k", {"config": "A"}) == "config k: A"
+    timed = {"config": "A", "tuning": {"B": 0.3, "A": 0.2, "C": float("inf")}}  # C did not build
+    assert bench.config_note("k", timed) == "config k: A (fastest of 3: 0.200 ms; next 0.300 ms)"

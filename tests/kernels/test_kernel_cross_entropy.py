@@ -3,9 +3,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 from hypothesis import given
 from hypothesis import strategies as st
-from kernels_testutil import KERNEL_SETTINGS, assert_close, make_generator
+from kernels_testutil import KERNEL_SETTINGS, ON_CUDA, assert_close, make_generator
 
 from kernels import cross_entropy as ce
 
@@ -61,3 +62,45 @@ def test_cross_entropy_multi_dim_and_bad_args():
         ce.cross_entropy(logits, target, reduction="avg")
     with pytest.raises(ValueError, match="power of two"):
         ce.cross_entropy(logits, target, block_v=48)
+
+
+@pytest.mark.parametrize("m,v,block_v", [(3, 20000, ce.BLOCK_V), (9, 77, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_config_matches_reference(m, v, block_v, dtype):
+    """Each config of the partial, combine and backward lists (V=20000 gets the default list:
+    slices of 16384, 8192, 4096), the gradient written in place, NaN-poisoned outputs."""
+    g = make_generator(v)
+    x = (4 * torch.randn(m, v, generator=g)).to(dtype)
+    target = torch.randint(0, v, (m,), generator=g)
+    target[1] = -100
+    grad_out = torch.rand(m, generator=g) + 0.5
+    logits = x.float().requires_grad_()
+    loss_ref = ce.cross_entropy_ref(logits, target, reduction="none")
+    (grad_ref,) = torch.autograd.grad(loss_ref, logits, grad_out)
+    lse_ref = torch.logsumexp(x.float(), -1)
+    partial, combine, bwd = ce._tuned(min(block_v, triton.next_power_of_2(v)))
+    for i in range(max(len(partial.configs), len(combine.configs), len(bwd.configs))):
+        loss, lse = ce._lse_and_loss(x, target, -100, block_v,
+                                     configs=(i % len(partial.configs), i % len(combine.configs)))
+        assert_close(loss, loss_ref, LOSS_TOL[dtype], f"config {i}: loss")
+        assert_close(lse, lse_ref, LOSS_TOL[dtype], f"config {i}: lse")
+        dx = x.clone()
+        ce._grad_logits(dx, target, lse, grad_out, 1, dx, -100, block_v,
+                        config=i % len(bwd.configs))
+        assert_close(dx, grad_ref.to(dtype), GRAD_TOL[dtype], f"config {i}: dlogits in place")
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="autotuning needs CUDA (the interpreter runs configs[0])")
+def test_autotuned_in_place_backward_matches_reference():
+    """Above TUNE_MIN_NUMEL every config is timed, the in-place backward too: each trial writes
+    the gradient into the logits, so tuning must restore them (restore_value) before the next."""
+    g = make_generator(7)
+    base = (4 * torch.randn(64, 32768, generator=g)).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(0, 32768, (64,), generator=g)
+    loss_ref = ce.cross_entropy_ref(base, target)
+    (grad_ref,) = torch.autograd.grad(loss_ref, base)
+    logits = base * 1
+    loss = ce.cross_entropy(logits, target)
+    assert_close(loss, loss_ref, LOSS_TOL[torch.bfloat16], "loss")
+    (grad,) = torch.autograd.grad(loss, base)
+    assert_close(grad, grad_ref, GRAD_TOL[torch.bfloat16], "dlogits")

@@ -3,9 +3,11 @@
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 from hypothesis import given
 from hypothesis import strategies as st
-from kernels_testutil import BWD_TOL, FWD_TOL, KERNEL_SETTINGS, assert_close, make_generator
+from kernels_testutil import (BWD_TOL, FWD_TOL, KERNEL_SETTINGS, ON_CUDA, assert_close,
+                              make_generator)
 
 from kernels import norms
 
@@ -104,3 +106,51 @@ def test_norm_without_weight():
 def test_norm_too_wide_raises():
     with pytest.raises(ValueError, match="65536"):
         norms.layer_norm(torch.zeros(1, norms.MAX_N + 1), torch.ones(norms.MAX_N + 1))
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "add_rms_norm"])
+@pytest.mark.parametrize("m,n", [(13, 200), (3, 129)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_config_matches_reference(kind, m, n, dtype):
+    """Each forward and backward config of the tuned lists (grids of 1..8 programs per SM, the
+    pipelined and plain loops, both warp counts) against the reference, NaN-poisoned outputs.
+    LayerNorm (bias, its own list) and RMSNorm with a residual and dh cover every flag."""
+    x, w, b, (r,), g = _inputs((m, n), dtype, m + n, n_extra=1)
+    dy, dh = (torch.randn(m, n, generator=g).to(dtype) for _ in range(2))
+    is_rms = kind == "add_rms_norm"
+    if is_rms:
+        b, args, douts, names = None, (x, r, w), (dy, dh), ("dx", "dresidual", "dw")
+        refs, eps = norms.add_rms_norm_ref(x, r, w), 1e-6
+    else:
+        r, dh, args, douts, names = None, None, (x, w, b), (dy,), ("dx", "dw", "db")
+        refs, eps = (norms.layer_norm_ref(x, w, b),), 1e-5
+    grads_ref = torch.autograd.grad(refs, args, douts)
+    block_n = triton.next_power_of_2(n)
+    n_fwd = len(norms.fwd_tuned(block_n).configs)
+    n_bwd = len(norms.bwd_tuned(block_n, is_rms).configs)
+    with torch.no_grad():
+        for i in range(max(n_fwd, n_bwd)):
+            y, h, mean, rstd, _, x2 = norms._norm_fwd(x, r, w, b, eps, is_rms, kind,
+                                                      config=i % n_fwd)
+            dx, dw, db = norms._norm_bwd(dy, h if is_rms else x2, w, b is not None, mean, rstd,
+                                         dh, is_rms, config=i % n_bwd)
+            for name, a, e in zip(("y", "h"), (y, h), refs):
+                assert_close(a, e, FWD_TOL[dtype], f"config {i}: {name}")
+            grads = (dx, dx, dw.to(dtype)) if is_rms else (dx, dw.to(dtype), db.to(dtype))
+            for name, a, e in zip(names, grads, grads_ref):
+                assert_close(a, e, BWD_TOL[dtype], f"config {i}: {name}")
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="autotuning needs CUDA (the interpreter runs configs[0])")
+def test_autotuned_add_rms_norm_matches_reference():
+    """Above TUNE_MIN_NUMEL every config is timed; the chosen backward grid sets how many rows of
+    the (NaN-poisoned) partial dw buffer are summed."""
+    x, w, _, (r,), g = _inputs((512, 4096), torch.bfloat16, 5, n_extra=1)
+    dy, dh = (torch.randn(512, 4096, generator=g).to(torch.bfloat16) for _ in range(2))
+    outs, outs_ref = norms.add_rms_norm(x, r, w), norms.add_rms_norm_ref(x, r, w)
+    for name, a, e in zip(("y", "h"), outs, outs_ref):
+        assert_close(a, e, FWD_TOL[torch.bfloat16], name)
+    grads = torch.autograd.grad(outs, (x, r, w), (dy, dh))
+    grads_ref = torch.autograd.grad(outs_ref, (x, r, w), (dy, dh))
+    for name, a, e in zip(("dx", "dresidual", "dw"), grads, grads_ref):
+        assert_close(a, e, BWD_TOL[torch.bfloat16], name)

@@ -1,5 +1,6 @@
 """Row softmax (single block and the online multi-block loop) against the reference and torch."""
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -40,3 +41,23 @@ def test_softmax_long_row_uses_loop():
     dy = torch.randn(2, n, generator=g)
     assert_close(torch.autograd.grad(y, x, dy)[0],
                  torch.autograd.grad(torch.softmax(x, -1), x, dy)[0], (1e-7, 1e-4), "dx")
+
+
+@pytest.mark.parametrize("block_n", [None, 64])  # one block per row; the multi-block loop
+@pytest.mark.parametrize("m,n", [(11, 200), (2, 131)])  # both 256 wide: one compile each
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_config_matches_reference(block_n, m, n, dtype):
+    """Each warps config of the forward's and backward's tuned lists, NaN-poisoned outputs."""
+    g = make_generator(m + n)
+    x = (3 * torch.randn(m, n, generator=g)).to(dtype).requires_grad_()
+    dy = torch.randn(m, n, generator=g).to(dtype)
+    y_ref = sm.softmax_ref(x)
+    (dx_ref,) = torch.autograd.grad(y_ref, x, dy)
+    blk, _ = sm._config(n, block_n)
+    n_fwd, n_bwd = (len(sm.row_tuned(k, blk, ("N",)).configs)
+                    for k in (sm._softmax_fwd_kernel, sm._softmax_bwd_kernel))
+    for i in range(max(n_fwd, n_bwd)):
+        y = sm._softmax_fwd(x.detach(), block_n, config=i % n_fwd)
+        assert_close(y, y_ref, FWD_TOL[dtype], f"config {i}: y")
+        assert_close(sm._softmax_bwd(y, dy, block_n, config=i % n_bwd), dx_ref, BWD_TOL[dtype],
+                     f"config {i}: dx")
