@@ -100,6 +100,13 @@ def _binary(n: fx.Node, pred: Callable[[Any], bool]) -> Optional[tuple[fx.Node, 
     return None
 
 
+def _mul_of(n, target: str) -> Optional[tuple[fx.Node, Any]]:
+    """``mul(p, other)`` (either order) where p is a ``target`` node used only here: (p, other)."""
+    if not _is(n, MUL):
+        return None
+    return _binary(n, lambda a: _is(a, target) and _single_user(a, n))
+
+
 def _tensor_add(n) -> Optional[tuple[fx.Node, fx.Node]]:
     """``add(a, b)`` of two same-shape tensors (no alpha, no broadcast): (a, b)."""
     if not _is(n, ADD) or len(n.args) != 2 or n.kwargs.get("alpha", 1) != 1:
@@ -161,9 +168,7 @@ def _handwritten_rms(anchor: fx.Node) -> Optional[_Norm]:
 
 def _x_times_rstd(n) -> Optional[tuple[fx.Node, list[fx.Node]]]:
     """``mul(x, rsqrt(add(mean(pow(x, 2)), eps)))``: (x, [pow, mean, add, rsqrt])."""
-    if not _is(n, MUL):
-        return None
-    hit = _binary(n, lambda a: _is(a, "aten.rsqrt.default") and _single_user(a, n))
+    hit = _mul_of(n, "aten.rsqrt.default")
     if hit is None:
         return None
     rsqrt, x = hit
@@ -232,9 +237,7 @@ def _norm_match(anchor: fx.Node, order: dict) -> Optional[Match]:
 # ---- SwiGLU, bias + GeLU -------------------------------------------------------------------------
 
 def _swiglu_match(anchor: fx.Node, order: dict) -> Optional[Match]:
-    if not _is(anchor, MUL):
-        return None
-    hit = _binary(anchor, lambda a: _is(a, "aten.silu.default") and _single_user(a, anchor))
+    hit = _mul_of(anchor, "aten.silu.default")
     if hit is None:
         return None
     silu, b = hit
@@ -311,10 +314,9 @@ def _rope_match(anchor: fx.Node, order: dict) -> Optional[Match]:
         return None
     m1, m2 = anchor.args
     for cos_mul, sin_mul in ((m1, m2), (m2, m1)):
-        if not (_is(cos_mul, MUL) and _is(sin_mul, MUL) and _single_user(cos_mul, anchor)
-                and _single_user(sin_mul, anchor)):
+        if not (_is(cos_mul, MUL) and _single_user(cos_mul, anchor) and _single_user(sin_mul, anchor)):
             continue
-        rot = _binary(sin_mul, lambda a: _is(a, "aten.cat.default") and _single_user(a, sin_mul))
+        rot = _mul_of(sin_mul, "aten.cat.default")
         if rot is None:
             continue
         cat, sin = rot
