@@ -1,22 +1,49 @@
 #!/usr/bin/env bash
 # The one GPU check of this repo, for a lent GPU (the `device` tool) or any CUDA machine:
-#   1. kernel tests compiled for the device (not the interpreter), few hypothesis examples;
-#   2. the kernel benchmark (Triton vs eager vs torch.compile, % of measured ceilings);
-#   3. fused-kernel substitution in a training step (benchmarks/fused_step_gpu.py).
-# Writes logs and JSON under $OUT (default ./out). Usage: bash benchmarks/gpu_check.sh
+#   tests: 1. kernel tests compiled for the device (not the interpreter), few hypothesis examples;
+#          2. the attention tests twice, with host-side and with device-side TMA descriptors
+#             (AUTOPAR_ATTENTION_DESC, see kernels/attention.py); the later steps use the mode
+#             that passed (host when both did);
+#   bench: 3. the kernel benchmark (Triton vs eager vs torch.compile, % of measured ceilings, the
+#             config the autotuner picked per kernel);
+#          4. fused-kernel substitution in a training step, GPT and LLaMA (fused_step_gpu.py).
+# Usage: bash benchmarks/gpu_check.sh [all|tests|bench]   (default all; the device tool allows 10
+# minutes a command: run "tests" and "bench" as two calls there). Logs and JSON go under $OUT
+# (default ./out); "bench" reads the descriptor mode "tests" chose from $OUT/attention_desc.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/device.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
-AUTOPAR_TEST_DEVICE=cuda AUTOPAR_KERNEL_EXAMPLES=${KERNEL_EXAMPLES:-6} timeout "${TEST_TIMEOUT:-170}" \
-  python3 -m pytest tests/kernels -q -p no:cacheprovider --maxfail=8 --tb=short \
-  --ignore=tests/kernels/test_kernel_sm90_build.py --ignore=tests/kernels/test_kernel_benchmark.py 2>&1 | tee "$OUT/kernel_tests.log"
-echo "kernel tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/kernel_tests.log"
-timeout "${BENCH_TIMEOUT:-280}" python3 benchmarks/kernels.py --quick --budget-s "${BENCH_BUDGET:-220}" --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels_bench.log"
-echo "benchmark exit: ${PIPESTATUS[0]}"
-# 3. fused-kernel substitution in a real training step (kernels="auto" vs "off", one rank);
-#    not yet run on a GPU: the first lent GPU should confirm it before "auto" becomes the default.
-timeout "${FUSED_TIMEOUT:-150}" python3 benchmarks/fused_step_gpu.py 2>&1 | tee "$OUT/fused_step.log"
-echo "fused step exit: ${PIPESTATUS[0]}"
+STAGE=${1:-all}
+case "$STAGE" in all|tests|bench) ;; *) echo "usage: $0 [all|tests|bench]" >&2; exit 2 ;; esac
+EXAMPLES=${KERNEL_EXAMPLES:-6}
+
+if [[ "$STAGE" != bench ]]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/device.txt"
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
+  AUTOPAR_TEST_DEVICE=cuda AUTOPAR_KERNEL_EXAMPLES=$EXAMPLES timeout "${TEST_TIMEOUT:-200}" \
+    python3 -m pytest tests/kernels -q -p no:cacheprovider --maxfail=8 --tb=short \
+    --ignore=tests/kernels/test_kernel_sm90_build.py --ignore=tests/kernels/test_kernel_benchmark.py \
+    --ignore=tests/kernels/test_kernel_attention.py 2>&1 | tee "$OUT/kernel_tests.log"
+  echo "kernel tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/kernel_tests.log"
+  declare -A attn_rc
+  for mode in host device; do
+    AUTOPAR_ATTENTION_DESC=$mode AUTOPAR_TEST_DEVICE=cuda AUTOPAR_KERNEL_EXAMPLES=$EXAMPLES \
+      timeout "${ATTN_TIMEOUT:-150}" python3 -m pytest tests/kernels/test_kernel_attention.py -q \
+      -p no:cacheprovider --maxfail=8 --tb=short 2>&1 | tee "$OUT/attention_$mode.log"
+    attn_rc[$mode]=${PIPESTATUS[0]}
+    echo "attention tests ($mode descriptors) exit: ${attn_rc[$mode]}" | tee -a "$OUT/attention_$mode.log"
+  done
+  if [[ ${attn_rc[host]} -ne 0 && ${attn_rc[device]} -eq 0 ]]; then echo device; else echo host; fi > "$OUT/attention_desc.txt"
+fi
+
+if [[ "$STAGE" != tests ]]; then
+  export AUTOPAR_ATTENTION_DESC=$(cat "$OUT/attention_desc.txt" 2>/dev/null || echo host)
+  echo "attention descriptors: $AUTOPAR_ATTENTION_DESC"
+  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/kernels.py --quick --budget-s "${BENCH_BUDGET:-240}" \
+    --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels_bench.log"
+  echo "benchmark exit: ${PIPESTATUS[0]}"
+  # not yet run on a GPU: the first lent GPU confirms it before kernels="auto" becomes the default
+  timeout "${FUSED_TIMEOUT:-200}" python3 benchmarks/fused_step_gpu.py 2>&1 | tee "$OUT/fused_step.log"
+  echo "fused step exit: ${PIPESTATUS[0]}"
+fi

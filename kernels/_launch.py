@@ -68,6 +68,34 @@ def float_dtypes_ok(name: str, *tensors: torch.Tensor) -> None:
             raise ValueError(f"{name}: dtype {t.dtype} is not supported; use one of {ok}")
 
 
+def _torch_scratch(size: int, alignment: int, stream):
+    """Triton allocator (``triton.set_allocator``) backed by PyTorch's caching allocator: ``size``
+    bytes aligned to ``alignment`` on the current CUDA device. Triton holds the buffer for the
+    launch; the caching allocator's stream ordering keeps it valid until the kernel is done."""
+    buf = torch.empty(size + alignment, dtype=torch.int8,
+                      device=torch.device("cuda", torch.cuda.current_device()))
+    skip = -buf.data_ptr() % alignment
+    return buf[skip:skip + size]
+
+
+def ensure_triton_allocator() -> None:
+    """Install ``_torch_scratch`` as Triton's allocator unless one is set already (kernels that
+    build TMA descriptors on the device need global scratch for them, and Triton's default
+    allocator raises). Triton keeps the allocator in a ContextVar, so a thread that never set
+    one (PyTorch runs the backward of CUDA tensors on its own threads) starts without: launchers
+    call this before every such launch; after the first call in a thread it is one lookup.
+    A user's own allocator is kept. Nothing happens at import."""
+    import triton
+
+    try:
+        from triton.runtime import _allocation
+        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            return
+    except (ImportError, AttributeError):  # other Triton internals: (re)install ours
+        pass
+    triton.set_allocator(_torch_scratch)
+
+
 _recorders: list[dict] = []
 
 

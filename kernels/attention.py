@@ -38,6 +38,25 @@ with masked stores (their dtype then also keys the autotuning: descriptors carry
 Descriptors need 16-byte aligned rows and base: D * itemsize >= 32 bytes always is, and an
 unaligned base is copied first.
 
+The descriptors are made in one of two ways, chosen at every launch by ``descriptor_mode()`` from
+the environment variable AUTOPAR_ATTENTION_DESC:
+  "host" (the default, the tutorial's Hopper path): the launcher builds
+      ``triton.tools.tensor_descriptor.TensorDescriptor``s (``_desc``) and each config's pre_hook
+      (``_size_boxes``) sizes their boxes;
+  "device" (the tutorial's path where the host cannot make descriptors): the launcher passes the
+      tensors themselves and each kernel builds the same (B*H, T, D) descriptors with
+      ``tl.make_tensor_descriptor`` (``_device_desc``), boxes from the config's constexpr tiles.
+      Each program writes its descriptors (128 bytes each) to global scratch that Triton takes
+      from the allocator of ``triton.set_allocator``; ``_launch.ensure_triton_allocator``
+      installs a torch-backed one on first use (per thread: Triton keeps it in a ContextVar)
+      unless one is set, and nothing happens at import.
+One kernel body serves both (the DEVICE_DESC constexpr). Why both: an open Triton report
+(triton-lang/triton#9719, "needs reproducer") says host-side descriptors give NaNs on H200/B200
+with Triton 3.6, the version of the H200 we are lent, while device-side ones work. Neither path
+has run on a GPU yet: the first GPU run (bash benchmarks/gpu_check.sh, which runs the attention
+tests once per mode) should tell which to keep. The interpreter runs both (the tests do), and
+tests/kernels/sm90_build.py builds both for sm_90a.
+
 On the GPU fp32 inputs use full fp32 products (tl.dot input_precision="ieee", not Triton's TF32
 default): slower than bf16 but accurate to ~1e-6 like the reference; bf16 uses the tensor cores.
 
@@ -51,12 +70,13 @@ counts); fp32, whose products skip the tensor cores, spills in all of them and r
 same queries over disjoint key sets: lse = logaddexp(lse1, lse2),
 out = out1 exp(lse1 - lse) + out2 exp(lse2 - lse).
 
-Run the tests:  TRITON_INTERPRET=1 pytest tests/kernels/test_kernel_attention.py
+Run the tests:  TRITON_INTERPRET=1 pytest tests/kernels/test_kernel_attention.py  (both modes)
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +88,20 @@ from kernels import _launch
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 LOG2E = 1.4426950408889634
+DESC_ENV = "AUTOPAR_ATTENTION_DESC"
+DESC_MODES = ("host", "device")
+
+
+def descriptor_mode() -> str:
+    """How the kernels get their TMA descriptors: "host" (the default: built by the launcher,
+    ``TensorDescriptor``) or "device" (built inside the kernels, ``tl.make_tensor_descriptor``),
+    from the environment variable AUTOPAR_ATTENTION_DESC, read at every launch (unset or empty:
+    "host"). See the module docstring for why both exist."""
+    mode = os.environ.get(DESC_ENV, "").strip() or "host"
+    if mode not in DESC_MODES:
+        raise ValueError(f"{DESC_ENV}={os.environ[DESC_ENV]!r} is not a descriptor mode; use one "
+                         f"of {DESC_MODES} (unset means 'host')")
+    return mode
 
 
 # --------------------------------------------------------------------------------------------
@@ -76,11 +110,12 @@ LOG2E = 1.4426950408889634
 
 
 def _size_boxes(nargs):
-    """Config pre_hook (the tutorial's _tma_pre_hook): the descriptors' TMA boxes follow the
-    config's tiles, BLOCK_M rows of q / dO and BLOCK_N rows of k / v."""
+    """Config pre_hook (the tutorial's _tma_pre_hook): the host descriptors' TMA boxes follow the
+    config's tiles, BLOCK_M rows of q / dO and BLOCK_N rows of k / v. On the device path the
+    desc_* arguments are plain tensors (the kernels size their boxes) and are left alone."""
     for name, block in (("desc_q", "BLOCK_M"), ("desc_do", "BLOCK_M"),
                         ("desc_k", "BLOCK_N"), ("desc_v", "BLOCK_N")):
-        if name in nargs:
+        if isinstance(nargs.get(name), TensorDescriptor):
             nargs[name].block_shape = [1, nargs[block], nargs["HEAD_D"]]
 
 
@@ -210,6 +245,22 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _device_desc(x, n_rows, HEAD_D: tl.constexpr, BLOCK: tl.constexpr, DEVICE_DESC: tl.constexpr):
+    """The descriptor a kernel loads ``x`` through (the tutorial's _maybe_make_tensor_desc, keyed
+    on a constexpr instead of the argument's type). Host path (DEVICE_DESC False): ``x`` already
+    is one, built by the launcher (``_desc``) with its box sized by ``_size_boxes``; returned as
+    is. Device path: ``x`` is the contiguous (B, H, n_rows, HEAD_D) tensor's pointer, and the same
+    descriptor is built here, over the (B*H, n_rows, HEAD_D) view (B*H = grid axis 1 in every
+    kernel), with a (1, BLOCK, HEAD_D) box from the config's constexpr tiles."""
+    if DEVICE_DESC:
+        return tl.make_tensor_descriptor(x, shape=[tl.num_programs(1), n_rows, HEAD_D],
+                                         strides=[n_rows * HEAD_D, HEAD_D, 1],
+                                         block_shape=[1, BLOCK, HEAD_D])
+    else:
+        return x
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, desc_k, desc_v, bh, offs_m, lo, hi, T_K, qk_scale,
                HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
                MASK: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
@@ -245,7 +296,11 @@ def _fwd_inner(acc, l_i, m_i, q, desc_k, desc_v, bh, offs_m, lo, hi, T_K, qk_sca
 @triton.jit
 def _attn_fwd_kernel(desc_q, desc_k, desc_v, O, LSE, T_Q, T_K, qk_scale,
                      CAUSAL: tl.constexpr, HEAD_D: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+                     DEVICE_DESC: tl.constexpr):
+    desc_q = _device_desc(desc_q, T_Q, HEAD_D, BLOCK_M, DEVICE_DESC)
+    desc_k = _device_desc(desc_k, T_K, HEAD_D, BLOCK_N, DEVICE_DESC)
+    desc_v = _device_desc(desc_v, T_K, HEAD_D, BLOCK_N, DEVICE_DESC)
     # the largest (most expensive, when causal) query blocks go first
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     bh = tl.program_id(1)
@@ -327,7 +382,12 @@ def _bwd_dkdv_inner(dk, dv, k, v, desc_q, desc_do, lse_base, delta_base, bh, off
 @triton.jit
 def _attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, LSE, DELTA, DK, DV, T_Q, T_K,
                           sm_scale, qk_scale, CAUSAL: tl.constexpr, HEAD_D: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+                          DEVICE_DESC: tl.constexpr):
+    desc_q = _device_desc(desc_q, T_Q, HEAD_D, BLOCK_M, DEVICE_DESC)
+    desc_do = _device_desc(desc_do, T_Q, HEAD_D, BLOCK_M, DEVICE_DESC)
+    desc_k = _device_desc(desc_k, T_K, HEAD_D, BLOCK_N, DEVICE_DESC)
+    desc_v = _device_desc(desc_v, T_K, HEAD_D, BLOCK_N, DEVICE_DESC)
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     bh64 = bh.to(tl.int64)
@@ -389,7 +449,12 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, desc_k, desc_v, bh, offs_m, lo, hi, T_
 @triton.jit
 def _attn_bwd_dq_kernel(desc_q, desc_k, desc_v, desc_do, LSE, DELTA, DQ, T_Q, T_K, sm_scale,
                         qk_scale, CAUSAL: tl.constexpr, HEAD_D: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+                        DEVICE_DESC: tl.constexpr):
+    desc_q = _device_desc(desc_q, T_Q, HEAD_D, BLOCK_M, DEVICE_DESC)
+    desc_do = _device_desc(desc_do, T_Q, HEAD_D, BLOCK_M, DEVICE_DESC)
+    desc_k = _device_desc(desc_k, T_K, HEAD_D, BLOCK_N, DEVICE_DESC)
+    desc_v = _device_desc(desc_v, T_K, HEAD_D, BLOCK_N, DEVICE_DESC)
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     bh = tl.program_id(1)
     bh64 = bh.to(tl.int64)
@@ -424,7 +489,9 @@ def _fp32_first_config(configs, nargs, **kwargs):
     """Autotuner prune: fp32 products (input_precision="ieee") run without tensor cores and
     spill in every config, each taking ptxas tens of seconds at D=128, so fp32 is not timed: it
     runs the first config."""
-    return configs[:1] if kwargs["desc_q"].base.dtype == torch.float32 else configs
+    q = kwargs["desc_q"]  # a host descriptor, or the tensor itself on the device path
+    dtype = q.base.dtype if isinstance(q, TensorDescriptor) else q.dtype
+    return configs[:1] if dtype == torch.float32 else configs
 
 
 def _tuned(kernel, configs):
@@ -442,6 +509,17 @@ def _desc(t):
     sets its box per config. Rows past T read as zeros."""
     b, h, n, d = t.shape
     return TensorDescriptor(t, [b * h, n, d], [n * d, d, 1], [1, 16, d])
+
+
+def _desc_args(**tensors):
+    """The kernels' desc_* arguments (named by the keys) and their DEVICE_DESC flag: host
+    descriptors, or on the device path the tensors themselves (each kernel builds its
+    descriptors; on CUDA their global scratch comes from a torch-backed Triton allocator)."""
+    if descriptor_mode() == "host":
+        return dict({f"desc_{n}": _desc(t) for n, t in tensors.items()}, DEVICE_DESC=False)
+    if any(t.is_cuda for t in tensors.values()):
+        _launch.ensure_triton_allocator()
+    return dict({f"desc_{n}": t for n, t in tensors.items()}, DEVICE_DESC=True)
 
 
 def _check(q, k, v):
@@ -469,7 +547,7 @@ def _forward(q, k, v, causal, scale, config=None):
     o = _launch.empty(q.shape, q.dtype, q.device)
     lse = _launch.empty((b, h, tq), torch.float32, q.device)
     _FWD.run(lambda c: (triton.cdiv(tq, c["BLOCK_M"]), b * h), config=config,
-             desc_q=_desc(q), desc_k=_desc(k), desc_v=_desc(v), O=o, LSE=lse, T_Q=tq, T_K=k.shape[2],
+             **_desc_args(q=q, k=k, v=v), O=o, LSE=lse, T_Q=tq, T_K=k.shape[2],
              qk_scale=scale * LOG2E, CAUSAL=causal, HEAD_D=d, UPCAST=_launch.interpreting())
     return o, lse
 
@@ -487,9 +565,9 @@ def _backward(q, k, v, o, lse, do, dlse, causal, scale, dkdv_config=None, dq_con
     dq = _launch.empty(q.shape, q.dtype, q.device)
     dk = _launch.empty(k.shape, k.dtype, k.device)
     dv = _launch.empty(v.shape, v.dtype, v.device)
-    args = dict(desc_q=_desc(q), desc_k=_desc(k), desc_v=_desc(v), desc_do=_desc(do), LSE=lse,
-                DELTA=delta, T_Q=tq, T_K=tk, sm_scale=scale, qk_scale=scale * LOG2E,
-                CAUSAL=causal, HEAD_D=d, UPCAST=_launch.interpreting())
+    args = dict(**_desc_args(q=q, k=k, v=v, do=do), LSE=lse, DELTA=delta, T_Q=tq, T_K=tk,
+                sm_scale=scale, qk_scale=scale * LOG2E, CAUSAL=causal, HEAD_D=d,
+                UPCAST=_launch.interpreting())
     _DKDV[64 if d <= 64 else 128].run(lambda c: (triton.cdiv(tk, c["BLOCK_N"]), b * h),
                                       config=dkdv_config, DK=dk, DV=dv, **args)
     _DQ.run(lambda c: (triton.cdiv(tq, c["BLOCK_M"]), b * h), config=dq_config, DQ=dq, **args)

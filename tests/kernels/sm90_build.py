@@ -116,11 +116,16 @@ def _attention_builds():
     """Every config of the attention lists (kernels/attention.py), causal and not, labelled like
     _every_config plus the stages: forward and dQ at D=64 and D=128, each dK/dV list at the head
     dim it serves; plus the fp32 forward (ieee products, no tensor cores), which runs its list's
-    first config (fp32 is not autotuned)."""
+    first config (fp32 is not autotuned). All of these take host-built TMA descriptors (the
+    default, AUTOPAR_ATTENTION_DESC=host); the rows labelled "dev-desc" build the kernels' other
+    path (AUTOPAR_ATTENTION_DESC=device: plain pointers, descriptors made in the kernel, whose
+    global scratch Triton allocates per launch) for each bf16 list's first config, causal and
+    not, at D=64 and D=128 (no stages in their labels, to fit the column: #0's, as above)."""
     rows = dict(desc_q="BLOCK_M", desc_do="BLOCK_M", desc_k="BLOCK_N", desc_v="BLOCK_N")
 
-    def types(c, d, dt):  # descriptor types carry the config's TMA box
-        descs = {a: f"tensordesc<{dt}[1,{c.kwargs[r]},{d}]>" for a, r in rows.items()}
+    def types(c, d, dt, device_desc=False):  # host descriptor types carry the config's TMA box
+        descs = {a: f"*{dt}" if device_desc else f"tensordesc<{dt}[1,{c.kwargs[r]},{d}]>"
+                 for a, r in rows.items()}
         return {**descs, **dict.fromkeys(["O", "DK", "DV", "DQ"], f"*{dt}"), "LSE": F32,
                 "DELTA": F32, "qk_scale": "fp32", "sm_scale": "fp32"}
 
@@ -133,15 +138,24 @@ def _attention_builds():
               for d in (64, 128)]
     lists.append(("fwd fp32", 64, attention._attn_fwd_kernel, attention.FWD_CONFIGS[:1], "fp32",
                   (True,)))
+    lists = [(*entry, False) for entry in lists]
+    for d in (64, 128):  # the device-descriptor path: first configs
+        lists += [("fwd dev-desc", d, attention._attn_fwd_kernel, attention.FWD_CONFIGS[:1],
+                   "bf16", both, True),
+                  ("dk/dv dev-desc", d, attention._attn_bwd_dkdv_kernel,
+                   attention.DKDV_CONFIGS[64 if d <= 64 else 128][:1], "bf16", both, True),
+                  ("dq dev-desc", d, attention._attn_bwd_dq_kernel, attention.DQ_CONFIGS[:1],
+                   "bf16", both, True)]
     out = []
-    for name, d, fn, configs, dt, causals in lists:
+    for name, d, fn, configs, dt, causals, device_desc in lists:
         for causal in causals:
             for i, c in enumerate(configs):
                 label = " ".join([f"attention {name} D={d}{' causal' if causal else ''} #{i}",
                                   *(f"{k}={v}" for k, v in c.kwargs.items()),
-                                  f"stages={c.num_stages}"])
-                out.append((label, fn, types(c, d, dt), dict(CAUSAL=causal, HEAD_D=d,
-                                                             UPCAST=False, **c.kwargs),
+                                  *([] if device_desc else [f"stages={c.num_stages}"])])
+                out.append((label, fn, types(c, d, dt, device_desc),
+                            dict(CAUSAL=causal, HEAD_D=d, UPCAST=False, DEVICE_DESC=device_desc,
+                                 **c.kwargs),
                             c.num_warps, c.num_stages))
     return out
 

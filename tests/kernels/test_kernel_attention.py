@@ -1,12 +1,21 @@
 """Fused attention: forward (out, lse) and backward against the reference, the merge of partial
-results over key shards, block-size edge cases and the supported head dims."""
+results over key shards, block-size edge cases and the supported head dims.
+
+Descriptor modes (host- or device-built TMA descriptors, AUTOPAR_ATTENTION_DESC): in the
+interpreter the tests marked with ``MODES`` run in both; on CUDA they run in the mode the
+environment selects (as every other test does), so a GPU run covers both modes with two pytest
+invocations, one per mode, and a failure of one mode cannot hide the other."""
+
+import contextlib
+import os
+from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from kernels_testutil import KERNEL_SETTINGS, assert_close, make_generator
+from kernels_testutil import KERNEL_SETTINGS, ON_CUDA, assert_close, make_generator
 
 from kernels import attention as at
 
@@ -16,6 +25,15 @@ SMALL = at.AttentionBlocks(fwd_m=32, fwd_n=16, fwd_warps=4, bwd_kv_n=32, bwd_kv_
 OUT_TOL = {torch.float32: (2e-5, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
 LSE_TOL = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (1e-4, 1e-5)}  # fp32 math either way
 GRAD_TOL = {torch.float32: (1e-4, 1e-3), torch.bfloat16: (5e-2, 5e-2)}
+MODES = (at.descriptor_mode(),) if ON_CUDA else at.DESC_MODES
+
+
+@contextlib.contextmanager
+def desc_mode(mode):
+    """Run the block with AUTOPAR_ATTENTION_DESC=mode (a context manager rather than the
+    monkeypatch fixture, which hypothesis tests cannot take)."""
+    with mock.patch.dict(os.environ, {at.DESC_ENV: mode}):
+        yield
 
 
 def _qkv(b, h, tq, tk, d, dtype, g):
@@ -43,25 +61,29 @@ def _check(q, k, v, causal, blocks, g, use_lse_grad=True):
         assert_close(a, e, GRAD_TOL[dtype], name)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @KERNEL_SETTINGS
 @given(b=st.integers(1, 2), h=st.integers(1, 2), tq=st.integers(1, 70), tk=st.integers(1, 70),
        d=st.sampled_from([16, 32, 64]), causal=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), use_lse_grad=st.booleans(),
        seed=st.integers(0, 2**16))
-def test_attention_forward_backward(b, h, tq, tk, d, causal, dtype, use_lse_grad, seed):
+def test_attention_forward_backward(mode, b, h, tq, tk, d, causal, dtype, use_lse_grad, seed):
     g = make_generator(seed)
     q, k, v = _qkv(b, h, tq, tk, d, dtype, g)
-    _check(q, k, v, causal, SMALL, g, use_lse_grad)
+    with desc_mode(mode):
+        _check(q, k, v, causal, SMALL, g, use_lse_grad)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
-def test_attention_default_blocks(causal, d):
+def test_attention_default_blocks(causal, d, mode):
     """No ``blocks``: the tuned lists (their first configs here; on CUDA the autotuned ones) on a
     sequence that is not a multiple of any tile."""
     g = make_generator(1)
     q, k, v = _qkv(1, 1, 150, 150, d, torch.bfloat16, g)
-    _check(q, k, v, causal, None, g)
+    with desc_mode(mode):
+        _check(q, k, v, causal, None, g)
 
 
 def _tuned_configs():
@@ -71,8 +93,9 @@ def _tuned_configs():
     return cases + [("dq", 64, i) for i in range(len(at.DQ_CONFIGS))]
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kernel, d, i", _tuned_configs())
-def test_every_tuned_config(kernel, d, i):
+def test_every_tuned_config(kernel, d, i, mode):
     """Config i of one kernel's list (the others at their first config; the interpreter would
     otherwise only ever run the first), forward and backward with a gradient through lse, against
     the reference: causal and not, fp32 and bf16, Tq != Tk and neither a multiple of any tile, so
@@ -85,23 +108,26 @@ def test_every_tuned_config(kernel, d, i):
         for causal in (False, True):
             q, k, v = _qkv(1, 1, 150, 139, d, dtype, g)
             scale = d ** -0.5
-            out, lse = at._forward(q.detach(), k.detach(), v.detach(), causal, scale, fwd_cfg)
+            with desc_mode(mode):
+                out, lse = at._forward(q.detach(), k.detach(), v.detach(), causal, scale, fwd_cfg)
             out_ref, lse_ref = at.attention_ref(q, k, v, causal)
-            what = f"{dtype} causal={causal}"
+            what = f"{mode} {dtype} causal={causal}"
             assert_close(out, out_ref, OUT_TOL[dtype], f"out {what}")
             assert_close(lse, lse_ref, LSE_TOL[dtype], f"lse {what}")
             dout = torch.randn(out.shape, generator=g).to(dtype)
             dlse = torch.randn(lse.shape, generator=g)
-            grads = at._backward(q.detach(), k.detach(), v.detach(), out, lse, dout, dlse, causal,
-                                 scale, dkdv_cfg, dq_cfg)
+            with desc_mode(mode):
+                grads = at._backward(q.detach(), k.detach(), v.detach(), out, lse, dout, dlse,
+                                     causal, scale, dkdv_cfg, dq_cfg)
             grads_ref = torch.autograd.grad([out_ref, lse_ref], (q, k, v), [dout, dlse])
             for name, a, e in zip(("dq", "dk", "dv"), grads, grads_ref):
                 assert_close(a, e, GRAD_TOL[dtype], f"{name} {what}")
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-def test_attention_all_scores_very_negative():
+def test_attention_all_scores_very_negative(mode):
     """Every score is about -100, so lse is too: a padded key's exp(0 - lse) would overflow and
     turn dQ into NaN unless the kernel masks it (the padded keys' own dK/dV rows do overflow,
     harmlessly: they are never stored; NumPy warns about them in the interpreter)."""
@@ -109,7 +135,8 @@ def test_attention_all_scores_very_negative():
     q = (5 + 0.1 * torch.randn(1, 1, 20, 16, generator=g)).requires_grad_()
     k = (-5 + 0.1 * torch.randn(1, 1, 21, 16, generator=g)).requires_grad_()
     v = torch.randn(1, 1, 21, 16, generator=g).requires_grad_()
-    _check(q, k, v, False, SMALL, g)
+    with desc_mode(mode):
+        _check(q, k, v, False, SMALL, g)
 
 
 def test_reference_matches_sdpa():
@@ -121,12 +148,18 @@ def test_reference_matches_sdpa():
                      (1e-5, 1e-5), f"causal={causal}")
 
 
+@pytest.mark.parametrize("mode", MODES)
 @KERNEL_SETTINGS
 @given(t=st.integers(1, 40), tk1=st.integers(1, 40), tk2=st.integers(1, 40),
        seed=st.integers(0, 2**16))
-def test_merge_of_key_shards_equals_full_attention(t, tk1, tk2, seed):
+def test_merge_of_key_shards_equals_full_attention(mode, t, tk1, tk2, seed):
     """attention(q, [K1; K2], [V1; V2]) == merge(attention(q, K1, V1), attention(q, K2, V2)),
     values and gradients (the gradient reaches the shards through both out and lse)."""
+    with desc_mode(mode):
+        _merge_of_key_shards(t, tk1, tk2, seed)
+
+
+def _merge_of_key_shards(t, tk1, tk2, seed):
     g = make_generator(seed)
     q, k1, v1 = _qkv(2, 2, t, tk1, 32, torch.float32, g)
     _, k2, v2 = _qkv(2, 2, t, tk2, 32, torch.float32, g)
@@ -152,6 +185,54 @@ def test_merge_with_empty_partial():
     out, merged = at.merge_attention(o, lse, torch.zeros_like(o), empty_lse)
     assert torch.equal(merged, lse)
     assert_close(out, o, (0, 0), "out")
+
+
+def test_descriptor_mode_selection(monkeypatch):
+    monkeypatch.delenv(at.DESC_ENV, raising=False)
+    assert at.descriptor_mode() == "host"
+    for mode in ("host", "device"):
+        monkeypatch.setenv(at.DESC_ENV, mode)
+        assert at.descriptor_mode() == mode
+    monkeypatch.setenv(at.DESC_ENV, "Device ")  # no guessing: the exact names only
+    with pytest.raises(ValueError, match="AUTOPAR_ATTENTION_DESC='Device ' is not a descriptor"):
+        at.descriptor_mode()
+    q = torch.zeros(1, 1, 4, 16)
+    with pytest.raises(ValueError, match="descriptor mode"):
+        at.attention(q, q, q)
+
+
+def test_allocator_installed_lazily_and_kept():
+    """The device path's Triton allocator: none before the first call (nothing at import), ours
+    after it (in an empty context, as a fresh thread such as autograd's backward thread starts
+    with, so nothing leaks into the session), and a user's own allocator is never replaced."""
+    import contextvars
+
+    import triton
+    from triton.runtime import _allocation
+
+    from kernels import _launch
+
+    def probe():
+        before = _allocation._allocator.get()
+        _launch.ensure_triton_allocator()
+        ours = _allocation._allocator.get()
+        _launch.ensure_triton_allocator()
+        again = _allocation._allocator.get()
+
+        def mine(size, alignment, stream):
+            raise AssertionError("not called")
+
+        triton.set_allocator(mine)
+        _launch.ensure_triton_allocator()
+        return before, ours, again, _allocation._allocator.get()
+
+    before, ours, again, kept = contextvars.Context().run(probe)
+    assert isinstance(before, _allocation.NullAllocator)
+    assert ours is _launch._torch_scratch and again is ours
+    assert kept.__name__ == "mine"
+    if ON_CUDA:
+        buf = _launch._torch_scratch(1000, 128, None)
+        assert buf.numel() == 1000 and buf.data_ptr() % 128 == 0 and buf.is_cuda
 
 
 @pytest.mark.parametrize("d", [8, 48, 96, 256])
