@@ -10,6 +10,8 @@
 # Usage: bash benchmarks/gpu_check.sh [all|tests|bench]   (default all; the device tool allows 10
 # minutes a command: run "tests" and "bench" as two calls there). Logs and JSON go under $OUT
 # (default ./out); "bench" reads the descriptor mode "tests" chose from $OUT/attention_desc.txt.
+# DRY_RUN=1 rehearses the plumbing on a CPU (tests collected, not run; the scripts' --dry-run):
+# tests/kernels/test_kernel_benchmark.py runs it, so the lent GPU's minutes go to the check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -17,20 +19,27 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 STAGE=${1:-all}
 case "$STAGE" in all|tests|bench) ;; *) echo "usage: $0 [all|tests|bench]" >&2; exit 2 ;; esac
 EXAMPLES=${KERNEL_EXAMPLES:-6}
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+  DEVICE=cpu; PYTEST_DRY=(--collect-only); SCRIPT_DRY=(--dry-run)
+  export TRITON_INTERPRET=1
+  nvidia-smi() { echo "dry run: no nvidia-smi"; }
+else
+  DEVICE=cuda; PYTEST_DRY=(); SCRIPT_DRY=()
+fi
 
 if [[ "$STAGE" != bench ]]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/device.txt"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
-  AUTOPAR_TEST_DEVICE=cuda AUTOPAR_KERNEL_EXAMPLES=$EXAMPLES timeout "${TEST_TIMEOUT:-200}" \
-    python3 -m pytest tests/kernels -q -p no:cacheprovider --maxfail=8 --tb=short \
+  AUTOPAR_TEST_DEVICE=$DEVICE AUTOPAR_KERNEL_EXAMPLES=$EXAMPLES timeout "${TEST_TIMEOUT:-200}" \
+    python3 -m pytest tests/kernels -q -p no:cacheprovider --maxfail=8 --tb=short "${PYTEST_DRY[@]}" \
     --ignore=tests/kernels/test_kernel_sm90_build.py --ignore=tests/kernels/test_kernel_benchmark.py \
     --ignore=tests/kernels/test_kernel_attention.py 2>&1 | tee "$OUT/kernel_tests.log"
   echo "kernel tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/kernel_tests.log"
   declare -A attn_rc
   for mode in host device; do
-    AUTOPAR_ATTENTION_DESC=$mode AUTOPAR_TEST_DEVICE=cuda AUTOPAR_KERNEL_EXAMPLES=$EXAMPLES \
+    AUTOPAR_ATTENTION_DESC=$mode AUTOPAR_TEST_DEVICE=$DEVICE AUTOPAR_KERNEL_EXAMPLES=$EXAMPLES \
       timeout "${ATTN_TIMEOUT:-150}" python3 -m pytest tests/kernels/test_kernel_attention.py -q \
-      -p no:cacheprovider --maxfail=8 --tb=short 2>&1 | tee "$OUT/attention_$mode.log"
+      -p no:cacheprovider --maxfail=8 --tb=short "${PYTEST_DRY[@]}" 2>&1 | tee "$OUT/attention_$mode.log"
     attn_rc[$mode]=${PIPESTATUS[0]}
     echo "attention tests ($mode descriptors) exit: ${attn_rc[$mode]}" | tee -a "$OUT/attention_$mode.log"
   done
@@ -41,9 +50,9 @@ if [[ "$STAGE" != tests ]]; then
   export AUTOPAR_ATTENTION_DESC=$(cat "$OUT/attention_desc.txt" 2>/dev/null || echo host)
   echo "attention descriptors: $AUTOPAR_ATTENTION_DESC"
   timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/kernels.py --quick --budget-s "${BENCH_BUDGET:-240}" \
-    --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels_bench.log"
+    --json "$OUT/kernels.json" "${SCRIPT_DRY[@]}" 2>&1 | tee "$OUT/kernels_bench.log"
   echo "benchmark exit: ${PIPESTATUS[0]}"
   # not yet run on a GPU: the first lent GPU confirms it before kernels="auto" becomes the default
-  timeout "${FUSED_TIMEOUT:-200}" python3 benchmarks/fused_step_gpu.py 2>&1 | tee "$OUT/fused_step.log"
+  timeout "${FUSED_TIMEOUT:-200}" python3 benchmarks/fused_step_gpu.py "${SCRIPT_DRY[@]}" 2>&1 | tee "$OUT/fused_step.log"
   echo "fused step exit: ${PIPESTATUS[0]}"
 fi

@@ -105,3 +105,28 @@ def test_config_note_names_the_margin(bench):
     assert bench.config_note("k", {"config": "A"}) == "config k: A"
     timed = {"config": "A", "tuning": {"B": 0.3, "A": 0.2, "C": float("inf")}}  # C did not build
     assert bench.config_note("k", timed) == "config k: A (fastest of 3: 0.200 ms; next 0.300 ms)"
+
+
+@pytest.mark.slow
+def test_gpu_check_script_rehearsal(tmp_path):
+    """benchmarks/gpu_check.sh with DRY_RUN=1 on the CPU: every step's command line is valid (the
+    kernel and attention tests in both descriptor modes are collected, the benchmark and the fused
+    training-step check run their --dry-run), so a lent GPU's minutes go to the check itself."""
+    import os
+    import subprocess
+
+    script = SCRIPT.parent / "gpu_check.sh"
+    env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path),
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    for line in ("kernel tests exit: 0", "attention tests (host descriptors) exit: 0",
+                 "attention tests (device descriptors) exit: 0", "attention descriptors: host",
+                 "benchmark exit: 0", "fused step exit: 0"):
+        assert line in log, (line, log[-4000:])
+    fused = (tmp_path / "fused_step.log").read_text()
+    assert fused.rstrip().endswith("OK")
+    for name in ("add_layer_norm", "rope x4", "swiglu x2", "add_rms_norm x4", "attention x2"):
+        assert name in fused, fused
+    assert json.loads((tmp_path / "kernels.json").read_text())["dry_run"]
