@@ -21,7 +21,11 @@ runs on local tensors (``fallback.py``); ``GraphExecutor.fallbacks`` lists them.
 
 Fused kernels (``fused``, see ``fused.py``): an op node whose aten call a registry kernel replaces
 exactly under its input placements runs the kernel on local tensors (after the edges, before the
-DTensor dispatch); ``GraphExecutor.fused_kernels`` lists (node key, kernel name).
+DTensor dispatch); ``GraphExecutor.fused_kernels`` lists (node key, kernel name). Multi-node
+regions (``patterns.py``: residual add + norm, RoPE, SwiGLU, ...) are deferred to their last node
+(the anchor; their inputs stay alive until then) and run as one kernel there when the plan keeps
+every edge inside the region in place and the adapter accepts the operands' placements, both
+decided before any edge runs; otherwise the members run one by one.
 
 Local-dp mode (``program.local_dp``, tp == 1): the graph was traced at the local batch; nodes
 run on plain tensors, and only the nodes that reduce over the batch (the loss) wrap their plain
@@ -308,7 +312,7 @@ class GraphExecutor:
         return self.fused.run(p.key, p.target, args, kwargs)
 
     # ---- structure ----
-    def _find_matches(self) -> tuple[dict[str, tuple[Match, list]], dict[str, str]]:
+    def _find_matches(self) -> tuple[dict[str, tuple[Match, list, tuple]], dict[str, str]]:
         """Multi-node fusion regions (``patterns.py``) whose members share one scope (the same
         recompute region, or none) and one mode (all DTensor or all local): anchor name ->
         (match, member nodes, (role, member, input node, input index) per operand), and

@@ -387,8 +387,12 @@ def _spec_float(spec: Spec, what: str, like: Optional[torch.Tensor] = None) -> O
 
 
 def _same_data(specs: list, names: list) -> Optional[str]:
-    (x, pl), rest = specs[0], specs[1:]
-    for (t, tpl), what in zip(rest, names[1:]):
+    """The data operands: float, and the first one's dtype, shape and placements."""
+    why = _spec_float(specs[0], names[0])
+    if why:
+        return why
+    x, pl = specs[0]
+    for (t, tpl), what in zip(specs[1:], names[1:]):
         why = _spec_float((t, tpl), what, x)
         if why:
             return why
@@ -396,7 +400,7 @@ def _same_data(specs: list, names: list) -> Optional[str]:
             return f"{what} shape {tuple(t.shape)} differs from {names[0]} {tuple(x.shape)}"
         if tpl != pl:
             return f"{what} placements {tpl} differ from {names[0]} {pl}"
-    return _spec_float(specs[0], names[0])
+    return None
 
 
 def _vector(spec: Optional[Spec], n: int, x: torch.Tensor, what: str) -> Optional[str]:
@@ -447,8 +451,10 @@ def _region_bias_gelu_check(m, ops: dict) -> Optional[str]:
     x, pl = ops["x"]
     if m.const("approximate", "none") not in ("none", "tanh"):
         return f"approximate={m.const('approximate')!r}"
-    return _first(_spec_float(ops["x"], "input"), _why_sharded(pl, x.ndim, (-1,), "input"),
-                  _vector(ops["bias"], x.shape[-1], x, "bias"))
+    why = _spec_float(ops["x"], "input")
+    if why:
+        return why
+    return _first(_why_sharded(pl, x.ndim, (-1,), "input"), _vector(ops["bias"], x.shape[-1], x, "bias"))
 
 
 def _region_bias_gelu_launch(fn, m, vals: dict) -> tuple:
