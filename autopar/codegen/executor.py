@@ -40,13 +40,15 @@ from typing import Any, Optional, Sequence
 
 import torch
 from torch import fx
-from torch.distributed.tensor import DTensor, Partial as TPartial, Replicate as TReplicate, Shard as TShard
+from torch.distributed.tensor import DTensor, Replicate as TReplicate, Shard as TShard
 
 from autopar.codegen import fallback
 from autopar.codegen.fused import FusedKernels
 from autopar.codegen.patterns import Match, find_fusions, node_inputs
 from autopar.codegen.program import NodePlan, Placements, Region, RankProgram
 from autopar.codegen.shards import contiguous_stride, local_ranges, slice_of
+from autopar.codegen.vocab_ce import (TP_AXIS, VOCAB_CE_TARGET, VocabParallelCE, ce_arg,
+                                      class_sharded_on_tp, vocab_parallel_ce)
 from autopar.placements import Partial, Replicate, Shard, to_torch
 
 log = logging.getLogger("autopar.codegen")
@@ -141,7 +143,6 @@ def edge(x: DTensor, target: tuple, keep_partial_axes: tuple[int, ...] = ()) -> 
 
 
 DP_AXIS = (0,)          # runtime mesh axis 0 is "dp"
-TP_AXIS = 1
 
 
 def _dtensors(args, kwargs) -> list:
@@ -156,122 +157,6 @@ class _ParamRef:
 
     def __init__(self, name: str) -> None:
         self.name = name
-
-
-# ---- vocab-parallel cross-entropy ------------------------------------------------------------
-
-VOCAB_CE_TARGET = "aten.cross_entropy_loss.default"
-
-
-def _ce_arg(args, kwargs, i: int, name: str, default):
-    return args[i] if i < len(args) else kwargs.get(name, default)
-
-
-def _class_sharded_on_tp(x, mesh) -> bool:
-    """Logits Shard(class dim 1) on tp (size > 1); every other axis Shard(another dim) or Replicate."""
-    if not isinstance(x, DTensor) or x.ndim < 2 or mesh.size(TP_AXIS) == 1:
-        return False
-    pl = x.placements
-    if not (isinstance(pl[TP_AXIS], TShard) and pl[TP_AXIS].dim % x.ndim == 1):
-        return False
-    return all(isinstance(q, TReplicate) or (isinstance(q, TShard) and q.dim % x.ndim != 1)
-               for i, q in enumerate(pl) if i != TP_AXIS)
-
-
-def vocab_parallel_ce(args, kwargs, mesh) -> bool:
-    """Whether ``aten.cross_entropy_loss(logits, target, weight, reduction, ignore_index,
-    label_smoothing)`` runs vocab-parallel (``loss_parallel``): logits class-sharded on tp, integer
-    class targets, no class weight, no label smoothing."""
-    tgt = args[1] if len(args) > 1 else kwargs.get("target")
-    return (_class_sharded_on_tp(args[0], mesh) and isinstance(tgt, torch.Tensor)
-            and not tgt.is_floating_point() and _ce_arg(args, kwargs, 2, "weight", None) is None
-            and float(_ce_arg(args, kwargs, 5, "label_smoothing", 0.0)) == 0.0)
-
-
-def _ce_target_placements(x: DTensor) -> tuple:
-    """loss_parallel's target placements: the logits' with the tp class shard Replicate and
-    shards of later dims shifted down by one (the class dim is gone)."""
-    out = []
-    for i, q in enumerate(x.placements):
-        if i == TP_AXIS:
-            out.append(TReplicate())
-        elif isinstance(q, TShard):
-            d = q.dim % x.ndim
-            out.append(TShard(d - 1 if d > 1 else d))
-        else:
-            out.append(q)
-    return tuple(out)
-
-
-class _VocabParallelCE(torch.autograd.Function):
-    """Cross-entropy on class-sharded logits under ``loss_parallel()``, per row
-    (``reduction='none'``: loss_parallel's mean needs a 1-D mesh), then reduced here as aten does:
-    mean = sum of the per-row losses / the number of targets != ignore_index (weight None).
-
-    Forward collectives, on tp, of (local rows, 1) fp32-or-logits-dtype tensors: all_reduce MAX of
-    the row max, all_reduce SUM of the row sum-exp (both in the computation dtype, fp32 for
-    fp32/bf16/fp16 logits), all_reduce SUM of the target logit (logits dtype). On each other axis
-    that shards the rows (dp), mean: all_reduce of the local target count (4 bytes, fp32). The
-    result is Partial on those axes (each rank: its rows' sum / the global count), Replicate on tp.
-    Backward: none (loss_parallel's fused nll + log_softmax backward is local).
-
-    loss_parallel's backward handlers must be active when autograd runs the backward, which
-    happens outside the executor: the per-row graph is built inside ``forward`` and differentiated
-    in ``backward`` under ``loss_parallel()`` again."""
-
-    @staticmethod
-    def forward(ctx, x: DTensor, target: DTensor, reduction: int, ignore_index: int):
-        from torch.distributed.tensor.parallel import loss_parallel
-        import torch.distributed._functional_collectives as funcol
-
-        mesh = x.device_mesh
-        tpl = _ce_target_placements(x)
-        if tuple(target.placements) != tpl:
-            target = target.redistribute(mesh, tpl)
-        with torch.enable_grad():
-            xd = x.detach().requires_grad_(True)
-            with loss_parallel():
-                rows = torch.ops.aten.cross_entropy_loss.default(xd, target, None, 0, ignore_index, 0.0)
-        ctx.graph = (xd, rows)
-        ctx.reduction = reduction
-        if reduction == 0:
-            return rows.detach()
-        sharded = [i for i, q in enumerate(tpl) if isinstance(q, TShard) and mesh.size(i) > 1]
-        local = rows.to_local().detach()
-        total = local.sum()
-        if reduction == 1:
-            count = (target.to_local() != ignore_index).sum().to(torch.float32)
-            for i in sharded:
-                count = funcol.wait_tensor(funcol.all_reduce(count, "sum", group=(mesh, i)))
-            ctx.count = count
-            total = (total.to(torch.float32) / count).to(local.dtype)
-        out_pl = tuple(TPartial() if i in sharded else TReplicate() for i in range(mesh.ndim))
-        return DTensor.from_local(total, mesh, out_pl, run_check=False, shape=torch.Size(()), stride=())
-
-    @staticmethod
-    def backward(ctx, g: DTensor):
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        xd, rows = ctx.graph
-        del ctx.graph
-        mesh = rows.device_mesh
-        if ctx.reduction == 0:
-            if tuple(g.placements) != tuple(rows.placements):
-                g = g.redistribute(mesh, rows.placements)
-            grow = g
-        else:
-            rep = tuple(TReplicate() for _ in range(mesh.ndim))
-            if tuple(g.placements) != rep:
-                g = g.redistribute(mesh, rep)
-            gl = g.to_local()
-            if ctx.reduction == 1:
-                gl = (gl.to(torch.float32) / ctx.count).to(gl.dtype)
-            local = gl.expand(rows.to_local().shape).contiguous()
-            grow = DTensor.from_local(local, mesh, rows.placements, run_check=False, shape=rows.shape,
-                                      stride=rows.stride())
-        with loss_parallel():
-            (gx,) = torch.autograd.grad(rows, xd, grow)
-        return gx, None, None, None
 
 
 # ---- the executor ----------------------------------------------------------------------------
@@ -479,12 +364,12 @@ class GraphExecutor:
         elif p.strided:
             out = self._strided_split(p, args[0], p.strided)
         elif p.target == VOCAB_CE_TARGET and vocab_parallel_ce(args, kwargs, self.mesh):
-            out = _VocabParallelCE.apply(args[0], args[1], _ce_arg(args, kwargs, 3, "reduction", 1),
-                                         _ce_arg(args, kwargs, 4, "ignore_index", -100))
+            out = VocabParallelCE.apply(args[0], args[1], ce_arg(args, kwargs, 3, "reduction", 1),
+                                         ce_arg(args, kwargs, 4, "ignore_index", -100))
         elif (fused := self._fused(p, args, kwargs)) is not None:
             out = fused
         else:
-            if p.target == VOCAB_CE_TARGET and _class_sharded_on_tp(args[0], self.mesh):
+            if p.target == VOCAB_CE_TARGET and class_sharded_on_tp(args[0], self.mesh):
                 self.fallbacks.add(p.target)           # class weight / label smoothing: DTensor gathers
                 log.info("%s: vocab-parallel cross-entropy does not support a class weight or label "
                          "smoothing; DTensor gathers the logits", node.name)

@@ -15,7 +15,7 @@ backward, per edge whose value needs a gradient: the consumer's gradient placeme
 the loss: Partial axes of the loss are all-reduced (4 bytes) to return one float; DTensor's
     nll_loss backward all-reduces its ``total_weight`` (4 bytes) on every axis where the loss is
     Partial (a DTensor implementation detail, listed here so the count is exact).
-vocab-parallel cross-entropy (``executor._VocabParallelCE``: logits Shard(1) on tp, no class
+vocab-parallel cross-entropy (``vocab_ce.VocabParallelCE``: logits Shard(1) on tp, no class
     weight, no label smoothing): forward, on tp, three all_reduces of one value per local row
     (row max and sum-exp in fp32, the target logit in the logits dtype); mean: on each other
     axis that shards the rows, an all_reduce of the target count (4 bytes, fp32) in forward
@@ -252,7 +252,7 @@ def _ce_reduction(n: NodeInfo) -> int:
 def vocab_parallel_ce(n: NodeInfo, np_, sizes: Sequence[int], ndim: int) -> bool:
     """Whether the executor runs this node as vocab-parallel cross-entropy: the plan's logits
     placement is Shard(class dim 1) on tp (size > 1) and Shard(another dim) or Replicate elsewhere,
-    no class weight, no label smoothing (``executor.vocab_parallel_ce`` decides the same on the
+    no class weight, no label smoothing (``vocab_ce.vocab_parallel_ce`` decides the same on the
     runtime placements)."""
     from autopar.ir import Ref
 
