@@ -23,7 +23,15 @@ buffer, tensor i spanning [offsets[i], offsets[i+1]):
     pass 1 updates m, v and writes per-chunk partial sums of p^2 and u^2 (read 4N, write 2N);
     torch sums the partials per tensor and forms r (tiny); pass 2 recomputes u from m, v, p and
     writes p (read 3N, write N). Total 40 bytes per parameter. Chunks never straddle two tensors:
-    the chunk table (tensor id, start, end per chunk) is built on the host from ``offsets``.
+    the chunk table (tensor id, start, end per chunk, LAMB_BLOCK elements at most) is built on
+    the host from ``offsets``; a program takes CHUNKS consecutive entries of it as one tile.
+
+Launch parameters (AdamW's block and warps, LAMB's chunks per program and warps) come from short
+config lists autotuned on CUDA by _launch.Tuned (ADAMW_CONFIGS, LAMB_CONFIGS; the first entry is
+the choice made by hand before tuning existed, and what the interpreter runs). Tuning times each
+config on the real buffers, so every kernel names the buffers it updates in ``restore_value``:
+the autotuner saves them before each trial and puts them back after it, and the step is applied
+once, by the launch that follows.
 
 Run the tests:  TRITON_INTERPRET=1 pytest tests/kernels/test_kernel_optimizers.py
 """
@@ -113,13 +121,22 @@ def _lamb_update(p, m, v, inv_bc1, inv_bc2, eps, weight_decay):
 
 
 @triton.jit
-def _lamb_moments_kernel(P, G, M, V, CHUNK_START, CHUNK_END, PART, beta1, beta2, eps,
-                         weight_decay, inv_bc1, inv_bc2, BLOCK: tl.constexpr):
-    c = tl.program_id(0)
-    start = tl.load(CHUNK_START + c)
-    end = tl.load(CHUNK_END + c)
-    offs = start + tl.arange(0, BLOCK)
-    mask = offs < end
+def _lamb_chunk_tile(CHUNK_START, CHUNK_END, n_chunks, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's chunks c (CHUNKS table entries from program_id * CHUNKS on) as a
+    (CHUNKS, BLOCK) tile: (c, the flat offsets, their mask, which chunks exist)."""
+    c = tl.program_id(0) * CHUNKS + tl.arange(0, CHUNKS)
+    ok = c < n_chunks
+    start = tl.load(CHUNK_START + c, mask=ok, other=0)
+    end = tl.load(CHUNK_END + c, mask=ok, other=0)  # a missing chunk is empty
+    offs = start[:, None] + tl.arange(0, BLOCK)[None, :]
+    return c, offs, offs < end[:, None], ok
+
+
+@triton.jit
+def _lamb_moments_kernel(P, G, M, V, CHUNK_START, CHUNK_END, PART, n_chunks, beta1, beta2, eps,
+                         weight_decay, inv_bc1, inv_bc2, BLOCK: tl.constexpr,
+                         CHUNKS: tl.constexpr):
+    c, offs, mask, ok = _lamb_chunk_tile(CHUNK_START, CHUNK_END, n_chunks, CHUNKS, BLOCK)
     p = tl.load(P + offs, mask=mask, other=0.0)
     g = tl.load(G + offs, mask=mask, other=0.0)
     m = tl.load(M + offs, mask=mask, other=0.0)
@@ -129,24 +146,53 @@ def _lamb_moments_kernel(P, G, M, V, CHUNK_START, CHUNK_END, PART, beta1, beta2,
     tl.store(M + offs, m, mask=mask)
     tl.store(V + offs, v, mask=mask)
     u = tl.where(mask, _lamb_update(p, m, v, inv_bc1, inv_bc2, eps, weight_decay), 0.0)
-    tl.store(PART + 2 * c, tl.sum(p * p, axis=0))
-    tl.store(PART + 2 * c + 1, tl.sum(u * u, axis=0))
+    tl.store(PART + 2 * c, tl.sum(p * p, axis=1), mask=ok)  # every chunk's partials, each launch
+    tl.store(PART + 2 * c + 1, tl.sum(u * u, axis=1), mask=ok)
 
 
 @triton.jit
-def _lamb_apply_kernel(P, M, V, RATIO, CHUNK_TENSOR, CHUNK_START, CHUNK_END, lr, eps,
-                       weight_decay, inv_bc1, inv_bc2, BLOCK: tl.constexpr):
-    c = tl.program_id(0)
-    start = tl.load(CHUNK_START + c)
-    end = tl.load(CHUNK_END + c)
-    ratio = tl.load(RATIO + tl.load(CHUNK_TENSOR + c))
-    offs = start + tl.arange(0, BLOCK)
-    mask = offs < end
+def _lamb_apply_kernel(P, M, V, RATIO, CHUNK_TENSOR, CHUNK_START, CHUNK_END, n_chunks, lr, eps,
+                       weight_decay, inv_bc1, inv_bc2, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+    c, offs, mask, ok = _lamb_chunk_tile(CHUNK_START, CHUNK_END, n_chunks, CHUNKS, BLOCK)
+    ratio = tl.load(RATIO + tl.load(CHUNK_TENSOR + c, mask=ok, other=0), mask=ok, other=0.0)
     p = tl.load(P + offs, mask=mask, other=0.0)
     m = tl.load(M + offs, mask=mask, other=0.0)
     v = tl.load(V + offs, mask=mask, other=0.0)
-    p = p - (lr * ratio) * _lamb_update(p, m, v, inv_bc1, inv_bc2, eps, weight_decay)
+    p = p - (lr * ratio[:, None]) * _lamb_update(p, m, v, inv_bc1, inv_bc2, eps, weight_decay)
     tl.store(P + offs, p, mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configs (autotuned on CUDA; the first of each list is the choice made before tuning)
+# --------------------------------------------------------------------------------------------
+
+# AdamW's flat blocks (fp32: 4 elements are one 16-byte load). #0 1024 on 4 warps (two loads per
+# thread and tensor); #1 2048 on 8 warps (the same share per thread, half the programs); #2 2048
+# on 4 warps (four loads per thread and tensor in flight); #3 512 on 4 warps (one load each:
+# fewer registers, more programs resident per SM).
+ADAMW_CONFIGS = tuple(triton.Config({"BLOCK": b}, num_warps=w)
+                      for b, w in ((1024, 4), (2048, 8), (2048, 4), (512, 4)))
+# LAMB: chunks of the table (LAMB_BLOCK elements at most) per program, one (CHUNKS, LAMB_BLOCK)
+# tile. #0 one chunk on 8 warps (8 elements per thread); #1 one on 4 warps (16 per thread: more
+# loads in flight); #2 two chunks on 16 warps and #3 four on 32 warps (8 per thread, a half and
+# a quarter of the programs). Both kernels use the list. Left out: two chunks on 8 warps (184
+# registers in the moments kernel, against 63 for #0) and four on 16 warps (512 threads get at
+# most 128 registers each, and the moments kernel spilled once built with the 16-byte aligned
+# pointers real launches have).
+LAMB_CONFIGS = tuple(triton.Config({"CHUNKS": c}, num_warps=w)
+                     for c, w in ((1, 8), (1, 4), (2, 16), (4, 32)))
+# Every kernel here updates buffers in place, and the autotuner launches each config many times
+# on the real arguments: restore_value names every buffer a kernel writes, so the autotuner saves
+# them before each of those launches and puts them back after it, and only the launch that
+# follows tuning steps them. LAMB's PART (per-chunk partial sums) is written in full by every
+# launch of every config, never accumulated into, so it needs neither restoring nor resetting;
+# torch sums the per-tensor norms from it after the launch that counts.
+_ADAMW = _launch.Tuned(_adamw_kernel, ADAMW_CONFIGS, key=["numel"],
+                       min_numel=_launch.TUNE_MIN_NUMEL, restore_value=["P", "M", "V"])
+_LAMB_MOMENTS = _launch.Tuned(_lamb_moments_kernel, LAMB_CONFIGS, key=["n_chunks"],
+                              min_numel=_launch.TUNE_MIN_NUMEL, restore_value=["M", "V"])
+_LAMB_APPLY = _launch.Tuned(_lamb_apply_kernel, LAMB_CONFIGS, key=["n_chunks"],
+                            min_numel=_launch.TUNE_MIN_NUMEL, restore_value=["P"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -166,8 +212,10 @@ def _check_buffers(name, param, grad, exp_avg, exp_avg_sq):
 
 
 def adamw_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: float = 0.9,
-               beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
-    """One fused AdamW step, in place on param, exp_avg, exp_avg_sq (see module docstring)."""
+               beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-2,
+               config: int | None = None) -> None:
+    """One fused AdamW step, in place on param, exp_avg, exp_avg_sq (see module docstring).
+    ``config``: the index of ADAMW_CONFIGS to run instead of the tuned choice (tests)."""
     _check_buffers("adamw_step", param, grad, exp_avg, exp_avg_sq)
     if step < 1:
         raise ValueError(f"adamw_step: step={step}; steps count from 1")
@@ -176,10 +224,9 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1:
         return
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
-    _adamw_kernel[(triton.cdiv(numel, ADAMW_BLOCK),)](
-        param, grad, exp_avg, exp_avg_sq, numel, 1 - lr * weight_decay, 1 - beta1, beta2,
-        1 - beta2, eps, lr / bias_correction1, math.sqrt(bias_correction2),
-        BLOCK=ADAMW_BLOCK, num_warps=4)
+    _ADAMW.run(lambda meta: (triton.cdiv(numel, meta["BLOCK"]),),
+               param, grad, exp_avg, exp_avg_sq, numel, 1 - lr * weight_decay, 1 - beta1, beta2,
+               1 - beta2, eps, lr / bias_correction1, math.sqrt(bias_correction2), config=config)
 
 
 def _offsets_list(offsets, numel: int) -> list[int]:
@@ -207,9 +254,10 @@ def lamb_chunks(offsets: Sequence[int], numel: int, block: int = LAMB_BLOCK):
 def lamb_step(param, grad, exp_avg, exp_avg_sq, offsets: Sequence[int], *, step: int,
               lr: float, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-6,
               weight_decay: float = 1e-2, min_trust: float = 0.01, max_trust: float = 10.0,
-              bias_correction: bool = True, chunks=None) -> None:
+              bias_correction: bool = True, chunks=None, config: int | None = None) -> None:
     """One fused LAMB step over a flat buffer holding several tensors (see module docstring).
-    ``chunks``: a precomputed ``lamb_chunks(offsets, numel)`` already on param's device."""
+    ``chunks``: a precomputed ``lamb_chunks(offsets, numel)`` already on param's device.
+    ``config``: the index of LAMB_CONFIGS both kernels run instead of their tuned choices."""
     _check_buffers("lamb_step", param, grad, exp_avg, exp_avg_sq)
     if step < 1:
         raise ValueError(f"lamb_step: step={step}; steps count from 1")
@@ -224,12 +272,15 @@ def lamb_step(param, grad, exp_avg, exp_avg_sq, offsets: Sequence[int], *, step:
     inv_bc1 = 1.0 / (1 - beta1**step) if bias_correction else 1.0
     inv_bc2 = 1.0 / (1 - beta2**step) if bias_correction else 1.0
     part = _launch.empty((n_chunks, 2), torch.float32, param.device)
-    _lamb_moments_kernel[(n_chunks,)](param, grad, exp_avg, exp_avg_sq, start, end, part, beta1,
-                                      beta2, eps, weight_decay, inv_bc1, inv_bc2,
-                                      BLOCK=LAMB_BLOCK, num_warps=8)
+
+    def grid(meta):
+        return (triton.cdiv(n_chunks, meta["CHUNKS"]),)
+
+    _LAMB_MOMENTS.run(grid, param, grad, exp_avg, exp_avg_sq, start, end, part, n_chunks, beta1,
+                      beta2, eps, weight_decay, inv_bc1, inv_bc2, BLOCK=LAMB_BLOCK, config=config)
     sq = torch.zeros(n_tensors, 2, dtype=torch.float32, device=param.device).index_add_(0, tid, part)
     w_norm, u_norm = sq.sqrt().unbind(1)
     ratio = torch.where((w_norm > 0) & (u_norm > 0),
                         (w_norm / u_norm).clamp(min_trust, max_trust), torch.ones_like(w_norm))
-    _lamb_apply_kernel[(n_chunks,)](param, exp_avg, exp_avg_sq, ratio, tid, start, end, lr, eps,
-                                    weight_decay, inv_bc1, inv_bc2, BLOCK=LAMB_BLOCK, num_warps=8)
+    _LAMB_APPLY.run(grid, param, exp_avg, exp_avg_sq, ratio, tid, start, end, n_chunks, lr, eps,
+                    weight_decay, inv_bc1, inv_bc2, BLOCK=LAMB_BLOCK, config=config)

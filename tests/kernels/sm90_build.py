@@ -47,7 +47,9 @@ def _every_config(label, tuned, types, consts):
 def _builds():
     """(label, jit kernel, pointer/float arg types, constexprs, num_warps, num_stages); every
     argument not named in the types is an i32 scalar. Tuned kernels: every config of their lists
-    at the benchmark shapes (norms N=8192, softmax 8192 and 100000, cross-entropy V=128256)."""
+    at the benchmark shapes (norms N=8192, softmax 8192 and 100000, cross-entropy V=128256,
+    bias_gelu and swiglu 8192x28672 bf16, rope (4, 32, 4096, 128) bf16, the optimizers over flat
+    fp32 buffers; none of these depends on the size but through the constexprs given here)."""
     ln = {**dict.fromkeys("XRWBYH", BF), "MEAN": F32, "RSTD": F32, "eps": "fp32"}
     ln_b = {**dict.fromkeys(["DY", "X", "W", "DH", "DX"], BF), "MEAN": F32, "RSTD": F32,
             "DW_PART": F32, "DB_PART": F32}
@@ -78,21 +80,20 @@ def _builds():
                              dict(BLOCK_C=n_chunks))
     out += _every_config("cross_entropy bwd", ce_bwd,
                          dict(LOGITS=BF, TARGET=I64, LSE=F32, SCALE=F32, DLOGITS=BF), {})
-    bm, bn = activations._gelu_blocks(28672)
+    bn = activations._gelu_tile(28672)[1]
+    gelu_fwd, gelu_bwd = activations._gelu_tuned(bn)
     for tanh in (False, True):
-        out.append((f"bias_gelu fwd tanh={tanh}", activations._bias_gelu_fwd_kernel,
-                    dict(X=BF, B=BF, Y=BF),
-                    dict(HAS_BIAS=True, APPROX_TANH=tanh, BLOCK_M=bm, BLOCK_N=bn), 8, 3))
-        out.append((f"bias_gelu bwd tanh={tanh}", activations._bias_gelu_bwd_kernel,
-                    dict(X=BF, B=BF, DY=BF, DX=BF, DB_PART=F32),
-                    dict(HAS_BIAS=True, APPROX_TANH=tanh, BLOCK_M=bm, BLOCK_N=bn), 8, 3))
-    out.append(("swiglu fwd", activations._swiglu_fwd_kernel, dict(A=BF, B=BF, Y=BF),
-                dict(BLOCK=activations.FLAT_BLOCK), 8, 3))
-    out.append(("swiglu bwd", activations._swiglu_bwd_kernel,
-                dict(A=BF, B=BF, DY=BF, DA=BF, DB=BF), dict(BLOCK=activations.FLAT_BLOCK), 8, 3))
+        consts = dict(HAS_BIAS=True, APPROX_TANH=tanh, BLOCK_N=bn)
+        out += _every_config(f"bias_gelu fwd N=28672 tanh={tanh}", gelu_fwd,
+                             dict(X=BF, B=BF, Y=BF), consts)
+        out += _every_config(f"bias_gelu bwd N=28672 tanh={tanh}", gelu_bwd,
+                             dict(X=BF, B=BF, DY=BF, DX=BF, DB_PART=F32), consts)
+    out += _every_config("swiglu fwd", activations._SWIGLU_FWD, dict(A=BF, B=BF, Y=BF), {})
+    out += _every_config("swiglu bwd", activations._SWIGLU_BWD,
+                         dict(A=BF, B=BF, DY=BF, DA=BF, DB=BF), {})
     for bwd in (False, True):
-        out.append((f"rope backward={bwd}", rope._rope_kernel, dict(X=BF, COS=BF, SIN=BF, Y=BF),
-                    dict(BACKWARD=bwd, BLOCK_R=rope.ROWS_PER_PROGRAM, BLOCK_H=64), 4, 3))
+        out += _every_config(f"rope D=128 backward={bwd}", rope._TUNED,
+                             dict(X=BF, COS=BF, SIN=BF, Y=BF), dict(BACKWARD=bwd, BLOCK_H=64))
     out += _attention_builds()
     out.append(("attention bwd preprocess", attention._bwd_preprocess_kernel,
                 dict(O=BF, DO=BF, DLSE=F32, DELTA=F32),
@@ -100,15 +101,14 @@ def _builds():
     scalars = ["decay", "one_minus_beta1", "beta2", "one_minus_beta2", "eps", "step_size",
                "bc2_sqrt", "beta1", "weight_decay", "inv_bc1", "inv_bc2", "lr"]
     flt = dict.fromkeys(scalars, "fp32")
-    out.append(("adamw", optimizers._adamw_kernel, {**dict.fromkeys("PGMV", F32), **flt},
-                dict(BLOCK=optimizers.ADAMW_BLOCK), 4, 3))
-    out.append(("lamb moments", optimizers._lamb_moments_kernel,
-                {**dict.fromkeys("PGMV", F32), "CHUNK_START": I64, "CHUNK_END": I64, "PART": F32,
-                 **flt}, dict(BLOCK=optimizers.LAMB_BLOCK), 8, 3))
-    out.append(("lamb apply", optimizers._lamb_apply_kernel,
-                {**dict.fromkeys("PMV", F32), "RATIO": F32, "CHUNK_TENSOR": I64,
-                 "CHUNK_START": I64, "CHUNK_END": I64, **flt},
-                dict(BLOCK=optimizers.LAMB_BLOCK), 8, 3))
+    out += _every_config("adamw", optimizers._ADAMW, {**dict.fromkeys("PGMV", F32), **flt}, {})
+    chunks = dict(CHUNK_START=I64, CHUNK_END=I64)
+    lamb = dict(BLOCK=optimizers.LAMB_BLOCK)
+    out += _every_config("lamb moments", optimizers._LAMB_MOMENTS,
+                         {**dict.fromkeys("PGMV", F32), **chunks, "PART": F32, **flt}, lamb)
+    out += _every_config("lamb apply", optimizers._LAMB_APPLY,
+                         {**dict.fromkeys("PMV", F32), "RATIO": F32, "CHUNK_TENSOR": I64, **chunks,
+                          **flt}, lamb)
     return out
 
 

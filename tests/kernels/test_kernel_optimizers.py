@@ -1,5 +1,6 @@
 """Fused AdamW against torch.optim.AdamW and LAMB against the plain-torch reference."""
 
+import itertools
 import math
 
 import pytest
@@ -8,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kernels_testutil import ON_CUDA, KERNEL_SETTINGS, assert_close, make_generator
 
+from kernels import _launch
 from kernels import optimizers as opt
 
 # AdamW: the same fp32 operations in torch's order (IEEE sqrt/div, lerp and addcmul as FMAs);
@@ -112,3 +114,73 @@ def test_optimizer_argument_errors():
         opt.adamw_step(x, x, x, x, step=0, lr=1e-3)
     with pytest.raises(ValueError, match="offsets"):
         opt.lamb_step(x, x, x, x, [0, 3], step=1, lr=1e-3)
+
+
+def _state(n, seed):
+    """param, grad, exp_avg, exp_avg_sq as after a few steps (moments not zero)."""
+    g = make_generator(seed)
+    p, grad, m, v = (torch.randn(n, generator=g) for _ in range(4))
+    return p, grad, 0.1 * m, 0.01 * v.abs()
+
+
+ADAMW_N = 5000
+LAMB_OFFSETS = [0, 5, 5, 3005, 5054, 5055]  # chunks of 2048: 1 + 0 + 2 + 2 + 1 = 6
+
+
+def _steps(config=None):
+    """(AdamW result, its reference, LAMB result, its reference): one step each from the same
+    state, the fused kernels with ``config`` (None: the tuned choice)."""
+    out = []
+    for fused, ref, extra in ((opt.adamw_step, opt.adamw_step_ref, ()),
+                              (opt.lamb_step, opt.lamb_step_ref, (LAMB_OFFSETS,))):
+        bufs = _state(LAMB_OFFSETS[-1] if extra else ADAMW_N, seed=len(extra))
+        expect = [b.clone() for b in bufs]
+        fused(*bufs, *extra, step=3, lr=1e-2, config=config)
+        ref(*expect, *extra, step=3, lr=1e-2)
+        out += [bufs, expect]
+    return out
+
+
+def _assert_steps(results, what):
+    adamw, adamw_ref, lamb, lamb_ref = results
+    for name, i in (("param", 0), ("exp_avg", 2), ("exp_avg_sq", 3)):
+        assert_close(adamw[i], adamw_ref[i], ADAMW_TOL, f"{what}: adamw {name}")
+        assert_close(lamb[i], lamb_ref[i], LAMB_TOL, f"{what}: lamb {name}")
+    assert torch.equal(adamw[1], adamw_ref[1]) and torch.equal(lamb[1], lamb_ref[1])  # grad read only
+
+
+def test_every_config_matches_reference():
+    """Each config of ADAMW_CONFIGS and LAMB_CONFIGS against one step of the references: blocks
+    of 512..2048 over 5000 elements; 1, 2 or 4 chunks per program over LAMB's 6 chunks (4 leaves
+    the last program's tile half empty), with the NaN-poisoned partial sums."""
+    for i in range(max(len(opt.ADAMW_CONFIGS), len(opt.LAMB_CONFIGS))):
+        _assert_steps(_steps(config=i), f"config {i}")
+
+
+def test_autotuning_applies_one_step(monkeypatch):
+    """Autotuning launches every config several times on the real buffers before the launch
+    that counts, and these kernels update them in place: restore_value must put them back after
+    each trial. The CUDA path of Tuned runs here under the interpreter with the benchmark
+    replaced (it launches each config twice and times the later configs faster, so the launch
+    after tuning runs the last one); the result must still be a single step of the reference."""
+    tuned = (opt._ADAMW, opt._LAMB_MOMENTS, opt._LAMB_APPLY)
+    trials = {t.name: [] for t in tuned}
+    monkeypatch.setattr(_launch, "interpreting", lambda: False)  # take the autotuner's path
+    monkeypatch.setattr(_launch, "check_device", lambda *tensors: None)  # CPU tensors are fine
+    for t in tuned:
+        clock = itertools.count(100, -1)
+
+        def bench(kernel_call, quantiles, name=t.name, clock=clock):
+            kernel_call()
+            kernel_call()
+            trials[name].append(next(clock))
+            return [trials[name][-1]] * len(quantiles)
+
+        monkeypatch.setattr(t, "min_numel", 0)
+        monkeypatch.setattr(t._autotuner, "cache", {})
+        # do_bench is a cached_property: an entry in the instance dict is what it would cache
+        monkeypatch.setitem(vars(t._autotuner), "do_bench", bench)
+    _assert_steps(_steps(), "autotuned")
+    for t in tuned:
+        assert len(trials[t.name]) == len(t.configs), t.name
+        assert t.best_config is t.configs[-1], t.name

@@ -53,3 +53,23 @@ def test_rope_bad_shapes():
         rp.rope(torch.zeros(1, 1, 4, 5), torch.zeros(4, 5), torch.zeros(4, 5))
     with pytest.raises(ValueError, match="cos/sin"):
         rp.rope(torch.zeros(1, 1, 4, 6), torch.zeros(3, 6), torch.zeros(3, 6))
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 37, 40), (5, 19, 6)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_config_matches_reference(shape, dtype):
+    """Each config of the tuned list (16..64 positions, 1 or 4 leading rows per program) forward
+    and backward against the reference, NaN-poisoned outputs: T leaves a partial position tile,
+    the leading rows (6, 5) a partial group, and D/2 (20, 3) is no power of two."""
+    g = make_generator(sum(shape))
+    t, d = shape[-2:]
+    x, dy = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+    cos, sin = (torch.randn(t, d, generator=g).to(dtype) for _ in range(2))
+    xr = x.clone().requires_grad_()
+    y_ref = rp.rope_ref(xr, cos, sin)
+    (dx_ref,) = torch.autograd.grad(y_ref, xr, dy)
+    for i in range(len(rp.CONFIGS)):
+        assert_close(rp._launch_rope(x, cos, sin, False, config=i), y_ref, FWD_TOL[dtype],
+                     f"config {i}: y")
+        assert_close(rp._launch_rope(dy, cos, sin, True, config=i), dx_ref, FWD_TOL[dtype],
+                     f"config {i}: dx")
