@@ -151,11 +151,11 @@ def _gelu_tuned(block_n: int) -> tuple[_launch.Tuned, _launch.Tuned]:
     stripe, holding its dbias partial in registers, over a grid of about PROGRAMS_PER_SM
     programs per SM: #0 the pre-tuning choice, 8 programs per SM stepping 8 rows at a time (the
     list's most registers per thread: few programs fit an SM at once); #1 4 rows a step on as
-    many warps (about half the registers per thread, so more programs resident) with 16 programs
-    per SM; #2 2 rows a step on 4 warps with 32 per SM (fewer registers still, more resident
-    programs and loads in flight); #3 the pre-tuning tile with 32 programs per SM (shorter
-    programs, 4x the partial dbias rows: ~17 MB at 8192x28672); #4 twice the warps (half the
-    elements per thread). sm90_build.py reports no spill for any of them at N=28672."""
+    many warps (about two thirds of the registers per thread, so more programs resident) with
+    16 programs per SM; #2 2 rows a step on 4 warps with 32 per SM (fewer registers still,
+    more resident programs and loads in flight); #3 the pre-tuning tile with 32 programs per SM
+    (shorter programs, 4x the partial dbias rows: ~17 MB at 8192x28672); #4 twice the warps (half
+    the elements per thread). sm90_build.py reports no spill for any of them at N=28672."""
     bm, _, w = _gelu_tile(block_n)
 
     def fwd(rows, warps):
@@ -253,7 +253,8 @@ def _flat_config(block, warps):
 # tensor, on 256 or 512 threads. #0 the pre-tuning choice, 2048 on 8 warps (one load); #1 4096
 # on 8 warps (two: more bytes in flight per thread); #2 4096 on 16 warps (one, half the
 # programs); #3 8192 on 16 warps (two, a quarter of the programs). 4096 on 4 warps (four loads)
-# was dropped: its backward spills (sm90_build.py).
+# was dropped when its backward spilled (184 B) in a build without the alignment attributes real
+# launches have; built as launched (sm90_build.py) it takes 62 registers and does not spill.
 SWIGLU_CONFIGS = tuple(_flat_config(b, w) for b, w in ((2048, 8), (4096, 8), (4096, 16), (8192, 16)))
 _SWIGLU_FWD = _launch.Tuned(_swiglu_fwd_kernel, SWIGLU_CONFIGS, key=["numel"],
                             min_numel=_launch.TUNE_MIN_NUMEL)

@@ -137,8 +137,11 @@ FWD_CONFIGS = (
 )
 # dK/dV: BLOCK_N keys per program, BLOCK_M queries per iteration (BLOCK_N % BLOCK_M == 0). Keyed by
 # the largest head dim a list serves: the dK and dV accumulators (BLOCK_N x D fp32 each) leave no
-# room for 128 keys per program at D=128 (116 bytes of spills with 8 warps, kilobytes with 4; the
-# tutorial's 32 x 128 with 4 warps spills at D=64 too, so it appears with 8).
+# room for 128 keys per program at D=128 on 4 warps (kilobytes of spills), and the tutorial's
+# 32 x 128 appears with 8 warps, not its 4. Both choices date from builds without the alignment
+# attributes real launches have, where 128 keys at D=128 on 8 warps also spilled (116 bytes) and
+# 32 x 128 on 4 warps at D=64 did (140): built as launched (sm90_build.py) neither spills (197 to
+# 254 and 236 to 244 registers).
 DKDV_CONFIGS = {
     64: (
         _config(64, 128, 8, 3),

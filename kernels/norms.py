@@ -187,8 +187,7 @@ def row_tuned(kernel, block_n: int, key: tuple[str, ...]) -> _launch.Tuned:
     """Configs of a kernel holding one block_n-wide row per program (norm forward, softmax):
     _row_warps first, then twice as many warps (half the elements per thread: fewer registers,
     more loads in flight) and half as many (a cheaper cross-warp reduction). One list per row
-    width, since the warps scale with it; sm90_build.py reports no spill for any of them at 8192
-    except 4 B in the RMSNorm forward's first config (8 warps), kept as the pre-tuning choice."""
+    width, since the warps scale with it; sm90_build.py reports no spill for any of them at 8192."""
     w = _row_warps(block_n)
     warps = dict.fromkeys(x for x in (w, 2 * w, w // 2) if 1 <= x <= 32)
     return _launch.Tuned(kernel, [triton.Config({}, num_warps=x) for x in warps], key=list(key),
@@ -204,12 +203,14 @@ def fwd_tuned(block_n: int) -> _launch.Tuned:
 def bwd_tuned(block_n: int, is_rms: bool) -> _launch.Tuned:
     """Backward configs for rows of block_n. First the pre-tuning choice: 4 programs per SM,
     _row_warps(per_thread=16) warps, the pipelined loop for RMSNorm only. At N=8192 (sm_90a) one
-    program fills an SM's register file (16 warps x 128 registers, or 32 x 64), so one program is
-    resident per SM and PROGRAMS_PER_SM sets the number of waves: 1 is a single wave with 4x fewer
-    dw partial rows to write and sum, 2 is in between, 8 suits narrower rows where several
-    programs share an SM. Twice the warps halves each thread's share of a row (no spill at 8192).
-    RMSNorm also tries the plain loop; LayerNorm's pipelined loop spills at 8192 (116 B, 204 B
-    with dh: its extra mean and db registers), so LayerNorm keeps the plain loop only."""
+    program takes most of an SM's register file (16 warps x 98 to 126 registers, or 32 x 64), so
+    one program is resident per SM and PROGRAMS_PER_SM sets the number of waves: 1 is a single
+    wave with 4x fewer dw partial rows to write and sum, 2 is in between, 8 suits narrower rows
+    where several programs share an SM. Twice the warps halves each thread's share of a row (no
+    spill at 8192). RMSNorm also tries the plain loop. LayerNorm keeps the plain loop only: its
+    pipelined loop was left out when it spilled at 8192 (116 B, 204 B with dh: its extra mean and
+    db registers) in builds without the alignment attributes real launches have; built as
+    launched (sm90_build.py) it takes 124 and 128 registers and does not spill."""
     warps = _row_warps(block_n, per_thread=16)
 
     def cfg(programs=4, num_warps=warps, prefetch=is_rms):
