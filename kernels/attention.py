@@ -138,21 +138,23 @@ FWD_CONFIGS = (
 # dK/dV: BLOCK_N keys per program, BLOCK_M queries per iteration (BLOCK_N % BLOCK_M == 0). Keyed by
 # the largest head dim a list serves: the dK and dV accumulators (BLOCK_N x D fp32 each) leave no
 # room for 128 keys per program at D=128 on 4 warps (kilobytes of spills), and the tutorial's
-# 32 x 128 appears with 8 warps, not its 4. Both choices date from builds without the alignment
-# attributes real launches have, where 128 keys at D=128 on 8 warps also spilled (116 bytes) and
-# 32 x 128 on 4 warps at D=64 did (140): built as launched (sm90_build.py) neither spills (197 to
-# 254 and 236 to 244 registers).
+# 32 x 128 tile also appears with 8 warps. 128 keys at D=128 on 8 warps and the tutorial's own
+# 32 x 128 on 4 warps (5 stages) at D=64 were first left out because builds without the alignment
+# attributes real launches have showed spills (116 and 140 bytes); built as launched
+# (sm90_build.py) neither spills (197 to 254 and 236 to 244 registers), so both are in.
 DKDV_CONFIGS = {
     64: (
         _config(64, 128, 8, 3),
         _config(32, 128, 8, 3),
         _config(32, 64, 4, 5),  # the tutorial's 4 warps and 5 stages
         _config(64, 64, 4, 3),
+        _config(32, 128, 4, 5),  # the tutorial's dK/dV tile, warps and stages
     ),
     128: (
         _config(32, 64, 4, 3),
         _config(32, 64, 4, 5),
         _config(64, 64, 4, 3),
+        _config(32, 128, 8, 3),
     ),
 }
 # dQ: BLOCK_M queries per program, BLOCK_N keys per iteration (BLOCK_M % BLOCK_N == 0).

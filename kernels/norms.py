@@ -207,10 +207,10 @@ def bwd_tuned(block_n: int, is_rms: bool) -> _launch.Tuned:
     one program is resident per SM and PROGRAMS_PER_SM sets the number of waves: 1 is a single
     wave with 4x fewer dw partial rows to write and sum, 2 is in between, 8 suits narrower rows
     where several programs share an SM. Twice the warps halves each thread's share of a row (no
-    spill at 8192). RMSNorm also tries the plain loop. LayerNorm keeps the plain loop only: its
-    pipelined loop was left out when it spilled at 8192 (116 B, 204 B with dh: its extra mean and
-    db registers) in builds without the alignment attributes real launches have; built as
-    launched (sm90_build.py) it takes 124 and 128 registers and does not spill."""
+    spill at 8192). Each kind also tries the other loop: RMSNorm the plain one, LayerNorm the
+    pipelined one (left out while builds without the alignment attributes real launches have
+    showed it spilling; built as launched, sm90_build.py, it takes 124 and 128 registers, no
+    spill)."""
     warps = _row_warps(block_n, per_thread=16)
 
     def cfg(programs=4, num_warps=warps, prefetch=is_rms):
@@ -219,8 +219,7 @@ def bwd_tuned(block_n: int, is_rms: bool) -> _launch.Tuned:
     configs = [cfg(), cfg(programs=1), cfg(programs=2), cfg(programs=8)]
     if warps < 32:
         configs.append(cfg(num_warps=2 * warps))
-    if is_rms:
-        configs.append(cfg(prefetch=False))
+    configs.append(cfg(prefetch=not is_rms))
     return _launch.Tuned(_norm_bwd_kernel, configs, key=["N", "HAS_DH", "HAS_BIAS"],
                          min_numel=_launch.TUNE_MIN_NUMEL)
 
