@@ -15,6 +15,13 @@ Modes (``autoparallelize(kernels=...)``):
             TRITON_INTERPRET=1 (the interpreter: tests), else the plain-torch reference
     "off"   never
 
+Known gap before "auto" can be the default: the kernels autotune their launch configs on CUDA
+(``kernels/_launch.Tuned``) independently on each rank, and configs differ in reduction order.
+Where tp ranks compute the same replicated value (a LayerNorm over a Replicate activation, its
+weight gradient), ranks that picked different configs get results that differ by rounding, and
+replicated parameters could drift apart at that level over many steps. Agreeing on rank 0's
+choice (or tuning once and pinning) is the follow-up; with dp only, each rank's rows are its own.
+
 Adapter table (aten call of torch.export's training IR -> kernel call; every condition must hold):
 
   aten.layer_norm.default(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable)
