@@ -18,6 +18,27 @@ POISON_ENV = "AUTOPAR_KERNELS_POISON"
 # Memory-bound kernels pass this as Tuned(min_numel=...): below ~2 MB of bf16 a launch is
 # launch-bound and not worth timing configs for.
 TUNE_MIN_NUMEL = 1 << 20
+TUNE_ENV = "AUTOPAR_KERNELS_TUNE"
+TUNE_MODES = ("single", "always", "never")
+
+
+def tuning_allowed() -> bool:
+    """Whether ``Tuned`` may autotune, from AUTOPAR_KERNELS_TUNE:
+    "single" (default): only outside a multi-process torch.distributed world. Ranks would tune
+        independently and may pick configs with different reduction orders; where tensor-parallel
+        ranks compute the same replicated value (a LayerNorm weight gradient) its rounding would
+        then differ across ranks and replicated parameters could drift apart. Until ranks agree
+        on one choice, a distributed run takes every list's first config, the same on all ranks.
+    "always": tune anyway (data parallel only, where each rank's rows are its own).
+    "never": always the first config."""
+    mode = os.environ.get(TUNE_ENV, "").strip() or "single"
+    if mode not in TUNE_MODES:
+        raise ValueError(f"{TUNE_ENV}={mode!r}: use one of {TUNE_MODES} (unset means 'single')")
+    if mode != "single":
+        return mode == "always"
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 def interpreting() -> bool:
@@ -125,8 +146,8 @@ class Tuned:
     On CUDA ``tuned[grid](*args)`` launches through ``triton.autotune`` (keyed on ``key`` plus the
     dtypes of the tensor arguments): the first launch per key times every config and keeps the
     fastest, so a config list that contains the previous fixed choice cannot end up slower than it
-    (up to timing noise). Under the interpreter there is nothing to time: it launches
-    ``configs[0]``. ``tuned.launch(i, grid, *args)`` runs config ``i`` on any device (tests run each
+    (up to timing noise). Under the interpreter there is nothing to time, and in a distributed
+    run ranks must not choose independently (``tuning_allowed``): it launches ``configs[0]``. ``tuned.launch(i, grid, *args)`` runs config ``i`` on any device (tests run each
     config against the reference; benchmarks time them one by one). Every launch returns the
     ``triton.Config`` that ran, for launchers whose follow-up work depends on it (how many rows of
     a partial-sum buffer the chosen grid wrote, how many chunks a row was split into).
@@ -157,7 +178,7 @@ class Tuned:
         ``triton.Config`` that ran. An explicit config's ``pre_hook`` runs first, as the
         autotuner runs it (attention sizes its TMA boxes there)."""
         timings = None
-        if config is None and not interpreting() and (
+        if config is None and not interpreting() and tuning_allowed() and (
                 not self.min_numel or args[0].numel() >= self.min_numel):
             before = getattr(self._autotuner, "configs_timings", None)
             self._autotuner[grid](*args, **kwargs)

@@ -15,12 +15,12 @@ Modes (``autoparallelize(kernels=...)``):
             TRITON_INTERPRET=1 (the interpreter: tests), else the plain-torch reference
     "off"   never
 
-Known gap before "auto" can be the default: the kernels autotune their launch configs on CUDA
-(``kernels/_launch.Tuned``) independently on each rank, and configs differ in reduction order.
-Where tp ranks compute the same replicated value (a LayerNorm over a Replicate activation, its
-weight gradient), ranks that picked different configs get results that differ by rounding, and
-replicated parameters could drift apart at that level over many steps. Agreeing on rank 0's
-choice (or tuning once and pinning) is the follow-up; with dp only, each rank's rows are its own.
+Autotuning and ranks: the kernels' launch configs (``kernels/_launch.Tuned``) differ in reduction
+order, and ranks tuning independently could pick different ones; where tp ranks compute the same
+replicated value (a LayerNorm over a Replicate activation, its weight gradient) the rounding would
+then differ across ranks and replicated parameters could drift apart. So a multi-process run
+launches every list's first config on all ranks (``_launch.tuning_allowed``; AUTOPAR_KERNELS_TUNE=
+always tunes anyway, fine with dp only). Agreeing on rank 0's tuned choice is the follow-up.
 
 Adapter table (aten call of torch.export's training IR -> kernel call; every condition must hold):
 
