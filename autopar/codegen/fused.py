@@ -37,9 +37,12 @@ Adapter table (aten call of torch.export's training IR -> kernel call; every con
       dim is the last dim, dtype None or x's; x not Partial nor sharded on the last dim
   aten.scaled_dot_product_attention.default(q, k, v, attn_mask=None, dropout_p=0.0,
           is_causal=False, scale=None, enable_gqa=False) -> attention(q, k, v, is_causal, scale)[0]
-      no mask, dropout_p == 0, enable_gqa False; q, k, v 4-D (B, H, T, D), one float dtype,
-      k.shape == v.shape, same B, H, D as q, D in attention.SUPPORTED_HEAD_DIMS, Tk > 0;
-      per mesh axis q, k, v have the same placement, Replicate or Shard(0 = batch / 1 = heads).
+      no mask, dropout_p == 0; q, k, v 4-D (B, H, T, D), one float dtype, k.shape == v.shape,
+      same B, D as q, D in attention.SUPPORTED_HEAD_DIMS, Tk > 0; k's heads H (or, with
+      enable_gqa, a divisor Hkv of H: each k/v head is repeated H/Hkv times locally, as aten
+      does, and autograd sums its gradient back); per mesh axis q, k, v have the same placement,
+      Replicate or Shard(0 = batch / 1 = heads; with enable_gqa the axis size divides Hkv, so
+      every rank's query heads find their key heads on that rank).
   aten.cross_entropy_loss.default(logits, target, weight=None, reduction=1, ignore_index=-100,
           label_smoothing=0.0) -> cross_entropy(logits, target, ignore_index, "sum"|"mean"|"none")
       logits 2-D (N, C) float, target 1-D integer; weight None, label_smoothing 0; logits not
@@ -271,8 +274,7 @@ def _sdpa_check(args, kwargs) -> Optional[str]:
         return "attn_mask is given"
     if float(_arg(args, kwargs, 4, "dropout_p", 0.0)) != 0.0:
         return "dropout_p != 0"
-    if _arg(args, kwargs, 7, "enable_gqa", False):
-        return "enable_gqa"
+    gqa = bool(_arg(args, kwargs, 7, "enable_gqa", False))
     why = _first(_float(q, "q"), _float(k, "k"), _float(v, "v"))
     if why:
         return why
@@ -281,16 +283,21 @@ def _sdpa_check(args, kwargs) -> Optional[str]:
     if not q.dtype == k.dtype == v.dtype:
         return "q, k, v dtypes differ"
     b, h, _, d = q.shape
-    if k.shape != v.shape or k.shape[0] != b or k.shape[1] != h or k.shape[3] != d or k.shape[2] == 0:
-        return f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}"
+    hkv = k.shape[1]
+    heads_ok = hkv > 0 and h % hkv == 0 if gqa else hkv == h
+    if k.shape != v.shape or k.shape[0] != b or not heads_ok or k.shape[3] != d or k.shape[2] == 0:
+        return f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}" + (
+            f" (enable_gqa={gqa})" if gqa or hkv != h else "")
     if d not in SUPPORTED_HEAD_DIMS:
         return f"head dim {d} is not in {SUPPORTED_HEAD_DIMS}"
     pq, pk, pv = _placements(q), _placements(k), _placements(v)
     if not (pq == pk == pv):
         return f"q, k, v placements differ ({pq}, {pk}, {pv})"
-    for p in pq:
+    for i, p in enumerate(pq):
         if not (isinstance(p, Replicate) or _shard_dim(p, 4) in (0, 1)):
             return f"q, k, v placement {p} is not Replicate or a batch/head shard"
+        if gqa and hkv != h and _shard_dim(p, 4) == 1 and hkv % q.device_mesh.size(i) != 0:
+            return f"{hkv} key/value heads do not split evenly over mesh axis {i}"
     return None
 
 
@@ -298,7 +305,11 @@ def _sdpa_launch(fn, args, kwargs):
     q, k, v = args[:3]
     causal = bool(_arg(args, kwargs, 5, "is_causal", False))
     scale = _arg(args, kwargs, 6, "scale")
-    out, _lse = fn(_local(q), _local(k), _local(v), causal, scale)
+    kl, vl = _local(k), _local(v)
+    if k.shape[1] != q.shape[1]:           # enable_gqa: each local k/v head serves rep query heads
+        rep = q.shape[1] // k.shape[1]
+        kl, vl = kl.repeat_interleave(rep, dim=1), vl.repeat_interleave(rep, dim=1)
+    out, _lse = fn(_local(q), kl, vl, causal, scale)
     return _wrap(out, q, _placements(q), tuple(q.shape[:-1]) + (v.shape[-1],))
 
 
