@@ -391,7 +391,8 @@ ADAPTERS: dict[str, Adapter] = {a.target: a for a in (
 #   swiglu: a and b float, one dtype, shape and placements, not Partial.
 #   bias_gelu: x float, not Partial nor sharded on its last dim; bias (N,) of x's dtype, Replicate.
 #   rope: x (..., T, D) float, D even, not Partial nor sharded on T or D; cos and sin (T, D) of x's
-#       dtype, Replicate, not requiring grad (the kernel gives them none).
+#       dtype, possibly with leading dims of 1 (HF's (1, 1, T, D)), Replicate, not requiring grad
+#       (the kernel gives them none).
 
 Spec = tuple          # (value, torch placements after its edge; () for plain tensors)
 
@@ -496,8 +497,8 @@ def _region_rope_check(m, ops: dict) -> Optional[str]:
         why = _spec_float(ops[role], role, x)
         if why:
             return why
-        if tuple(t.shape) != tuple(x.shape[-2:]):
-            return f"{role} {tuple(t.shape)} is not (T, D) = {tuple(x.shape[-2:])}"
+        if tuple(t.shape[-2:]) != tuple(x.shape[-2:]) or t.ndim > x.ndim or any(s != 1 for s in t.shape[:-2]):
+            return f"{role} {tuple(t.shape)} is not (T, D) = {tuple(x.shape[-2:])} (leading dims of 1 allowed)"
         if t.requires_grad:
             return f"{role} requires grad (the kernel gives cos and sin none)"
         why = _why_not_replicated(tpl, role)
@@ -508,7 +509,8 @@ def _region_rope_check(m, ops: dict) -> Optional[str]:
 
 def _region_rope_launch(fn, m, vals: dict) -> tuple:
     x = vals["x"]
-    cos, sin = (_local(vals[r]).contiguous() for r in ("cos", "sin"))
+    t, d = x.shape[-2:]
+    cos, sin = (_local(vals[r]).reshape(t, d).contiguous() for r in ("cos", "sin"))
     return (_wrap(fn(_local(x), cos, sin), x, _placements(x), x.shape),)
 
 

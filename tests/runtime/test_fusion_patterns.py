@@ -153,6 +153,9 @@ REGIONS = [   # (kernel, consts, operands builder, eager region -> outputs)
     ("rope", {}, lambda: {"x": _rand(2, 3, 7, 16), "cos": _rand(7, 16, seed=1, grad=False),
                           "sin": _rand(7, 16, seed=2, grad=False)},
      lambda o: (o["x"] * o["cos"] + _rotate(o["x"]) * o["sin"],)),
+    ("rope", {"hf_shapes": True}, lambda: {"x": _rand(2, 3, 7, 16), "cos": _rand(1, 1, 7, 16, seed=1, grad=False),
+                                           "sin": _rand(1, 7, 16, seed=2, grad=False)},
+     lambda o: (o["x"] * o["cos"] + _rotate(o["x"]) * o["sin"],)),
 ]
 
 
@@ -204,6 +207,8 @@ R, S0, S1, S2, S3, P = (Replicate(),), (Shard(0),), (Shard(1),), (Shard(2),), (S
                           "sin": (_rand(4, 8, grad=False), R)}, "Replicate"),
     ("rope", {}, lambda: {"x": (_rand(1, 2, 4, 7), R), "cos": (_rand(4, 7, grad=False), R),
                           "sin": (_rand(4, 7, grad=False), R)}, "D even"),
+    ("rope", {}, lambda: {"x": (_rand(2, 2, 4, 8), R), "cos": (_rand(2, 1, 4, 8, grad=False), R),
+                          "sin": (_rand(4, 8, grad=False), R)}, "leading dims of 1"),
 ])
 def test_region_adapter_declines(kernel, consts, ops, why):
     reason = REGION_ADAPTERS[kernel].check(_match(kernel, **consts), ops())
