@@ -56,7 +56,7 @@ Adapter table (aten call of torch.export's training IR -> kernel call; every con
       The kernel's in-place backward (the gradient written into the logits buffer) is off: the
       local logits may be shared with other users.
 
-Multi-node regions (``patterns.py`` finds them, ``REGION_ADAPTERS`` below checks and launches):
+Multi-node regions (``patterns.py`` finds them, ``fused_regions.REGION_ADAPTERS`` checks and launches):
 residual add + LayerNorm/RMSNorm (one kernel returning the normed value and the new residual),
 hand-written RMSNorm (LLaMA's pow/mean/add/rsqrt/mul/mul), rotate-half RoPE, SwiGLU, bias + GeLU.
 The executor defers a region's members to its anchor and runs the kernel there when every
@@ -77,112 +77,14 @@ from typing import Any, Optional
 
 import torch
 
+from autopar.codegen.fused_args import (NORM_MAX_N, call_arg, first_reason, is_dt, last_dim_local,
+                                        no_partial, param_grad_placements, placements_of,
+                                        replicated, shard_dim, to_local, why_not_float, wrap_local)
+from autopar.codegen.fused_regions import REGION_ADAPTERS
+
 log = logging.getLogger("autopar.codegen")
 
 MODES = ("auto", "on", "off")
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-NORM_MAX_N = 65536                 # kernels/norms.py MAX_N: one row fits one block
-
-
-# ---- placements of a DTensor or plain tensor -------------------------------------------------
-
-def _is_dt(t) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
-def _placements(t) -> tuple:
-    return tuple(t.placements) if _is_dt(t) else ()
-
-
-def _shard_dim(p, ndim: int) -> Optional[int]:
-    from torch.distributed.tensor import Shard
-
-    return p.dim % ndim if isinstance(p, Shard) else None
-
-
-def _why_partial(pl: tuple, what: str) -> Optional[str]:
-    return f"{what} is Partial" if any(p.is_partial() for p in pl) else None
-
-
-def _why_sharded(pl: tuple, ndim: int, dims: tuple[int, ...], what: str) -> Optional[str]:
-    """Why ``pl`` (placements of an ``ndim``-dim value) is not local along ``dims`` (negative ok)."""
-    why = _why_partial(pl, what)
-    if why:
-        return why
-    local = {d % ndim for d in dims}
-    hit = sorted({_shard_dim(p, ndim) for p in pl} & local)
-    return f"{what} is sharded on dim {hit[0]}" if hit else None
-
-
-def _why_not_replicated(pl: tuple, what: str) -> Optional[str]:
-    if not all(p.is_replicate() for p in pl):
-        return f"{what} is not Replicate on every axis ({pl})"
-    return None
-
-
-def _no_partial(t, what: str) -> Optional[str]:
-    return _why_partial(_placements(t), what)
-
-
-def _last_dim_local(t, what: str) -> Optional[str]:
-    why = _why_sharded(_placements(t), t.ndim, (-1,), what)
-    return why.replace(f"dim {t.ndim - 1}", "its last (normalized) dim") if why else None
-
-
-def _replicated(t, what: str) -> Optional[str]:
-    if t is None or not _is_dt(t):
-        return None
-    return _why_not_replicated(tuple(t.placements), what)
-
-
-def _float(t, what: str) -> Optional[str]:
-    if not isinstance(t, torch.Tensor):
-        return f"{what} is not a tensor"
-    if t.dtype not in FLOAT_DTYPES:
-        return f"{what} dtype {t.dtype} is not one of fp32/bf16/fp16"
-    return None
-
-
-def _first(*reasons) -> Optional[str]:
-    return next((r for r in reasons if r), None)
-
-
-# ---- local tensors in, DTensor out -----------------------------------------------------------
-
-def _local(t, grad_placements=None):
-    if t is None or not _is_dt(t):
-        return t
-    return t.to_local(grad_placements=grad_placements)
-
-
-def _param_grad_placements(x) -> Optional[tuple]:
-    """A Replicate parameter used with data ``x``: its local gradient is a partial sum on each axis
-    that shards x (each rank saw its rows), complete on the others."""
-    from torch.distributed.tensor import Partial, Replicate
-
-    if not _is_dt(x):
-        return None
-    return tuple(Partial() if _shard_dim(p, x.ndim) is not None else Replicate() for p in x.placements)
-
-
-def _wrap(y: torch.Tensor, like, placements: tuple, shape) -> Any:
-    """``y`` (local) as a DTensor on ``like``'s mesh with ``placements`` and global ``shape``;
-    plain ``y`` when ``like`` is plain."""
-    if not _is_dt(like):
-        return y
-    from torch.distributed.tensor import DTensor
-
-    from autopar.codegen.shards import contiguous_stride
-
-    shape = torch.Size(shape)
-    return DTensor.from_local(y, like.device_mesh, placements, run_check=False, shape=shape,
-                              stride=contiguous_stride(tuple(shape)))
-
-
-def _arg(args, kwargs, i: int, name: str, default=None):
-    return args[i] if i < len(args) else kwargs.get(name, default)
 
 
 # ---- adapters ----------------------------------------------------------------------------------
@@ -197,10 +99,10 @@ class Adapter:
 
 def _norm_check(args, kwargs, has_bias: bool) -> Optional[str]:
     x = args[0]
-    shape = tuple(_arg(args, kwargs, 1, "normalized_shape", ()))
-    weight = _arg(args, kwargs, 2, "weight")
-    bias = _arg(args, kwargs, 3, "bias") if has_bias else None
-    why = _float(x, "input")
+    shape = tuple(call_arg(args, kwargs, 1, "normalized_shape", ()))
+    weight = call_arg(args, kwargs, 2, "weight")
+    bias = call_arg(args, kwargs, 3, "bias") if has_bias else None
+    why = why_not_float(x, "input")
     if why:
         return why
     n = x.shape[-1] if x.ndim else 0
@@ -211,58 +113,58 @@ def _norm_check(args, kwargs, has_bias: bool) -> Optional[str]:
     for t, what in ((weight, "weight"), (bias, "bias")):
         if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != (n,) or t.dtype != x.dtype):
             return f"{what} is not a ({n},) tensor of dtype {x.dtype}"
-    return _first(_last_dim_local(x, "input"), _replicated(weight, "weight"), _replicated(bias, "bias"))
+    return first_reason(last_dim_local(x, "input"), replicated(weight, "weight"), replicated(bias, "bias"))
 
 
 def _layer_norm_launch(fn, args, kwargs):
     x = args[0]
-    weight, bias = _arg(args, kwargs, 2, "weight"), _arg(args, kwargs, 3, "bias")
-    eps = float(_arg(args, kwargs, 4, "eps", 1e-5))
-    gp = _param_grad_placements(x)
-    y = fn(_local(x), _local(weight, gp), _local(bias, gp), eps)
-    return _wrap(y, x, _placements(x), x.shape)
+    weight, bias = call_arg(args, kwargs, 2, "weight"), call_arg(args, kwargs, 3, "bias")
+    eps = float(call_arg(args, kwargs, 4, "eps", 1e-5))
+    gp = param_grad_placements(x)
+    y = fn(to_local(x), to_local(weight, gp), to_local(bias, gp), eps)
+    return wrap_local(y, x, placements_of(x), x.shape)
 
 
 def _rms_norm_launch(fn, args, kwargs):
     x = args[0]
-    weight = _arg(args, kwargs, 2, "weight")
-    eps = _arg(args, kwargs, 3, "eps")
+    weight = call_arg(args, kwargs, 2, "weight")
+    eps = call_arg(args, kwargs, 3, "eps")
     eps = float(torch.finfo(x.dtype).eps if eps is None else eps)
-    y = fn(_local(x), _local(weight, _param_grad_placements(x)), eps)
-    return _wrap(y, x, _placements(x), x.shape)
+    y = fn(to_local(x), to_local(weight, param_grad_placements(x)), eps)
+    return wrap_local(y, x, placements_of(x), x.shape)
 
 
 def _gelu_check(args, kwargs) -> Optional[str]:
     x = args[0]
-    approx = _arg(args, kwargs, 1, "approximate", "none")
+    approx = call_arg(args, kwargs, 1, "approximate", "none")
     if approx not in ("none", "tanh"):
         return f"approximate={approx!r}"
-    return _first(_float(x, "input"), _no_partial(x, "input"))
+    return first_reason(why_not_float(x, "input"), no_partial(x, "input"))
 
 
 def _gelu_launch(fn, args, kwargs):
     x = args[0]
-    y = fn(_local(x), None, _arg(args, kwargs, 1, "approximate", "none"))
-    return _wrap(y, x, _placements(x), x.shape)
+    y = fn(to_local(x), None, call_arg(args, kwargs, 1, "approximate", "none"))
+    return wrap_local(y, x, placements_of(x), x.shape)
 
 
 def _softmax_check(args, kwargs) -> Optional[str]:
     x = args[0]
-    why = _float(x, "input")
+    why = why_not_float(x, "input")
     if why:
         return why
-    dim = _arg(args, kwargs, 1, "dim")
-    dtype = _arg(args, kwargs, 2, "dtype")
+    dim = call_arg(args, kwargs, 1, "dim")
+    dtype = call_arg(args, kwargs, 2, "dtype")
     if x.ndim == 0 or dim % x.ndim != x.ndim - 1:
         return f"dim={dim} is not the last dim"
     if dtype is not None and dtype != x.dtype:
         return f"dtype={dtype} converts"
-    return _last_dim_local(x, "input")
+    return last_dim_local(x, "input")
 
 
 def _softmax_launch(fn, args, kwargs):
     x = args[0]
-    return _wrap(fn(_local(x)), x, _placements(x), x.shape)
+    return wrap_local(fn(to_local(x)), x, placements_of(x), x.shape)
 
 
 def _sdpa_check(args, kwargs) -> Optional[str]:
@@ -270,12 +172,12 @@ def _sdpa_check(args, kwargs) -> Optional[str]:
     from torch.distributed.tensor import Replicate
 
     q, k, v = args[:3]
-    if _arg(args, kwargs, 3, "attn_mask") is not None:
+    if call_arg(args, kwargs, 3, "attn_mask") is not None:
         return "attn_mask is given"
-    if float(_arg(args, kwargs, 4, "dropout_p", 0.0)) != 0.0:
+    if float(call_arg(args, kwargs, 4, "dropout_p", 0.0)) != 0.0:
         return "dropout_p != 0"
-    gqa = bool(_arg(args, kwargs, 7, "enable_gqa", False))
-    why = _first(_float(q, "q"), _float(k, "k"), _float(v, "v"))
+    gqa = bool(call_arg(args, kwargs, 7, "enable_gqa", False))
+    why = first_reason(why_not_float(q, "q"), why_not_float(k, "k"), why_not_float(v, "v"))
     if why:
         return why
     if not q.ndim == k.ndim == v.ndim == 4:
@@ -290,27 +192,27 @@ def _sdpa_check(args, kwargs) -> Optional[str]:
             f" (enable_gqa={gqa})" if gqa or hkv != h else "")
     if d not in SUPPORTED_HEAD_DIMS:
         return f"head dim {d} is not in {SUPPORTED_HEAD_DIMS}"
-    pq, pk, pv = _placements(q), _placements(k), _placements(v)
+    pq, pk, pv = placements_of(q), placements_of(k), placements_of(v)
     if not (pq == pk == pv):
         return f"q, k, v placements differ ({pq}, {pk}, {pv})"
     for i, p in enumerate(pq):
-        if not (isinstance(p, Replicate) or _shard_dim(p, 4) in (0, 1)):
+        if not (isinstance(p, Replicate) or shard_dim(p, 4) in (0, 1)):
             return f"q, k, v placement {p} is not Replicate or a batch/head shard"
-        if gqa and hkv != h and _shard_dim(p, 4) == 1 and hkv % q.device_mesh.size(i) != 0:
+        if gqa and hkv != h and shard_dim(p, 4) == 1 and hkv % q.device_mesh.size(i) != 0:
             return f"{hkv} key/value heads do not split evenly over mesh axis {i}"
     return None
 
 
 def _sdpa_launch(fn, args, kwargs):
     q, k, v = args[:3]
-    causal = bool(_arg(args, kwargs, 5, "is_causal", False))
-    scale = _arg(args, kwargs, 6, "scale")
-    kl, vl = _local(k), _local(v)
+    causal = bool(call_arg(args, kwargs, 5, "is_causal", False))
+    scale = call_arg(args, kwargs, 6, "scale")
+    kl, vl = to_local(k), to_local(v)
     if k.shape[1] != q.shape[1]:           # enable_gqa: each local k/v head serves rep query heads
         rep = q.shape[1] // k.shape[1]
         kl, vl = kl.repeat_interleave(rep, dim=1), vl.repeat_interleave(rep, dim=1)
-    out, _lse = fn(_local(q), kl, vl, causal, scale)
-    return _wrap(out, q, _placements(q), tuple(q.shape[:-1]) + (v.shape[-1],))
+    out, _lse = fn(to_local(q), kl, vl, causal, scale)
+    return wrap_local(out, q, placements_of(q), tuple(q.shape[:-1]) + (v.shape[-1],))
 
 
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
@@ -318,21 +220,21 @@ _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
 def _ce_check(args, kwargs) -> Optional[str]:
     x, t = args[0], args[1]
-    why = _float(x, "logits")
+    why = why_not_float(x, "logits")
     if why:
         return why
     if x.ndim != 2 or not isinstance(t, torch.Tensor) or t.ndim != 1 or t.is_floating_point():
         return "not (N, C) logits with (N,) integer targets"
-    if _arg(args, kwargs, 2, "weight") is not None:
+    if call_arg(args, kwargs, 2, "weight") is not None:
         return "a class weight is given"
-    if float(_arg(args, kwargs, 5, "label_smoothing", 0.0)) != 0.0:
+    if float(call_arg(args, kwargs, 5, "label_smoothing", 0.0)) != 0.0:
         return "label_smoothing != 0"
-    if _arg(args, kwargs, 3, "reduction", 1) not in _REDUCTIONS:
-        return f"reduction {_arg(args, kwargs, 3, 'reduction', 1)}"
-    why = _no_partial(x, "logits")
+    if call_arg(args, kwargs, 3, "reduction", 1) not in _REDUCTIONS:
+        return f"reduction {call_arg(args, kwargs, 3, 'reduction', 1)}"
+    why = no_partial(x, "logits")
     if why:
         return why
-    if any(_shard_dim(p, 2) == 1 for p in _placements(x)):
+    if any(shard_dim(p, 2) == 1 for p in placements_of(x)):
         return "logits are sharded on the class dim"
     return None
 
@@ -342,22 +244,22 @@ def _ce_launch(fn, args, kwargs):
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     x, t = args[0], args[1]
-    reduction = _REDUCTIONS[_arg(args, kwargs, 3, "reduction", 1)]
-    ignore_index = int(_arg(args, kwargs, 4, "ignore_index", -100))
-    if not _is_dt(x):
+    reduction = _REDUCTIONS[call_arg(args, kwargs, 3, "reduction", 1)]
+    ignore_index = int(call_arg(args, kwargs, 4, "ignore_index", -100))
+    if not is_dt(x):
         return fn(x, t, ignore_index, reduction).to(x.dtype)
     mesh = x.device_mesh
-    if _is_dt(t) and tuple(t.placements) != tuple(x.placements):
+    if is_dt(t) and tuple(t.placements) != tuple(x.placements):
         t = t.redistribute(mesh, tuple(x.placements))
     rows_sharded = [i for i, p in enumerate(x.placements) if isinstance(p, Shard) and mesh.size(i) > 1]
-    xl, tl = _local(x), _local(t)
+    xl, tl = to_local(x), to_local(t)
     if reduction == "none":
         y = fn(xl, tl, ignore_index, "none").to(x.dtype)
         pl = tuple(Shard(0) if isinstance(p, Shard) else Replicate() for p in x.placements)
-        return _wrap(y, x, pl, (x.shape[0],))
+        return wrap_local(y, x, pl, (x.shape[0],))
     if not rows_sharded:
         y = fn(xl, tl, ignore_index, reduction).to(x.dtype)
-        return _wrap(y, x, tuple(Replicate() for _ in x.placements), ())
+        return wrap_local(y, x, tuple(Replicate() for _ in x.placements), ())
     total = fn(xl, tl, ignore_index, "sum")                 # fp32, this rank's rows
     if reduction == "mean":
         count = (tl != ignore_index).sum().to(torch.float32)
@@ -365,7 +267,7 @@ def _ce_launch(fn, args, kwargs):
             count = funcol.wait_tensor(funcol.all_reduce(count, "sum", group=(mesh, i)))
         total = total / count
     pl = tuple(Partial() if i in rows_sharded else Replicate() for i in range(mesh.ndim))
-    return _wrap(total.to(x.dtype), x, pl, ())
+    return wrap_local(total.to(x.dtype), x, pl, ())
 
 
 ADAPTERS: dict[str, Adapter] = {a.target: a for a in (
@@ -375,159 +277,6 @@ ADAPTERS: dict[str, Adapter] = {a.target: a for a in (
     Adapter("aten.softmax.int", "softmax", _softmax_check, _softmax_launch),
     Adapter("aten.scaled_dot_product_attention.default", "attention", _sdpa_check, _sdpa_launch),
     Adapter("aten.cross_entropy_loss.default", "cross_entropy", _ce_check, _ce_launch),
-)}
-
-
-# ---- multi-node regions (patterns.py) ------------------------------------------------------------
-#
-# A region adapter sees its operands as (value, placements the value will have after its planned
-# edge) before any edge runs, so a declined match costs no communication; the executor has already
-# checked that the region's internal edges move nothing (every internal value keeps the data
-# operand's placements). Conditions, per kernel:
-#   add_rms_norm / add_layer_norm / rms_norm (hand-written): the data operands (x, residual) float,
-#       one dtype and shape, the same placements, not Partial nor sharded on the last dim (the norm's
-#       dim, <= NORM_MAX_N); weight / bias None or (N,) of x's dtype, Replicate. eps from the graph
-#       (aten.rms_norm's eps=None: finfo(dtype).eps, as aten).
-#   swiglu: a and b float, one dtype, shape and placements, not Partial.
-#   bias_gelu: x float, not Partial nor sharded on its last dim; bias (N,) of x's dtype, Replicate.
-#   rope: x (..., T, D) float, D even, not Partial nor sharded on T or D; cos and sin (T, D) of x's
-#       dtype, possibly with leading dims of 1 (HF's (1, 1, T, D)), Replicate, not requiring grad
-#       (the kernel gives them none).
-
-Spec = tuple          # (value, torch placements after its edge; () for plain tensors)
-
-
-def _spec_float(spec: Spec, what: str, like: Optional[torch.Tensor] = None) -> Optional[str]:
-    t = spec[0]
-    why = _float(t, what)
-    if why is None and like is not None and t.dtype != like.dtype:
-        why = f"{what} dtype {t.dtype} differs from {like.dtype}"
-    return why
-
-
-def _same_data(specs: list, names: list) -> Optional[str]:
-    """The data operands: float, and the first one's dtype, shape and placements."""
-    why = _spec_float(specs[0], names[0])
-    if why:
-        return why
-    x, pl = specs[0]
-    for (t, tpl), what in zip(specs[1:], names[1:]):
-        why = _spec_float((t, tpl), what, x)
-        if why:
-            return why
-        if tuple(t.shape) != tuple(x.shape):
-            return f"{what} shape {tuple(t.shape)} differs from {names[0]} {tuple(x.shape)}"
-        if tpl != pl:
-            return f"{what} placements {tpl} differ from {names[0]} {pl}"
-    return None
-
-
-def _vector(spec: Optional[Spec], n: int, x: torch.Tensor, what: str) -> Optional[str]:
-    """A weight or bias: None, or an (n,) tensor of x's dtype, Replicate."""
-    if spec is None:
-        return None
-    t, pl = spec
-    if not isinstance(t, torch.Tensor) or tuple(t.shape) != (n,) or t.dtype != x.dtype:
-        return f"{what} is not a ({n},) tensor of dtype {x.dtype}"
-    return _why_not_replicated(pl, what)
-
-
-def _region_norm_check(m, ops: dict) -> Optional[str]:
-    data = [r for r in ("x", "residual") if r in ops]
-    why = _same_data([ops[r] for r in data], data)
-    if why:
-        return why
-    x, pl = ops["x"]
-    n = x.shape[-1] if x.ndim else 0
-    if x.ndim == 0 or n > NORM_MAX_N:
-        return f"last dim {n} is not in 1..{NORM_MAX_N}"
-    return _first(_why_sharded(pl, x.ndim, (-1,), "input"), _vector(ops.get("weight"), n, x, "weight"),
-                  _vector(ops.get("bias"), n, x, "bias"))
-
-
-def _region_norm_launch(fn, m, vals: dict) -> tuple:
-    x = vals["x"]
-    gp = _param_grad_placements(x)
-    eps = m.const("eps")
-    eps = float(torch.finfo(x.dtype).eps if eps is None else eps)
-    params = [_local(vals.get("weight"), gp)] + ([_local(vals.get("bias"), gp)] if "layer" in m.kernel else [])
-    if "residual" not in vals:
-        return (_wrap(fn(_local(x), *params, eps), x, _placements(x), x.shape),)
-    y, h = fn(_local(x), _local(vals["residual"]), *params, eps)
-    return tuple(_wrap(t, x, _placements(x), x.shape) for t in (y, h))
-
-
-def _region_swiglu_check(m, ops: dict) -> Optional[str]:
-    return _first(_same_data([ops["a"], ops["b"]], ["a", "b"]), _why_partial(ops["a"][1], "a"))
-
-
-def _region_swiglu_launch(fn, m, vals: dict) -> tuple:
-    a = vals["a"]
-    return (_wrap(fn(_local(a), _local(vals["b"])), a, _placements(a), a.shape),)
-
-
-def _region_bias_gelu_check(m, ops: dict) -> Optional[str]:
-    x, pl = ops["x"]
-    if m.const("approximate", "none") not in ("none", "tanh"):
-        return f"approximate={m.const('approximate')!r}"
-    why = _spec_float(ops["x"], "input")
-    if why:
-        return why
-    return _first(_why_sharded(pl, x.ndim, (-1,), "input"), _vector(ops["bias"], x.shape[-1], x, "bias"))
-
-
-def _region_bias_gelu_launch(fn, m, vals: dict) -> tuple:
-    x = vals["x"]
-    y = fn(_local(x), _local(vals["bias"], _param_grad_placements(x)), m.const("approximate", "none"))
-    return (_wrap(y, x, _placements(x), x.shape),)
-
-
-def _region_rope_check(m, ops: dict) -> Optional[str]:
-    x, pl = ops["x"]
-    why = _spec_float(ops["x"], "x")
-    if why:
-        return why
-    if x.ndim < 2 or x.shape[-1] % 2:
-        return f"x {tuple(x.shape)} is not (..., T, D) with D even"
-    why = _why_sharded(pl, x.ndim, (-2, -1), "x")
-    if why:
-        return why
-    for role in ("cos", "sin"):
-        t, tpl = ops[role]
-        why = _spec_float(ops[role], role, x)
-        if why:
-            return why
-        if tuple(t.shape[-2:]) != tuple(x.shape[-2:]) or t.ndim > x.ndim or any(s != 1 for s in t.shape[:-2]):
-            return f"{role} {tuple(t.shape)} is not (T, D) = {tuple(x.shape[-2:])} (leading dims of 1 allowed)"
-        if t.requires_grad:
-            return f"{role} requires grad (the kernel gives cos and sin none)"
-        why = _why_not_replicated(tpl, role)
-        if why:
-            return why
-    return None
-
-
-def _region_rope_launch(fn, m, vals: dict) -> tuple:
-    x = vals["x"]
-    t, d = x.shape[-2:]
-    cos, sin = (_local(vals[r]).reshape(t, d).contiguous() for r in ("cos", "sin"))
-    return (_wrap(fn(_local(x), cos, sin), x, _placements(x), x.shape),)
-
-
-@dataclass(frozen=True)
-class RegionAdapter:
-    kernel: str                                              # kernels.registry name
-    check: Callable[[Any, dict], Optional[str]]              # (match, role -> Spec) -> why not
-    launch: Callable[[Callable, Any, dict], tuple]           # (fn, match, role -> value) -> outputs
-
-
-REGION_ADAPTERS: dict[str, RegionAdapter] = {a.kernel: a for a in (
-    RegionAdapter("add_rms_norm", _region_norm_check, _region_norm_launch),
-    RegionAdapter("add_layer_norm", _region_norm_check, _region_norm_launch),
-    RegionAdapter("rms_norm", _region_norm_check, _region_norm_launch),
-    RegionAdapter("swiglu", _region_swiglu_check, _region_swiglu_launch),
-    RegionAdapter("bias_gelu", _region_bias_gelu_check, _region_bias_gelu_launch),
-    RegionAdapter("rope", _region_rope_check, _region_rope_launch),
 )}
 
 
@@ -567,7 +316,7 @@ class FusedKernels:
         adapter = ADAPTERS.get(target)
         if adapter is None:
             return None
-        sig = tuple(_placements(a) for a in args if isinstance(a, torch.Tensor))
+        sig = tuple(placements_of(a) for a in args if isinstance(a, torch.Tensor))
         if not self.decide(key, adapter.kernel, sig, lambda: adapter.check(args, kwargs)):
             return None
         self.used.setdefault(key, adapter.kernel)
