@@ -14,31 +14,28 @@ import os
 
 import torch
 
+from kernels import _agree
+
 POISON_ENV = "AUTOPAR_KERNELS_POISON"
 # Memory-bound kernels pass this as Tuned(min_numel=...): below ~2 MB of bf16 a launch is
 # launch-bound and not worth timing configs for.
 TUNE_MIN_NUMEL = 1 << 20
 TUNE_ENV = "AUTOPAR_KERNELS_TUNE"
-TUNE_MODES = ("single", "always", "never")
+TUNE_MODES = ("agree", "local", "never")
 
 
-def tuning_allowed() -> bool:
-    """Whether ``Tuned`` may autotune, from AUTOPAR_KERNELS_TUNE:
-    "single" (default): only outside a multi-process torch.distributed world. Ranks would tune
-        independently and may pick configs with different reduction orders; where tensor-parallel
-        ranks compute the same replicated value (a LayerNorm weight gradient) its rounding would
-        then differ across ranks and replicated parameters could drift apart. Until ranks agree
-        on one choice, a distributed run takes every list's first config, the same on all ranks.
-    "always": tune anyway (data parallel only, where each rank's rows are its own).
-    "never": always the first config."""
-    mode = os.environ.get(TUNE_ENV, "").strip() or "single"
+def tuning_mode() -> str:
+    """How ``Tuned`` chooses a config on CUDA, from AUTOPAR_KERNELS_TUNE:
+    "agree" (default): autotune; in a multi-process torch.distributed world one rank tunes each
+        (kernel, key) and every rank launches its choice (``kernels._agree``), so ranks computing
+        the same replicated value round it the same way;
+    "local": every rank tunes on its own (when each rank's rows are its own, as in pure data
+        parallelism, this saves the wait);
+    "never": always the list's first (hand-picked) config."""
+    mode = os.environ.get(TUNE_ENV, "").strip() or "agree"
     if mode not in TUNE_MODES:
-        raise ValueError(f"{TUNE_ENV}={mode!r}: use one of {TUNE_MODES} (unset means 'single')")
-    if mode != "single":
-        return mode == "always"
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+        raise ValueError(f"{TUNE_ENV}={mode!r}: use one of {TUNE_MODES} (unset means 'agree')")
+    return mode
 
 
 def interpreting() -> bool:
@@ -143,14 +140,15 @@ def describe(config) -> str:
 class Tuned:
     """A ``@triton.jit`` kernel with an explicit list of launch configs.
 
-    On CUDA ``tuned[grid](*args)`` launches through ``triton.autotune`` (keyed on ``key`` plus the
-    dtypes of the tensor arguments): the first launch per key times every config and keeps the
-    fastest, so a config list that contains the previous fixed choice cannot end up slower than it
-    (up to timing noise). Under the interpreter there is nothing to time, and in a distributed
-    run ranks must not choose independently (``tuning_allowed``): it launches ``configs[0]``. ``tuned.launch(i, grid, *args)`` runs config ``i`` on any device (tests run each
-    config against the reference; benchmarks time them one by one). Every launch returns the
-    ``triton.Config`` that ran, for launchers whose follow-up work depends on it (how many rows of
-    a partial-sum buffer the chosen grid wrote, how many chunks a row was split into).
+    On CUDA, the first launch per key (``key`` plus the dtypes of the tensor arguments) times
+    every config through ``triton.autotune`` and keeps the fastest, so a config list that contains
+    the previous fixed choice cannot end up slower than it (up to timing noise). In a distributed
+    world one rank tunes each key and all ranks launch its choice (``tuning_mode``). Under the
+    interpreter there is nothing to time: it launches ``configs[0]``. ``tuned.launch(i, grid,
+    *args)`` runs config ``i`` on any device (tests run each config against the reference;
+    benchmarks time them one by one). Every launch returns the ``triton.Config`` that ran, for
+    launchers whose follow-up work depends on it (how many rows of a partial-sum buffer the chosen
+    grid wrote, how many chunks a row was split into).
 
     ``grid`` is a tuple or a function of the config's kwargs (as for ``triton.autotune``).
     Kernels that write into an input (in-place gradients) must name it in ``restore_value``, and
@@ -169,36 +167,75 @@ class Tuned:
         self.kernel = kernel
         self.name = kernel.__name__.strip("_")
         self.configs = tuple(configs)
+        self.key = tuple(key)
         self.min_numel = min_numel
+        self._by_description = {describe(c): c for c in self.configs}
+        self._agreed: dict[tuple, object] = {}     # key -> the config the world agreed on
         self._autotuner = triton.autotune(configs=list(self.configs), key=list(key), **autotune_kw)(kernel)
 
     def run(self, grid, *args, config=None, **kwargs):
-        """Launch ``config`` (an index into ``configs``, a ``triton.Config``, or None: the
-        autotuned choice on CUDA, ``configs[0]`` under the interpreter) and return the
-        ``triton.Config`` that ran. An explicit config's ``pre_hook`` runs first, as the
-        autotuner runs it (attention sizes its TMA boxes there)."""
-        timings = None
-        if config is None and not interpreting() and tuning_allowed() and (
-                not self.min_numel or args[0].numel() >= self.min_numel):
-            before = getattr(self._autotuner, "configs_timings", None)
-            self._autotuner[grid](*args, **kwargs)
-            c = self._autotuner.best_config
-            after = getattr(self._autotuner, "configs_timings", None)
-            timings = None if after is before else after
-        else:
-            c = config if hasattr(config, "kwargs") else self.configs[config or 0]
-            if c.pre_hook is not None:
-                c.pre_hook({**dict(zip(self.kernel.arg_names, args)), **kwargs, **c.kwargs})
-            g = grid(c.kwargs) if callable(grid) else grid
-            self.kernel[g](*args, **kwargs, **c.kwargs, num_warps=c.num_warps,
-                           num_stages=c.num_stages)
+        """Launch ``config`` (an index into ``configs``, a ``triton.Config``, or None: the tuned
+        choice on CUDA, ``configs[0]`` under the interpreter) and return the ``triton.Config``
+        that ran. An explicit config's ``pre_hook`` runs first, as the autotuner runs it
+        (attention sizes its TMA boxes there)."""
+        c, timings, launched = config, None, False
+        if config is None:
+            c = self.configs[0]
+            if not interpreting() and (not self.min_numel or args[0].numel() >= self.min_numel):
+                mode = tuning_mode()
+                if mode == "agree" and _agree.world_size() > 1:
+                    c, timings, launched = self._agreed_config(grid, args, kwargs)
+                elif mode != "never":
+                    c, timings, launched = self._autotune(grid, args, kwargs)
+        if not hasattr(c, "kwargs"):
+            c = self.configs[c or 0]
+        if not launched:
+            self._launch(c, grid, args, kwargs)
         for used in _recorders:
             entry = used.setdefault(self.name, {})
             entry["config"] = describe(c)
-            if timings:  # do_bench quantiles (median first); inf for a config that did not build
+            if timings:
+                # do_bench quantiles (median first); inf for a config that did not build
                 entry["tuning"] = {describe(k): (t[0] if isinstance(t, (list, tuple)) else t)
                                    for k, t in timings.items()}
         return c
+
+    def _launch(self, c, grid, args, kwargs) -> None:
+        if c.pre_hook is not None:
+            c.pre_hook({**dict(zip(self.kernel.arg_names, args)), **kwargs, **c.kwargs})
+        g = grid(c.kwargs) if callable(grid) else grid
+        self.kernel[g](*args, **kwargs, **c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+
+    def _autotune(self, grid, args, kwargs):
+        """Launch through the autotuner (which times every config on a new key, then runs the
+        best): (the config it ran, its timings if it timed them just now, launched=True)."""
+        before = getattr(self._autotuner, "configs_timings", None)
+        self._autotuner[grid](*args, **kwargs)
+        after = getattr(self._autotuner, "configs_timings", None)
+        return self._autotuner.best_config, (None if after is before else after), True
+
+    def _agreed_config(self, grid, args, kwargs):
+        """The world's config for this launch's key, as (config, timings, launched): tuned and
+        launched here by the autotuner if this rank claims the key first, else another rank's
+        choice (or this rank's earlier one), still to launch."""
+        named = {**dict(zip(self.kernel.arg_names, args)), **kwargs}
+        key = tuple(named[k] for k in self.key) + tuple(
+            str(v.dtype).removeprefix("torch.") for v in named.values() if hasattr(v, "dtype"))
+        if key in self._agreed:
+            return self._agreed[key], None, False
+        tuned = []
+
+        def tune() -> str:
+            tuned.append(self._autotune(grid, args, kwargs))
+            return describe(tuned[0][0])
+
+        choice = _agree.agreed_choice(f"{self.kernel.__module__}.{self.name}", key, tune)
+        if choice not in self._by_description:
+            raise RuntimeError(f"{self.name}: the agreed config {choice!r} is not in this rank's "
+                               f"list {sorted(self._by_description)}; every rank must run the same "
+                               "autopar version")
+        self._agreed[key] = self._by_description[choice]
+        return tuned[0] if tuned else (self._agreed[key], None, False)
 
     def launch(self, i: int, grid, *args, **kwargs):
         return self.run(grid, *args, config=i, **kwargs)

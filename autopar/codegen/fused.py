@@ -18,9 +18,10 @@ Modes (``autoparallelize(kernels=...)``):
 Autotuning and ranks: the kernels' launch configs (``kernels/_launch.Tuned``) differ in reduction
 order, and ranks tuning independently could pick different ones; where tp ranks compute the same
 replicated value (a LayerNorm over a Replicate activation, its weight gradient) the rounding would
-then differ across ranks and replicated parameters could drift apart. So a multi-process run
-launches every list's first config on all ranks (``_launch.tuning_allowed``; AUTOPAR_KERNELS_TUNE=
-always tunes anyway, fine with dp only). Agreeing on rank 0's tuned choice is the follow-up.
+then differ across ranks and replicated parameters could drift apart. So in a multi-process run
+one rank tunes each (kernel, key) and every rank launches its choice (``kernels/_agree.py``, through
+the process group's store; AUTOPAR_KERNELS_TUNE=local lets each rank tune alone, fine with dp only,
+and =never launches every list's first, hand-picked config).
 
 Adapter table (aten call of torch.export's training IR -> kernel call; every condition must hold):
 
