@@ -5,6 +5,7 @@ a rank-dependent config, so ranks choosing on their own would disagree."""
 from __future__ import annotations
 
 import datetime
+import os
 import time
 
 import pytest
@@ -180,8 +181,16 @@ def test_a_stuck_claimant_times_out_with_a_clear_error():
     assert "AUTOPAR_KERNELS_TUNE=never" in msg
 
 
+def _rank_device() -> None:
+    """Spawned ranks do not read conftest: under AUTOPAR_TEST_DEVICE=cuda their tensors go to the
+    GPU too (the kernels are compiled, not interpreted, there)."""
+    if os.environ.get("AUTOPAR_TEST_DEVICE", "cpu") == "cuda":
+        torch.set_default_device("cuda")
+
+
 def _tuned_launches(rank: int, world: int) -> dict:
     """Tuned's own path in a gloo world, each rank's stub preferring a different config."""
+    _rank_device()
     _launch.interpreting = lambda: False          # this process only: take the CUDA decision path
     tuned = _stubbed(prefer=rank)
     time.sleep(0.05 * rank)
@@ -195,3 +204,27 @@ def test_tuned_kernels_launch_the_same_config_on_every_rank():
     assert len({tuple(o["ran"]) for o in out}) == 1, out
     assert out[0]["ran"][0] == out[0]["ran"][1]
     assert sum(o["tuned_keys"] for o in out) == 2, out       # keys n=100 and n=37, once each
+
+
+def _real_tuning(rank: int, world: int) -> dict:
+    """Both ranks on the one GPU: LayerNorm forward and backward, autotuned for real."""
+    from kernels.norms import layer_norm
+
+    _rank_device()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    with _launch.recording() as used:
+        layer_norm(x, w, None).float().square().sum().backward()
+    torch.cuda.synchronize()
+    dist.barrier()
+    return {k: {"config": v["config"], "tuned": "tuning" in v} for k, v in used.items()}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="autotuning runs on CUDA only")
+def test_real_autotuning_agrees_across_ranks():
+    out = spawn_ranks(_real_tuning, 2, timeout_s=120)
+    assert out[0].keys() == out[1].keys() and len(out[0]) == 2, out     # forward and backward
+    for kernel in out[0]:
+        assert out[0][kernel]["config"] == out[1][kernel]["config"], (kernel, out)
+        assert out[0][kernel]["tuned"] + out[1][kernel]["tuned"] == 1, (kernel, out)
