@@ -42,7 +42,7 @@ The descriptors are made in one of two ways, chosen at every launch by ``descrip
 the environment variable AUTOPAR_ATTENTION_DESC:
   "host" (the default, the tutorial's Hopper path): the launcher builds
       ``triton.tools.tensor_descriptor.TensorDescriptor``s (``_desc``) and each config's pre_hook
-      (``_size_boxes``) sizes their boxes;
+      (``attention_configs._size_boxes``) sizes their boxes;
   "device" (the tutorial's path where the host cannot make descriptors): the launcher passes the
       tensors themselves and each kernel builds the same (B*H, T, D) descriptors with
       ``tl.make_tensor_descriptor`` (``_device_desc``), boxes from the config's constexpr tiles.
@@ -61,7 +61,7 @@ On the GPU fp32 inputs use full fp32 products (tl.dot input_precision="ieee", no
 default): slower than bf16 but accurate to ~1e-6 like the reference; bf16 uses the tensor cores.
 
 Launch configs (tiles, warps, pipeline stages) are ``_launch.Tuned`` lists per kernel
-(``FWD_CONFIGS``, ``DKDV_CONFIGS``, ``DQ_CONFIGS``): on CUDA the first call per (Tq, Tk, D,
+(``FWD_CONFIGS``, ``DKDV_CONFIGS``, ``DQ_CONFIGS``, in kernels/attention_configs.py): on CUDA the first call per (Tq, Tk, D,
 causal, dtype) times them all and keeps the fastest; the interpreter runs the first. Every entry
 builds for sm_90a in bf16 without register spills (tests/kernels/sm90_build.py prints the
 counts); fp32, whose products skip the tensor cores, spills in all of them and runs the first.
@@ -76,8 +76,6 @@ Run the tests:  TRITON_INTERPRET=1 pytest tests/kernels/test_kernel_attention.py
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -85,120 +83,11 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import _launch
+from kernels.attention_configs import (DKDV_CONFIGS, DQ_CONFIGS, FWD_CONFIGS, AttentionBlocks,
+                                       descriptor_mode)
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 LOG2E = 1.4426950408889634
-DESC_ENV = "AUTOPAR_ATTENTION_DESC"
-DESC_MODES = ("host", "device")
-
-
-def descriptor_mode() -> str:
-    """How the kernels get their TMA descriptors: "host" (the default: built by the launcher,
-    ``TensorDescriptor``) or "device" (built inside the kernels, ``tl.make_tensor_descriptor``),
-    from the environment variable AUTOPAR_ATTENTION_DESC, read at every launch (unset or empty:
-    "host"). See the module docstring for why both exist."""
-    mode = os.environ.get(DESC_ENV, "").strip() or "host"
-    if mode not in DESC_MODES:
-        raise ValueError(f"{DESC_ENV}={os.environ[DESC_ENV]!r} is not a descriptor mode; use one "
-                         f"of {DESC_MODES} (unset means 'host')")
-    return mode
-
-
-# --------------------------------------------------------------------------------------------
-# Launch configs
-# --------------------------------------------------------------------------------------------
-
-
-def _size_boxes(nargs):
-    """Config pre_hook (the tutorial's _tma_pre_hook): the host descriptors' TMA boxes follow the
-    config's tiles, BLOCK_M rows of q / dO and BLOCK_N rows of k / v. On the device path the
-    desc_* arguments are plain tensors (the kernels size their boxes) and are left alone."""
-    for name, block in (("desc_q", "BLOCK_M"), ("desc_do", "BLOCK_M"),
-                        ("desc_k", "BLOCK_N"), ("desc_v", "BLOCK_N")):
-        if isinstance(nargs.get(name), TensorDescriptor):
-            nargs[name].block_shape = [1, nargs[block], nargs["HEAD_D"]]
-
-
-def _config(block_m, block_n, warps, stages):
-    return triton.Config(dict(BLOCK_M=block_m, BLOCK_N=block_n), num_warps=warps,
-                         num_stages=stages, pre_hook=_size_boxes)
-
-
-# Every list starts with the tiles used before the lists existed (the interpreter runs that one)
-# and adds the tutorial's Hopper configs that build for sm_90a without spills at D=64 and D=128;
-# a config that runs out of shared memory on some Triton version is skipped by the autotuner.
-# Forward: BLOCK_M queries per program, BLOCK_N keys per iteration (BLOCK_M % BLOCK_N == 0 keeps
-# the diagonal on whole key blocks).
-FWD_CONFIGS = (
-    _config(128, 64, 8, 3),
-    _config(128, 128, 8, 3),  # the tutorial's Hopper (TMA) tile: 225 KB of shared memory at D=128
-    _config(128, 128, 8, 2),  # ... with one stage less (161 KB)
-    _config(128, 64, 4, 3),  # the tutorial's 4-warp tiles (one warpgroup per 128 rows)
-)
-# dK/dV: BLOCK_N keys per program, BLOCK_M queries per iteration (BLOCK_N % BLOCK_M == 0). Keyed by
-# the largest head dim a list serves: the dK and dV accumulators (BLOCK_N x D fp32 each) leave no
-# room for 128 keys per program at D=128 on 4 warps (kilobytes of spills), and the tutorial's
-# 32 x 128 tile also appears with 8 warps. 128 keys at D=128 on 8 warps and the tutorial's own
-# 32 x 128 on 4 warps (5 stages) at D=64 were first left out because builds without the alignment
-# attributes real launches have showed spills (116 and 140 bytes); built as launched
-# (sm90_build.py) neither spills (197 to 254 and 236 to 244 registers), so both are in.
-DKDV_CONFIGS = {
-    64: (
-        _config(64, 128, 8, 3),
-        _config(32, 128, 8, 3),
-        _config(32, 64, 4, 5),  # the tutorial's 4 warps and 5 stages
-        _config(64, 64, 4, 3),
-        _config(32, 128, 4, 5),  # the tutorial's dK/dV tile, warps and stages
-    ),
-    128: (
-        _config(32, 64, 4, 3),
-        _config(32, 64, 4, 5),
-        _config(64, 64, 4, 3),
-        _config(32, 128, 8, 3),
-    ),
-}
-# dQ: BLOCK_M queries per program, BLOCK_N keys per iteration (BLOCK_M % BLOCK_N == 0).
-DQ_CONFIGS = (
-    _config(128, 32, 8, 3),
-    _config(128, 32, 4, 5),  # the tutorial's dQ tile, warps and stages
-    _config(128, 64, 8, 3),
-)
-
-
-@dataclass(frozen=True)
-class AttentionBlocks:
-    """Fixed tiles and warps in place of the tuned lists (tests use small ones so that short
-    sequences cross several blocks); the defaults are the lists' first configs at D=128.
-    fwd_m % fwd_n == 0, bwd_kv_n % bwd_kv_m == 0 and bwd_q_m % bwd_q_n == 0 keep the diagonal
-    aligned to whole blocks; all are powers of two >= 16."""
-
-    fwd_m: int = 128  # query rows per forward program
-    fwd_n: int = 64  # keys per forward iteration
-    fwd_warps: int = 8
-    bwd_kv_n: int = 64  # keys per dK/dV program
-    bwd_kv_m: int = 32  # queries per dK/dV iteration
-    bwd_kv_warps: int = 4
-    bwd_q_m: int = 128  # queries per dQ program
-    bwd_q_n: int = 32  # keys per dQ iteration
-    bwd_q_warps: int = 8
-    num_stages: int = 3
-
-    def __post_init__(self):
-        sizes = (self.fwd_m, self.fwd_n, self.bwd_kv_n, self.bwd_kv_m, self.bwd_q_m, self.bwd_q_n)
-        if any(s < 16 or s & (s - 1) for s in sizes):
-            raise ValueError(f"AttentionBlocks: tile sizes {sizes} must be powers of two >= 16")
-        if self.fwd_m % self.fwd_n or self.bwd_kv_n % self.bwd_kv_m or self.bwd_q_m % self.bwd_q_n:
-            raise ValueError(f"AttentionBlocks: need fwd_m % fwd_n == 0, bwd_kv_n % bwd_kv_m == 0, "
-                             f"bwd_q_m % bwd_q_n == 0; got {sizes}")
-
-    def configs(self):
-        """(forward, dK/dV, dQ) launch configs."""
-        s = self.num_stages
-        return (_config(self.fwd_m, self.fwd_n, self.fwd_warps, s),
-                _config(self.bwd_kv_m, self.bwd_kv_n, self.bwd_kv_warps, s),
-                _config(self.bwd_q_m, self.bwd_q_n, self.bwd_q_warps, s))
-
-
 # --------------------------------------------------------------------------------------------
 # References
 # --------------------------------------------------------------------------------------------
@@ -355,6 +244,17 @@ def _bwd_preprocess_kernel(O, DO, DLSE, DELTA, n_rows, HAS_DLSE: tl.constexpr,
 
 
 @triton.jit
+def _bwd_descs(desc_q, desc_k, desc_v, desc_do, T_Q, T_K, HEAD_D: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEVICE_DESC: tl.constexpr):
+    """The backward kernels' four descriptors (``_device_desc``): q and dO in boxes of BLOCK_M
+    rows, k and v in boxes of BLOCK_N."""
+    return (_device_desc(desc_q, T_Q, HEAD_D, BLOCK_M, DEVICE_DESC),
+            _device_desc(desc_k, T_K, HEAD_D, BLOCK_N, DEVICE_DESC),
+            _device_desc(desc_v, T_K, HEAD_D, BLOCK_N, DEVICE_DESC),
+            _device_desc(desc_do, T_Q, HEAD_D, BLOCK_M, DEVICE_DESC))
+
+
+@triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, desc_q, desc_do, lse_base, delta_base, bh, offs_n, lo, hi,
                     T_Q, qk_scale, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     MASK: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
@@ -389,10 +289,8 @@ def _attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, LSE, DELTA, DK, DV, T
                           sm_scale, qk_scale, CAUSAL: tl.constexpr, HEAD_D: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
                           DEVICE_DESC: tl.constexpr):
-    desc_q = _device_desc(desc_q, T_Q, HEAD_D, BLOCK_M, DEVICE_DESC)
-    desc_do = _device_desc(desc_do, T_Q, HEAD_D, BLOCK_M, DEVICE_DESC)
-    desc_k = _device_desc(desc_k, T_K, HEAD_D, BLOCK_N, DEVICE_DESC)
-    desc_v = _device_desc(desc_v, T_K, HEAD_D, BLOCK_N, DEVICE_DESC)
+    desc_q, desc_k, desc_v, desc_do = _bwd_descs(desc_q, desc_k, desc_v, desc_do, T_Q, T_K, HEAD_D,
+                                                 BLOCK_M, BLOCK_N, DEVICE_DESC)
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     bh64 = bh.to(tl.int64)
@@ -456,10 +354,8 @@ def _attn_bwd_dq_kernel(desc_q, desc_k, desc_v, desc_do, LSE, DELTA, DQ, T_Q, T_
                         qk_scale, CAUSAL: tl.constexpr, HEAD_D: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
                         DEVICE_DESC: tl.constexpr):
-    desc_q = _device_desc(desc_q, T_Q, HEAD_D, BLOCK_M, DEVICE_DESC)
-    desc_do = _device_desc(desc_do, T_Q, HEAD_D, BLOCK_M, DEVICE_DESC)
-    desc_k = _device_desc(desc_k, T_K, HEAD_D, BLOCK_N, DEVICE_DESC)
-    desc_v = _device_desc(desc_v, T_K, HEAD_D, BLOCK_N, DEVICE_DESC)
+    desc_q, desc_k, desc_v, desc_do = _bwd_descs(desc_q, desc_k, desc_v, desc_do, T_Q, T_K, HEAD_D,
+                                                 BLOCK_M, BLOCK_N, DEVICE_DESC)
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     bh = tl.program_id(1)
     bh64 = bh.to(tl.int64)

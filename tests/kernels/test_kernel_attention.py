@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from kernels_testutil import KERNEL_SETTINGS, ON_CUDA, assert_close, make_generator
 
 from kernels import attention as at
+from kernels import attention_configs as ac
 
 # Small tiles so that sequences of a few dozen tokens cross several blocks and the diagonal.
 SMALL = at.AttentionBlocks(fwd_m=32, fwd_n=16, fwd_warps=4, bwd_kv_n=32, bwd_kv_m=16,
@@ -25,14 +26,14 @@ SMALL = at.AttentionBlocks(fwd_m=32, fwd_n=16, fwd_warps=4, bwd_kv_n=32, bwd_kv_
 OUT_TOL = {torch.float32: (2e-5, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
 LSE_TOL = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (1e-4, 1e-5)}  # fp32 math either way
 GRAD_TOL = {torch.float32: (1e-4, 1e-3), torch.bfloat16: (5e-2, 5e-2)}
-MODES = (at.descriptor_mode(),) if ON_CUDA else at.DESC_MODES
+MODES = (at.descriptor_mode(),) if ON_CUDA else ac.DESC_MODES
 
 
 @contextlib.contextmanager
 def desc_mode(mode):
     """Run the block with AUTOPAR_ATTENTION_DESC=mode (a context manager rather than the
     monkeypatch fixture, which hypothesis tests cannot take)."""
-    with mock.patch.dict(os.environ, {at.DESC_ENV: mode}):
+    with mock.patch.dict(os.environ, {ac.DESC_ENV: mode}):
         yield
 
 
@@ -188,12 +189,12 @@ def test_merge_with_empty_partial():
 
 
 def test_descriptor_mode_selection(monkeypatch):
-    monkeypatch.delenv(at.DESC_ENV, raising=False)
+    monkeypatch.delenv(ac.DESC_ENV, raising=False)
     assert at.descriptor_mode() == "host"
     for mode in ("host", "device"):
-        monkeypatch.setenv(at.DESC_ENV, mode)
+        monkeypatch.setenv(ac.DESC_ENV, mode)
         assert at.descriptor_mode() == mode
-    monkeypatch.setenv(at.DESC_ENV, "Device ")  # no guessing: the exact names only
+    monkeypatch.setenv(ac.DESC_ENV, "Device ")  # no guessing: the exact names only
     with pytest.raises(ValueError, match="AUTOPAR_ATTENTION_DESC='Device ' is not a descriptor"):
         at.descriptor_mode()
     q = torch.zeros(1, 1, 4, 16)
