@@ -366,6 +366,8 @@ class GraphExecutor:
         elif p.target == VOCAB_CE_TARGET and vocab_parallel_ce(args, kwargs, self.mesh):
             out = VocabParallelCE.apply(args[0], args[1], ce_arg(args, kwargs, 3, "reduction", 1),
                                          ce_arg(args, kwargs, 4, "ignore_index", -100))
+        elif p.target == fallback.ASSERT_METADATA and isinstance(args[0], DTensor):
+            out = fallback.assert_global_metadata(*args, **kwargs)
         elif (fused := self._fused(p, args, kwargs)) is not None:
             out = fused
         else:

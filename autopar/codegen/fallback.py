@@ -10,6 +10,10 @@ inputs to them (autograd-correct), runs the op on ``to_local()`` tensors and wra
                                    k and v Replicate) only without mask and without is_causal
                                    (a causal mask is relative to the global position)
     anything else                  Replicate on every axis (always exact, costs a gather)
+
+``aten._assert_tensor_metadata`` (torch.export writes it after dtype casts, e.g. in HF's mask
+building) is not run at all on shards: ``assert_global_metadata`` checks its size, stride, dtype,
+device and layout against the DTensor's global metadata, without communication.
 """
 from __future__ import annotations
 
@@ -19,6 +23,20 @@ SDPA_TARGETS = frozenset({
     "aten.scaled_dot_product_attention.default",
     "aten._scaled_dot_product_flash_attention_for_cpu.default",
 })
+
+
+ASSERT_METADATA = "aten._assert_tensor_metadata.default"
+
+
+def assert_global_metadata(a, size=None, stride=None, dtype=None, *, device=None, layout=None) -> None:
+    """``aten._assert_tensor_metadata`` against DTensor ``a``'s global metadata (what the traced
+    graph saw), through the aten op itself on a meta stand-in; the device is compared here."""
+    import torch
+
+    stand_in = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+    torch.ops.aten._assert_tensor_metadata(stand_in, size, stride, dtype, layout=layout)
+    if device is not None and torch.device(device) != a.device:
+        raise RuntimeError(f"Tensor device mismatch! Expected: {device}, Got: {a.device}")
 
 
 def _arg(args: Sequence[Any], kwargs: dict, i: int, name: str, default=None):
