@@ -421,7 +421,10 @@ class GraphExecutor:
         sig = (p.target, tuple(tuple(a.placements) for a in dts))
         if sig not in self._probed:
             self._probed.add(sig)
-            if self._lacks_rule(node, p, args, kwargs):
+            # CPU attention has no DTensor rule, and finding that out through DTensor's
+            # decomposition-based propagation takes minutes with a mask (HF LLaMA): not probed
+            if (p.target in fallback.SDPA_TARGETS and self.device.type == "cpu") or \
+                    self._lacks_rule(node, p, args, kwargs):
                 self.fallbacks.add(p.target)
                 self._fallback_sigs.add(sig)
         if sig in self._fallback_sigs:
