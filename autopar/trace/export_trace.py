@@ -17,6 +17,8 @@ Output reduction (``primary_output``): a tensor is used as is; an object or mapp
 tensor ``logits`` (HuggingFace ``ModelOutput``) gives ``logits``; otherwise the first tensor found
 in a dataclass / mapping (in field order) or tuple / list (nanoGPT's ``(logits, loss)``).
 Modules whose ``forward`` takes ``use_cache`` (HuggingFace) are called with ``use_cache=False``.
+Attention masks that are constant and causal (HuggingFace builds them in ``forward``) become
+``is_causal=True`` (``causal_masks.py``).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopar.ir import GraphIR
+from autopar.trace.causal_masks import fold_causal_masks
 from autopar.trace.build_ir import WRAPPER_ATTR, build_graph_ir, canonical_names, chain_violations
 from autopar.trace.errors import TraceError, trace_error_from
 from autopar.trace.repeats import collapsed_clone, find_repeats, not_sequential
@@ -175,6 +178,7 @@ def trace_model(module: nn.Module, example_inputs: Any, *, loss_fn: Optional[Cal
                           "tracing every copy instead", stacklevel=2)
             collapsed = frozenset()
             continue
+        fold_causal_masks(ep.graph_module)
         while True:
             ir = build_graph_ir(ep, wrapper, names, repeats, collapsed, num_inputs=len(inputs),
                                 has_target=example_target is not None, model_name=model_name)

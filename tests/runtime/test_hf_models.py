@@ -1,7 +1,7 @@
 """HuggingFace models, built from a config as people write them, through ``autoparallelize`` on
 2 gloo ranks with fused kernels on (Triton's interpreter): losses over 3 SGD steps equal the
-same model trained on one process, and the regions the matcher finds in HF's code are substituted.
-(HF LLaMA's attention takes a mask, which the fused attention declines: DTensor's fallback runs it.)"""
+same model trained on one process, and the regions the matcher finds in HF's code are substituted
+(attention too: the causal mask HF builds in forward folds to is_causal=True at trace time)."""
 from __future__ import annotations
 
 import pytest
@@ -70,9 +70,9 @@ def _reference(which: str) -> list[float]:
 
 
 @pytest.mark.parametrize("which,force,fused", [
-    ("llama", "dp=2", {"rms_norm", "rope", "swiglu", "cross_entropy"}),
-    ("llama", "tp=2", {"rms_norm", "rope", "swiglu", "cross_entropy"}),
-    ("gpt2", "tp=2", {"add_layer_norm", "layer_norm", "cross_entropy"}),
+    ("llama", "dp=2", {"rms_norm", "rope", "swiglu", "attention", "cross_entropy"}),
+    ("llama", "tp=2", {"rms_norm", "rope", "swiglu", "attention", "cross_entropy"}),
+    ("gpt2", "tp=2", {"add_layer_norm", "layer_norm", "attention", "cross_entropy"}),
 ])
 def test_hf_model_trains_like_one_process(which, force, fused):
     out = spawn_ranks(_train, 2, (which, force), timeout_s=120)

@@ -1,0 +1,87 @@
+"""Constant causal attention masks fold to is_causal=True (autopar/trace/causal_masks.py); every
+other mask stays as traced, and the traced graph computes what the model computes."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autopar.trace import run_graph, trace_model
+from autopar.trace.causal_masks import fold_causal_masks, is_causal_mask
+
+T = 8
+
+
+class MaskedAttention(nn.Module):
+    """One attention layer whose mask ``kind`` is built in forward, as HF does."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.qkv = nn.Linear(16, 48)
+        self.out = nn.Linear(16, 32)
+
+    def mask(self, tokens):
+        i = torch.arange(T, device=tokens.device)
+        keep = i[None, :] <= i[:, None]                                   # causal
+        if self.kind == "sliding":
+            keep = keep & (i[:, None] - i[None, :] < 3)
+        if self.kind == "padding":                                       # depends on the input
+            keep = keep & (tokens != 0)[:, None, None, :]
+        if self.kind == "additive":
+            return torch.zeros(T, T, device=tokens.device).masked_fill(~keep, float("-inf"))
+        return keep[None, None].expand(tokens.shape[0], 1, T, T) if keep.dim() == 2 else keep
+
+    def forward(self, tokens):
+        x = F.one_hot(tokens, 16).float()
+        q, k, v = self.qkv(x).view(tokens.shape[0], T, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(tokens))
+        return self.out(y.transpose(1, 2).reshape(tokens.shape[0], T, 16))
+
+
+def _loss(logits, target):
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def _sdpa_calls(ir):
+    return [n for n in ir.graph_module.graph.nodes
+            if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+
+
+@pytest.mark.parametrize("kind,folds", [("causal", True), ("additive", True), ("sliding", False),
+                                        ("padding", False)])
+def test_only_constant_causal_masks_fold(kind, folds):
+    torch.manual_seed(0)
+    model = MaskedAttention(kind)
+    tokens = torch.randint(0, 16, (3, T))
+    tokens[0, :2] = 0                                           # some padding for "padding"
+    ir = trace_model(model, (tokens,), loss_fn=_loss, example_target=tokens, collapse_repeats=False)
+    (call,) = _sdpa_calls(ir)
+    assert (call.kwargs.get("is_causal") is True and len(call.args) == 3) is folds, call.format_node()
+    if folds:        # the mask's subgraph is gone (nothing else used it), assertions included
+        targets = {str(n.target) for n in ir.graph_module.graph.nodes}
+        assert not {"aten.arange.default", "aten.le.Tensor", "aten.masked_fill.Scalar"} & targets
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    torch.testing.assert_close(run_graph(ir, tensors, (tokens,), tokens), _loss(model(tokens), tokens))
+
+
+def test_is_causal_mask():
+    keep = torch.ones(4, 6, dtype=torch.bool).tril()
+    assert is_causal_mask(keep, 4, 6)                               # top-left, as sdpa's is_causal
+    assert not is_causal_mask(torch.ones(4, 6, dtype=torch.bool).tril(2), 4, 6)   # bottom-right
+    assert is_causal_mask(keep.expand(2, 3, 4, 6), 4, 6)
+    assert not is_causal_mask(keep[None, None], 4, 7) and not is_causal_mask(keep[0], 1, 6)
+    additive = torch.zeros(4, 6).masked_fill(~keep, float("-inf"))
+    assert is_causal_mask(additive, 4, 6)
+    assert not is_causal_mask(additive.masked_fill(~keep, -1e9), 4, 6)   # -1e9 is not -inf
+    assert not is_causal_mask(keep.long(), 4, 6)
+
+
+def test_large_masks_are_left_alone():
+    model = MaskedAttention("causal")
+    tokens = torch.zeros(3, T, dtype=torch.long)
+    ep = torch.export.export(model, (tokens,), strict=False)
+    gm = ep.graph_module
+    assert fold_causal_masks(gm, max_elements=T * T - 1) == 0      # the (T, T) comparison is too big
+    assert fold_causal_masks(gm) == 1 and fold_causal_masks(gm) == 0
