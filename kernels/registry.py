@@ -10,7 +10,7 @@ OpOverload) of ``torch.export``'s training IR, which GraphIR records ("aten.laye
 single-op pattern replaces that op; a longer one is a connected region (add -> gelu for bias_gelu;
 the mul/chunk/neg/cat/mul/add of rotate-half RoPE), which ``autopar/codegen/patterns.py`` matches,
 arguments and users included, before substituting (it also knows the variants: slices instead of
-chunk, LLaMA's hand-written RMSNorm for rms_norm). Argument conventions differ from aten's in places (rms_norm's eps defaults to
+chunk, LLaMA's hand-written RMSNorm for rms_norm, GPT-2's hand-written tanh GeLU for gelu). Argument conventions differ from aten's in places (rms_norm's eps defaults to
 1e-6, not finfo.eps; attention also returns lse): the caller maps them. Kernels with no aten
 counterpart (LAMB) have an empty pattern and are reached by name only. The Triton and reference
 callables of an entry take the same arguments; the Triton one may take extra keyword-only tuning

@@ -59,7 +59,8 @@ Adapter table (aten call of torch.export's training IR -> kernel call; every con
 
 Multi-node regions (``patterns.py`` finds them, ``fused_regions.REGION_ADAPTERS`` checks and launches):
 residual add + LayerNorm/RMSNorm (one kernel returning the normed value and the new residual),
-hand-written RMSNorm (LLaMA's pow/mean/add/rsqrt/mul/mul), rotate-half RoPE, SwiGLU, bias + GeLU.
+hand-written RMSNorm (LLaMA's pow/mean/add/rsqrt/mul/mul), rotate-half RoPE, SwiGLU, bias + GeLU,
+hand-written tanh GeLU (GPT-2's gelu_new).
 The executor defers a region's members to its anchor and runs the kernel there when every
 internal edge of the plan keeps the data operand's placements and the adapter accepts; otherwise
 the members run one by one.

@@ -11,6 +11,7 @@ operand's placements). Conditions, per kernel:
       (aten.rms_norm's eps=None: finfo(dtype).eps, as aten).
   swiglu: a and b float, one dtype, shape and placements, not Partial.
   bias_gelu: x float, not Partial nor sharded on its last dim; bias (N,) of x's dtype, Replicate.
+  gelu (hand-written tanh GeLU): x float, not Partial (elementwise: any shard is exact).
   rope: x (..., T, D) float, D even, not Partial nor sharded on T or D; cos and sin (T, D) of x's
       dtype, possibly with leading dims of 1 (HF's (1, 1, T, D)), Replicate, not requiring grad
       (the kernel gives them none).
@@ -115,6 +116,17 @@ def _region_bias_gelu_launch(fn, m, vals: dict) -> tuple:
     return (wrap_local(y, x, placements_of(x), x.shape),)
 
 
+def _region_gelu_check(m, ops: dict) -> Optional[str]:
+    x, pl = ops["x"]
+    return first_reason(_spec_float(ops["x"], "input"), why_partial(pl, "input"))
+
+
+def _region_gelu_launch(fn, m, vals: dict) -> tuple:
+    x = vals["x"]
+    y = fn(to_local(x), None, m.const("approximate"))
+    return (wrap_local(y, x, placements_of(x), x.shape),)
+
+
 def _region_rope_check(m, ops: dict) -> Optional[str]:
     x, pl = ops["x"]
     why = _spec_float(ops["x"], "x")
@@ -160,5 +172,6 @@ REGION_ADAPTERS: dict[str, RegionAdapter] = {a.kernel: a for a in (
     RegionAdapter("rms_norm", _region_norm_check, _region_norm_launch),
     RegionAdapter("swiglu", _region_swiglu_check, _region_swiglu_launch),
     RegionAdapter("bias_gelu", _region_bias_gelu_check, _region_bias_gelu_launch),
+    RegionAdapter("gelu", _region_gelu_check, _region_gelu_launch),
     RegionAdapter("rope", _region_rope_check, _region_rope_launch),
 )}

@@ -14,6 +14,8 @@ as torch.export's training IR writes them (operands of add/mul in either order):
   add_layer_norm h = add(a, b); aten.layer_norm(h)  -> (y, h)
   swiglu         mul(silu(a), b)
   bias_gelu      gelu(add(x, bias)), bias 1-D of x's last dim
+  gelu           tanh GeLU, hand-written (GPT-2's gelu_new, HF's NewGELUActivation, nanoGPT):
+                   mul(mul(x, 0.5), add(tanh(mul(add(x, mul(pow(x, 3), 0.044715)), sqrt(2/pi))), 1))
   rope           add(mul(x, cos), mul(cat([neg(x2), x1], -1), sin)), x1, x2 the halves of x's
                  last dim by chunk(x, 2, -1) or by two slices (LLaMA's and HF's rotate_half)
 
@@ -29,6 +31,7 @@ the fused call to be exact.
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -271,6 +274,42 @@ def _bias_gelu_match(anchor: fx.Node, order: dict) -> Optional[Match]:
                  ((anchor.name, 0),), (("approximate", approximate),), _internal((add, anchor)))
 
 
+def _scalar_of(n, target: str, value: float) -> Optional[fx.Node]:
+    """``target(p, value)`` (either order, ``value`` to 1e-6 relative): p, a node."""
+    if not _is(n, target):
+        return None
+    hit = _binary(n, lambda c: isinstance(c, (int, float)) and not isinstance(c, bool)
+                  and abs(c - value) <= 1e-6 * abs(value))
+    return hit[1] if hit is not None and isinstance(hit[1], fx.Node) else None
+
+
+def _tanh_gelu_match(anchor: fx.Node, order: dict) -> Optional[Match]:
+    """``mul(mul(x, 0.5), add(tanh(mul(add(x, mul(pow(x, 3), 0.044715)), sqrt(2/pi))), 1))``,
+    GPT-2's gelu_new as HF (NewGELUActivation) and nanoGPT write it: gelu(x, approximate="tanh")."""
+    if not _is(anchor, MUL) or len(anchor.args) != 2:
+        return None
+    for half, onep in (anchor.args, anchor.args[::-1]):
+        x = _scalar_of(half, MUL, 0.5)
+        tanh = _scalar_of(onep, ADD, 1.0)
+        if x is None or not _is(tanh, "aten.tanh.default") or half is onep:
+            continue
+        inner = tanh.args[0]
+        s = _scalar_of(inner, MUL, math.sqrt(2 / math.pi))
+        hit = _binary(s, lambda a: a is x) if _is(s, ADD) else None
+        cube = _scalar_of(hit[1], MUL, 0.044715) if hit is not None else None
+        if not (_is(cube, "aten.pow.Tensor_Scalar") and cube.args[0] is x and cube.args[1] == 3):
+            continue
+        chain = [cube, hit[1], s, inner, tanh, onep, anchor]       # each used by the next one only
+        if not (all(_single_user(n, user) for n, user in zip(chain, chain[1:]))
+                and _single_user(half, anchor)):
+            continue
+        members = sorted([*chain, half], key=order.__getitem__)
+        first = next(m for m in members if x in node_inputs(m))
+        return Match("gelu", tuple(m.name for m in members), (("x", Operand(first.name, _index(first, x))),),
+                     ((anchor.name, 0),), (("approximate", "tanh"),), _internal(members))
+    return None
+
+
 # ---- RoPE (rotate-half) ----------------------------------------------------------------------------
 
 def _getitem(n, i: int) -> bool:
@@ -345,7 +384,7 @@ def _internal(members) -> tuple[tuple[str, str, int], ...]:
                  if a.name in inside)
 
 
-MATCHERS = (_norm_match, _rope_match, _swiglu_match, _bias_gelu_match)
+MATCHERS = (_norm_match, _rope_match, _swiglu_match, _bias_gelu_match, _tanh_gelu_match)
 
 
 def find_fusions(graph: fx.Graph) -> tuple[Match, ...]:

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 
@@ -114,6 +115,27 @@ def test_refusals():
     assert not set(adds) & members                          # cases 1 and 3: no residual folded
 
 
+class TanhGelus(nn.Module):
+    """GPT-2's gelu_new as HF writes it (NewGELUActivation) and as nanoGPT did, then two that
+    must not match: a wrong constant, and an intermediate read elsewhere."""
+
+    def forward(self, x):
+        hf = 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+        nano = 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
+        wrong = 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.04 * torch.pow(x, 3.0))))
+        t = torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0)))
+        shared = 0.5 * x * (1.0 + t) + t
+        return hf, nano, wrong, shared
+
+
+def test_handwritten_tanh_gelu():
+    found = _matches(TanhGelus(), torch.randn(2, 3, 8))
+    assert _kinds(found) == {"gelu": 2}
+    for f in found:
+        assert f.const("approximate") == "tanh" and len(f.members) == 8
+        assert [r for r, _ in f.operands] == ["x"]
+
+
 # ---- (b) region adapters ---------------------------------------------------------------------------
 
 def _rand(*shape, seed=0, grad=True):
@@ -150,6 +172,8 @@ REGIONS = [   # (kernel, consts, operands builder, eager region -> outputs)
      lambda o: (torch.nn.functional.silu(o["a"]) * o["b"],)),
     ("bias_gelu", {"approximate": "tanh"}, lambda: {"x": _rand(3, 5, 36), "bias": _rand(36, seed=1)},
      lambda o: (torch.nn.functional.gelu(o["x"] + o["bias"], approximate="tanh"),)),
+    ("gelu", {"approximate": "tanh"}, lambda: {"x": _rand(3, 5, 36)},
+     lambda o: (0.5 * o["x"] * (1 + torch.tanh(math.sqrt(2 / math.pi) * (o["x"] + 0.044715 * o["x"] ** 3))),)),
     ("rope", {}, lambda: {"x": _rand(2, 3, 7, 16), "cos": _rand(7, 16, seed=1, grad=False),
                           "sin": _rand(7, 16, seed=2, grad=False)},
      lambda o: (o["x"] * o["cos"] + _rotate(o["x"]) * o["sin"],)),
@@ -199,6 +223,8 @@ R, S0, S1, S2, S3, P = (Replicate(),), (Shard(0),), (Shard(1),), (Shard(2),), (S
     ("swiglu", {}, lambda: {"a": (_rand(4, 8), R), "b": (_rand(4, 1), R)}, "shape"),
     ("bias_gelu", {}, lambda: {"x": (_rand(4, 8), S1), "bias": (_rand(8), R)}, "sharded on dim 1"),
     ("bias_gelu", {"approximate": "sigmoid"}, lambda: {"x": (_rand(4, 8), R), "bias": (_rand(8), R)}, "approximate"),
+    ("gelu", {"approximate": "tanh"}, lambda: {"x": (_rand(4, 8), P)}, "Partial"),
+    ("gelu", {"approximate": "tanh"}, lambda: {"x": (_rand(4, 8).long(), R)}, "fp32/bf16"),
     ("rope", {}, lambda: {"x": (_rand(1, 2, 4, 8), S2), "cos": (_rand(4, 8, grad=False), R),
                           "sin": (_rand(4, 8, grad=False), R)}, "sharded on dim 2"),
     ("rope", {}, lambda: {"x": (_rand(1, 2, 4, 8), S1), "cos": (_rand(4, 8), R),
@@ -224,3 +250,9 @@ def test_region_adapter_accepts_batch_and_head_shards():
     ok = REGION_ADAPTERS["add_layer_norm"].check(_match("add_layer_norm"), {
         "x": (_rand(2, 4, 8), S1), "residual": (_rand(2, 4, 8), S1), "weight": (_rand(8), R)})
     assert ok is None
+
+
+def test_tanh_gelu_region_accepts_any_shard():
+    """Elementwise, so a column-parallel MLP's hidden (sharded on its last dim) runs fused."""
+    for pl in (R, S0, S1):
+        assert REGION_ADAPTERS["gelu"].check(_match("gelu", approximate="tanh"), {"x": (_rand(4, 8), pl)}) is None

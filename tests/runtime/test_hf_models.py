@@ -72,7 +72,7 @@ def _reference(which: str) -> list[float]:
 @pytest.mark.parametrize("which,force,fused", [
     ("llama", "dp=2", {"rms_norm", "rope", "swiglu", "attention", "cross_entropy"}),
     ("llama", "tp=2", {"rms_norm", "rope", "swiglu", "attention", "cross_entropy"}),
-    ("gpt2", "tp=2", {"add_layer_norm", "layer_norm", "attention", "cross_entropy"}),
+    ("gpt2", "tp=2", {"add_layer_norm", "layer_norm", "attention", "gelu", "cross_entropy"}),
 ])
 def test_hf_model_trains_like_one_process(which, force, fused):
     out = spawn_ranks(_train, 2, (which, force), timeout_s=120)
