@@ -11,7 +11,7 @@ autopar's fused kernel, and its shards cannot stay local (a mask is given in glo
 model's inputs or weights decide), evaluates that subgraph once on the CPU, and, when the mask is
 exactly causal -- ``mask[..., i, j]`` keeps key j iff j <= i, the lower triangle
 ``scaled_dot_product_attention(is_causal=True)`` uses, broadcast over batch and heads; a bool mask
-or an additive float one of 0 and -inf -- rewrites the call to ``attn_mask=None,
+or an additive float one of 0 and -inf (or finfo.min) -- rewrites the call to ``attn_mask=None,
 is_causal=True`` and erases the mask subgraph (with the metadata assertions on it) when nothing
 else uses it. Anything else (a padding mask from an input, a sliding window, a mask whose
 subgraph holds more than ``MAX_ELEMENTS`` elements in one tensor) is left exactly as traced.
@@ -70,17 +70,19 @@ def _evaluate(nodes: list[fx.Node]) -> torch.Tensor:
 
 
 def is_causal_mask(mask: torch.Tensor, tq: int, tk: int) -> bool:
-    """Whether ``mask`` (bool: True keeps; float: 0 keeps, -inf drops) is exactly the top-left
-    lower triangle of (tq, tk) that ``is_causal=True`` applies, broadcast over leading dims."""
+    """Whether ``mask`` is exactly the top-left lower triangle of (tq, tk) that ``is_causal=True``
+    applies, broadcast over leading dims. bool: True keeps. float (additive): 0 keeps; -inf or the
+    dtype's most negative value drops (older HF fills with ``finfo.min``: every causal row keeps
+    its diagonal, so exp of such a score underflows to exactly 0, as with -inf)."""
     if mask.dim() < 2 or tuple(mask.shape[-2:]) != (tq, tk):
         return False
-    keep = torch.ones(tq, tk, dtype=torch.bool).tril()
+    keep = torch.ones(tq, tk, dtype=torch.bool).tril().expand_as(mask)
     if mask.dtype == torch.bool:
-        return torch.equal(mask, keep.expand_as(mask))
+        return torch.equal(mask, keep)
     if not mask.is_floating_point():
         return False
-    want = torch.zeros(tq, tk, dtype=mask.dtype).masked_fill(~keep, float("-inf"))
-    return torch.equal(mask, want.expand_as(mask))
+    dropped = (mask == float("-inf")) | (mask == torch.finfo(mask.dtype).min)
+    return bool(torch.equal(~dropped, keep) and (mask[keep] == 0).all())
 
 
 def _sdpa_parts(node: fx.Node) -> tuple[Optional[fx.Node], bool]:
@@ -102,18 +104,15 @@ def _rewrite(node: fx.Node) -> None:
     node.kwargs = kwargs
 
 
-def _erase_unused(nodes: list[fx.Node]) -> int:
+def _erase_unused(nodes: list[fx.Node]) -> None:
     """Erase, latest first, those of ``nodes`` whose only users are metadata assertions on them
     (erased with them) or nodes already erased."""
     graph = nodes[0].graph
-    erased = 0
     for n in reversed(nodes):
         if all(u.target is ASSERT_METADATA and u.args[0] is n for u in n.users):
             for u in list(n.users):
                 graph.erase_node(u)
             graph.erase_node(n)
-            erased += 1
-    return erased
 
 
 def fold_causal_masks(gm: fx.GraphModule, max_elements: int = MAX_ELEMENTS) -> int:

@@ -34,8 +34,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopar.ir import GraphIR
-from autopar.trace.causal_masks import fold_causal_masks
 from autopar.trace.build_ir import WRAPPER_ATTR, build_graph_ir, canonical_names, chain_violations
+from autopar.trace.causal_masks import fold_causal_masks
 from autopar.trace.errors import TraceError, trace_error_from
 from autopar.trace.repeats import collapsed_clone, find_repeats, not_sequential
 

@@ -75,6 +75,8 @@ def test_is_causal_mask():
     additive = torch.zeros(4, 6).masked_fill(~keep, float("-inf"))
     assert is_causal_mask(additive, 4, 6)
     assert not is_causal_mask(additive.masked_fill(~keep, -1e9), 4, 6)   # -1e9 is not -inf
+    assert is_causal_mask(additive.masked_fill(~keep, torch.finfo(torch.float32).min), 4, 6)  # older HF
+    assert not is_causal_mask(additive.masked_fill(keep, 1.0), 4, 6)     # kept entries must add 0
     assert not is_causal_mask(keep.long(), 4, 6)
 
 
