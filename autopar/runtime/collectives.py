@@ -29,13 +29,13 @@ class Collective:
     phase: str     # "forward" | "backward" | "step" (reducer / optimizer) | "setup"
     source: str    # "dtensor" | "reducer" | "zero" | "fallback"
 
-    def key(self) -> tuple[str, str, int]:
-        """What tests compare: (kind, axis, nbytes)."""
-        return (self.kind, self.axis, self.nbytes)
+    def key(self) -> tuple[str, str, int, str]:
+        """What tests compare: (kind, axis, nbytes, phase)."""
+        return (self.kind, self.axis, self.nbytes, self.phase)
 
 
 def tally(records: Iterable[Collective]) -> Counter:
-    """Multiset of (kind, axis, nbytes)."""
+    """Multiset of (kind, axis, nbytes, phase)."""
     return Counter(r.key() for r in records)
 
 

@@ -110,7 +110,7 @@ def check_against_reference(results: list, ref: dict, tol: float = 1e-5) -> None
 
 
 def check_collectives(results: list, expected_for_tp_rank) -> None:
-    """Every rank issued exactly STEPS times the predicted (kind, axis, nbytes) multiset."""
+    """Every rank issued exactly STEPS times the predicted (kind, axis, nbytes, phase) multiset."""
     for r, res in enumerate(results):
         want = Counter()
         for key, n in Counter(c.key() for c in expected_for_tp_rank(res["coord"][1])).items():

@@ -1,6 +1,6 @@
 """Multi-rank numerics per plan family: after 3 AdamW steps (fp32) the losses, gradients and
 parameters equal the single-process run within 1e-5, and every rank issued exactly the
-collectives the plan predicts (kind, axis, bytes, count).
+collectives the plan predicts (kind, axis, bytes, phase, count).
 
 One launch per world size runs all its families in the same ranks (start-up is the cost)."""
 from __future__ import annotations
@@ -109,8 +109,8 @@ def test_vocab_parallel_loss_keeps_logits_sharded(two_ranks, four_ranks, tiny_fu
         assert not results[0]["fallbacks"] or results[0]["fallbacks"] == ["aten.scaled_dot_product_attention.default"]
         for res in results:
             issued = res["issued"]
-            assert issued.count(("all_reduce", "tp", rows // dp * 4)) == 3 * STEPS, family
+            assert issued.count(("all_reduce", "tp", rows // dp * 4, "forward")) == 3 * STEPS, family
             gathers = [k for k in issued if k[0] == "all_gather"]      # nothing is gathered
             assert gathers == [], (family, gathers)
             if dp > 1:
-                assert issued.count(("all_reduce", "dp", 4)) == 2 * STEPS, family   # count + the loss
+                assert issued.count(("all_reduce", "dp", 4, "forward")) == 2 * STEPS, family   # count + the loss
