@@ -43,6 +43,7 @@ from torch import fx
 from torch.distributed.tensor import DTensor, Replicate as TReplicate, Shard as TShard
 
 from autopar.codegen import fallback
+from autopar.codegen.causal_check import RuntimeCausalMasks
 from autopar.codegen.fused import FusedKernels
 from autopar.codegen.patterns import Match, find_fusions, node_inputs
 from autopar.codegen.program import NodePlan, Placements, Region, RankProgram
@@ -185,6 +186,7 @@ class GraphExecutor:
         self.fused = fused                      # fused-kernel substitution, None = off
         self._matches, self._deferred = self._find_matches() if fused is not None else ({}, {})
         self._units = self._make_units()
+        self.causal_masks = RuntimeCausalMasks(gm.graph)   # constant masks checked on step 1
 
     @property
     def fused_kernels(self) -> tuple[tuple[str, str], ...]:
@@ -265,6 +267,7 @@ class GraphExecutor:
         """Graph outputs (DTensors; buffer mutations first, then the user output)."""
         env: dict[str, Any] = {}
         scope: dict[str, DTensor] = {}
+        self.causal_masks.begin_step()
         for u in self._units:
             if u[0] == "node":
                 _, node, _, drop = u
@@ -296,6 +299,9 @@ class GraphExecutor:
     def _step(self, node: fx.Node, env, scope, inputs, target) -> None:
         """Run ``node`` into ``env``: a fusion member waits for its anchor, which runs them all."""
         if node.name in self._deferred:
+            return
+        if node.name in self.causal_masks.skip:
+            env[node.name] = None                  # a causal mask no call reads any more
             return
         if node.name in self._matches:
             self._run_match(*self._matches[node.name], env, scope, inputs, target)
@@ -349,16 +355,20 @@ class GraphExecutor:
                                       "torch.export's lifted graphs; trace with autopar.trace")
         if node.op != "call_function":
             raise NotImplementedError(f"{node.format_node()}: node op {node.op!r} is not supported")
+        mask = self.causal_masks.mask_node(node)
+        if mask is not None:
+            self.causal_masks.verify(node, self._value(mask, env, scope), self._agree)
+        node_args, node_kwargs = self.causal_masks.call(node)
         if self.program.local_dp and not p.dtensor:
-            return self._run_plain(node, env, scope)
+            return self._run_plain(node, node_args, node_kwargs, env, scope)
         counter = [0]
 
         def arg(n: fx.Node):
             counter[0] += 1
             return self._edged(*self._operand(p, n, counter[0] - 1, env, scope))
 
-        args = fx.node.map_arg(node.args, arg)
-        kwargs = fx.node.map_arg(node.kwargs, arg)
+        args = fx.node.map_arg(node_args, arg)
+        kwargs = fx.node.map_arg(node_kwargs, arg)
         if node.target is operator.getitem:
             out = args[0][args[1]]
         elif p.strided:
@@ -395,16 +405,27 @@ class GraphExecutor:
     def _edged(v, placements: Optional[tuple], is_param: bool):
         return v if placements is None else edge(v, placements, DP_AXIS if is_param else ())
 
-    def _run_plain(self, node: fx.Node, env, scope):
+    def _run_plain(self, node: fx.Node, node_args, node_kwargs, env, scope):
         """Local-dp mode: the op on plain tensors of the local batch (see ``program.py``)."""
-        args = fx.node.map_arg(node.args, lambda n: self._value(n, env, scope))
-        kwargs = fx.node.map_arg(node.kwargs, lambda n: self._value(n, env, scope))
+        args = fx.node.map_arg(node_args, lambda n: self._value(n, env, scope))
+        kwargs = fx.node.map_arg(node_kwargs, lambda n: self._value(n, env, scope))
         if node.target is operator.getitem:
             return args[0][args[1]]
         fused = self._fused(self.plans[node.name], args, kwargs)
         if fused is not None:
             return fused
         return node.target(*args, **kwargs)
+
+    def _agree(self, flag: bool) -> bool:
+        """True only if ``flag`` is True on every rank (one MIN all-reduce, not logged)."""
+        import torch.distributed as dist
+
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return flag
+        t = torch.tensor([int(flag)], device=self.device)
+        with self.log_paused():
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
 
     def _wrap_plain(self, t: torch.Tensor, producer: str) -> DTensor:
         """A plain local-batch tensor entering a DTensor node: its planned placement, its global

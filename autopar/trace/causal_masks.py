@@ -14,7 +14,9 @@ exactly causal -- ``mask[..., i, j]`` keeps key j iff j <= i, the lower triangle
 or an additive float one of 0 and -inf (or finfo.min) -- rewrites the call to ``attn_mask=None,
 is_causal=True`` and erases the mask subgraph (with the metadata assertions on it) when nothing
 else uses it. Anything else (a padding mask from an input, a sliding window, a mask whose
-subgraph holds more than ``MAX_ELEMENTS`` elements in one tensor) is left exactly as traced.
+subgraph holds more than ``MAX_ELEMENTS`` elements in one tensor) is left exactly as traced; a
+constant mask too large to evaluate here is checked on the training device on the first step
+instead (``codegen/causal_check.py``).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
 MAX_ELEMENTS = 1 << 25
 
 
-def _ancestors(node: fx.Node) -> Optional[list[fx.Node]]:
+def constant_subgraph(node: fx.Node) -> Optional[list[fx.Node]]:
     """``node`` and everything it is computed from, in graph order; None if a placeholder (or
     anything but a call_function) is among them."""
     seen: dict[fx.Node, None] = {}
@@ -76,7 +78,7 @@ def is_causal_mask(mask: torch.Tensor, tq: int, tk: int) -> bool:
     its diagonal, so exp of such a score underflows to exactly 0, as with -inf)."""
     if mask.dim() < 2 or tuple(mask.shape[-2:]) != (tq, tk):
         return False
-    keep = torch.ones(tq, tk, dtype=torch.bool).tril().expand_as(mask)
+    keep = torch.ones(tq, tk, dtype=torch.bool, device=mask.device).tril().expand_as(mask)
     if mask.dtype == torch.bool:
         return torch.equal(mask, keep)
     if not mask.is_floating_point():
@@ -85,50 +87,56 @@ def is_causal_mask(mask: torch.Tensor, tq: int, tk: int) -> bool:
     return bool(torch.equal(~dropped, keep) and (mask[keep] == 0).all())
 
 
-def _sdpa_parts(node: fx.Node) -> tuple[Optional[fx.Node], bool]:
-    """(the attn_mask argument, is_causal) of an sdpa call."""
+def sdpa_mask(node: fx.Node) -> tuple[Optional[fx.Node], bool]:
+    """(the attn_mask node or None, is_causal) of an sdpa call."""
     args, kwargs = node.args, node.kwargs
     mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
     causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
     return (mask if isinstance(mask, fx.Node) else None), bool(causal)
 
 
-def _rewrite(node: fx.Node) -> None:
+def causal_call(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """sdpa(q, k, v, mask, dropout_p, False, ...) -> sdpa(q, k, v, dropout_p=..., is_causal=True,
     ...), the other arguments unchanged."""
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
-    kwargs = {**dict(zip(names[3:], node.args[3:])), **node.kwargs}
+    names = ("attn_mask", "dropout_p", "is_causal")
+    kwargs = {**dict(zip(names, args[3:])), **kwargs}
     kwargs.pop("attn_mask", None)
     kwargs["is_causal"] = True
-    node.args = tuple(node.args[:3])
-    node.kwargs = kwargs
+    return tuple(args[:3]), kwargs
 
 
-def _erase_unused(nodes: list[fx.Node]) -> None:
-    """Erase, latest first, those of ``nodes`` whose only users are metadata assertions on them
-    (erased with them) or nodes already erased."""
-    graph = nodes[0].graph
+def unused_after_fold(nodes: list[fx.Node], gone: set) -> list[fx.Node]:
+    """Those of ``nodes`` (a mask's constant subgraph, graph order) nothing would read once the
+    users in ``gone`` stop reading the mask, with the metadata assertions on them; latest first."""
+    out: list[fx.Node] = []
+    dead: set = set(gone)
     for n in reversed(nodes):
-        if all(u.target is ASSERT_METADATA and u.args[0] is n for u in n.users):
-            for u in list(n.users):
-                graph.erase_node(u)
-            graph.erase_node(n)
+        users = [u for u in n.users if u not in dead]
+        if all(u.target is ASSERT_METADATA and u.args[0] is n for u in users):
+            out.extend(users)
+            out.append(n)
+            dead.update(users)
+            dead.add(n)
+    return out
 
 
-def fold_causal_masks(gm: fx.GraphModule, max_elements: int = MAX_ELEMENTS) -> int:
+
+
+def fold_causal_masks(gm: fx.GraphModule, max_elements: Optional[int] = None) -> int:
     """Rewrite, in place, the sdpa calls of ``gm`` whose constant mask is causal (module
-    docstring); returns how many were rewritten."""
+    docstring; ``max_elements`` defaults to ``MAX_ELEMENTS``); returns how many were rewritten."""
+    max_elements = MAX_ELEMENTS if max_elements is None else max_elements
     verdicts: dict[fx.Node, bool] = {}
     folded = 0
     subgraphs: list[list[fx.Node]] = []
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not SDPA:
             continue
-        mask, causal = _sdpa_parts(node)
+        mask, causal = sdpa_mask(node)
         if mask is None or causal:
             continue
         if mask not in verdicts:
-            nodes = _ancestors(mask)
+            nodes = constant_subgraph(mask)
             verdicts[mask] = False
             if nodes is not None and max(map(_numel, nodes)) <= max_elements:
                 q, k = node.args[0].meta["val"], node.args[1].meta["val"]
@@ -140,10 +148,11 @@ def fold_causal_masks(gm: fx.GraphModule, max_elements: int = MAX_ELEMENTS) -> i
                 if verdicts[mask]:
                     subgraphs.append(nodes)
         if verdicts[mask]:
-            _rewrite(node)
+            node.args, node.kwargs = causal_call(node.args, node.kwargs)
             folded += 1
     for nodes in subgraphs:
-        _erase_unused(nodes)
+        for n in unused_after_fold(nodes, set()):
+            gm.graph.erase_node(n)
     if folded:
         gm.recompile()
     return folded

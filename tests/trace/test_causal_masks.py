@@ -19,6 +19,7 @@ class MaskedAttention(nn.Module):
     def __init__(self, kind: str) -> None:
         super().__init__()
         self.kind = kind
+        self.emb = nn.Embedding(16, 16)
         self.qkv = nn.Linear(16, 48)
         self.out = nn.Linear(16, 32)
 
@@ -34,7 +35,7 @@ class MaskedAttention(nn.Module):
         return keep[None, None].expand(tokens.shape[0], 1, T, T) if keep.dim() == 2 else keep
 
     def forward(self, tokens):
-        x = F.one_hot(tokens, 16).float()
+        x = self.emb(tokens)
         q, k, v = self.qkv(x).view(tokens.shape[0], T, 3, 2, 8).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(tokens))
         return self.out(y.transpose(1, 2).reshape(tokens.shape[0], T, 16))
@@ -87,3 +88,55 @@ def test_large_masks_are_left_alone():
     gm = ep.graph_module
     assert fold_causal_masks(gm, max_elements=T * T - 1) == 0      # the (T, T) comparison is too big
     assert fold_causal_masks(gm) == 1 and fold_causal_masks(gm) == 0
+
+
+# ---- masks too large to fold at trace time: checked on the first training step ----------------
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def _batches():
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 16, (4, T), generator=gen) for _ in range(3)]
+
+
+def _train(rank: int, world: int, kind: str, force: str) -> dict:
+    from autopar.api import autoparallelize
+    from autopar.trace import causal_masks
+
+    causal_masks.MAX_ELEMENTS = 0               # this rank only: nothing folds at trace time
+    torch.manual_seed(0)
+    data = _batches()
+    pm = autoparallelize(MaskedAttention(kind), (data[0],), loss_fn=_loss, example_target=data[0],
+                         force=force, optimizer=_sgd, timeout_s=30)
+    losses = [pm.step((t,), t) for t in data]
+    masks = pm._train.causal_masks
+    return {"losses": losses, "verdicts": dict(masks.verdicts), "skipped": len(masks.skip)}
+
+
+def _reference(kind: str) -> list[float]:
+    torch.manual_seed(0)
+    model = MaskedAttention(kind)
+    opt = _sgd(model.parameters())
+    losses = []
+    for t in _batches():
+        opt.zero_grad()
+        loss = _loss(model(t), t)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("kind,force,causal", [("causal", "dp=2", True), ("additive", "tp=2", True),
+                                               ("sliding", "dp=2", False)])
+def test_unfolded_masks_are_checked_on_the_first_step(kind, force, causal):
+    from autopar.runtime.launch import spawn_ranks
+
+    out = spawn_ranks(_train, 2, (kind, force), timeout_s=60)
+    want = _reference(kind)
+    for o in out:
+        assert list(o["verdicts"].values()) == [causal], o
+        assert (o["skipped"] > 0) is causal, o          # the mask's subgraph is no longer computed
+        torch.testing.assert_close(o["losses"], want, rtol=0, atol=1e-6)
