@@ -433,7 +433,7 @@ def _dp_placements(facts: GraphFacts, keys, zero: int) -> tuple[dict, dict]:
     """dp-axis placements: (of each node's output, of each tensor as its consumers read it).
     Activations are Shard(batch dim); parameters Replicate, stored Shard(0) under ZeRO-3 and
     all-gathered before use (their consumers read them Replicate); values reduced over the batch
-    (the loss) are Partial."""
+    (the loss) are Partial; ops with no sharding rule (``facts.unknown_targets``) are Replicate."""
     out, read = {}, {}
     for k in keys:
         n = facts.nodes[k]
@@ -444,6 +444,8 @@ def _dp_placements(facts: GraphFacts, keys, zero: int) -> tuple[dict, dict]:
         bd = facts.batch_dims.get(k)
         if bd:
             out[k] = Shard(min(bd))
+        elif n.target in facts.unknown_targets:     # no rule: nothing known to be a batch
+            out[k] = Replicate()                    # reduction, so its inputs are gathered
         elif any(isinstance(read.get(r.key), (Shard, Partial)) for r in facts.inputs[k]):
             out[k] = Partial()
         else:
