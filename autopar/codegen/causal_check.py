@@ -22,11 +22,13 @@ from typing import Callable, Optional
 import torch
 from torch import fx
 
-from autopar.trace.causal_masks import (causal_call, constant_subgraph, is_causal_mask, sdpa_mask,
-                                        unused_after_fold)
+from autopar.trace.causal_masks import (SDPA, causal_call, constant_subgraph, is_causal_mask,
+                                        sdpa_mask, unused_after_fold)
 
 
 class RuntimeCausalMasks:
+    """The attention calls of one graph with a constant, not yet folded mask (module docstring)."""
+
     def __init__(self, graph: fx.Graph) -> None:
         self._mask_of: dict[str, fx.Node] = {}          # attention node -> its constant mask
         self._users: dict[fx.Node, list[fx.Node]] = {}  # mask -> its attention nodes
@@ -35,7 +37,7 @@ class RuntimeCausalMasks:
         self._active: set[str] = set()                  # causal masks dropped from the calls
         self.skip: set[str] = set()                     # nodes no longer computed
         for node in graph.nodes:
-            if node.op != "call_function" or node.target is not torch.ops.aten.scaled_dot_product_attention.default:
+            if node.op != "call_function" or node.target is not SDPA:
                 continue
             mask, causal = sdpa_mask(node)
             if mask is None or causal:
