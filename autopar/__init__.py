@@ -4,6 +4,7 @@
 """
 __version__ = "0.1.0"
 
+from autopar import optim  # noqa: E402
 from autopar.api import ParallelModel, autoparallelize  # noqa: E402
 
-__all__ = ["autoparallelize", "ParallelModel", "__version__"]
+__all__ = ["autoparallelize", "ParallelModel", "optim", "__version__"]

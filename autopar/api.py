@@ -313,7 +313,8 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
 
     example_inputs / example_target: one GLOBAL batch (shapes fix the plan's batch and sequence).
     optimizer: ``params -> torch.optim.Optimizer`` (default AdamW, lr 3e-4); it receives this rank's
-        (sharded) parameters. cluster: None = the running world (CPU or the detected GPU), else a
+        (sharded) parameters. One with a ``set_shard_groups`` method (``autopar.optim.LAMB``) is
+        told the process groups each parameter's tensor is split over. cluster: None = the running world (CPU or the detected GPU), else a
         name or TOML path as in ``autopar plan --cluster``. force: as ``autopar plan --force``.
     plan: a Plan, or the path of ``autopar plan --json`` output (then nothing is solved).
     seed: autopar's deterministic init, used when the model is on the meta device.
@@ -383,6 +384,8 @@ def _autoparallelize(model, example_inputs, loss_fn, example_target, optimizer, 
     buffers = _buffers(model, device)
     make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=3e-4))
     opt = make_opt(store.optimizer_params())
+    if hasattr(opt, "set_shard_groups"):          # per-tensor norms over shards (optim.LAMB)
+        opt.set_shard_groups(store.shard_groups())
     reducer = GradReducer(store, bucket_bytes)
     log.info("rank %d: plan dp=%d tp=%d zero=%d recompute=%s sp=%s", rank, dims.dp, dims.tp,
              plan_.zero_stage, plan_.recompute, plan_.sequence_parallel)

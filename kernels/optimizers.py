@@ -22,7 +22,9 @@ buffer, tensor i spanning [offsets[i], offsets[i+1]):
     Two passes, because r_i needs the whole tensor's norms before any p changes:
     pass 1 updates m, v and writes per-chunk partial sums of p^2 and u^2 (read 4N, write 2N);
     torch sums the partials per tensor and forms r (tiny); pass 2 recomputes u from m, v, p and
-    writes p (read 3N, write N). Total 40 bytes per parameter. Chunks never straddle two tensors:
+    writes p (read 3N, write N). Total 40 bytes per parameter. When the buffer's tensors are
+    shards of larger ones (tensor parallel, ZeRO), ``reduce_sq`` sums the squared norms over the
+    shards between the passes (``autopar.optim.LAMB`` passes an all-reduce). Chunks never straddle two tensors:
     the chunk table (tensor id, start, end per chunk, LAMB_BLOCK elements at most) is built on
     the host from ``offsets``; a program takes CHUNKS consecutive entries of it as one tile.
 
@@ -39,7 +41,8 @@ Run the tests:  TRITON_INTERPRET=1 pytest tests/kernels/test_kernel_optimizers.p
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Optional
 
 import torch
 import triton
@@ -49,6 +52,7 @@ from kernels import _launch
 
 ADAMW_BLOCK = 1024
 LAMB_BLOCK = 2048
+ReduceSq = Callable[[torch.Tensor], torch.Tensor]    # (n_tensors, 2) squared norms -> summed
 
 
 # --------------------------------------------------------------------------------------------
@@ -74,21 +78,31 @@ def adamw_step_ref(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float,
 def lamb_step_ref(param, grad, exp_avg, exp_avg_sq, offsets: Sequence[int], *, step: int,
                   lr: float, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-6,
                   weight_decay: float = 1e-2, min_trust: float = 0.01, max_trust: float = 10.0,
-                  bias_correction: bool = True) -> None:
+                  bias_correction: bool = True, reduce_sq: Optional[ReduceSq] = None) -> None:
     """LAMB in plain torch, one tensor slice at a time (see the module docstring)."""
     offsets = _offsets_list(offsets, param.numel())
     bc1 = 1 - beta1**step if bias_correction else 1.0
     bc2 = 1 - beta2**step if bias_correction else 1.0
-    for lo, hi in zip(offsets[:-1], offsets[1:]):
+    spans = list(zip(offsets[:-1], offsets[1:]))
+    updates, sq = [], torch.zeros(len(spans), 2, dtype=torch.float32, device=param.device)
+    for i, (lo, hi) in enumerate(spans):
         p, g, m, v = param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi]
         m.mul_(beta1).add_(g, alpha=1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         u = (m / bc1) / ((v / bc2).sqrt() + eps) + weight_decay * p
-        w_norm, u_norm = p.norm(), u.norm()
-        # no Python branch on tensor values, so torch.compile traces this without graph breaks
-        ratio = torch.where((w_norm > 0) & (u_norm > 0),
-                            (w_norm / u_norm).clamp(min_trust, max_trust), torch.ones_like(w_norm))
-        p.sub_(lr * ratio * u)
+        sq[i, 0], sq[i, 1] = p.square().sum(), u.square().sum()
+        updates.append(u)
+    ratio = _trust_ratio(reduce_sq(sq) if reduce_sq is not None else sq, min_trust, max_trust)
+    for (lo, hi), u, r in zip(spans, updates, ratio):
+        param[lo:hi].sub_(lr * r * u)
+
+
+def _trust_ratio(sq: torch.Tensor, min_trust: float, max_trust: float) -> torch.Tensor:
+    """Per tensor clamp(||p|| / ||u||) from (n_tensors, 2) squared norms, 1 where either is 0
+    (no Python branch on tensor values, so torch.compile traces it without graph breaks)."""
+    w_norm, u_norm = sq.sqrt().unbind(1)
+    return torch.where((w_norm > 0) & (u_norm > 0), (w_norm / u_norm).clamp(min_trust, max_trust),
+                       torch.ones_like(w_norm))
 
 
 # --------------------------------------------------------------------------------------------
@@ -254,9 +268,13 @@ def lamb_chunks(offsets: Sequence[int], numel: int, block: int = LAMB_BLOCK):
 def lamb_step(param, grad, exp_avg, exp_avg_sq, offsets: Sequence[int], *, step: int,
               lr: float, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-6,
               weight_decay: float = 1e-2, min_trust: float = 0.01, max_trust: float = 10.0,
-              bias_correction: bool = True, chunks=None, config: int | None = None) -> None:
+              bias_correction: bool = True, chunks=None, config: int | None = None,
+              reduce_sq: Optional[ReduceSq] = None) -> None:
     """One fused LAMB step over a flat buffer holding several tensors (see module docstring).
     ``chunks``: a precomputed ``lamb_chunks(offsets, numel)`` already on param's device.
+    ``reduce_sq``: applied to the (n_tensors, 2) fp32 squared norms (||p||^2, ||u||^2) of this
+    buffer's tensors before the trust ratio: where each tensor is one shard of a larger one,
+    it sums them over the shards (an all-reduce), so the ratio is the whole tensor's.
     ``config``: the index of LAMB_CONFIGS both kernels run instead of their tuned choices."""
     _check_buffers("lamb_step", param, grad, exp_avg, exp_avg_sq)
     if step < 1:
@@ -268,6 +286,8 @@ def lamb_step(param, grad, exp_avg, exp_avg_sq, offsets: Sequence[int], *, step:
     tid, start, end = chunks
     n_chunks = tid.numel()
     if n_chunks == 0:
+        if reduce_sq is not None:       # the other shards' ranks wait for this one's zeros
+            reduce_sq(torch.zeros(n_tensors, 2, dtype=torch.float32, device=param.device))
         return
     inv_bc1 = 1.0 / (1 - beta1**step) if bias_correction else 1.0
     inv_bc2 = 1.0 / (1 - beta2**step) if bias_correction else 1.0
@@ -279,8 +299,6 @@ def lamb_step(param, grad, exp_avg, exp_avg_sq, offsets: Sequence[int], *, step:
     _LAMB_MOMENTS.run(grid, param, grad, exp_avg, exp_avg_sq, start, end, part, n_chunks, beta1,
                       beta2, eps, weight_decay, inv_bc1, inv_bc2, BLOCK=LAMB_BLOCK, config=config)
     sq = torch.zeros(n_tensors, 2, dtype=torch.float32, device=param.device).index_add_(0, tid, part)
-    w_norm, u_norm = sq.sqrt().unbind(1)
-    ratio = torch.where((w_norm > 0) & (u_norm > 0),
-                        (w_norm / u_norm).clamp(min_trust, max_trust), torch.ones_like(w_norm))
+    ratio = _trust_ratio(reduce_sq(sq) if reduce_sq is not None else sq, min_trust, max_trust)
     _LAMB_APPLY.run(grid, param, exp_avg, exp_avg_sq, ratio, tid, start, end, n_chunks, lr, eps,
                     weight_decay, inv_bc1, inv_bc2, BLOCK=LAMB_BLOCK, config=config)

@@ -218,6 +218,22 @@ class ParamStore:
     def optimizer_params(self) -> list[nn.Parameter]:
         return [s.opt_param for s in self.slots]
 
+    def shard_groups(self) -> dict[nn.Parameter, tuple]:
+        """Per optimizer parameter, the process groups whose ranks hold the rest of its tensor:
+        tp where its tp placement is a Shard, dp under ZeRO 1-3 (the optimizer sees rows). An
+        optimizer with per-tensor norms (``autopar.optim.LAMB``) all-reduces them over these."""
+        ctx = self.ctx
+        tp_group = ctx.mesh.get_group("tp") if ctx.mesh.size(1) > 1 else None
+        out = {}
+        for s in self.slots:
+            groups = []
+            if tp_group is not None and ctx.tp_placements[s.name].is_shard():
+                groups.append(tp_group)
+            if ctx.zero_stage >= 1 and ctx.dp > 1:
+                groups.append(ctx.dp_group)
+            out[s.opt_param] = tuple(groups)
+        return out
+
     def zero_grad(self) -> None:
         for s in self.slots:
             s.local.grad = None
