@@ -19,6 +19,7 @@ kernel's 40). Parameters must be fp32 (LAMB keeps master weights; train bf16 und
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -39,6 +40,7 @@ class LAMB(torch.optim.Optimizer):
                                       min_trust=min_trust, max_trust=max_trust,
                                       bias_correction=bias_correction))
         self._groups_of: dict[int, tuple] = {}     # id(param) -> groups its tensor is split over
+        self._chunks: dict[tuple, tuple] = {}      # (device, sizes) -> the Triton step's chunk table
 
     def set_shard_groups(self, groups: Mapping[torch.nn.Parameter, Sequence]) -> None:
         """Per parameter, the process groups whose ranks hold the other shards of its tensor
@@ -65,10 +67,24 @@ class LAMB(torch.optim.Optimizer):
             return sq
         return reduce
 
+    def _lamb(self, device: torch.device, sizes: list[int], offsets: list[int]):
+        """The step function for ``device`` and, for the Triton one, its cached chunk table."""
+        try:
+            from kernels import optimizers
+            from kernels.registry import select
+        except ImportError as e:
+            raise ImportError(f"autopar.optim.LAMB runs kernels/optimizers.py, which needs triton "
+                              f"({e}); pip install 'autopar[kernels]'") from e
+        fn = select("lamb", device)
+        if fn is not optimizers.lamb_step:
+            return fn
+        key = (device, tuple(sizes))
+        if key not in self._chunks:
+            self._chunks[key] = tuple(t.to(device) for t in optimizers.lamb_chunks(offsets, offsets[-1]))
+        return functools.partial(fn, chunks=self._chunks[key])
+
     @torch.no_grad()
     def step(self, closure=None):
-        from kernels.registry import select
-
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -98,7 +114,7 @@ class LAMB(torch.optim.Optimizer):
             sizes = [p.numel() for p in params]
             offsets = [0, *itertools.accumulate(sizes)]
             beta1, beta2 = group["betas"]
-            select("lamb", flat[0].device)(
+            self._lamb(flat[0].device, sizes, offsets)(
                 *flat, offsets, step=steps.pop(), lr=group["lr"], beta1=beta1, beta2=beta2,
                 eps=group["eps"], weight_decay=group["weight_decay"], min_trust=group["min_trust"],
                 max_trust=group["max_trust"], bias_correction=group["bias_correction"],
