@@ -28,6 +28,9 @@ import torch.distributed as dist
 
 
 class LAMB(torch.optim.Optimizer):
+    """LAMB over fp32 parameters; ``betas``, ``eps``, ``weight_decay`` as AdamW's, the trust ratio
+    clamped to [``min_trust``, ``max_trust``] (module docstring)."""
+
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.01, min_trust: float = 0.01,
                  max_trust: float = 10.0, bias_correction: bool = True) -> None:
