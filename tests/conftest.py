@@ -6,6 +6,9 @@ machine, `AUTOPAR_TEST_DEVICE=cuda` runs the kernel tests compiled for the devic
 (benchmarks/gpu_check.sh does this).
 """
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))      # one_process.py, also for spawned ranks
 
 if os.environ.get("AUTOPAR_TEST_DEVICE", "cpu") == "cuda":
     import torch

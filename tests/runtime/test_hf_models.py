@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from autopar.runtime.launch import spawn_ranks
+from one_process import one_process_losses
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -62,16 +63,8 @@ def _reference(which: str) -> list[float]:
     from autopar.models.data import lm_loss
 
     torch.manual_seed(0)
-    model = BUILDERS[which]()
-    opt = _sgd(model.parameters())
-    losses = []
-    for t in _batches():
-        opt.zero_grad()
-        loss = lm_loss(model(t, use_cache=False).logits, t)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return one_process_losses(BUILDERS[which](), _batches(), lm_loss, _sgd,
+                              forward=lambda m, t: m(t, use_cache=False).logits)
 
 
 LLAMA_FUSED = {"rms_norm", "rope", "swiglu", "attention", "cross_entropy"}

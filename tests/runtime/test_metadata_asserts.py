@@ -9,6 +9,7 @@ from torch import nn
 
 from autopar.codegen import fallback
 from autopar.runtime.launch import spawn_ranks
+from one_process import one_process_losses
 
 
 class MaskedLM(nn.Module):
@@ -48,16 +49,7 @@ def _train(rank: int, world: int, force: str) -> dict:
 
 def _reference() -> list[float]:
     torch.manual_seed(0)
-    model = MaskedLM()
-    opt = _sgd(model.parameters())
-    losses = []
-    for t in _data():
-        opt.zero_grad()
-        loss = _loss(model(t), t)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return one_process_losses(MaskedLM(), _data(), _loss, _sgd)
 
 
 @pytest.mark.parametrize("force", ["dp=2", "tp=2"])

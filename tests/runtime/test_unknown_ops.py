@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.runtime.launch import spawn_ranks
+from one_process import one_process_losses
 
 
 class OneHotLM(nn.Module):
@@ -45,16 +46,7 @@ def _train(rank: int, world: int, force: str, dp_mode: str) -> dict:
 
 def _reference() -> list[float]:
     torch.manual_seed(0)
-    model = OneHotLM()
-    opt = _sgd(model.parameters())
-    losses = []
-    for t in _data():
-        opt.zero_grad()
-        loss = _loss(model(t), t)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return one_process_losses(OneHotLM(), _data(), _loss, _sgd)
 
 
 @pytest.mark.parametrize("force,dp_mode", [("dp=2", "auto"), ("dp=2", "dtensor"), ("tp=2", "dtensor")])

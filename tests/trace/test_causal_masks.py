@@ -9,6 +9,7 @@ from torch import nn
 
 from autopar.trace import run_graph, trace_model
 from autopar.trace.causal_masks import fold_causal_masks, is_causal_mask
+from one_process import one_process_losses
 
 T = 8
 
@@ -117,16 +118,7 @@ def _train(rank: int, world: int, kind: str, force: str) -> dict:
 
 def _reference(kind: str) -> list[float]:
     torch.manual_seed(0)
-    model = MaskedAttention(kind)
-    opt = _sgd(model.parameters())
-    losses = []
-    for t in _batches():
-        opt.zero_grad()
-        loss = _loss(model(t), t)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return one_process_losses(MaskedAttention(kind), _batches(), _loss, _sgd)
 
 
 @pytest.mark.parametrize("kind,force,causal", [("causal", "dp=2", True), ("additive", "tp=2", True),
