@@ -8,9 +8,12 @@ memory traffic, the reference, the @triton.jit kernels, the launcher, an autogra
     cross_entropy.py  cross_entropy fused with log-softmax, chunked over the vocab, grad in place
     activations.py    bias_gelu (erf / tanh), swiglu
     attention.py      attention (FlashAttention-2 style, returns lse), merge_attention
+    attention_configs.py  its autotuned tile lists, fixed tiles for tests, TMA descriptor mode
     rope.py           rope (rotate-half)
     optimizers.py     adamw_step, lamb_step over flat fp32 buffers
     registry.py       name -> KernelEntry(triton, reference, pattern); lookup, for_target, select
+    _launch.py        Tuned (config lists autotuned on CUDA), poisoned outputs, device checks
+    _agree.py         one tuned config per (kernel, key) for every rank of a distributed run
 
 Tests (CPU, Triton interpreter, about a minute):  pytest tests/kernels
 GPU benchmark (H200, < 4 minutes):             python benchmarks/kernels.py --json out.json

@@ -3,6 +3,9 @@
     program.py    plan -> per-node placements, parameters, recompute regions, strided QKV, local-dp
     executor.py   the interpreter over the exported graph (edges, fallbacks, checkpoint regions)
     fallback.py   ops DTensor has no rule for, run on local tensors
+    fused.py, fused_args.py, fused_regions.py, patterns.py, vocab_ce.py
+                  fused-kernel substitution (single ops and multi-node regions), vocab-parallel CE
+    causal_check.py  constant attention masks too large to fold at trace time, checked on step 1
     expected.py   the collectives a step should issue, from Plan + GraphIR
     buckets.py    gradient buckets and ZeRO row chunks (shared by the reducer and the predictor)
     shards.py     which slice of a full tensor a mesh coordinate holds

@@ -4,7 +4,8 @@
     ir = trace_model(model, (tokens,), loss_fn=loss, example_target=targets)   # collapsed repeats
 
 See ``export_trace.py`` (API), ``build_ir.py`` (keys), ``repeats.py`` (repeated blocks),
-``flops.py`` (FLOP / byte conventions), ``execute.py`` (running a traced graph on real tensors).
+``flops.py`` (FLOP / byte conventions), ``execute.py`` (running a traced graph on real tensors),
+``causal_masks.py`` (constant causal attention masks folded to ``is_causal=True``).
 """
 from autopar.trace.build_ir import base_key
 from autopar.trace.errors import TraceError
