@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--plan", dest="plan_file", default=None, help="a plan JSON to run instead of planning")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--optimizer", choices=("adamw", "lamb"), default="adamw",
+                   help="AdamW, or autopar.optim.LAMB (per-tensor trust ratio exact under shards)")
 
     sub.add_parser("models", help="list the built-in models")
     return ap
@@ -110,7 +112,7 @@ def cmd_run(args, console: Console) -> int:
     try:
         run_command(args.model, nproc=args.nproc, steps=args.steps, plan_path=args.plan_file,
                     force=args.force or None, json_path=args.json_path, batch=args.batch,
-                    seq_len=args.seq_len, seed=args.seed)
+                    seq_len=args.seq_len, seed=args.seed, optimizer=args.optimizer)
     except RankFailure:
         return 1  # run_command printed every rank's first error lines
     return 0

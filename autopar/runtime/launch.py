@@ -145,8 +145,25 @@ def _collect_errors(results, got: dict, procs, wait_s: float) -> None:
 
 # ---- autopar run ------------------------------------------------------------------------------
 
+OPTIMIZERS = ("adamw", "lamb")
+
+
+def make_optimizer(name: str, params):
+    """``autopar run``'s optimizers: AdamW (lr 3e-4) or autopar's LAMB (lr 2e-3)."""
+    import torch
+
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=3e-4)
+    if name == "lamb":
+        from autopar.optim import LAMB
+
+        return LAMB(params, lr=2e-3)
+    raise ValueError(f"optimizer {name!r}: choose one of {OPTIMIZERS}")
+
+
 def _train_rank(rank: int, world: int, model: str, steps: int, plan_json: Optional[str], force,
-                batch: Optional[int], seq_len: Optional[int], seed: int, timeout_s: float) -> dict:
+                batch: Optional[int], seq_len: Optional[int], seed: int, timeout_s: float,
+                optimizer: str) -> dict:
     import torch
 
     from autopar.api import autoparallelize
@@ -158,7 +175,7 @@ def _train_rank(rank: int, world: int, model: str, steps: int, plan_json: Option
     pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn,
                          example_target=b.example_target, plan=plan, force=force, seed=seed,
                          timeout_s=timeout_s, model_name=model,
-                         optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4))
+                         optimizer=lambda params: make_optimizer(optimizer, params))
     gen = torch.Generator().manual_seed(seed)
     losses = []
     for _ in range(steps):
@@ -168,8 +185,9 @@ def _train_rank(rank: int, world: int, model: str, steps: int, plan_json: Option
 
 
 def reference_losses(model: str, steps: int, *, batch: Optional[int], seq_len: Optional[int],
-                     seed: int) -> list[float]:
-    """The same training on one process: autopar's init (``materialize``), same batches, AdamW."""
+                     seed: int, optimizer: str = "adamw") -> list[float]:
+    """The same training on one process: autopar's init (``materialize``), same batches, same
+    optimizer."""
     import torch
 
     from autopar.models import build_model
@@ -177,7 +195,7 @@ def reference_losses(model: str, steps: int, *, batch: Optional[int], seq_len: O
 
     b = build_model(model, batch=batch, seq_len=seq_len, device="meta")
     m = materialize(b.module, seed)
-    opt = torch.optim.AdamW(m.parameters(), lr=3e-4)
+    opt = make_optimizer(optimizer, m.parameters())
     gen = torch.Generator().manual_seed(seed)
     losses = []
     for _ in range(steps):
@@ -201,16 +219,19 @@ def _print_plan(plan) -> None:
 def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = None, force=None,
                 json_path: Optional[str] = None, batch: Optional[int] = None,
                 seq_len: Optional[int] = None, seed: int = 0,
-                timeout_s: float = DEFAULT_RUN_TIMEOUT_S) -> dict:
+                timeout_s: float = DEFAULT_RUN_TIMEOUT_S, optimizer: str = "adamw") -> dict:
     """``autopar run MODEL --nproc N --steps K``: train on N CPU ranks (planned by the solver for a
-    "cpu" cluster of N, or ``plan_path``), then on one process; print and return the losses."""
+    "cpu" cluster of N, or ``plan_path``), then on one process; print and return the losses.
+    ``optimizer``: "adamw" or "lamb" (``autopar.optim.LAMB``, exact under tp and ZeRO shards)."""
     from autopar.plan import Plan
 
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"--optimizer {optimizer!r}: choose one of {OPTIMIZERS}")
     plan_json = Plan.load(plan_path).to_json() if plan_path else None
     t0 = time.monotonic()
     try:
         outs = spawn_ranks(_train_rank, nproc, (model, steps, plan_json, force, batch, seq_len, seed,
-                                               timeout_s), timeout_s=timeout_s)
+                                               timeout_s, optimizer), timeout_s=timeout_s)
     except RankFailure as e:
         print(f"autopar run {model} on {nproc} ranks failed; every rank was stopped.\n"
               + _first_lines(str(e)))
@@ -221,7 +242,7 @@ def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = N
     losses = outs[0]["losses"]
     for i, l in enumerate(losses):
         print(f"step {i + 1}: loss {l:.6f}")
-    ref = reference_losses(model, steps, batch=batch, seq_len=seq_len, seed=seed)
+    ref = reference_losses(model, steps, batch=batch, seq_len=seq_len, seed=seed, optimizer=optimizer)
     diff = max((abs(a - b) for a, b in zip(losses, ref)), default=0.0)
     print("reference (1 process): " + ", ".join(f"{l:.6f}" for l in ref))
     print(f"max |loss - reference| = {diff:.3e}   ({nproc} ranks, {wall:.1f} s)")

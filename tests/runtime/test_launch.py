@@ -24,3 +24,13 @@ def test_run_command_matches_reference(tmp_path, capsys):
 def test_run_command_reports_rank_errors():
     with pytest.raises(RankFailure, match="does not divide the world size 2"):
         run_command("gpt-tiny", nproc=2, steps=1, force="tp=3", batch=4, timeout_s=20)
+
+
+def test_run_command_with_lamb_under_tensor_parallelism(capsys):
+    """``autopar run --optimizer lamb``: LAMB's per-tensor trust ratios stay the whole tensors'
+    on tp shards, so the losses equal one process."""
+    res = run_command("gpt-tiny", nproc=2, steps=3, force="tp=2", batch=4, optimizer="lamb")
+    assert res["plan"]["tensor_parallel"] == 2
+    assert res["max_abs_diff"] <= 1e-5, res
+    with pytest.raises(ValueError, match="choose one of"):
+        run_command("gpt-tiny", nproc=2, steps=1, optimizer="sgd")
