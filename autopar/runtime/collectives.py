@@ -14,9 +14,7 @@ reduce_scatter the INPUT, all_to_all each rank's send buffer.
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -32,11 +30,6 @@ class Collective:
     def key(self) -> tuple[str, str, int, str]:
         """What tests compare: (kind, axis, nbytes, phase)."""
         return (self.kind, self.axis, self.nbytes, self.phase)
-
-
-def tally(records: Iterable[Collective]) -> Counter:
-    """Multiset of (kind, axis, nbytes, phase)."""
-    return Counter(r.key() for r in records)
 
 
 class CollectiveLog:
