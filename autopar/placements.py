@@ -46,7 +46,7 @@ def parse_placement(text: str) -> Placement:
         return Replicate()
     if text in ("P", "P(sum)"):
         return Partial()
-    if text.startswith("S(") and text.endswith(")"):
+    if text.startswith("S(") and text.endswith(")") and text[2:-1].isdigit():
         return Shard(int(text[2:-1]))
     raise ValueError(f"not a placement: {text!r} (expected 'R', 'P' or 'S(<dim>)')")
 
@@ -57,7 +57,9 @@ def parse_placements(text: str) -> tuple[Placement, ...]:
     i = 0
     while i < len(text):
         if text[i] == "S":
-            j = text.index(")", i)
+            j = text.find(")", i)
+            if j < 0:
+                raise ValueError(f"not a placement list: {text!r} (an 'S(' without ')'; expected e.g. 'S(0)R')")
             out.append(parse_placement(text[i : j + 1]))
             i = j + 1
         else:

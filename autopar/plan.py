@@ -12,7 +12,8 @@ global rank = stage * prod(mesh_shape) + mesh rank.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+import math
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Optional
 
 from autopar.placements import Placement, format_placements, parse_placements
@@ -116,6 +117,12 @@ class Plan:
     notes: tuple[str, ...] = ()
     schema_version: int = SCHEMA_VERSION
 
+    def __post_init__(self) -> None:
+        problems = plan_problems(self)
+        if problems:
+            raise ValueError("inconsistent plan: " + "; ".join(problems)
+                             + ". Re-plan with `autopar plan ... --json FILE` rather than editing fields by hand")
+
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
@@ -166,6 +173,28 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        """Plan from its JSON dict. Missing, unknown, mistyped or disagreeing fields are a
+        ``ValueError`` that names them (never a half-valid Plan)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a plan file holds one JSON object, not {type(d).__name__}; write one with "
+                             "`autopar plan ... --json FILE`")
+        try:
+            plan = cls._from_dict(d)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"plan file is malformed ({type(e).__name__}: {e}); write it with "
+                             "`autopar plan ... --json FILE`") from None
+        summary = d.get("summary")
+        if isinstance(summary, dict):
+            ours = plan.summary()
+            wrong = [k for k in SUMMARY_KEYS if k in summary and not _same(summary[k], ours[k])]
+            if wrong:
+                raise ValueError("inconsistent plan: its summary disagrees with its fields on "
+                                 + ", ".join(f"{k} ({summary[k]!r} vs {ours[k]!r})" for k in wrong)
+                                 + ". Re-plan with `autopar plan ... --json FILE` rather than editing it")
+        return plan
+
+    @classmethod
+    def _from_dict(cls, d: dict[str, Any]) -> "Plan":
         version = d.get("schema_version")
         if version != SCHEMA_VERSION:
             raise ValueError(
@@ -191,6 +220,9 @@ class Plan:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"plan file has unknown fields {sorted(unknown)}; was it written by another tool?")
+        missing = sorted(f.name for f in fields(cls) if f.name not in d and f.default is MISSING)
+        if missing:
+            raise ValueError(f"plan file lacks the fields {missing}; write it with `autopar plan ... --json FILE`")
         return cls(**d)
 
     @classmethod
@@ -202,5 +234,80 @@ class Plan:
         try:
             with open(path) as f:
                 return cls.from_json(f.read())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path} is not a plan JSON file ({e}); write one with `autopar plan ... --json {path}`") from e
+        except IsADirectoryError:
+            raise ValueError(f"{path} is a directory; give the plan JSON file written by "
+                             "`autopar plan ... --json FILE`") from None
+
+
+# ---- consistency ------------------------------------------------------------------------------
+
+_DTYPE_NAMES = ("bfloat16", "float16", "float32")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    return a == b and type(a) is type(b)
+
+
+def plan_problems(p: Plan) -> list[str]:
+    """Every way the fields of ``p`` disagree with each other or have the wrong type (empty: none).
+
+    Degrees are positive ints; the mesh names each degree it has an axis for with that size and
+    its product is dp * tp; there is one stage per pipeline rank; micro-batches times their size
+    times dp is the global batch; the cluster has the plan's world size; strategy keys are unique
+    and give at most one placement per mesh axis."""
+    out: list[str] = []
+    ints = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "micro_batch_size": p.micro_batch_size,
+            "num_micro_batches": p.num_micro_batches, "global_batch": p.global_batch}
+    for name, v in ints.items():
+        if not _is_int(v) or v < 1:
+            out.append(f"{name}={v!r} is not a positive integer")
+    if not _is_int(p.zero_stage) or not 0 <= p.zero_stage <= 3:
+        out.append(f"zero_stage={p.zero_stage!r} is not 0, 1, 2 or 3")
+    if p.recompute not in RECOMPUTE_CHOICES:
+        out.append(f"recompute={p.recompute!r} is not one of {', '.join(RECOMPUTE_CHOICES)}")
+    if p.offload not in OFFLOAD_CHOICES:
+        out.append(f"offload={p.offload!r} is not one of {', '.join(OFFLOAD_CHOICES)}")
+    if p.dtype not in _DTYPE_NAMES:
+        out.append(f"dtype={p.dtype!r} is not one of {', '.join(_DTYPE_NAMES)}")
+    if not isinstance(p.sequence_parallel, bool):
+        out.append(f"sequence_parallel={p.sequence_parallel!r} is not true/false")
+    if out:                                  # the relations below need well-typed degrees
+        return out
+    if len(p.mesh_axes) != len(p.mesh_shape) or len(set(p.mesh_axes)) != len(p.mesh_axes):
+        out.append(f"mesh_axes {list(p.mesh_axes)} and mesh_shape {list(p.mesh_shape)} do not pair up")
+    elif not all(_is_int(n) and n >= 1 for n in p.mesh_shape):
+        out.append(f"mesh_shape {list(p.mesh_shape)} has a size that is not a positive integer")
+    else:
+        for axis, size in zip(p.mesh_axes, p.mesh_shape):
+            degree = ints.get(axis)
+            if degree is not None and degree != size:
+                out.append(f"mesh axis {axis}={size} but {axis}={degree}")
+        if math.prod(p.mesh_shape) != p.dp * p.tp:
+            out.append(f"the mesh {list(p.mesh_shape)} holds {math.prod(p.mesh_shape)} ranks per stage, "
+                       f"not dp * tp = {p.dp * p.tp}")
+    if len(p.stages) != p.pp or [s.index for s in p.stages] != list(range(p.pp)):
+        out.append(f"{len(p.stages)} stages listed for pp={p.pp}")
+    if p.dp * p.micro_batch_size * p.num_micro_batches != p.global_batch:
+        out.append(f"dp({p.dp}) * micro_batch_size({p.micro_batch_size}) * num_micro_batches("
+                   f"{p.num_micro_batches}) != global_batch({p.global_batch})")
+    c = p.cluster
+    if not (_is_int(c.nodes) and _is_int(c.gpus_per_node)) or c.nodes * c.gpus_per_node != p.world_size:
+        out.append(f"the cluster has {c.nodes} x {c.gpus_per_node} GPUs but dp * tp * pp = {p.world_size}")
+    keys = [s.key for s in p.strategies]
+    if len(set(keys)) != len(keys):
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        out.append(f"strategies repeat the nodes {dup[:3]}")
+    n_axes = len(p.mesh_axes)
+    wide = [s.key for s in p.strategies
+            if len(s.output) > n_axes or any(len(i) > n_axes for i in s.inputs)]
+    if wide:
+        out.append(f"strategies with more placements than the {n_axes} mesh axes: {wide[:3]}")
+    return out

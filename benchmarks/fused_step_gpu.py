@@ -36,13 +36,13 @@ DEFAULT_SPECS = ("gpt:hidden=1024,layers=4,heads=16,vocab=32000,seq=1024",
 
 def _plan(graph, dtype: str):
     """dp = tp = 1, no strategies (every node keeps what DTensor gives), no recompute."""
-    from autopar.plan import ClusterRef, MemoryUse, Plan, StepTime
+    from autopar.plan import ClusterRef, MemoryUse, Plan, Stage, StepTime
 
     return Plan(model_name="fused-smoke", model_fingerprint=graph.fingerprint,
                 cluster=ClusterRef("h200", "h200", 1, 1, 141 * 2**30), dtype=dtype,
                 global_batch=graph.batch_size, seq_len=None, dp=1, tp=1, pp=1, sequence_parallel=False,
                 zero_stage=0, micro_batch_size=graph.batch_size, num_micro_batches=1, recompute="none",
-                offload="none", mesh_axes=("dp", "tp"), mesh_shape=(1, 1), strategies=(), stages=(),
+                offload="none", mesh_axes=("dp", "tp"), mesh_shape=(1, 1), strategies=(), stages=(Stage(0, 0, 0, True, True, 1.0, 0),),
                 step_time=StepTime(1.0, 0.0, (), 0.0, 0.0, 1.0), memory=MemoryUse(0, 0, 0, 0, 0, 0),
                 model_flops_per_step=1.0, solve_time_s=0.0)
 

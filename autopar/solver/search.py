@@ -148,13 +148,40 @@ def _check_force(force: Force, graph: GraphIR, world: int, global_batch: int) ->
                                 f"this model has {len(graph.blocks)}")
         if dims["layers"] % force.pp:
             raise PlanningError(f"pp={force.pp} does not divide the {dims['layers']} layers evenly")
-    if None not in (force.tp, force.pp, force.dp) and force.tp * force.pp * force.dp != world:
-        raise PlanningError(f"Invalid parallel dims: dp({force.dp}) * tp({force.tp}) * pp({force.pp}) = "
-                            f"{force.dp * force.tp * force.pp} != WORLD_SIZE({world})")
+    _check_degree_product(force, world, dims["layers"], len(graph.blocks) == 1, global_batch)
     if force.dp is not None and global_batch % force.dp:
         raise PlanningError(f"dp={force.dp} does not divide the global batch {global_batch}")
     if force.sequence_parallel and force.tp == 1:
         raise PlanningError("sequence parallelism needs tp > 1 (it shards the sequence over the tp group)")
+
+
+def _check_degree_product(force: Force, world: int, layers: int, has_block: bool, global_batch: int) -> None:
+    """The forced degrees multiply to the world, or leave a whole, usable degree for the free axis."""
+    given = {n: v for n, v in (("dp", force.dp), ("tp", force.tp), ("pp", force.pp)) if v is not None}
+    if len(given) < 2:
+        return
+    prod = 1
+    for v in given.values():
+        prod *= v
+    shown = " * ".join(f"{n}({v})" for n, v in given.items())
+    if len(given) == 3:
+        if prod != world:
+            raise PlanningError(f"Invalid parallel dims: {shown} = {prod} != WORLD_SIZE({world}); "
+                                f"choose degrees whose product is {world}")
+        return
+    free = next(n for n in ("dp", "tp", "pp") if n not in given)
+    if world % prod:
+        raise PlanningError(f"Invalid parallel dims: {shown} = {prod} does not divide WORLD_SIZE({world}), "
+                            f"so no {free} completes them; choose degrees whose product divides {world}")
+    rest = world // prod
+    if free == "pp" and rest > 1 and (not has_block or layers % rest):
+        why = (f"the {layers} layers do not split into {rest} equal stages" if has_block
+               else "this model has no repeated block to cut into stages")
+        raise PlanningError(f"Invalid parallel dims: {shown} = {prod} leaves pp = {world} / {prod} = {rest}, "
+                            f"but {why}; force degrees whose product is {world}")
+    if free == "dp" and global_batch % rest:
+        raise PlanningError(f"{shown} = {prod} leaves dp = {world} / {prod} = {rest}, which does not divide "
+                            f"the global batch {global_batch}; use a batch divisible by {rest} or other degrees")
 
 
 # ---- enumeration ----------------------------------------------------------------------------------

@@ -60,12 +60,26 @@ def test_forced_choices_are_honoured():
     ("pp=16", "does not divide"),
     ("mbs=3", "mbs=3"),
     ("sp=on,tp=1", "sequence parallelism needs tp > 1"),
+    # two degrees whose product cannot be completed by the third: the product is the reason
+    ("tp=4,dp=4", "dp(4) * tp(4) = 16 does not divide WORLD_SIZE(8)"),
+    ("tp=2,pp=8", "tp(2) * pp(8) = 16 does not divide WORLD_SIZE(8)"),
 ])
 def test_impossible_forced_choices_say_why(force, words):
     g, _ = traced(GPT_1B)
     with pytest.raises(PlanningError, match=None) as e:
         plan_model(g, make_cluster("a100-80g", 1), global_batch=512, seq_len=2048, force=force)
     assert words in str(e.value)
+
+
+def test_forced_pair_names_the_free_degree_that_fails():
+    g, _ = traced(GPT_1B)                                   # 24 layers
+    with pytest.raises(PlanningError) as e:                 # pp = 5 / 1 = 5 stages of 24 layers
+        plan_model(g, make_cluster("a100-80g", 1, gpus_per_node=5), global_batch=510, seq_len=2048,
+                   force="tp=1,dp=1")
+    assert "leaves pp = 5 / 1 = 5" in str(e.value) and "24 layers" in str(e.value)
+    with pytest.raises(PlanningError) as e:                 # dp = 8 / 2 = 4 rows of a batch of 6
+        plan_model(g, make_cluster("a100-80g", 1), global_batch=6, seq_len=2048, force="tp=2,pp=1")
+    assert "leaves dp = 8 / 2 = 4" in str(e.value) and "global batch 6" in str(e.value)
 
 
 def test_tp_must_divide_heads():
