@@ -35,12 +35,14 @@ Shapes and their sources (defaults for planning, not exact training recipes):
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import importlib.util
 import os
 import sys
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -255,14 +257,31 @@ def _load_function(path: str, fn_name: str) -> Callable:
         raise ValueError(f"cannot import {path!r} as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module      # dataclasses and pickle look classes up here
-    spec.loader.exec_module(module)
+    with _user_code(f"importing {path}"):
+        spec.loader.exec_module(module)
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
                         and getattr(v, "__module__", None) == mod_name)
-        raise AttributeError(f"{path!r} has no function {fn_name!r}; functions defined there: "
-                             f"{public}")
+        raise ValueError(f"{path!r} has no function {fn_name!r}; functions defined there: "
+                         f"{', '.join(public) or 'none'} (spec 'path/to/file.py:fn')")
     return fn
+
+
+class UserCodeError(ValueError):
+    """The user's model file raised; the message is theirs, prefixed by where it came from."""
+
+
+@contextlib.contextmanager
+def _user_code(where: str):
+    """Re-raise an exception from the user's file as one line that says where it came from (the
+    traceback stays on ``__cause__`` for debugging)."""
+    try:
+        yield
+    except Exception as e:
+        tb = traceback.extract_tb(e.__traceback__)
+        line = next((f"{f.filename}:{f.lineno}" for f in reversed(tb) if "autopar" not in f.filename), "")
+        raise UserCodeError(f"{where} raised {type(e).__name__}: {e}" + (f" (at {line})" if line else "")) from e
 
 
 def _resize_batch(x: torch.Tensor, batch: int) -> torch.Tensor:
@@ -309,7 +328,7 @@ def _user_bundle(spec: str, batch: Optional[int], seq_len: Optional[int], device
         raise ValueError(f"seq_len does not apply to user model {spec!r}: its file defines the "
                          "input shapes")
     fn = _load_function(path, fn_name)
-    with torch.device(device):
+    with torch.device(device), _user_code(f"{spec}: {fn_name}()"):
         result = fn()
     if isinstance(result, dict):
         unknown = set(result) - {"module", "example_inputs", "loss_fn", "example_target",
@@ -330,11 +349,11 @@ def _user_bundle(spec: str, batch: Optional[int], seq_len: Optional[int], device
                          "(module, example_inputs, loss_fn, example_target), or a dict; got "
                          f"{type(result).__name__}")
     if not isinstance(module, nn.Module):
-        raise TypeError(f"{spec}: the first value returned must be an nn.Module, got "
+        raise ValueError(f"{spec}: the first value returned must be an nn.Module, got "
                         f"{type(module).__name__}")
     inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
     if not inputs or not all(isinstance(x, torch.Tensor) for x in inputs):
-        raise TypeError(f"{spec}: example_inputs must be a tensor or a tuple of tensors")
+        raise ValueError(f"{spec}: example_inputs must be a tensor or a tuple of tensors")
     if (loss_fn is None) != (target is None):
         raise ValueError(f"{spec}: return loss_fn and example_target together (or neither)")
     if dtype != torch.float32:

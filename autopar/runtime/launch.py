@@ -20,6 +20,7 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import socket
+import sys
 import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
@@ -28,7 +29,23 @@ DEFAULT_RUN_TIMEOUT_S = 300.0
 
 
 class RankFailure(RuntimeError):
-    """One or more ranks failed (their tracebacks are in the message)."""
+    """One or more ranks failed. The message holds every rank's error and traceback; ``errors``
+    maps each failed rank to its exception as ``"Type: message"`` (no traceback)."""
+
+    def __init__(self, message: str, errors: Optional[dict[int, str]] = None) -> None:
+        super().__init__(message)
+        self.errors = dict(errors or {})
+
+    def summary(self) -> str:
+        """Each distinct error once, with the ranks that raised it (their first lines are what
+        the user must read; the tracebacks stay in ``str(self)``)."""
+        if not self.errors:
+            return str(self)
+        by_msg: dict[str, list[int]] = {}
+        for r, msg in sorted(self.errors.items()):
+            by_msg.setdefault(msg, []).append(r)
+        return "\n".join(f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))}: {msg}"
+                         for msg, rs in by_msg.items())
 
 
 def free_port() -> int:
@@ -51,7 +68,7 @@ def _rank_main(fn, rank: int, world: int, port: int, timeout_s: float, args: tup
         torch.save(out, buf)
         results.put((rank, "ok", buf.getvalue()))
     except BaseException as e:  # reported to the parent, which raises RankFailure
-        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        results.put((rank, "error", (f"{type(e).__name__}: {e}", traceback.format_exc())))
     finally:
         if dist.is_initialized():
             try:
@@ -101,8 +118,9 @@ def spawn_ranks(fn: Callable, nproc: int, args: Sequence[Any] = (), *, timeout_s
             if status == "error":
                 _collect_errors(results, got, procs, wait_s=min(5.0, timeout_s))
                 errors = {r: p for r, (s, p) in sorted(got.items()) if s == "error"}
-                raise RankFailure("rank failure(s):\n" + "\n".join(f"--- rank {r} ---\n{msg}"
-                                                                  for r, msg in errors.items()))
+                raise RankFailure("rank failure(s):\n" + "\n".join(f"--- rank {r} ---\n{msg}\n{tb}"
+                                                                  for r, (msg, tb) in errors.items()),
+                                  {r: msg for r, (msg, _) in errors.items()})
     finally:
         for p in procs:
             if p.is_alive():
@@ -116,18 +134,6 @@ def spawn_ranks(fn: Callable, nproc: int, args: Sequence[Any] = (), *, timeout_s
     import torch
 
     return [torch.load(io.BytesIO(got[r][1]), weights_only=False) for r in range(nproc)]
-
-
-def _first_lines(report: str) -> str:
-    """Each rank's error line of a RankFailure report (tracebacks dropped)."""
-    keep = [l for l in report.splitlines() if l.startswith("--- rank") or
-            (l and not l.startswith((" ", "Traceback", "rank failure")))]
-    out, last = [], None
-    for l in keep:
-        if l != last:
-            out.append(l)
-        last = l
-    return "\n".join(out)
 
 
 def _collect_errors(results, got: dict, procs, wait_s: float) -> None:
@@ -216,6 +222,18 @@ def _print_plan(plan) -> None:
     console.print(strategies_table(plan))
 
 
+def _check_trainable(model: str, batch: Optional[int], seq_len: Optional[int]) -> None:
+    """Errors in the model spec (and a model without a loss) surface here, once, before any rank
+    starts."""
+    from autopar.models import build_model
+
+    b = build_model(model, batch=batch, seq_len=seq_len, device="meta")
+    if b.loss_fn is None:
+        raise ValueError(f"{model} returns (module, example_inputs) without a loss; `autopar run` trains, "
+                         "so return (module, example_inputs, loss_fn, example_target) (or a dict with "
+                         "'loss_fn' and 'example_target'); `autopar plan` accepts the model as it is")
+
+
 def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = None, force=None,
                 json_path: Optional[str] = None, batch: Optional[int] = None,
                 seq_len: Optional[int] = None, seed: int = 0,
@@ -227,14 +245,15 @@ def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = N
 
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"--optimizer {optimizer!r}: choose one of {OPTIMIZERS}")
+    _check_trainable(model, batch, seq_len)
     plan_json = Plan.load(plan_path).to_json() if plan_path else None
     t0 = time.monotonic()
     try:
         outs = spawn_ranks(_train_rank, nproc, (model, steps, plan_json, force, batch, seq_len, seed,
                                                timeout_s, optimizer), timeout_s=timeout_s)
     except RankFailure as e:
-        print(f"autopar run {model} on {nproc} ranks failed; every rank was stopped.\n"
-              + _first_lines(str(e)))
+        print(f"autopar run {model} on {nproc} ranks failed; every rank was stopped.\n" + e.summary(),
+              file=sys.stderr)
         raise
     wall = time.monotonic() - t0
     plan = Plan.from_json(outs[0]["plan"])

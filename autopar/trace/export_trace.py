@@ -22,9 +22,13 @@ Attention masks that are constant and causal (HuggingFace builds them in ``forwa
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
+import io
+import logging
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
@@ -89,9 +93,45 @@ class _TraceWrapper(nn.Module):
         return self._loss_fn(out, args[self._num_inputs])
 
 
+# torch.export logs a warning and prints the partial FX graph to stderr (twice, once per wrapper)
+# before it raises on data-dependent control flow; the TraceError raised from that exception says
+# the same with the user's line and the fix.
+_EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export")
+
+
+class _DropWarnings(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+
+@contextlib.contextmanager
+def _export_quietly():
+    """Hold back torch.export's warnings and its partial-graph printout while one export runs (a
+    filter on its loggers and a stderr buffer, both removed after): on failure what they say reaches
+    the user as the TraceError, once; everything else written to stderr meanwhile is passed on."""
+    loggers = [logging.getLogger(n) for n in _EXPORT_LOGGERS]
+    f = _DropWarnings()
+    for lg in loggers:
+        lg.addFilter(f)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            yield
+    except Exception as e:
+        partial = getattr(e, "partial_fx_graph", None)
+        sys.stderr.write(err.getvalue().replace(f"{partial}\n", "") if partial else err.getvalue())
+        raise
+    else:
+        sys.stderr.write(err.getvalue())
+    finally:
+        for lg in loggers:
+            lg.removeFilter(f)
+
+
 def _export(model: nn.Module, args: tuple, loss_fn: Optional[Callable], num_inputs: int):
     wrapper = _TraceWrapper(model, loss_fn, num_inputs)
-    return wrapper, torch.export.export(wrapper, args, strict=False)
+    with _export_quietly():
+        return wrapper, torch.export.export(wrapper, args, strict=False)
 
 
 def meta_copy(module: nn.Module, canonical: dict[int, str]) -> tuple[nn.Module, dict[int, str]]:

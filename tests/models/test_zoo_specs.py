@@ -112,7 +112,21 @@ def test_user_model_on_cpu_has_real_weights(user_file):
 def test_user_model_errors(user_file, tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.py"):
         build_model(f"{tmp_path}/nope.py:build")
-    with pytest.raises(AttributeError, match=r"no function 'missing'.*build_with_loss"):
+    with pytest.raises(ValueError, match=r"no function 'missing'.*build_with_loss"):
         build_model(f"{user_file}:missing")
     with pytest.raises(ValueError, match="seq_len"):
         build_model(f"{user_file}:build", seq_len=8)
+
+
+def test_user_code_errors_are_one_line_with_their_origin(tmp_path):
+    """The user's own exception shows, prefixed by where it came from, as one line."""
+    f = tmp_path / "raises.py"
+    f.write_text("import torch\n\ndef build():\n    raise RuntimeError('my config is broken')\n")
+    with pytest.raises(ValueError) as e:
+        build_model(f"{f}:build")
+    msg = str(e.value)
+    assert f"{f}:build: build() raised RuntimeError: my config is broken (at {f}:4)" == msg
+    bad_import = tmp_path / "bad_import.py"
+    bad_import.write_text("import not_a_module_anywhere\n")
+    with pytest.raises(ValueError, match=r"importing .*bad_import.py raised ModuleNotFoundError"):
+        build_model(f"{bad_import}:build")

@@ -15,6 +15,14 @@ from handplans import hand_plan
 pytestmark = pytest.mark.slow
 
 
+def _two_stages(plan):
+    """``plan`` (dp=2) as a consistent pp=2, dp=1 plan: two stages of one layer each."""
+    s0 = plan.stages[0]
+    stages = (replace(s0, last_layer=1, has_head=False), replace(s0, index=1, first_layer=1, has_embedding=False))
+    return replace(plan, pp=2, dp=1, mesh_shape=(1, 1), stages=stages,
+                   num_micro_batches=plan.global_batch // plan.micro_batch_size)
+
+
 @pytest.fixture(scope="module")
 def errors(tiny_full):
     g = tiny_full
@@ -28,7 +36,7 @@ def errors(tiny_full):
         ("different_plans", [dp2.to_json(), hand_plan(g, dp=2, tp=1, zero=1).to_json()], None, "gpt-tiny"),
         ("force_not_dividing", None, {"tp": 3}, "gpt-tiny"),
         ("force_product", None, "dp=1,tp=1,pp=1", "gpt-tiny"),
-        ("pipeline", [replace(dp2, pp=2, dp=1, mesh_shape=(1, 1)).to_json()] * 2, None, "gpt-tiny"),
+        ("pipeline", [_two_stages(dp2).to_json()] * 2, None, "gpt-tiny"),
         ("good_after_bad", [dp2.to_json()] * 2, None, "gpt-tiny"),
     ]
     t0 = time.monotonic()
