@@ -12,10 +12,23 @@ import sys
 import time
 
 from rich.console import Console
+from rich.text import Text
 
 from autopar.report import make_console
 
 GIB = 1 << 30
+GPU_CHOICES = "a100-40g, a100-80g, h100, h200, v100"   # autopar.cost.hardware.GPU_NAMES (not imported: fast --help)
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (a cluster of 0 nodes or 0 GPUs per node is a typo)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give one >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1; give a positive number")
+    return value
 
 
 def _add_problem_args(p: argparse.ArgumentParser) -> None:
@@ -33,11 +46,16 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="plan a model for a cluster (no GPU needed)")
     _add_problem_args(p)
-    p.add_argument("--gpu", default="a100-80g", help="a100-40g, a100-80g, h100, h200, v100 (default a100-80g)")
-    p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--cluster", default=None, help="built-in cluster name or a TOML file describing your cluster")
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--gpu", default=None, help=f"{GPU_CHOICES} (default: the --cluster's GPU, else a100-80g); "
+                   "with --cluster, replaces its GPU")
+    p.add_argument("--nodes", type=_positive_int, default=None,
+                   help="number of nodes (default: the --cluster file's, else 1)")
+    p.add_argument("--gpus-per-node", type=_positive_int, default=None,
+                   help="GPUs per node (default: the --cluster file's, else 8)")
+    p.add_argument("--cluster", default=None, help="built-in cluster name or a TOML file describing your cluster; "
+                   "--gpu/--nodes/--gpus-per-node given with it override it (the report says so)")
+    p.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"),
+                   help="compute dtype (default: the GPU's fastest: bf16, or fp16 on v100)")
     p.add_argument("--memory-gb", type=float, default=None, help="memory budget per GPU in GB (default: the GPU's HBM minus a reserve)")
     p.add_argument("--verbose", action="store_true", help="show every operator's strategy")
 
@@ -59,10 +77,40 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+DEFAULT_GPU = "a100-80g"     # with neither --cluster nor --gpu: one node of 8 A100 80GB
+
+
+def _say(console: Console, label: str, style: str, message: str) -> None:
+    """One unwrapped line; the message is plain text (its "[gpu_overrides]" is not rich markup)."""
+    console.print(Text.assemble((label, style), " ", message), highlight=False, soft_wrap=True)
+
+
+def _cluster(args):
+    """The cluster to plan for, and a line saying what --gpu/--nodes/--gpus-per-node overrode in
+    --cluster (None if nothing). Flags left out take the cluster's own values."""
+    from autopar.cost.hardware import cluster_overrides, resolve_cluster
+
+    given = dict(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu=args.gpu)
+    if args.cluster is None:
+        return resolve_cluster(args.gpu or DEFAULT_GPU, nodes=args.nodes, gpus_per_node=args.gpus_per_node), None
+    return resolve_cluster(args.cluster, **given), cluster_overrides(args.cluster, **given)
+
+
+def _dtype(args, gpu, err: Console) -> str:
+    """--dtype, or the GPU's fastest training dtype; a dtype the GPU only emulates is planned as
+    asked (its cost is priced at the fallback rate), with a warning on stderr."""
+    if args.dtype is None:
+        return gpu.fastest_dtype()
+    dtype = _DTYPES[args.dtype]
+    warning = gpu.dtype_warning(dtype)
+    if warning:
+        _say(err, "warning:", "bold yellow", warning)
+    return dtype
 
 
 def cmd_plan(args, console: Console) -> int:
-    from autopar.cost.hardware import resolve_cluster
+    from dataclasses import replace
+
     from autopar.forcing import parse_force
     from autopar.models import build_model
     from autopar.report import render
@@ -70,19 +118,21 @@ def cmd_plan(args, console: Console) -> int:
     from autopar.trace import trace_model
 
     force = parse_force(args.force)
+    cluster, overridden = _cluster(args)
+    dtype = _dtype(args, cluster.gpu, make_console(stderr=True))
     t0 = time.perf_counter()
     with console.status("tracing on the meta device…"):
         bundle = build_model(args.model, batch=args.batch, seq_len=args.seq_len, device="meta")
         graph = trace_model(bundle.module, bundle.example_inputs, loss_fn=bundle.loss_fn,
                             example_target=bundle.example_target, model_name=bundle.name)
     t_trace = time.perf_counter() - t0
-    cluster = resolve_cluster(args.cluster or args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                              gpu=args.gpu)
     budget = int(args.memory_gb * 1e9) if args.memory_gb else None
     global_batch = args.batch or int(bundle.example_inputs[0].shape[0])
     with console.status("solving…"):
         plan = plan_model(graph, cluster, global_batch=global_batch, seq_len=bundle.seq_len,
-                          dtype=_DTYPES[args.dtype], memory_budget_bytes=budget, force=force)
+                          dtype=dtype, memory_budget_bytes=budget, force=force)
+    if overridden:
+        plan = replace(plan, notes=(overridden,) + plan.notes)
     render(plan, console, verbose=args.verbose)
     console.print(f"traced in {t_trace:.2f} s ({graph.param_count / 1e9:.2f} B parameters); "
                   f"total {time.perf_counter() - t0:.2f} s")
@@ -133,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler(args, console)
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
-        # Planning, tracing and input errors carry a message that says what to change.
-        console.print(f"[bold red]error:[/bold red] {e}", highlight=False)
+        # Planning, tracing and input errors carry a message that says what to change: one line on stderr.
+        _say(make_console(stderr=True), "error:", "bold red", str(e))
         return 2
 
 

@@ -17,6 +17,8 @@ Conventions
 - H100 and H200 have the same SMs and clocks (gpu_specs.csv: identical compute columns), so the
   H200-calibrated matmul/attention efficiencies are used for H100 too (``compute_from`` in the
   calibration file). Their HBM differs, so memory efficiency is per family.
+- ``GPUSpec.emulated`` lists dtypes the GPU has no tensor cores for (V100: bf16), priced at the
+  CUDA-core rate; ``fastest_dtype()`` (the planner's default dtype) never picks one of them.
 - ``LinkSpec.busbw_Bps`` is the achievable NCCL *bus* bandwidth per GPU (nccl-tests convention,
   see ``collectives.py``); ``latency_s`` is the per-step (per ring hop) latency.
 
@@ -71,6 +73,9 @@ MiB = 2**20
 GPU_NAMES = ("a100-40g", "a100-80g", "h100", "h200", "v100")
 CPU_NAME = "cpu"
 
+# Dtypes a training plan can compute in, in order of preference when their peaks are equal.
+TRAINING_DTYPES = ("bfloat16", "float16", "float32")
+
 _DTYPE_ALIASES = {
     "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "tf32": "float32",
     "float": "float32", "fp8": "float8_e4m3fn", "float8": "float8_e4m3fn",
@@ -88,6 +93,7 @@ class GPUSpec:
     attention_efficiency: float                # empirical: achieved SDPA FLOP/s (FULL count) / peak
     memory_efficiency: float                   # empirical: measured copy B/s / hbm_Bps
     source: str                                # where the numbers come from
+    emulated: tuple[str, ...] = ()             # dtypes priced at a fallback (CUDA-core) rate: no tensor cores
 
     def peak_flops_for(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype`` ("bfloat16", "float16", "float32" (=TF32), "float8_e4m3fn",
@@ -99,6 +105,22 @@ class GPUSpec:
         have = ", ".join(d for d, _ in self.peak_flops)
         raise ValueError(f"GPU {self.name!r} has no peak FLOP/s for dtype {dtype!r}; it has: {have}. "
                          f"Cast the model to one of those dtypes or add the figure to the GPU spec.")
+
+    def fastest_dtype(self) -> str:
+        """The training dtype (TRAINING_DTYPES) with the highest peak among those this GPU runs
+        natively (not ``emulated``); equal peaks prefer bfloat16, then float16."""
+        native = [d for d in TRAINING_DTYPES if d not in self.emulated]
+        return max(native, key=lambda d: (self.peak_flops_for(d), -TRAINING_DTYPES.index(d)))
+
+    def dtype_warning(self, dtype: str) -> Optional[str]:
+        """One line if ``dtype`` runs here only at a fallback rate (bf16 on V100), else None."""
+        key = _canonical_dtype(dtype)
+        if key not in self.emulated:
+            return None
+        best = self.fastest_dtype()
+        return (f"{self.name} has no {key} tensor cores: planning {key} at its "
+                f"{self.peak_flops_for(key) / 1e12:.1f} TFLOP/s CUDA-core rate; --dtype {short_dtype(best)} "
+                f"({self.peak_flops_for(best) / 1e12:.1f} TFLOP/s) is faster, or leave --dtype out")
 
 
 @dataclass(frozen=True)
@@ -142,6 +164,7 @@ class _Datasheet:
     hbm_bytes: int
     hbm_Bps: float
     source: str
+    emulated: tuple[str, ...] = ()             # dtypes in peak_flops only at a fallback rate
 
 
 _T = 1e12
@@ -166,7 +189,7 @@ _DATASHEETS: Mapping[str, _Datasheet] = MappingProxyType({
     # V100 has no bf16 or tf32 tensor cores: bf16 and fp32 matmuls run at the CUDA-core fp32 rate (rough).
     "v100": _Datasheet("v100", (("float16", 125 * _T), ("bfloat16", 15.7 * _T), ("float32", 15.7 * _T),
                                 ("vector", 15.7 * _T)), 16 * 10**9, 900 * GB,
-                       "gpu_specs.csv V100-SXM2-16GB (UNVERIFIED third-party catalog)"),
+                       "gpu_specs.csv V100-SXM2-16GB (UNVERIFIED third-party catalog)", emulated=("bfloat16",)),
     # Pseudo-GPU for planning CPU/gloo runs: ROUGH effective figures, not a datasheet.
     "cpu": _Datasheet("cpu", (("bfloat16", 1 * _T), ("float16", 1 * _T), ("float32", 1 * _T),
                               ("vector", 1 * _T)), 8 * 2**30, 20 * GB,
@@ -245,12 +268,18 @@ def get_gpu(name: str, calibration: Union[str, Path, None] = None) -> GPUSpec:
     return GPUSpec(name=key, peak_flops=ds.peak_flops, hbm_bytes=ds.hbm_bytes, hbm_Bps=ds.hbm_Bps,
                    matmul_efficiency=eff.matmul, attention_efficiency=eff.attention,
                    memory_efficiency=eff.memory,
-                   source=f"peaks/HBM: {ds.source}; efficiencies (empirical): {eff.source}")
+                   source=f"peaks/HBM: {ds.source}; efficiencies (empirical): {eff.source}", emulated=ds.emulated)
 
 
 def _canonical_dtype(dtype: str) -> str:
     d = str(dtype).removeprefix("torch.").lower()
     return _DTYPE_ALIASES.get(d, d)
+
+
+def short_dtype(dtype: str) -> str:
+    """The command-line spelling of a dtype: "bfloat16" -> "bf16" (unknown names unchanged)."""
+    key = _canonical_dtype(dtype)
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(key, key)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,15 +393,21 @@ def cluster_from_dict(d: Mapping[str, Any], where: str = "cluster") -> ClusterSp
     return replace(base, gpu=gpu, intra=intra, inter=inter, pcie_Bps=pcie)
 
 
-def load_cluster(path: Union[str, Path]) -> ClusterSpec:
-    """Read a cluster TOML file (format in the module docstring); name defaults to the file stem."""
+def _read_toml(path: Union[str, Path]) -> dict[str, Any]:
     p = Path(path)
     try:
         d = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{p}: not valid TOML: {e}") from None
+    except IsADirectoryError:
+        raise ValueError(f"{p} is a directory; give a cluster TOML file") from None
     d.setdefault("name", p.stem)
-    return cluster_from_dict(d, where=str(p))
+    return d
+
+
+def load_cluster(path: Union[str, Path]) -> ClusterSpec:
+    """Read a cluster TOML file (format in the module docstring); name defaults to the file stem."""
+    return cluster_from_dict(_read_toml(path), where=str(path))
 
 
 def _fmt(x: Any) -> str:
@@ -409,25 +444,62 @@ _BUILTIN_CLUSTERS: Mapping[str, str] = MappingProxyType({
 CLUSTER_NAMES = tuple(_BUILTIN_CLUSTERS)
 
 
+def _check_size(nodes: Optional[int], gpus_per_node: Optional[int]) -> None:
+    for what, v in (("nodes", nodes), ("gpus_per_node", gpus_per_node)):
+        if v is not None and v < 1:
+            raise ValueError(f"{what}={v}: a cluster needs at least 1; give a positive number")
+
+
 def resolve_cluster(name_or_path: Union[str, Path], *, nodes: Optional[int] = None,
                     gpus_per_node: Optional[int] = None, gpu: Optional[str] = None) -> ClusterSpec:
     """A built-in cluster name (CLUSTER_NAMES), a GPU name (GPU_NAMES), or a TOML path.
 
-    ``nodes`` / ``gpus_per_node`` override the size (built-ins default to 1 node x 8 GPUs);
-    ``gpu`` swaps the GPU type (for a TOML cluster the file's links are kept)."""
-    key = str(name_or_path).lower().strip()
-    if key in _BUILTIN_CLUSTERS or key in _DATASHEETS:
-        g = gpu or _BUILTIN_CLUSTERS.get(key, key)
-        n, k = nodes or 1, gpus_per_node or 8
-        return make_cluster(g, n, k, name=f"{key}x{n}" if key in _BUILTIN_CLUSTERS else None)
+    Each of ``nodes`` / ``gpus_per_node`` / ``gpu`` that is not None replaces the cluster's own value
+    (built-ins are 1 node x 8 GPUs). For a TOML cluster the file is read as if it said them: its
+    [intra]/[inter] links and [gpu_overrides] are kept (the overrides apply to the swapped GPU);
+    links the file leaves out default to those of the GPU planned for."""
+    _check_size(nodes, gpus_per_node)
+    key = _builtin_key(name_or_path)
+    if key is not None:
+        n = 1 if nodes is None else nodes
+        return make_cluster(gpu or _BUILTIN_CLUSTERS.get(key, key), n, 8 if gpus_per_node is None else gpus_per_node,
+                            name=f"{key}x{n}" if key in _BUILTIN_CLUSTERS else None)
     p = Path(name_or_path)
     if not p.exists():
         raise ValueError(f"unknown cluster {str(name_or_path)!r}: not a built-in cluster "
                          f"({', '.join(CLUSTER_NAMES)}), not a GPU ({', '.join(GPU_NAMES)}), "
                          f"and no such TOML file")
-    c = load_cluster(p)
-    if gpu is not None:
-        c = replace(c, gpu=get_gpu(gpu))
-    if nodes is not None or gpus_per_node is not None:
-        c = replace(c, nodes=nodes or c.nodes, gpus_per_node=gpus_per_node or c.gpus_per_node)
-    return c
+    d = _read_toml(p)
+    given = {"gpu": gpu, "nodes": nodes, "gpus_per_node": gpus_per_node}
+    d.update({k: v for k, v in given.items() if v is not None})
+    return cluster_from_dict(d, where=str(p))
+
+
+def _builtin_key(name_or_path: Union[str, Path]) -> Optional[str]:
+    key = str(name_or_path).lower().strip()
+    return key if key in _BUILTIN_CLUSTERS or key in _DATASHEETS else None
+
+
+def cluster_overrides(name_or_path: Union[str, Path], *, nodes: Optional[int] = None,
+                      gpus_per_node: Optional[int] = None, gpu: Optional[str] = None) -> Optional[str]:
+    """One line saying which given values replace what the cluster itself says, e.g. "cluster
+    my-h100-pod with --gpu a100-80g overriding h100 (the file's [gpu_overrides] memory_GB applied to
+    a100-80g)"; None when nothing is replaced. Built-in clusters have no node count to replace."""
+    base = resolve_cluster(name_or_path)
+    builtin = _builtin_key(name_or_path)
+    new_gpu = get_gpu(gpu).name if gpu is not None else base.gpu.name
+    changes = []
+    if new_gpu != base.gpu.name:
+        changes.append(f"--gpu {new_gpu} overriding {base.gpu.name}")
+    if builtin is None and nodes is not None and nodes != base.nodes:
+        changes.append(f"--nodes {nodes} overriding {base.nodes}")
+    if gpus_per_node is not None and gpus_per_node != base.gpus_per_node:
+        changes.append(f"--gpus-per-node {gpus_per_node} overriding {base.gpus_per_node}")
+    if not changes:
+        return None
+    line = f"cluster {builtin or base.name} with " + ", ".join(changes)
+    overrides = {} if builtin else _read_toml(name_or_path).get("gpu_overrides", {})
+    kept = [k for k in overrides if k != "source"]
+    if kept and new_gpu != base.gpu.name:
+        line += f" (the file's [gpu_overrides] {', '.join(kept)} applied to {new_gpu})"
+    return line

@@ -441,7 +441,10 @@ class _Searcher:
         if smallest_exact is not None and smallest_exact.memory.total_bytes > need * 1.01:
             exact = (f"; the leanest plan evaluated in full needs {smallest_exact.memory.total_bytes / GB:.1f} GB "
                      f"({smallest_exact.config.short()})")
-        hints = ["a GPU with more memory", "--memory-gb ..."]
+        # A budget the leanest exactly evaluated plan fits in; else the lower bound (rounded up to 0.1 GB).
+        enough = smallest_exact.memory.total_bytes if smallest_exact is not None else need
+        hints = ["a GPU with more memory",
+                 f"--memory-gb {math.ceil(enough / GB * 10) / 10:.1f} if the GPUs have that much free"]
         if not forced:
             # Model states shrink about as 1/GPUs when every axis shards them; activations need not,
             # so this is the fewest nodes worth trying, not a guarantee.

@@ -4,8 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from autopar.cost.hardware import (CLUSTER_NAMES, GPU_NAMES, cluster_to_toml, get_gpu, load_calibration,
-                                   load_cluster, make_cluster, resolve_cluster)
+from autopar.cost.hardware import (CLUSTER_NAMES, GPU_NAMES, cluster_overrides, cluster_to_toml, get_gpu,
+                                   load_calibration, load_cluster, make_cluster, resolve_cluster)
 
 
 def test_gpu_datasheet_figures():
@@ -123,3 +123,82 @@ def test_megatron_h100_mfu_below_calibrated_matmul_efficiency():
     # Megatron-Core's H100 runs reach 41-49% MFU (megatron_readme_h100_weak_scaling.csv); a whole
     # training step cannot beat the GEMM efficiency the calibration measured.
     assert get_gpu("h100").matmul_efficiency > 0.49
+
+
+# The README's cluster example, verbatim.
+README_POD = """\
+name = "my-h100-pod"
+gpu = "h100"
+nodes = 4
+gpus_per_node = 8
+[intra]                 # NCCL bus bandwidth per GPU inside a node
+busbw_GBps = 370.0
+latency_us = 2.0
+[inter]                 # between nodes
+busbw_GBps = 48.0
+latency_us = 8.0
+[gpu_overrides]         # optional
+memory_GB = 80.0
+"""
+
+
+def test_resolve_toml_keeps_the_file_unless_a_value_is_given(tmp_path):
+    p = tmp_path / "my-h100-pod.toml"
+    p.write_text(README_POD)
+    c = resolve_cluster(p)
+    assert (c.name, c.gpu.name, c.nodes, c.gpus_per_node, c.gpu.hbm_bytes) == ("my-h100-pod", "h100", 4, 8, 80 * 10**9)
+    assert cluster_overrides(p) is None
+    swapped = resolve_cluster(p, gpu="a100-40g", nodes=2)
+    assert (swapped.gpu.name, swapped.nodes, swapped.gpus_per_node) == ("a100-40g", 2, 8)
+    assert swapped.gpu.hbm_bytes == 80 * 10**9                   # [gpu_overrides] applied to the new GPU
+    assert swapped.gpu.peak_flops_for("bf16") == 312e12
+    for link in ("intra", "inter"):                             # the file's link figures are kept
+        new, old = getattr(swapped, link), getattr(c, link)
+        assert (new.busbw_Bps, new.latency_s) == (old.busbw_Bps, old.latency_s)
+    line = cluster_overrides(p, gpu="a100-40g", nodes=2)
+    assert line == ("cluster my-h100-pod with --gpu a100-40g overriding h100, --nodes 2 overriding 4 "
+                    "(the file's [gpu_overrides] memory_GB applied to a100-40g)")
+    assert cluster_overrides(p, gpu="h100", nodes=4, gpus_per_node=8) is None   # same as the file: no override
+
+
+def test_resolve_toml_without_links_takes_the_swapped_gpus_links(tmp_path):
+    p = tmp_path / "bare.toml"
+    p.write_text('gpu = "h100"\nnodes = 2\n')
+    assert resolve_cluster(p, gpu="v100").inter == make_cluster("v100", 1).inter
+
+
+def test_resolve_builtin_uses_its_own_gpu_and_size_unless_given():
+    assert resolve_cluster("cpu").gpu.name == "cpu"
+    c = resolve_cluster("dgx-h100", nodes=2)
+    assert (c.gpu.name, c.nodes, c.gpus_per_node) == ("h100", 2, 8)
+    assert cluster_overrides("dgx-h100", nodes=2) is None        # a built-in has no node count to override
+    assert cluster_overrides("dgx-h100", gpu="a100-80g") == "cluster dgx-h100 with --gpu a100-80g overriding h100"
+    assert cluster_overrides("cpu", gpus_per_node=4) == "cluster cpu with --gpus-per-node 4 overriding 8"
+
+
+@pytest.mark.parametrize("size", [dict(nodes=0), dict(gpus_per_node=0), dict(nodes=-1)])
+@pytest.mark.parametrize("where", ["dgx-h100", "toml"])
+def test_resolve_rejects_non_positive_sizes(tmp_path, size, where):
+    if where == "toml":
+        where = tmp_path / "pod.toml"
+        where.write_text(README_POD)
+    (what, value), = size.items()
+    with pytest.raises(ValueError, match=rf"{what}={value}: .*positive"):
+        resolve_cluster(where, **size)
+
+
+def test_resolve_directory_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="is a directory"):
+        resolve_cluster(tmp_path)
+
+
+def test_fastest_dtype_skips_dtypes_without_tensor_cores():
+    assert {name: get_gpu(name).fastest_dtype() for name in GPU_NAMES + ("cpu",)} == {
+        "a100-40g": "bfloat16", "a100-80g": "bfloat16", "h100": "bfloat16", "h200": "bfloat16",
+        "v100": "float16", "cpu": "bfloat16"}
+    v100 = get_gpu("v100")
+    assert v100.emulated == ("bfloat16",)
+    warning = v100.dtype_warning("bf16")
+    assert "no bfloat16 tensor cores" in warning and "--dtype fp16" in warning and "\n" not in warning
+    assert v100.dtype_warning("fp16") is None and v100.dtype_warning("fp32") is None
+    assert get_gpu("h100").dtype_warning("bf16") is None
