@@ -3,8 +3,9 @@
 (a) One process: every adapter, through the Triton kernel (TRITON_INTERPRET=1, which the root
     conftest sets) and through the reference, equals the aten op it replaces, forward and backward;
     calls outside an adapter's conditions are left to aten.
-(b) Two gloo ranks, 2 AdamW steps (fp32), kernels="on" (Triton interpreter) equal kernels="off"
-    within 1e-5 (losses, parameters, gradients), and ``pm.fused_kernels`` lists what ran fused:
+(b) Two gloo ranks, 2 SGD-momentum steps (fp32), kernels="on" (Triton interpreter) equal
+    kernels="off" within round-off (losses, each step's gradients, parameters: the bounds and why
+    SGD rather than Adam are in bodies.py), and ``pm.fused_kernels`` lists what ran fused:
     gpt-tiny with dp=2 (local-dp and DTensor modes), tp=2 (hand Megatron plan) and tp=2 with
     sequence parallelism (the residual stream Shard(1) through add + LayerNorm): every
     layer_norm (add_layer_norm where a residual add feeds it), gelu, attention and the
@@ -124,7 +125,6 @@ def test_modes():
 # ---- two ranks ---------------------------------------------------------------------------------
 
 STEPS = 2
-TOL = 1e-5
 FAMILIES = {     # name: (model, hand_plan kwargs, job extras)
     "dp": ("gpt-tiny", dict(dp=2, tp=1), {}),
     "dp_dtensor_mode": ("gpt-tiny", dict(dp=2, tp=1), {"dp_mode": "dtensor"}),
@@ -191,19 +191,15 @@ def _check_collectives(graph, plan_json: str, family: str, res: list, extra: dic
 
 
 def _check_equal(family: str, on: list, off: list) -> None:
+    """Losses of every rank, each step's gradients and the final parameters (rank 0) of ``on``
+    against ``off`` within the round-off bounds of ``bodies.training_ratios``."""
+    from bodies import RTOL_LOSS, check_training
+
     for r in range(2):
-        for a, b in zip(on[r]["losses"], off[r]["losses"]):
-            assert abs(a - b) <= TOL, (family, r, on[r]["losses"], off[r]["losses"])
+        for a, b in zip(on[r]["losses"], off[r]["losses"], strict=True):
+            assert abs(a - b) <= RTOL_LOSS * abs(b), (family, r, on[r]["losses"], off[r]["losses"])
         assert off[r]["fused"] == []
-    d, k = _max_diff(on[0]["sd"], off[0]["sd"])
-    assert d <= TOL, f"{family}: parameter {k} differs by {d:.3e}"
-    d, k = _max_diff(on[0]["grads"], off[0]["grads"])
-    assert d <= TOL, f"{family}: gradient {k} differs by {d:.3e}"
-
-
-def _max_diff(a: dict, b: dict) -> tuple[float, str]:
-    assert set(a) == set(b)
-    return max(((a[k].float() - b[k].float()).abs().max().item(), k) for k in a)
+    check_training(on[0], off[0], f"{family}: ")
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """Random forced plans (hypothesis): a mesh (dp x tp of 4 ranks), ZeRO stage, recompute, a
 tensor-parallel family (or the solver's own choice for the forced degrees), drawn several at a
-time and run in one 4-rank launch; each must match the single-process run within 1e-5 and issue
-exactly the predicted collectives."""
+time and run in one 4-rank launch; each must match the single-process run within round-off
+(``bodies.check_against_reference``: losses, each step's gradients, parameters) and issue exactly
+the predicted collectives."""
 from __future__ import annotations
 
 import functools
