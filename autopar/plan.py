@@ -16,7 +16,7 @@ import math
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Optional
 
-from autopar.placements import Placement, format_placements, parse_placements
+from autopar.placements import Placement, Replicate, format_placements, parse_placements
 
 SCHEMA_VERSION = 1
 
@@ -126,6 +126,20 @@ class Plan:
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
+
+    def idle_axes(self) -> tuple[str, ...]:
+        """Mesh axes of size > 1 on which no node is sharded or partial: every rank of such an
+        axis holds and computes the same thing (legal, e.g. a forced tp=2 on a model too small to
+        split, but worth showing). A strategy with fewer placements than axes leaves the leading
+        axes replicated."""
+        used: set[str] = set()
+        n = len(self.mesh_axes)
+        for s in self.strategies:
+            for placements in (s.output, *s.inputs):
+                for axis, p in zip(self.mesh_axes[n - len(placements):], placements):
+                    if not isinstance(p, Replicate):
+                        used.add(axis)
+        return tuple(a for a, size in zip(self.mesh_axes, self.mesh_shape) if size > 1 and a not in used)
 
     def strategy(self, key: str) -> NodeStrategy:
         for s in self.strategies:

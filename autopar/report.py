@@ -194,3 +194,13 @@ def render(plan: Plan, console: Console | None = None, verbose: bool = False) ->
         console.print("forced: " + ", ".join(f"{k}={v}" for k, v in plan.forced), markup=False)
     for note in plan.notes:
         console.print(f"note: {note}", markup=False)
+    for note in idle_axis_notes(plan):
+        console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+
+
+def idle_axis_notes(plan: Plan) -> list[str]:
+    """A line per mesh axis of size > 1 that no node is split on (``Plan.idle_axes``)."""
+    sizes = dict(zip(plan.mesh_axes, plan.mesh_shape))
+    return [f"every node is replicated on the {a} axis ({a}={sizes[a]}): its ranks hold and compute the same "
+            f"thing and carry no {a} traffic (legal, e.g. a forced {a} on a model too small to gain from splitting)"
+            for a in plan.idle_axes()]

@@ -122,3 +122,15 @@ class CollectiveRecorder(TorchDispatchMode):
             nbytes = t.numel() * t.element_size()
         self.log.add(kind, axis, nbytes, "dtensor")
 
+
+
+def traffic_by_axis(records: "tuple[Collective, ...] | list[Collective]") -> dict[str, dict]:
+    """What a rank carried per mesh axis: ``{axis: {"count", "bytes", "kinds": {kind: count}}}``,
+    axes in first-seen order (``autopar run --json``'s ``"collectives"``)."""
+    out: dict[str, dict] = {}
+    for c in records:
+        a = out.setdefault(c.axis, {"count": 0, "bytes": 0, "kinds": {}})
+        a["count"] += 1
+        a["bytes"] += c.nbytes
+        a["kinds"][c.kind] = a["kinds"].get(c.kind, 0) + 1
+    return out

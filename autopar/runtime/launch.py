@@ -187,7 +187,11 @@ def _train_rank(rank: int, world: int, model: str, steps: int, plan_json: Option
     for _ in range(steps):
         inputs, target = b.make_batch(b.example_inputs[0].shape[0], gen)
         losses.append(pm.step(inputs, target))
-    return {"losses": losses, "plan": pm.plan.to_json() if rank == 0 else None}
+    if rank:
+        return {"losses": losses}
+    from autopar.runtime.collectives import traffic_by_axis
+
+    return {"losses": losses, "plan": pm.plan.to_json(), "collectives": traffic_by_axis(pm.collectives)}
 
 
 def reference_losses(model: str, steps: int, *, batch: Optional[int], seq_len: Optional[int],
@@ -265,7 +269,15 @@ def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = N
     diff = max((abs(a - b) for a, b in zip(losses, ref)), default=0.0)
     print("reference (1 process): " + ", ".join(f"{l:.6f}" for l in ref))
     print(f"max |loss - reference| = {diff:.3e}   ({nproc} ranks, {wall:.1f} s)")
-    result = {"losses": losses, "reference_losses": ref, "max_abs_diff": diff, "plan": plan.summary()}
+    from autopar.report import idle_axis_notes
+
+    traffic = outs[0]["collectives"]
+    print(f"rank 0 communicated over {steps} steps (setup included): " + (", ".join(
+        f"{axis}: {t['count']} collectives, {t['bytes'] / 1e6:.3f} MB" for axis, t in traffic.items()) or "nothing"))
+    for note in idle_axis_notes(plan):
+        print(f"note: {note}")
+    result = {"losses": losses, "reference_losses": ref, "max_abs_diff": diff, "summary": plan.summary(),
+              "collectives": traffic, "plan": plan.to_dict()}
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=1)
