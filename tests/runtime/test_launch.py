@@ -7,6 +7,7 @@ import pytest
 
 from autopar.plan import Plan
 from autopar.runtime.launch import RankFailure, run_command
+from handplans import hand_plan
 
 pytestmark = pytest.mark.slow
 
@@ -35,11 +36,16 @@ def test_run_command_reports_rank_errors():
         run_command("gpt-tiny", nproc=2, steps=1, force="tp=3", batch=4, timeout_s=20)
 
 
-def test_run_command_with_lamb_under_tensor_parallelism(capsys):
-    """``autopar run --optimizer lamb``: LAMB's per-tensor trust ratios stay the whole tensors'
-    on tp shards, so the losses equal one process."""
-    res = run_command("gpt-tiny", nproc=2, steps=3, force="tp=2", batch=4, optimizer="lamb")
+def test_run_command_with_lamb_under_tensor_parallelism(tiny_full, tmp_path):
+    """``autopar run --optimizer lamb --plan FILE``: LAMB's per-tensor trust ratios stay the whole
+    tensors' on tp shards, so the losses equal one process. The plan is Megatron's (the solver
+    replicates a model this small on the "cpu" cluster, which would prove nothing): the run must
+    have carried tp traffic."""
+    plan_file = tmp_path / "megatron.json"
+    hand_plan(tiny_full, dp=1, tp=2, family="megatron").save(str(plan_file))
+    res = run_command("gpt-tiny", nproc=2, steps=3, plan_path=str(plan_file), batch=4, optimizer="lamb")
     assert res["summary"]["tensor_parallel"] == 2
+    assert res["collectives"]["tp"]["count"] >= 3 * 2 * 2, res["collectives"]   # >= 2 all-reduces per layer per step
     assert res["max_abs_diff"] <= 1e-5, res
     with pytest.raises(ValueError, match="choose one of"):
         run_command("gpt-tiny", nproc=2, steps=1, optimizer="sgd")
