@@ -16,6 +16,7 @@ import math
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Optional
 
+from autopar.mesh import PIPELINE, Mesh
 from autopar.placements import Placement, Replicate, format_placements, parse_placements
 
 SCHEMA_VERSION = 1
@@ -126,6 +127,17 @@ class Plan:
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def mesh(self) -> Mesh:
+        """The whole mesh: pipeline stages outermost (when pp > 1), then ``mesh_axes``."""
+        lead = ((PIPELINE,), (self.pp,)) if self.pp > 1 else ((), ())
+        return Mesh(lead[0] + tuple(self.mesh_axes), lead[1] + tuple(self.mesh_shape), self.cluster.gpus_per_node)
+
+    @property
+    def stage_mesh(self) -> Mesh:
+        """The mesh of one pipeline stage (every stage has the same)."""
+        return Mesh(tuple(self.mesh_axes), tuple(self.mesh_shape), self.cluster.gpus_per_node)
 
     def idle_axes(self) -> tuple[str, ...]:
         """Mesh axes of size > 1 on which no node is sharded or partial: every rank of such an

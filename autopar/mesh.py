@@ -1,0 +1,106 @@
+"""The device mesh as plan data: named axes, outermost first, their sizes, rank <-> coordinates.
+
+Plan, codegen and runtime share this vocabulary; nothing below the Plan spells an axis position.
+
+    mesh = Mesh(("pp", "dp", "tp"), (2, 2, 2), ranks_per_node=4)
+    mesh.coords(5)              # (1, 0, 1): row-major, the last axis is the one whose ranks are adjacent
+    mesh.groups("dp")           # ((0, 2), (1, 3), (4, 6), (5, 7)): every group of ranks along dp
+    mesh.inside_node("tp")      # True: tp's groups span 2 adjacent ranks of a 4-rank node
+    mesh.drop("pp")             # the mesh of one pipeline stage: ("dp", "tp"), (2, 2)
+
+Axis roles: the names below are the roles the planner gives axes. Code that needs the axis that
+carries the batch asks for ``DATA`` by name, so a mesh that lacks it (a size-1 axis) still reads.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+PIPELINE = "pp"   # pipeline stages (outermost: a stage's ranks are contiguous)
+DATA = "dp"       # data parallel: the batch dim, gradient reduction, ZeRO shards
+TENSOR = "tp"     # tensor parallel (Megatron 1-D; sequence parallel shares it)
+ROLES = (PIPELINE, DATA, TENSOR)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """``axes`` named outermost first with ``shape``; ranks laid out row-major. ``ranks_per_node``
+    (0: unknown) tells which axes stay inside a node."""
+    axes: tuple[str, ...]
+    shape: tuple[int, ...]
+    ranks_per_node: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.axes) != len(self.shape):
+            raise ValueError(f"mesh axes {self.axes} and shape {self.shape} differ in length")
+        if len(set(self.axes)) != len(self.axes):
+            raise ValueError(f"mesh axes {self.axes} repeat a name")
+        bad = [(a, n) for a, n in zip(self.axes, self.shape) if not isinstance(n, int) or isinstance(n, bool) or n < 1]
+        if bad:
+            raise ValueError(f"mesh axis sizes must be positive integers, got {bad}")
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def __contains__(self, axis: str) -> bool:
+        return axis in self.axes
+
+    def size_of(self, axis: str) -> int:
+        """The axis' size; 1 for an axis the mesh does not have."""
+        return self.shape[self.axes.index(axis)] if axis in self.axes else 1
+
+    def stride(self, axis: str) -> int:
+        """Rank distance between neighbours along ``axis``."""
+        i = self.axes.index(axis)
+        return math.prod(self.shape[i + 1:])
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank} is outside the mesh of {self.size} ranks {self.describe()}")
+        out = []
+        for n in reversed(self.shape):
+            out.append(rank % n)
+            rank //= n
+        return tuple(reversed(out))
+
+    def rank(self, coords: tuple[int, ...]) -> int:
+        if len(coords) != len(self.shape) or any(not 0 <= c < n for c, n in zip(coords, self.shape)):
+            raise ValueError(f"coordinates {coords} are outside the mesh {self.describe()}")
+        r = 0
+        for c, n in zip(coords, self.shape):
+            r = r * n + c
+        return r
+
+    def coord(self, rank: int, axis: str) -> int:
+        """``rank``'s index along ``axis`` (0 for an axis the mesh does not have)."""
+        return self.coords(rank)[self.axes.index(axis)] if axis in self.axes else 0
+
+    def groups(self, axis: str) -> tuple[tuple[int, ...], ...]:
+        """Every group of ranks along ``axis`` (the others fixed), ordered by their first rank:
+        the process groups of that axis."""
+        i = self.axes.index(axis)
+        out = []
+        for r in range(self.size):
+            c = self.coords(r)
+            if c[i] == 0:
+                out.append(tuple(self.rank(c[:i] + (k,) + c[i + 1:]) for k in range(self.shape[i])))
+        return tuple(out)
+
+    def group_of(self, rank: int, axis: str) -> tuple[int, ...]:
+        return next(g for g in self.groups(axis) if rank in g)
+
+    def inside_node(self, axis: str) -> bool:
+        """True when every group of ``axis`` lies within one node (unknown node size: False)."""
+        if not self.ranks_per_node:
+            return False
+        span = self.stride(axis) * self.size_of(axis)
+        return span <= self.ranks_per_node and self.ranks_per_node % span == 0
+
+    def drop(self, *axes: str) -> "Mesh":
+        """The mesh without ``axes`` (their ranks fixed): e.g. one pipeline stage's mesh."""
+        keep = [(a, n) for a, n in zip(self.axes, self.shape) if a not in axes]
+        return Mesh(tuple(a for a, _ in keep), tuple(n for _, n in keep), self.ranks_per_node)
+
+    def describe(self) -> str:
+        return " x ".join(f"{a}={n}" for a, n in zip(self.axes, self.shape)) or "(one rank)"
