@@ -155,7 +155,8 @@ def cmd_inspect(args, console: Console) -> int:
 
 
 def cmd_run(args, console: Console) -> int:
-    from autopar.runtime.launch import RankFailure, run_command
+    from autopar.cli_run import run_command
+    from autopar.runtime.launch import RankFailure
 
     if args.nproc < 1:
         raise ValueError(f"--nproc {args.nproc}: need at least 1 rank")

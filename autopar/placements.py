@@ -7,7 +7,7 @@ people (``S(0)``, ``R``, ``P``). A node's placement on an N-axis mesh is a tuple
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,24 @@ def parse_placements(text: str) -> tuple[Placement, ...]:
             out.append(parse_placement(text[i]))
             i += 1
     return tuple(out)
+
+
+def reshard_kind(src: Placement, dst: Placement) -> Optional[str]:
+    """The collective for ``src -> dst`` on one axis, or None when it is local (free)."""
+    if src == dst:
+        return None
+    if isinstance(src, Replicate):
+        return None                        # slice, or local scaling to Partial
+    if isinstance(src, Shard):
+        if isinstance(dst, Shard):
+            return "all_to_all"
+        return "all_gather"                # to R, or to P via R
+    # src is Partial
+    if isinstance(dst, Replicate):
+        return "all_reduce"
+    if isinstance(dst, Shard):
+        return "reduce_scatter"
+    return None
 
 
 def to_torch(p: Placement):

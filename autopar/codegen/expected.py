@@ -4,7 +4,7 @@ What the runtime does (``executor.py``, ``runtime/params.py``, ``runtime/reducer
 as counting rules, so a test can hold ``ParallelModel.collectives`` against it:
 
 forward, per tensor edge producer u -> consumer n (input i), per mesh axis a of size > 1:
-    ``reshard_kind(out(u)[a], in(n, i)[a])`` (``solver/reshard.py``: S->R all_gather, P->R
+    ``reshard_kind(out(u)[a], in(n, i)[a])`` (``placements.py``: S->R all_gather, P->R
     all_reduce, P->S reduce_scatter, S(i)->S(j) all_to_all -- all_gather on gloo, R->S and R->P
     free). A getitem's edge is its producer's output -> the getitem's output. A parameter's
     output is (Replicate, its tp storage placement): dp sharding is ZeRO's, below.
@@ -41,17 +41,36 @@ planned input placements it does not accept -- both show up as differences, whic
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Collection, Optional, Sequence
 
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES, ParamLayout, bucket_comm_bytes, plan_buckets
 from autopar.codegen.program import RankProgram, compile_program, local_dp_nodes
 from autopar.codegen.shards import chunk_range
+from autopar import placements
 from autopar.ir import DTYPE_BYTES, GraphIR, NodeInfo, TensorMeta
 from autopar.placements import Partial, Placement, Replicate, Shard
 from autopar.plan import Plan
-from autopar.runtime.collectives import Collective
 
 AXES = ("dp", "tp")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a rank issues (predicted here, recorded by ``runtime/collectives.py``).
+    ``nbytes``: all_reduce the tensor, all_gather the OUTPUT, reduce_scatter the INPUT, all_to_all
+    each rank's send buffer (as ``autopar.cost.collectives``)."""
+    kind: str      # "all_reduce" | "all_gather" | "reduce_scatter" | "all_to_all" | "broadcast"
+    axis: str      # mesh axis name ("dp", "tp"), or "world"
+    nbytes: int    # see the module docstring
+    phase: str     # "forward" | "backward" | "step" (reducer / optimizer) | "setup"
+    source: str    # "dtensor" | "reducer" | "zero" | "fallback"
+
+    def key(self) -> tuple[str, str, int, str]:
+        """What tests compare: (kind, axis, nbytes, phase)."""
+        return (self.kind, self.axis, self.nbytes, self.phase)
+
+
 FLOAT = frozenset({"float64", "float32", "float16", "bfloat16"})
 VOCAB_CE_TARGET = "aten.cross_entropy_loss.default"
 LOSS_TARGETS = frozenset({"aten.cross_entropy_loss.default", "aten.nll_loss.default",
@@ -59,9 +78,7 @@ LOSS_TARGETS = frozenset({"aten.cross_entropy_loss.default", "aten.nll_loss.defa
 
 
 def reshard_kind(src: Placement, dst: Placement, backend: str) -> Optional[str]:
-    from autopar.solver.reshard import reshard_kind as kind_of
-
-    k = kind_of(src, dst)
+    k = placements.reshard_kind(src, dst)
     if k == "all_to_all" and backend == "gloo":
         return "all_gather"            # DTensor on a CPU group: all-gather + local chunk
     return k

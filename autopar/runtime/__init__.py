@@ -6,9 +6,9 @@ gradient reducer, deterministic init, collective logs, and launching CPU ranks.
     reducer.py      GradReducer: bucketed, overlapped all-reduce / reduce-scatter over dp
     init.py         counter-based init of any shard; materialize(module_on_meta, seed)
     collectives.py  Collective records and the recorder of DTensor's collectives
-    launch.py       spawn_ranks (N gloo ranks, fail fast) and run_command (``autopar run``)
+    launch.py       spawn_ranks (N gloo ranks, fail fast); ``autopar run`` is ``autopar/cli_run.py``
 """
 from autopar.runtime.init import materialize
-from autopar.runtime.launch import run_command, spawn_ranks
+from autopar.runtime.launch import spawn_ranks
 
-__all__ = ["materialize", "run_command", "spawn_ranks"]
+__all__ = ["materialize", "spawn_ranks"]

@@ -14,22 +14,10 @@ reduce_scatter the INPUT, all_to_all each rank's send buffer.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-
-@dataclass(frozen=True)
-class Collective:
-    kind: str      # "all_reduce" | "all_gather" | "reduce_scatter" | "all_to_all" | "broadcast"
-    axis: str      # mesh axis name ("dp", "tp"), or "world"
-    nbytes: int    # see the module docstring
-    phase: str     # "forward" | "backward" | "step" (reducer / optimizer) | "setup"
-    source: str    # "dtensor" | "reducer" | "zero" | "fallback"
-
-    def key(self) -> tuple[str, str, int, str]:
-        """What tests compare: (kind, axis, nbytes, phase)."""
-        return (self.kind, self.axis, self.nbytes, self.phase)
+from autopar.codegen.expected import Collective
 
 
 class CollectiveLog:

@@ -30,29 +30,9 @@ all_reduce. Times come from ``cost.collective_s`` on the axis link.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 from autopar.cost.collectives import collective_s
 from autopar.cost.hardware import LinkSpec
-from autopar.placements import Partial, Placement, Replicate, Shard
-
-
-def reshard_kind(src: Placement, dst: Placement) -> Optional[str]:
-    """The collective for ``src -> dst`` on one axis, or None when it is local (free)."""
-    if src == dst:
-        return None
-    if isinstance(src, Replicate):
-        return None                        # slice, or local scaling to Partial
-    if isinstance(src, Shard):
-        if isinstance(dst, Shard):
-            return "all_to_all"
-        return "all_gather"                # to R, or to P via R
-    # src is Partial
-    if isinstance(dst, Replicate):
-        return "all_reduce"
-    if isinstance(dst, Shard):
-        return "reduce_scatter"
-    return None
+from autopar.placements import Partial, Placement, Replicate, reshard_kind
 
 
 def reshard_s(src: Placement, dst: Placement, nbytes: float, n: int, link: LinkSpec) -> float:

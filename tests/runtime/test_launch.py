@@ -6,7 +6,8 @@ import json
 import pytest
 
 from autopar.plan import Plan
-from autopar.runtime.launch import RankFailure, run_command
+from autopar.cli_run import run_command
+from autopar.runtime.launch import RankFailure
 from handplans import hand_plan
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,8 @@ import textwrap
 import pytest
 
 from autopar.models import build_model
-from autopar.runtime.launch import RankFailure, run_command
+from autopar.cli_run import run_command
+from autopar.runtime.launch import RankFailure
 from autopar.trace import TraceError, trace_model
 
 MODEL_FILE = '''
