@@ -4,11 +4,20 @@
                                  optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4))
     loss = pm.step(inputs, targets)     # one optimizer step on one GLOBAL batch; loss on every rank
     out = pm(inputs)                    # forward only, full output on every rank
+    pm.eval(); pm(inputs); pm.train()   # the mode of pm(inputs), as the module's (BatchNorm, dropout)
     (batches keep the example's shapes: the traced graph's shape literals are those of the example)
     pm.plan, pm.full_state_dict(), pm.collectives
 
 Every rank calls it with the same module (real weights: autopar shards them; meta device: each
 rank generates only its shards, see ``runtime/init.py``) and the same global batches.
+
+Without ``example_target`` (as with DDP / FSDP: a model, inputs and a loss), steps 3-6 run on the
+first ``pm.step(inputs, targets)``, with that batch's targets, on every rank alike (``_setup``
+does 1-2 at once, ``_build`` does 3-6 given a target; ``ParallelModel`` holds the pending build).
+
+Random ops in the traced graph (dropout, rand, randn, bernoulli, ...) draw from each rank's own
+generator, so their values differ from one process with the same seed: ``ParallelModel`` says so
+once (``RandomOpsWarning``).
 
 The flow (order matters where noted):
   1. join the world (or start a one-process one) with timeouts        runtime/world.py
@@ -21,7 +30,10 @@ The flow (order matters where noted):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import logging
+import warnings
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -45,6 +57,10 @@ from autopar.runtime.world import (DEFAULT_TIMEOUT_S, PlanMismatchError, build_m
 log = logging.getLogger("autopar.runtime")
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+
+
+class RandomOpsWarning(UserWarning):
+    """The traced graph has random ops: they draw from per-rank streams, not one process's."""
 
 
 class RankCommunicationError(RuntimeError):
@@ -128,31 +144,48 @@ def _solve_on_rank0(model, inputs, loss_fn, target, cluster, force: Force, devic
 
 
 class ParallelModel:
-    """A model running under a Plan on this rank. Build with ``autoparallelize``."""
+    """A model running under a Plan on this rank. Build with ``autoparallelize``.
 
-    def __init__(self, *, model: nn.Module, plan: Plan, train_graph, mesh, program: RankProgram,
-                 store: ParamStore, optimizer: torch.optim.Optimizer, reducer: GradReducer,
-                 buffers: dict, collective_log: CollectiveLog, device: torch.device,
-                 timeout_s: float, record_collectives: bool = True,
-                 fused: Optional[FusedKernels] = None) -> None:
-        self.plan = plan
-        self.mesh = mesh
-        self.program = program
-        self.store = store
-        self.optimizer = optimizer
-        self.reducer = reducer
-        self.device = device
-        self._model = model
-        self._buffers = buffers
-        self._log = collective_log
-        self._train_graph = train_graph
-        self._fused = fused
-        self._train = self._executor(train_graph, program)
-        self._forward: Optional[GraphExecutor] = None
-        self._recorder = CollectiveRecorder(collective_log, {
-            axis: tuple(dist.get_process_group_ranks(mesh.get_group(axis))) for axis in ("dp", "tp")})
+    ``build(target) -> _Built`` makes the runtime parts (``_build``); with ``example_target`` they are
+    made now, else on the first ``step`` from its targets (collectively, every rank alike)."""
+
+    def __init__(self, build: Callable[[torch.Tensor], "_Built"], *, timeout_s: float,
+                 example_target: Optional[torch.Tensor] = None, record_collectives: bool = True) -> None:
         self.timeout_s = timeout_s
         self.record_collectives = record_collectives
+        self._pending: Optional[Callable[[torch.Tensor], _Built]] = build
+        self._random_warned = False
+        if example_target is not None:
+            self._install(example_target)
+
+    def _install(self, target: torch.Tensor) -> None:
+        parts = self._pending(target)
+        self._pending = None
+        self.plan = parts.plan
+        self.mesh = mesh = parts.mesh
+        self.program = parts.program
+        self.store = parts.store
+        self.optimizer = parts.optimizer
+        self.reducer = parts.reducer
+        self.device = parts.device
+        self._model = parts.model
+        self._buffers = parts.buffers
+        self._log = parts.collective_log
+        self._train_graph = parts.train_graph
+        self._fused = parts.fused
+        self._train = self._executor(self._train_graph, self.program)
+        self._forwards: dict[bool, tuple] = {}        # module.training -> (graph, executor)
+        self._recorder = CollectiveRecorder(self._log, {
+            axis: tuple(dist.get_process_group_ranks(mesh.get_group(axis))) for axis in ("dp", "tp")})
+
+    def __getattr__(self, name: str):
+        # only reached for attributes not set yet: those ``_install`` sets, before it ran
+        if self.__dict__.get("_pending") is not None:
+            raise AttributeError(
+                f"ParallelModel.{name} does not exist yet: autoparallelize was called without "
+                "example_target, so the model is traced, planned and compiled on the first "
+                "pm.step(inputs, targets) (on every rank); call it first, or pass example_target=")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ---- public --------------------------------------------------------------------------------
     @property
@@ -163,12 +196,23 @@ class ParallelModel:
     def reset_collectives(self) -> None:
         self._log.clear()
 
+    def train(self, mode: bool = True) -> "ParallelModel":
+        """Set the module's mode for ``pm(inputs)`` (as ``nn.Module.train``): BatchNorm uses batch
+        statistics and updates its running ones, dropout drops. ``step`` always runs the graph
+        traced at setup, in the mode the module had then."""
+        self._built_model().train(mode)
+        return self
+
+    def eval(self) -> "ParallelModel":
+        """``train(False)``: ``pm(inputs)`` with running statistics, no dropout."""
+        return self.train(False)
+
     @property
     def fallbacks(self) -> frozenset[str]:
         """Op targets that ran on local tensors because DTensor has no rule for them."""
         f = set(self._train.fallbacks)
-        if self._forward is not None:
-            f |= self._forward.fallbacks
+        for _, ex in self._forwards.values():
+            f |= ex.fallbacks
         return frozenset(f)
 
     @property
@@ -176,15 +220,27 @@ class ParallelModel:
         """(node key, kernel name) of the nodes that ran through a fused Triton kernel (or its
         reference, see ``autoparallelize(kernels=...)``); filled as nodes run (after a step)."""
         seen = dict(self._train.fused_kernels)
-        if self._forward is not None:
-            for k, v in self._forward.fused_kernels:
+        for _, ex in self._forwards.values():
+            for k, v in ex.fused_kernels:
                 seen.setdefault(k, v)
         return tuple(seen.items())
 
     def step(self, inputs, targets) -> float:
-        """One optimizer step on one global batch; returns the loss (same float on every rank)."""
+        """One optimizer step on one global batch; returns the loss (same float on every rank).
+        Without example_target, the first step also traces, plans and compiles (every rank)."""
+        if self._pending is not None:
+            with peer_failures("autoparallelize (setup, on the first step)", self.timeout_s):
+                self._install(targets)
         with peer_failures("a training step", self.timeout_s):
             return self._step(inputs, targets)
+
+    def _built_model(self) -> nn.Module:
+        if self._pending is not None:
+            raise RuntimeError("this ParallelModel is not built yet: autoparallelize was called without "
+                               "example_target, so the model is traced, planned and compiled on the "
+                               "first pm.step(inputs, targets); call pm.step first, or pass "
+                               "example_target= to autoparallelize")
+        return self._model
 
     def _step(self, inputs, targets) -> float:
         self.store.zero_grad()
@@ -205,21 +261,24 @@ class ParallelModel:
 
     @torch.no_grad()
     def __call__(self, inputs) -> torch.Tensor:
-        """Forward only: the model's (primary) output, full, on every rank."""
-        if self._forward is None:
+        """Forward only: the model's (primary) output, full, on every rank, in the module's mode
+        (``pm.train()`` / ``pm.eval()``; BatchNorm in training mode updates its running statistics,
+        as one process does)."""
+        model = self._built_model()
+        if model.training not in self._forwards:
             from autopar.trace import trace_model
 
             ex = tuple(x.to("cpu") if x.is_meta else x for x in _tuple(inputs))
             if self.program.local_dp:
                 ex = tuple(x[: x.shape[0] // self.program.dims.dp] for x in ex)
-            g = trace_model(self._model, ex, collapse_repeats=False, model_name=self.plan.model_name)
-            self._forward_graph = g
+            g = trace_model(model, ex, collapse_repeats=False, model_name=self.plan.model_name)
             keys = frozenset(n.key for n in self.program.nodes if n.dtensor) if self.program.local_dp else None
-            self._forward = self._executor(g, compile_program(g, self.plan, local_dp=keys))
+            self._forwards[model.training] = (g, self._executor(g, compile_program(g, self.plan, local_dp=keys)))
+        graph, forward = self._forwards[model.training]
         self._log.phase = "forward"
         with self._recording():
-            outs = self._forward.run(_tuple(inputs), None)
-            out = self._user_output(self._forward_graph, outs)
+            outs = forward.run(_tuple(inputs), None)
+            out = self._user_output(graph, outs)
             if not isinstance(out, DTensor):             # local-dp mode: this rank's batch rows
                 out = DTensor.from_local(out, self.mesh, (Shard(0), Replicate()), run_check=False)
             return out.redistribute(out.device_mesh, _replicate(out)).to_local()
@@ -242,6 +301,7 @@ class ParallelModel:
     def _executor(self, graph, program: RankProgram) -> GraphExecutor:
         from autopar.trace import graph_on_device
 
+        self._warn_random_ops(graph)
         gm = graph_on_device(graph, self.device)
         spec_targets = {s.arg.name: s.target for s in graph.exported.graph_signature.input_specs
                         if hasattr(s.arg, "name")}
@@ -250,6 +310,22 @@ class ParallelModel:
         fused = None if self._fused is None else FusedKernels(self._fused.implementation)
         return GraphExecutor(gm, program, self.mesh, self.store, self._buffers, constants, self._log.paused,
                              fused)
+
+    def _warn_random_ops(self, graph) -> None:
+        """Once per ParallelModel: the graph has random ops, which differ from one process."""
+        if self._random_warned:
+            return
+        found = random_ops(graph.exported.graph)
+        if not found:
+            return
+        self._random_warned = True
+        names = ", ".join(f"{t} x{n}" if n > 1 else t for t, n in sorted(found.items()))
+        msg = (f"the model has random ops ({names}): each rank draws them from its own random "
+               "stream, so their values (dropout masks, noise) differ from one process with the "
+               "same seed and losses differ accordingly; for an exact comparison use "
+               "dropout p=0 (or no random ops)")
+        log.warning(msg)
+        warnings.warn(msg, RandomOpsWarning, stacklevel=3)
 
     def _user_output(self, graph, outs: list):
         from torch.export.graph_signature import OutputKind
@@ -267,6 +343,38 @@ class ParallelModel:
         if len(user) != 1:
             raise NotImplementedError(f"the graph has {len(user)} user outputs; autopar runs one (the loss)")
         return user[0]
+
+
+def _schema_args(node, op) -> dict[str, Any]:
+    """The node's arguments by schema name, defaults filled in."""
+    out = {}
+    for i, a in enumerate(op._schema.arguments):
+        if i < len(node.args) and not a.kwarg_only:
+            out[a.name] = node.args[i]
+        elif a.name in node.kwargs:
+            out[a.name] = node.kwargs[a.name]
+        elif a.has_default_value():
+            out[a.name] = a.default_value
+    return out
+
+
+def random_ops(fx_graph) -> dict[str, int]:
+    """Random ops of an exported graph (ATen's ``nondeterministic_seeded`` tag: dropout, rand,
+    randn, bernoulli, normal, multinomial, ...) -> count; a dropout (or SDPA) with p == 0 or
+    train=False draws nothing and is left out."""
+    found: dict[str, int] = {}
+    for n in fx_graph.nodes:
+        t = n.target
+        if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+            continue
+        if torch.Tag.nondeterministic_seeded not in t.tags:
+            continue
+        name = str(t)
+        args = _schema_args(n, t)
+        if args.get("p", args.get("dropout_p")) == 0 or args.get("train") is False:
+            continue                  # dropout (or attention dropout) that draws nothing
+        found[name.removeprefix("aten.")] = found.get(name.removeprefix("aten."), 0) + 1
+    return found
 
 
 def _replicate(t) -> tuple:
@@ -297,7 +405,7 @@ def _buffers(model: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
 
 def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequence[torch.Tensor]], *,
                     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-                    example_target: torch.Tensor,
+                    example_target: Optional[torch.Tensor] = None,
                     optimizer: Optional[OptimizerFactory] = None,
                     cluster: Any = None,
                     force: Union[str, dict, Force, None] = None,
@@ -312,6 +420,9 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
     """Plan (or take ``plan``) and compile ``model`` for the running world; see the module docstring.
 
     example_inputs / example_target: one GLOBAL batch (shapes fix the plan's batch and sequence).
+        Without example_target the model is traced, planned and compiled on the first
+        ``pm.step(inputs, targets)`` with its targets (every rank alike); ``pm(inputs)`` and
+        ``pm.plan`` etc. need that first step.
     optimizer: ``params -> torch.optim.Optimizer`` (default AdamW, lr 3e-4); it receives this rank's
         (sharded) parameters. One with a ``set_shard_groups`` method (``autopar.optim.LAMB``) is
         told the process groups each parameter's tensor is split over. cluster: None = the running world (CPU or the detected GPU), else a
@@ -335,40 +446,92 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
         always logged).
     """
     with peer_failures("autoparallelize (setup)", timeout_s):
-        pm = _autoparallelize(model, example_inputs, loss_fn, example_target, optimizer, cluster,
-                              force, plan, seed, timeout_s, bucket_bytes, model_name, dp_mode, kernels)
-    pm.record_collectives = record_collectives
-    return pm
+        setup = _setup(model, example_inputs, loss_fn, optimizer, cluster, force, plan, seed, timeout_s,
+                       bucket_bytes, model_name, dp_mode, kernels)
+        return ParallelModel(functools.partial(_build, setup), timeout_s=timeout_s,
+                             example_target=example_target, record_collectives=record_collectives)
 
 
-def _autoparallelize(model, example_inputs, loss_fn, example_target, optimizer, cluster, force, plan,
-                     seed, timeout_s, bucket_bytes, model_name, dp_mode, kernels) -> ParallelModel:
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """autoparallelize's checked arguments, in the joined world: all but the target."""
+    model: nn.Module
+    inputs: tuple
+    loss_fn: Callable
+    optimizer: OptimizerFactory
+    cluster: Any
+    force: Force
+    plan: Union[Plan, str, None]
+    seed: int
+    timeout_s: float
+    bucket_bytes: int
+    model_name: str
+    dp_mode: str
+    kernels: str
+    fused: Optional[FusedKernels]
+    device_type: str
+    device: torch.device
+    rank: int
+    world: int
+
+
+def _setup(model, example_inputs, loss_fn, optimizer, cluster, force, plan, seed, timeout_s, bucket_bytes,
+           model_name, dp_mode, kernels) -> _Setup:
+    """Steps 1-2 of the module docstring: check the arguments, join the world, check --force."""
     if dp_mode not in ("auto", "dtensor"):
         raise ValueError(f"dp_mode={dp_mode!r}: choose 'auto' or 'dtensor'")
     if kernels not in ("auto", "on", "off"):
         raise ValueError(f"kernels={kernels!r}: choose 'auto', 'on' or 'off'")
-    from autopar.trace import trace_model
-
     meta = _is_meta(model)
     device_type = "cuda" if torch.cuda.is_available() and (meta or next(model.parameters()).is_cuda) else "cpu"
     rank, world = init_world(timeout_s, device_type)
     fused = fused_kernels(kernels, device_type)
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    inputs = _tuple(example_inputs)
     force_ = parse_force(force)
     check_force(force_, world)
+    return _Setup(model, _tuple(example_inputs), loss_fn,
+                  optimizer or (lambda params: torch.optim.AdamW(params, lr=3e-4)), cluster, force_, plan,
+                  seed, timeout_s, bucket_bytes, model_name, dp_mode, kernels, fused, device_type, device, rank,
+                  world)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Built:
+    """What ``_build`` makes for one target: the parts a ParallelModel runs."""
+    model: nn.Module
+    plan: Plan
+    train_graph: Any
+    mesh: Any
+    program: RankProgram
+    store: ParamStore
+    optimizer: torch.optim.Optimizer
+    reducer: GradReducer
+    buffers: dict
+    collective_log: CollectiveLog
+    device: torch.device
+    fused: Optional[FusedKernels]
+
+
+def _build(s: _Setup, example_target: torch.Tensor) -> _Built:
+    """Steps 3-6 of the module docstring for one global batch's target: ParallelModel's parts."""
+    from autopar.trace import trace_model
+
+    if not isinstance(example_target, torch.Tensor):
+        raise TypeError(f"the target must be a tensor, got {type(example_target).__name__}")
+    model, inputs, loss_fn, model_name = s.model, s.inputs, s.loss_fn, s.model_name
     graph = trace_model(model, inputs, loss_fn=loss_fn, example_target=example_target,
                         collapse_repeats=False, model_name=model_name)
-    if plan is None:
-        plan_ = _solve_on_rank0(model, inputs, loss_fn, example_target, cluster, force_, device_type, model_name)
+    if s.plan is None:
+        plan_ = _solve_on_rank0(model, inputs, loss_fn, example_target, s.cluster, s.force, s.device_type,
+                                model_name)
     else:
-        plan_ = Plan.load(plan) if isinstance(plan, str) else plan
+        plan_ = Plan.load(s.plan) if isinstance(s.plan, str) else s.plan
     dims = mesh_dims(plan_)                                   # pp > 1: NotImplementedError
-    if dims.size != world:
-        raise PlanMismatchError(world_size_message(dims.dp, dims.tp, world))
+    if dims.size != s.world:
+        raise PlanMismatchError(world_size_message(dims.dp, dims.tp, s.world))
     check_agreement(plan_, graph.fingerprint)                 # raises on every rank alike
-    mesh = build_mesh(dims, device_type, timeout_s)
-    local_keys = local_dp_nodes(graph, plan_) if dp_mode == "auto" else None
+    mesh = build_mesh(dims, s.device_type, s.timeout_s)
+    local_keys = local_dp_nodes(graph, plan_) if s.dp_mode == "auto" else None
     local_dp = local_keys is not None
     if local_dp:          # tp == 1: run the graph traced at the local batch on plain tensors
         graph = trace_model(model, tuple(x[: x.shape[0] // dims.dp] for x in inputs), loss_fn=loss_fn,
@@ -376,19 +539,18 @@ def _autoparallelize(model, example_inputs, loss_fn, example_target, optimizer, 
                             collapse_repeats=False, model_name=model_name)
     program = compile_program(graph, plan_, local_dp=local_keys)
     clog = CollectiveLog()
-    if meta:
-        store = ParamStore.from_init(program.params, mesh, plan_.zero_stage, clog, device, model,
-                                     init_rules(model), seed, local_dp)
+    if _is_meta(model):
+        store = ParamStore.from_init(program.params, mesh, plan_.zero_stage, clog, s.device, model,
+                                     init_rules(model), s.seed, local_dp)
     else:
-        store = ParamStore.from_module(program.params, mesh, plan_.zero_stage, clog, device, model, local_dp)
-    buffers = _buffers(model, device)
-    make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=3e-4))
-    opt = make_opt(store.optimizer_params())
+        store = ParamStore.from_module(program.params, mesh, plan_.zero_stage, clog, s.device, model, local_dp)
+    buffers = _buffers(model, s.device)
+    opt = s.optimizer(store.optimizer_params())
     if hasattr(opt, "set_shard_groups"):          # per-tensor norms over shards (optim.LAMB)
         opt.set_shard_groups(store.shard_groups())
-    reducer = GradReducer(store, bucket_bytes)
-    log.info("rank %d: plan dp=%d tp=%d zero=%d recompute=%s sp=%s", rank, dims.dp, dims.tp,
+    reducer = GradReducer(store, s.bucket_bytes)
+    log.info("rank %d: plan dp=%d tp=%d zero=%d recompute=%s sp=%s", s.rank, dims.dp, dims.tp,
              plan_.zero_stage, plan_.recompute, plan_.sequence_parallel)
-    return ParallelModel(model=model, plan=plan_, train_graph=graph, mesh=mesh, program=program,
-                         store=store, optimizer=opt, reducer=reducer, buffers=buffers,
-                         collective_log=clog, device=device, timeout_s=timeout_s, fused=fused)
+    return _Built(model=model, plan=plan_, train_graph=graph, mesh=mesh, program=program, store=store,
+                  optimizer=opt, reducer=reducer, buffers=buffers, collective_log=clog, device=s.device,
+                  fused=s.fused)

@@ -27,6 +27,16 @@ regions (``patterns.py``: residual add + norm, RoPE, SwiGLU, ...) are deferred t
 every edge inside the region in place and the adapter accepts the operands' placements, both
 decided before any edge runs; otherwise the members run one by one.
 
+In-place writes (BatchNorm running statistics, ``num_batches_tracked``, counters and caches a
+``forward`` updates): the exported training graph mutates buffer placeholders in place (``add_``,
+``copy_``, ``batch_norm(training=True)``). A buffer placeholder is a view of the full buffer this
+rank holds (``buffers``), so a write through it updates the buffer; a write to a copy (an edge
+moved the value, or the buffer is sharded) is written back in full (``full_tensor``: a collective
+only then). Every write happens exactly once per run, as in one process: the probe of an op's
+DTensor rule runs on copies of the operands the op writes, and the replay of a recompute region
+in backward runs on copies of the values the forward read before writing them (the forward's
+values, not the updated ones). ``written_args`` says which operands an op writes.
+
 Local-dp mode (``program.local_dp``, tp == 1): the graph was traced at the local batch; nodes
 run on plain tensors, and only the nodes that reduce over the batch (the loss) wrap their plain
 inputs as DTensors (Shard(0) on dp) to get the global result.
@@ -160,6 +170,58 @@ class _ParamRef:
         self.name = name
 
 
+# ---- in-place writes --------------------------------------------------------------------------
+
+_aten = torch.ops.aten
+# composite ops that update running statistics in training mode although their schema marks no
+# argument as written: (positions of running_mean, running_var), position of the training flag
+_RUNNING_STATS = {_aten.batch_norm.default: ((3, 4), 5), _aten.instance_norm.default: ((3, 4), 5)}
+
+
+def written_args(node: fx.Node) -> tuple[int, ...]:
+    """Positions of ``node.args`` the op writes in place: the schema's ``Tensor(a!)`` arguments,
+    and the running statistics of batch / instance norm in training mode."""
+    t = node.target
+    if not isinstance(t, torch._ops.OpOverload):
+        return ()
+    if t in _RUNNING_STATS:
+        pos, flag = _RUNNING_STATS[t]
+        return pos if len(node.args) > flag and node.args[flag] is True else ()
+    return tuple(i for i, a in enumerate(t._schema.arguments)
+                 if i < len(node.args) and a.alias_info is not None and a.alias_info.is_write)
+
+
+def _is_view(node: fx.Node) -> bool:
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or not node.args:
+        return False
+    rets = t._schema.returns
+    return bool(rets) and rets[0].alias_info is not None and not rets[0].alias_info.is_write
+
+
+def written_root(node: fx.Node) -> tuple[fx.Node, bool]:
+    """The node whose storage a write to ``node`` lands in (through view ops), and whether
+    ``node`` is that node itself."""
+    root = node
+    while _is_view(root) and isinstance(root.args[0], fx.Node):
+        root = root.args[0]
+    return root, root is node
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _whole(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` is all of ``b`` (the same elements in the same memory)."""
+    return (_same_storage(a, b) and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+            and a.stride() == b.stride())
+
+
+def _local(v) -> torch.Tensor:
+    return v._local_tensor if isinstance(v, DTensor) else v
+
+
 # ---- the executor ----------------------------------------------------------------------------
 
 class GraphExecutor:
@@ -186,6 +248,8 @@ class GraphExecutor:
         self.fused = fused                      # fused-kernel substitution, None = off
         self._matches, self._deferred = self._find_matches() if fused is not None else ({}, {})
         self._units = self._make_units()
+        self._writes, self._region_writes = self._find_writes()
+        self._replaying = False                 # a recompute region's replay is running
         self.causal_masks = RuntimeCausalMasks(gm.graph)   # constant masks checked on step 1
 
     @property
@@ -262,6 +326,60 @@ class GraphExecutor:
                 out.append(("node", u[1], reads[i], drop))
         return out
 
+    def _find_writes(self) -> tuple[dict, dict]:
+        """(node name -> ((arg position, buffer name, direct), ...) for the ops that write a buffer
+        in place, region index -> names a region reads from outside and writes in place)."""
+        writes: dict[str, tuple] = {}
+        regions: dict[int, frozenset] = {}
+        for u in self._units:
+            members = [u[1]] if u[0] == "node" else u[2]
+            inside = {n.name for n in members}
+            read_written = set()
+            for n in members:
+                found = []
+                for i in written_args(n):
+                    a = n.args[i]
+                    if not isinstance(a, fx.Node):
+                        continue
+                    root, direct = written_root(a)
+                    p = self.plans.get(root.name)
+                    if root.op == "placeholder" and p is not None and p.kind == "buffer" and p.param_name:
+                        found.append((i, p.param_name, direct))
+                    # the value that is written, as the region receives it from outside
+                    v = a
+                    while v.name in inside and _is_view(v) and isinstance(v.args[0], fx.Node):
+                        v = v.args[0]
+                    if v.name not in inside:
+                        read_written.add(v.name)
+                if found:
+                    writes[n.name] = tuple(found)
+            if u[0] == "region" and read_written:
+                regions[u[1].index] = frozenset(read_written)
+        return writes, regions
+
+    def _write_back(self, node: fx.Node, args) -> None:
+        """After ``node`` wrote buffers in place (see the module docstring): a write that did not
+        land in the whole buffer is copied into it (a sharded or moved value: gathered in full)."""
+        if self._replaying:
+            return
+        for i, name, direct in self._writes[node.name]:
+            buf, v = self.buffers[name], args[i]
+            if not isinstance(v, torch.Tensor):
+                continue
+            local = _local(v)
+            if _whole(local, buf):
+                continue
+            if not direct:
+                if _same_storage(local, buf) and (not isinstance(v, DTensor) or
+                                                  all(p.is_replicate() for p in v.placements)):
+                    continue                       # a view of the full buffer: written through
+                raise NotImplementedError(
+                    f"{node.format_node()}: writes a view of buffer {name!r} that the plan shards or "
+                    "moves; the write would be lost. Plan that buffer replicated (or write the "
+                    "whole buffer, not a slice of it)")
+            with torch.no_grad():
+                buf.copy_(v.full_tensor() if isinstance(v, DTensor) else v)
+
     # ---- running ----
     def run(self, inputs: Sequence[torch.Tensor], target: Optional[torch.Tensor] = None) -> list:
         """Graph outputs (DTensors; buffer mutations first, then the user output)."""
@@ -285,15 +403,31 @@ class GraphExecutor:
     def _run_region(self, region: Region, members, reads, exported, env) -> None:
         from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+        # values the region writes in place stay out of checkpoint's saved inputs (they change, which
+        # its version check rejects); the replay gets copies of what the forward read instead
+        written = self._region_writes.get(region.index, frozenset())
+        kept = {n: env[n] for n in reads if n in written}
+        saved = {n: v.detach().clone() for n, v in kept.items()
+                 if isinstance(v, torch.Tensor)} if torch.is_grad_enabled() else {}
+        args = [n for n in reads if n not in written]
+        calls = [0]
+
         def fn(*vals):
-            local_env = dict(zip(reads, vals))
+            calls[0] += 1
+            replay = calls[0] > 1
+            local_env = dict(zip(args, vals))
+            local_env.update({n: saved[n].clone() if replay and n in saved else v for n, v in kept.items()})
             local_scope: dict[str, DTensor] = {}
-            for node in members:
-                self._step(node, local_env, local_scope, (), None)
+            self._replaying, was = replay or self._replaying, self._replaying
+            try:
+                for node in members:
+                    self._step(node, local_env, local_scope, (), None)
+            finally:
+                self._replaying = was
             return tuple(local_env[n] for n in exported)
 
         with set_checkpoint_early_stop(False):
-            outs = checkpoint(fn, *[env[n] for n in reads], use_reentrant=False)
+            outs = checkpoint(fn, *[env[n] for n in args], use_reentrant=False)
         env.update(zip(exported, outs))
 
     def _step(self, node: fx.Node, env, scope, inputs, target) -> None:
@@ -386,6 +520,8 @@ class GraphExecutor:
                 log.info("%s: vocab-parallel cross-entropy does not support a class weight or label "
                          "smoothing; DTensor gathers the logits", node.name)
             out = self._call(node, p, args, kwargs)
+        if node.name in self._writes:
+            self._write_back(node, args)
         return self._fix_output(out, p)
 
     def _operand(self, p: NodePlan, n: fx.Node, i: int, env, scope) -> tuple:
@@ -414,7 +550,10 @@ class GraphExecutor:
         fused = self._fused(self.plans[node.name], args, kwargs)
         if fused is not None:
             return fused
-        return node.target(*args, **kwargs)
+        out = node.target(*args, **kwargs)
+        if node.name in self._writes:
+            self._write_back(node, args)
+        return out
 
     def _agree(self, flag: bool) -> bool:
         """True only if ``flag`` is True on every rank (one MIN all-reduce, not logged)."""
@@ -456,6 +595,10 @@ class GraphExecutor:
         """Probe once per (target, placements), without autograd and with the collective log
         paused, whether DTensor can run the op. Deciding before the real call keeps a recompute
         region's replay identical to its forward."""
+        written = written_args(node)
+        if written:                    # the probe must not write: copies of the written operands
+            args = tuple(a.detach().clone() if i in written and isinstance(a, torch.Tensor) else a
+                         for i, a in enumerate(args))
         try:
             with torch.no_grad(), self.log_paused():
                 _release_masks(node.target(*args, **kwargs))
