@@ -25,7 +25,7 @@ The flow (order matters where noted):
   3. trace the FULL graph with the loss                                 autopar.trace
   4. plan: the given Plan / file, or rank 0 solves and broadcasts       autopar.solver
   5. every rank: plan fits the world, all ranks agree (one all_gather)  runtime/world.py
-  6. mesh ("dp", "tp"), program, parameters, reducer, optimizer         codegen/, runtime/
+  6. mesh (the plan's), program, parameters, reducer, optimizer        codegen/, runtime/
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import warnings
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -45,14 +46,15 @@ from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES
 from autopar.codegen.executor import GraphExecutor, edge
 from autopar.codegen.fused import FusedKernels, fused_kernels
 from autopar.codegen.program import RankProgram, compile_program, local_dp_nodes
-from autopar.forcing import Force, parse_force
+from autopar.solver.forcing import Force, parse_force
+from autopar.mesh import DATA, PIPELINE, TENSOR
 from autopar.plan import Plan
 from autopar.runtime.collectives import Collective, CollectiveLog, CollectiveRecorder
 from autopar.runtime.init import init_rules
 from autopar.runtime.params import ParamStore
 from autopar.runtime.reducer import GradReducer
 from autopar.runtime.world import (DEFAULT_TIMEOUT_S, PlanMismatchError, build_mesh, check_agreement,
-                                   init_world, mesh_dims, world_size_message)
+                                   init_world, runtime_mesh, world_size_message)
 
 log = logging.getLogger("autopar.runtime")
 
@@ -94,15 +96,18 @@ def _is_meta(model: nn.Module) -> bool:
 
 
 def check_force(force: Force, world: int) -> None:
-    """Forced degrees must divide the world (and multiply to it when all are given)."""
-    for name in ("dp", "tp", "pp"):
+    """Forced degrees must divide the world (and multiply to it when all are given). The degrees
+    are the mesh roles (``autopar.mesh``), which ``--force`` names as they are."""
+    roles = (DATA, TENSOR, PIPELINE)
+    for name in roles:
         v = getattr(force, name)
         if v is not None and world % v:
             raise ValueError(f"--force {name}={v} does not divide the world size {world}; choose a "
                              f"divisor of {world}")
-    given = [getattr(force, n) for n in ("dp", "tp", "pp")]
-    if all(v is not None for v in given) and given[0] * given[1] * given[2] != world:
-        raise ValueError(f"--force dp({given[0]}) * tp({given[1]}) * pp({given[2]}) != WORLD_SIZE({world})")
+    given = {name: getattr(force, name) for name in roles}
+    if all(v is not None for v in given.values()) and math.prod(given.values()) != world:
+        product = " * ".join(f"{name}({v})" for name, v in given.items())
+        raise ValueError(f"--force {product} != WORLD_SIZE({world})")
 
 
 def _default_cluster(device_type: str, world: int):
@@ -176,7 +181,7 @@ class ParallelModel:
         self._train = self._executor(self._train_graph, self.program)
         self._forwards: dict[bool, tuple] = {}        # module.training -> (graph, executor)
         self._recorder = CollectiveRecorder(self._log, {
-            axis: tuple(dist.get_process_group_ranks(mesh.get_group(axis))) for axis in ("dp", "tp")})
+            axis: tuple(dist.get_process_group_ranks(mesh.get_group(axis))) for axis in mesh.mesh_dim_names})
 
     def __getattr__(self, name: str):
         # only reached for attributes not set yet: those ``_install`` sets, before it ran
@@ -270,7 +275,7 @@ class ParallelModel:
 
             ex = tuple(x.to("cpu") if x.is_meta else x for x in _tuple(inputs))
             if self.program.local_dp:
-                ex = tuple(x[: x.shape[0] // self.program.dims.dp] for x in ex)
+                ex = tuple(x[: x.shape[0] // self.program.mesh.size_of(DATA)] for x in ex)
             g = trace_model(model, ex, collapse_repeats=False, model_name=self.plan.model_name)
             keys = frozenset(n.key for n in self.program.nodes if n.dtensor) if self.program.local_dp else None
             self._forwards[model.training] = (g, self._executor(g, compile_program(g, self.plan, local_dp=keys)))
@@ -280,7 +285,8 @@ class ParallelModel:
             outs = forward.run(_tuple(inputs), None)
             out = self._user_output(graph, outs)
             if not isinstance(out, DTensor):             # local-dp mode: this rank's batch rows
-                out = DTensor.from_local(out, self.mesh, (Shard(0), Replicate()), run_check=False)
+                rows = tuple(Shard(0) if a == DATA else Replicate() for a in self.mesh.mesh_dim_names)
+                out = DTensor.from_local(out, self.mesh, rows, run_check=False)
             return out.redistribute(out.device_mesh, _replicate(out)).to_local()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -433,7 +439,7 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
     bucket_bytes: gradient bucket size of the data-parallel reducer.
     dp_mode: "auto" runs a tp == 1 plan whose dp axis only carries the batch on plain local-batch
         tensors (DTensor only for the loss: exact global semantics, DDP's speed); "dtensor" runs
-        every op on DTensors over ("dp", "tp").
+        every op on DTensors over the plan's mesh.
     kernels: fused-kernel substitution (``codegen/fused.py``): "auto" runs the Triton kernels of
         ``kernels/`` in place of the aten ops and multi-node regions they replace exactly
         (layer_norm, gelu, attention, cross-entropy, residual add + norm, hand-written RMSNorm,
@@ -526,16 +532,17 @@ def _build(s: _Setup, example_target: torch.Tensor) -> _Built:
                                 model_name)
     else:
         plan_ = Plan.load(s.plan) if isinstance(s.plan, str) else s.plan
-    dims = mesh_dims(plan_)                                   # pp > 1: NotImplementedError
-    if dims.size != s.world:
-        raise PlanMismatchError(world_size_message(dims.dp, dims.tp, s.world))
+    stage = runtime_mesh(plan_)                               # pp > 1: NotImplementedError
+    if stage.size != s.world:
+        raise PlanMismatchError(world_size_message(stage, s.world))
     check_agreement(plan_, graph.fingerprint)                 # raises on every rank alike
-    mesh = build_mesh(dims, s.device_type, s.timeout_s)
+    mesh = build_mesh(stage, s.device_type, s.timeout_s)
+    dp = stage.size_of(DATA)
     local_keys = local_dp_nodes(graph, plan_) if s.dp_mode == "auto" else None
     local_dp = local_keys is not None
     if local_dp:          # tp == 1: run the graph traced at the local batch on plain tensors
-        graph = trace_model(model, tuple(x[: x.shape[0] // dims.dp] for x in inputs), loss_fn=loss_fn,
-                            example_target=example_target[: example_target.shape[0] // dims.dp],
+        graph = trace_model(model, tuple(x[: x.shape[0] // dp] for x in inputs), loss_fn=loss_fn,
+                            example_target=example_target[: example_target.shape[0] // dp],
                             collapse_repeats=False, model_name=model_name)
     program = compile_program(graph, plan_, local_dp=local_keys)
     clog = CollectiveLog()
@@ -549,7 +556,7 @@ def _build(s: _Setup, example_target: torch.Tensor) -> _Built:
     if hasattr(opt, "set_shard_groups"):          # per-tensor norms over shards (optim.LAMB)
         opt.set_shard_groups(store.shard_groups())
     reducer = GradReducer(store, s.bucket_bytes)
-    log.info("rank %d: plan dp=%d tp=%d zero=%d recompute=%s sp=%s", s.rank, dims.dp, dims.tp,
+    log.info("rank %d: plan %s zero=%d recompute=%s sp=%s", s.rank, stage.describe(),
              plan_.zero_stage, plan_.recompute, plan_.sequence_parallel)
     return _Built(model=model, plan=plan_, train_graph=graph, mesh=mesh, program=program, store=store,
                   optimizer=opt, reducer=reducer, buffers=buffers, collective_log=clog, device=s.device,

@@ -111,7 +111,7 @@ def _dtype(args, gpu, err: Console) -> str:
 def cmd_plan(args, console: Console) -> int:
     from dataclasses import replace
 
-    from autopar.forcing import parse_force
+    from autopar.solver.forcing import parse_force
     from autopar.models import build_model
     from autopar.report import render
     from autopar.solver import plan_model

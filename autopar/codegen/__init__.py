@@ -1,4 +1,6 @@
-"""Codegen: Plan + GraphIR -> each rank's program, run on DTensors over a ("dp", "tp") DeviceMesh.
+"""Codegen: Plan + GraphIR -> each rank's program, run on DTensors over the DeviceMesh of the plan's
+stage mesh (``autopar.mesh.Mesh``: named axes, found by role name; codegen imports nothing from
+the runtime).
 
     program.py    plan -> per-node placements, parameters, recompute regions, strided QKV, local-dp
     executor.py   the interpreter over the exported graph (edges, fallbacks, checkpoint regions)

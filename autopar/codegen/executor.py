@@ -37,9 +37,12 @@ DTensor rule runs on copies of the operands the op writes, and the replay of a r
 in backward runs on copies of the values the forward read before writing them (the forward's
 values, not the updated ones). ``written_args`` says which operands an op writes.
 
-Local-dp mode (``program.local_dp``, tp == 1): the graph was traced at the local batch; nodes
-run on plain tensors, and only the nodes that reduce over the batch (the loss) wrap their plain
-inputs as DTensors (Shard(0) on dp) to get the global result.
+Local-dp mode (``program.local_dp``, only the DATA axis has size > 1): the graph was traced at
+the local batch; nodes run on plain tensors, and only the nodes that reduce over the batch (the
+loss) wrap their plain inputs as DTensors (Shard(0) on DATA) to get the global result.
+
+Axes: the DeviceMesh has the plan's stage mesh axes in ``program.mesh`` order; the executor finds
+the DATA and TENSOR axes by name (``autopar.mesh``), never by position.
 """
 from __future__ import annotations
 
@@ -56,10 +59,11 @@ from autopar.codegen import fallback
 from autopar.codegen.causal_check import RuntimeCausalMasks
 from autopar.codegen.fused import FusedKernels
 from autopar.codegen.patterns import Match, find_fusions, node_inputs
-from autopar.codegen.program import NodePlan, Placements, Region, RankProgram
+from autopar.codegen.program import NodePlan, Placements, Region, RankProgram, axis_index
 from autopar.codegen.shards import contiguous_stride, local_ranges, slice_of
-from autopar.codegen.vocab_ce import (TP_AXIS, VOCAB_CE_TARGET, VocabParallelCE, ce_arg,
-                                      class_sharded_on_tp, vocab_parallel_ce)
+from autopar.codegen.vocab_ce import (VOCAB_CE_TARGET, VocabParallelCE, ce_arg, class_sharded_on_tp,
+                                      vocab_parallel_ce)
+from autopar.mesh import DATA, TENSOR
 from autopar.placements import Partial, Replicate, Shard, to_torch
 
 log = logging.getLogger("autopar.codegen")
@@ -153,9 +157,6 @@ def edge(x: DTensor, target: tuple, keep_partial_axes: tuple[int, ...] = ()) -> 
     return _Edge.apply(x, target, keep_partial_axes)
 
 
-DP_AXIS = (0,)          # runtime mesh axis 0 is "dp"
-
-
 def _dtensors(args, kwargs) -> list:
     flat: list = []
     fx.node.map_aggregate((args, kwargs), lambda a: flat.append(a) if isinstance(a, DTensor) else None)
@@ -239,6 +240,13 @@ class GraphExecutor:
         self.buffers = buffers
         self.constants = constants
         self.plans = {n.name: n for n in program.nodes}
+        if tuple(mesh.mesh_dim_names or ()) != tuple(program.mesh.axes):
+            raise ValueError(f"the DeviceMesh's axes {mesh.mesh_dim_names} are not the program's "
+                             f"mesh axes {program.mesh.axes}")
+        data = axis_index(program.mesh, DATA)
+        # a parameter's gradient summand stays Partial on the DATA axis (the reducer sums it)
+        self._param_keep = () if data is None else (data,)
+        self._tensor_axis = axis_index(program.mesh, TENSOR)
         self.device = (torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda"
                        else torch.device(mesh.device_type))
         self.fallbacks: set[str] = set()        # op targets run on local tensors
@@ -537,9 +545,8 @@ class GraphExecutor:
             return v, None, is_param
         return v, resolve(v, p.inputs[i] if i < len(p.inputs) else None), is_param
 
-    @staticmethod
-    def _edged(v, placements: Optional[tuple], is_param: bool):
-        return v if placements is None else edge(v, placements, DP_AXIS if is_param else ())
+    def _edged(self, v, placements: Optional[tuple], is_param: bool):
+        return v if placements is None else edge(v, placements, self._param_keep if is_param else ())
 
     def _run_plain(self, node: fx.Node, node_args, node_kwargs, env, scope):
         """Local-dp mode: the op on plain tensors of the local batch (see ``program.py``)."""
@@ -632,8 +639,8 @@ class GraphExecutor:
                                   stride=contiguous_stride(shape))
 
     def _strided_split(self, p: NodePlan, x: DTensor, k: int) -> tuple:
-        """Split a strided tp shard into its k chunks locally (see ``program.py``)."""
-        dim = x.placements[TP_AXIS].dim
+        """Split a strided TENSOR-axis shard into its k chunks locally (see ``program.py``)."""
+        dim = x.placements[self._tensor_axis].dim
         shape = list(x.shape)
         shape[dim] //= k
         return tuple(DTensor.from_local(c, self.mesh, x.placements, run_check=False,

@@ -3,11 +3,14 @@
 What the runtime does (``executor.py``, ``runtime/params.py``, ``runtime/reducer.py``) written
 as counting rules, so a test can hold ``ParallelModel.collectives`` against it:
 
+Axes are the plan's stage mesh (``program.mesh``), in its order; dp below is the DATA axis and
+tp the TENSOR axis (``autopar.mesh``), found by name (a mesh without one: size 1).
+
 forward, per tensor edge producer u -> consumer n (input i), per mesh axis a of size > 1:
     ``reshard_kind(out(u)[a], in(n, i)[a])`` (``placements.py``: S->R all_gather, P->R
     all_reduce, P->S reduce_scatter, S(i)->S(j) all_to_all -- all_gather on gloo, R->S and R->P
     free). A getitem's edge is its producer's output -> the getitem's output. A parameter's
-    output is (Replicate, its tp storage placement): dp sharding is ZeRO's, below.
+    output is its tp storage placement on tp, Replicate elsewhere: dp sharding is ZeRO's, below.
 backward, per edge whose value needs a gradient: the consumer's gradient placement G
     (``input_grads``: R for a Partial input, Partial for a Replicate input of a node whose output
     is not Replicate on that axis, else the input placement) -> the producer's output placement
@@ -45,14 +48,13 @@ from dataclasses import dataclass
 from typing import Collection, Optional, Sequence
 
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES, ParamLayout, bucket_comm_bytes, plan_buckets
-from autopar.codegen.program import RankProgram, compile_program, local_dp_nodes
+from autopar.codegen.program import RankProgram, axis_index, compile_program, local_dp_nodes
 from autopar.codegen.shards import chunk_range
 from autopar import placements
 from autopar.ir import DTYPE_BYTES, GraphIR, NodeInfo, TensorMeta
+from autopar.mesh import DATA, TENSOR
 from autopar.placements import Partial, Placement, Replicate, Shard
 from autopar.plan import Plan
-
-AXES = ("dp", "tp")
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ class Collective:
     ``nbytes``: all_reduce the tensor, all_gather the OUTPUT, reduce_scatter the INPUT, all_to_all
     each rank's send buffer (as ``autopar.cost.collectives``)."""
     kind: str      # "all_reduce" | "all_gather" | "reduce_scatter" | "all_to_all" | "broadcast"
-    axis: str      # mesh axis name ("dp", "tp"), or "world"
+    axis: str      # the mesh axis' name (the plan's), or "world"
     nbytes: int    # see the module docstring
     phase: str     # "forward" | "backward" | "step" (reducer / optimizer) | "setup"
     source: str    # "dtensor" | "reducer" | "zero" | "fallback"
@@ -126,13 +128,15 @@ def _needs_grad(graph: GraphIR) -> dict[str, bool]:
 def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                          backend: str = "gloo", tp_rank: int = 0, dp_mode: str = "auto",
                          program: Optional[RankProgram] = None, fused: Collection[str] = ()) -> list[Collective]:
-    """One step's collectives on a rank with tp coordinate ``tp_rank`` (``graph``: the FULL trace
+    """One step's collectives on a rank with TENSOR-axis coordinate ``tp_rank`` (``graph``: the FULL trace
     at the global batch). ``dp_mode`` as ``autoparallelize``'s: in local-dp mode only the nodes
     that reduce over the batch run on DTensors, so only their edges communicate. ``fused``: keys
     of the nodes that ran through a fused kernel (``ParallelModel.fused_kernels``)."""
     if program is None:
         program = compile_program(graph, plan, local_dp=local_dp_nodes(graph, plan) if dp_mode == "auto" else None)
-    sizes = (program.dims.dp, program.dims.tp)
+    mesh = program.mesh
+    axes, sizes = tuple(mesh.axes), tuple(mesh.shape)
+    di, ti = axis_index(mesh, DATA), axis_index(mesh, TENSOR)
     by_key = {n.key: n for n in graph.nodes}
     nplan = {n.key: n for n in program.nodes}
     params = {p.name: p for p in program.params}
@@ -141,11 +145,12 @@ def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFA
     out: list[Collective] = []
 
     def add(kind, axis, nbytes, phase, source="dtensor"):
-        out.append(Collective(kind, AXES[axis], int(nbytes), phase, source))
+        out.append(Collective(kind, axes[axis], int(nbytes), phase, source))
 
     def out_placement(n: NodeInfo) -> Optional[tuple]:
         if n.kind == "param":
-            return (Replicate(), params[n.param_name or n.key].tp)
+            tp = params[n.param_name or n.key].tp
+            return tuple(tp if a == ti else Replicate() for a in range(len(axes)))
         p = nplan[n.key].output
         return p
 
@@ -155,7 +160,7 @@ def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFA
         nd = len(meta.shape)
         a_pl = tuple(None if x is None else _norm(x, nd) for x in a_pl)
         b_pl = tuple(None if x is None else _norm(x, nd) for x in b_pl)
-        for ax in range(2):
+        for ax in range(len(axes)):
             if sizes[ax] == 1 or a_pl[ax] is None or b_pl[ax] is None:
                 continue
             k = reshard_kind(a_pl[ax], b_pl[ax], backend)
@@ -166,7 +171,7 @@ def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFA
                 continue
             g = _grad_placement(b_pl[ax], _norm(consumer_out[ax], nd) if consumer_out[ax] else consumer_out[ax])
             t = Replicate() if isinstance(a_pl[ax], Partial) else a_pl[ax]
-            if is_param and ax == 0 and isinstance(g, Partial):
+            if is_param and ax == di and isinstance(g, Partial):
                 continue                                   # the reducer's summand
             kb = reshard_kind(g, t, backend)
             if kb is not None:
@@ -205,25 +210,25 @@ def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFA
             continue
         x = by_key[n.inputs[0].key].outputs[n.inputs[0].index or 0]
         nd = len(x.shape)
-        if not vocab_parallel_ce(n, np_, sizes, nd):
+        if not vocab_parallel_ce(n, np_, mesh, nd):
             continue
         vocab_ce.add(n.key)
         phases = ("forward", "backward") if np_.region is not None else ("forward",)
-        pl = tuple(Replicate() if a == 1 else _norm(q, nd) for a, q in enumerate(np_.inputs[0]))
+        pl = tuple(Replicate() if a == ti else _norm(q, nd) for a, q in enumerate(np_.inputs[0]))
         rows32 = TensorMeta(tuple(1 if d == 1 else s for d, s in enumerate(x.shape)), "float32")
         rows_x = TensorMeta(rows32.shape, x.dtype)
         for ph in phases:
             for meta in (rows32, rows32, rows_x):          # row max, row sum-exp, target logit
-                add("all_reduce", 1, _piece_bytes(meta, pl, sizes, 1, "all_reduce"), ph)
+                add("all_reduce", ti, _piece_bytes(meta, pl, sizes, ti, "all_reduce"), ph)
             if _ce_reduction(n) == 1:
-                for ax in range(2):
-                    if ax != 1 and sizes[ax] > 1 and isinstance(pl[ax], Shard):
+                for ax in range(len(axes)):
+                    if ax != ti and sizes[ax] > 1 and isinstance(pl[ax], Shard):
                         add("all_reduce", ax, 4, ph)       # the global target count
 
     # ---- the loss ----
     loss = next((by_key[r.key] for r in by_key["|output|0"].inputs), None) if "|output|0" in by_key else None
     if loss is not None and nplan[loss.key].output is not None:
-        for ax in range(2):
+        for ax in range(len(axes)):
             if sizes[ax] > 1 and isinstance(nplan[loss.key].output[ax], Partial):
                 add("all_reduce", ax, DTYPE_BYTES[loss.out.dtype], "forward")
                 if loss.key in fused and loss.target == VOCAB_CE_TARGET:
@@ -233,9 +238,10 @@ def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFA
                     add("all_reduce", ax, DTYPE_BYTES[loss.out.dtype], "backward")
 
     # ---- ZeRO and the reducer ----
-    dp = sizes[0]
+    dp = mesh.size_of(DATA)
     if dp > 1:
-        layouts = [ParamLayout(p.name, _tp_local_shape(p, sizes[1], tp_rank), p.dtype) for p in program.params]
+        tp = mesh.size_of(TENSOR)
+        layouts = [ParamLayout(p.name, _tp_local_shape(p, tp, tp_rank), p.dtype) for p in program.params]
         lay = {l.name: l for l in layouts}
         if program.zero_stage == 3:
             scopes = set()
@@ -248,16 +254,16 @@ def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFA
                         scopes.add((u.param_name or u.key, region_of.get(n.key)))
             for name, region in scopes:
                 nb = lay[name].padded_numel(dp) * DTYPE_BYTES[lay[name].dtype]
-                add("all_gather", 0, nb, "forward", "zero")
+                add("all_gather", di, nb, "forward", "zero")
                 if region is not None:
-                    add("all_gather", 0, nb, "backward", "zero")
+                    add("all_gather", di, nb, "backward", "zero")
         for bucket in plan_buckets(layouts, bucket_bytes):
             if program.zero_stage in (0, 1):
-                add("all_reduce", 0, bucket_comm_bytes(layouts, bucket, dp, "all_reduce"), "step", "reducer")
+                add("all_reduce", di, bucket_comm_bytes(layouts, bucket, dp, "all_reduce"), "step", "reducer")
             else:
-                add("reduce_scatter", 0, bucket_comm_bytes(layouts, bucket, dp, "reduce_scatter"), "step", "reducer")
+                add("reduce_scatter", di, bucket_comm_bytes(layouts, bucket, dp, "reduce_scatter"), "step", "reducer")
             if program.zero_stage in (1, 2):
-                add("all_gather", 0, bucket_comm_bytes(layouts, bucket, dp, "all_gather"), "step", "zero")
+                add("all_gather", di, bucket_comm_bytes(layouts, bucket, dp, "all_gather"), "step", "zero")
     return out
 
 
@@ -266,22 +272,24 @@ def _ce_reduction(n: NodeInfo) -> int:
     return n.args[i] if i < len(n.args) else dict(n.kwargs).get(name, 1)
 
 
-def vocab_parallel_ce(n: NodeInfo, np_, sizes: Sequence[int], ndim: int) -> bool:
+def vocab_parallel_ce(n: NodeInfo, np_, mesh, ndim: int) -> bool:
     """Whether the executor runs this node as vocab-parallel cross-entropy: the plan's logits
-    placement is Shard(class dim 1) on tp (size > 1) and Shard(another dim) or Replicate elsewhere,
+    placement is Shard(class dim 1) on the TENSOR axis of ``mesh`` (size > 1) and Shard(another
+    dim) or Replicate elsewhere,
     no class weight, no label smoothing (``vocab_ce.vocab_parallel_ce`` decides the same on the
     runtime placements)."""
     from autopar.ir import Ref
 
-    if n.target != VOCAB_CE_TARGET or sizes[1] == 1 or ndim < 2 or not np_.inputs or np_.inputs[0] is None:
+    ti = axis_index(mesh, TENSOR)
+    if n.target != VOCAB_CE_TARGET or mesh.size_of(TENSOR) == 1 or ndim < 2 or not np_.inputs or np_.inputs[0] is None:
         return False
     weight = n.args[2] if len(n.args) > 2 else dict(n.kwargs).get("weight")
     smoothing = n.args[5] if len(n.args) > 5 else dict(n.kwargs).get("label_smoothing", 0.0)
     if isinstance(weight, Ref) or float(smoothing or 0.0) != 0.0:
         return False
     pl = tuple(None if q is None else _norm(q, ndim) for q in np_.inputs[0])
-    return isinstance(pl[1], Shard) and pl[1].dim == 1 and all(
-        isinstance(q, Replicate) or (isinstance(q, Shard) and q.dim != 1) for a, q in enumerate(pl) if a != 1)
+    return isinstance(pl[ti], Shard) and pl[ti].dim == 1 and all(
+        isinstance(q, Replicate) or (isinstance(q, Shard) and q.dim != 1) for a, q in enumerate(pl) if a != ti)
 
 
 def _tp_local_shape(p, tp: int, tp_rank: int) -> tuple[int, ...]:

@@ -1,18 +1,23 @@
 """Plan + GraphIR -> RankProgram: what every node of the FULL traced graph does on the mesh.
 
 The program is plain frozen data keyed by FX node name, the same on every rank; the executor
-(``executor.py``) runs it on DTensors. Placements are always on the runtime mesh ("dp", "tp"),
-whatever ``plan.mesh_axes`` lists (a missing axis has size 1).
+(``executor.py``) runs it on DTensors. Placements are one per axis of the plan's stage mesh
+(``program.mesh``: ``plan.stage_mesh``, in ``plan.mesh_axes`` order), which the runtime builds as
+its DeviceMesh with the same names. Codegen never spells an axis name or position: it asks for the
+axis of a role (``autopar.mesh.DATA`` carries the batch, ``TENSOR`` is tensor parallel) by name,
+and a mesh without that axis reads as if it had one of size 1.
 
 Reading a Plan (conventions agreed with the solver):
 
 - A node of layer i >= 1 of a full trace (key ``"...@i"``) takes the strategy of layer 0's key.
 - ``NodeStrategy.output`` / ``inputs`` hold one placement per plan mesh axis. A strategy with ONE
-  placement on a 2-axis plan is read as the tp placement; the dp placement is then left to DTensor
-  ("keep": ``None`` in ``NodePlan``), and inputs get Shard(0) on dp when they carry the batch.
-- Parameters: the tp placement of the parameter node's output is how the parameter is stored and
-  used. On dp a parameter is Replicate (ZeRO 0-2) or Shard(0) (ZeRO-3), which the runtime realizes
-  itself (``runtime/params.py``); any other dp placement of a parameter is an error.
+  placement on a multi-axis plan is read as the placement on the TENSOR axis; the other axes are
+  then left to DTensor ("keep": ``None`` in ``NodePlan``), and inputs get Shard(0) on the DATA axis
+  when they carry the batch.
+- Parameters: the TENSOR-axis placement of the parameter node's output is how the parameter is
+  stored and used (``ParamPlan.tp``). On the DATA axis a parameter is Replicate (ZeRO 0-2) or
+  Shard(0) (ZeRO-3), which the runtime realizes itself (``runtime/params.py``); any other DATA
+  placement of a parameter is an error.
 - Nodes without a strategy (getitem, views the solver skipped) keep what DTensor propagates.
 
 Strided shards (Megatron's fused QKV): a split into k equal chunks whose input is Shard(d) on tp
@@ -32,9 +37,9 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from autopar.ir import GraphIR, NodeInfo
+from autopar.mesh import DATA, TENSOR, Mesh
 from autopar.placements import Partial, Placement, Replicate, Shard
 from autopar.plan import NodeStrategy, Plan
-from autopar.runtime.world import MESH_AXES, MeshDims, mesh_dims
 
 log = logging.getLogger("autopar.codegen")
 
@@ -45,7 +50,7 @@ ATTENTION_CORE = frozenset({
     "aten._scaled_dot_product_flash_attention_for_cpu.default",
 })
 
-Placements = tuple[Optional[Placement], ...]   # one per runtime mesh axis; None = keep
+Placements = tuple[Optional[Placement], ...]   # one per mesh axis (plan.mesh_axes order); None = keep
 
 
 @dataclass(frozen=True)
@@ -67,9 +72,9 @@ class ParamPlan:
     name: str              # canonical name in the original module
     shape: tuple[int, ...]
     dtype: str
-    tp: Placement          # storage placement on the tp axis (Replicate or Shard)
+    tp: Placement          # storage placement on the TENSOR axis (Replicate or Shard)
     uses: int              # parameter nodes of the graph that read it and have users
-    strided: int = 1       # k > 1: rows are k equal blocks, each Shard(0)-split on tp (fused QKV)
+    strided: int = 1       # k > 1: rows are k equal blocks, each Shard(0)-split on TENSOR (fused QKV)
 
 
 @dataclass(frozen=True)
@@ -81,14 +86,14 @@ class Region:
 
 @dataclass(frozen=True)
 class RankProgram:
-    dims: MeshDims
+    mesh: Mesh                     # the plan's stage mesh: placements are one per axis, in its order
     zero_stage: int
     recompute: str
     nodes: tuple[NodePlan, ...]
     params: tuple[ParamPlan, ...]
     regions: tuple[Region, ...]
     unplanned: tuple[str, ...]     # op keys the plan has no strategy for (DTensor decides)
-    local_dp: bool = False         # dp as plain local batch shards (see ``local_dp_nodes``)
+    local_dp: bool = False         # the DATA axis as plain local batch shards (see ``local_dp_nodes``)
 
     def node(self, name: str) -> NodePlan:
         for n in self.nodes:
@@ -101,14 +106,30 @@ def base_key(key: str) -> str:
     return key.split("@", 1)[0]
 
 
+def axis_index(mesh: Mesh, role: str) -> Optional[int]:
+    """Position of the axis named ``role`` in ``mesh`` (None: the mesh has no such axis)."""
+    return mesh.axes.index(role) if role in mesh.axes else None
+
+
+def on_axis(placements: Optional[Placements], i: Optional[int], default=None):
+    """``placements[i]``, or ``default`` when there are none or no axis ``i``."""
+    return default if placements is None or i is None else placements[i]
+
+
+def with_axis(placements: Placements, i: Optional[int], p) -> Placements:
+    """``placements`` with entry ``i`` replaced by ``p`` (unchanged when ``i`` is None)."""
+    return placements if i is None else placements[:i] + (p,) + placements[i + 1:]
+
+
 def to_mesh(placements: tuple[Placement, ...], plan: Plan, where: str) -> Placements:
-    """Plan placements (plan.mesh_axes order) -> runtime (dp, tp) order; see the module docstring."""
+    """Plan placements, one per axis in ``plan.mesh_axes`` order, as the program keeps them. A
+    single placement on a multi-axis plan is the TENSOR axis' (the other axes: None, keep); see
+    the module docstring."""
     axes = tuple(plan.mesh_axes)
     if len(placements) == len(axes):
-        by_axis = dict(zip(axes, placements))
-        return tuple(by_axis.get(a, Replicate()) for a in MESH_AXES)
-    if len(placements) == 1:
-        return (None, placements[0])
+        return tuple(placements)
+    if len(placements) == 1 and TENSOR in axes:
+        return tuple(placements[0] if a == TENSOR else None for a in axes)
     raise ValueError(f"{where}: {len(placements)} placements for mesh axes {axes}")
 
 
@@ -122,13 +143,14 @@ def _used_keys(graph: GraphIR) -> set[str]:
 
 def _param_dp_check(p: Optional[Placement], key: str) -> None:
     if p not in (None, Replicate(), Shard(0)):
-        raise ValueError(f"parameter node {key}: dp placement {p} is not supported (parameters are "
-                         "Replicate on dp, or Shard(0) under ZeRO-3)")
+        raise ValueError(f"parameter node {key}: {DATA} placement {p} is not supported (parameters are "
+                         f"Replicate on {DATA}, or Shard(0) under ZeRO-3)")
 
 
-def _batch_default(n: NodeInfo, graph: GraphIR, dims: MeshDims) -> Placements:
-    carries = bool(n.outputs and n.out.shape and n.out.shape[0] == graph.batch_size and dims.dp > 1)
-    return (Shard(0) if carries else Replicate(), Replicate())
+def _batch_default(n: NodeInfo, graph: GraphIR, mesh: Mesh) -> Placements:
+    """Replicate everywhere, Shard(0) on the DATA axis (size > 1) for a value carrying the batch."""
+    carries = bool(n.outputs and n.out.shape and n.out.shape[0] == graph.batch_size and mesh.size_of(DATA) > 1)
+    return tuple(Shard(0) if carries and a == DATA else Replicate() for a in mesh.axes)
 
 
 def _regions(graph: GraphIR, recompute: str) -> tuple[tuple[Region, ...], dict[str, int]]:
@@ -174,17 +196,18 @@ def _split_chunks(n: NodeInfo) -> tuple[int, int]:
     return dim, k
 
 
-def _strided_splits(graph: GraphIR, ins_of: dict, dims: MeshDims) -> tuple[dict[str, int], dict[str, int]]:
+def _strided_splits(graph: GraphIR, ins_of: dict, mesh: Mesh) -> tuple[dict[str, int], dict[str, int]]:
     """Split nodes run on local chunks (name -> k) and the parameters stored strided (name -> k)."""
     splits: dict[str, int] = {}
     params: dict[str, int] = {}
-    if dims.tp == 1:
+    if mesh.size_of(TENSOR) == 1:
         return splits, params
+    ti = axis_index(mesh, TENSOR)
     by_key = {n.key: n for n in graph.nodes}
     for n in graph.nodes:
         if n.kind != "op" or n.target not in SPLIT_TARGETS or not ins_of.get(n.name):
             continue
-        tp_in = ins_of[n.name][0][1]
+        tp_in = on_axis(ins_of[n.name][0], ti)
         dim, k = _split_chunks(n)
         if not (isinstance(tp_in, Shard) and tp_in.dim % len(n.out.shape) == dim):
             continue
@@ -208,16 +231,19 @@ def _has_shape_literal(args) -> bool:
 
 
 def local_dp_nodes(graph: GraphIR, plan: Plan) -> Optional[frozenset[str]]:
-    """Local-dp mode: with tp == 1, nodes whose dp placement only carries the batch can run on
-    plain tensors of the LOCAL batch (a graph traced at global_batch / dp: no DTensor dispatch,
-    DDP's speed). Only nodes that reduce over the batch -- a Partial output on dp, and everything
-    after them (the loss) -- need DTensor's global semantics (an exact mean, ignore_index counts).
-    Returns those nodes' keys, or None when the plan does not allow the mode (tp > 1; a node whose
-    dp output is Replicate although an input is Shard, i.e. a batch reduction DTensor would all-reduce
-    mid-graph; a strategy without a dp placement; a batch not divisible by dp)."""
-    dims = mesh_dims(plan)
-    if dims.tp != 1 or dims.dp == 1 or graph.batch_size % dims.dp:
+    """Local-dp mode: when the DATA axis is the only one of size > 1 (tp == 1), nodes whose DATA
+    placement only carries the batch can run on plain tensors of the LOCAL batch (a graph traced at
+    global_batch / dp: no DTensor dispatch, DDP's speed). Only nodes that reduce over the batch -- a
+    Partial output on DATA, and everything after them (the loss) -- need DTensor's global semantics
+    (an exact mean, ignore_index counts). Returns those nodes' keys, or None when the plan does not
+    allow the mode (another axis of size > 1; a node whose DATA output is Replicate although an
+    input is Shard, i.e. a batch reduction DTensor would all-reduce mid-graph; a strategy without a
+    placement per axis; a batch not divisible by dp)."""
+    mesh = plan.stage_mesh
+    dp = mesh.size_of(DATA)
+    if dp == 1 or mesh.size != dp or graph.batch_size % dp:
         return None
+    di = axis_index(mesh, DATA)
     strategies = _strategies(plan)
     dp_out: dict[str, Optional[Placement]] = {}
     dtensor: set[str] = set()
@@ -228,7 +254,7 @@ def local_dp_nodes(graph: GraphIR, plan: Plan) -> Optional[frozenset[str]]:
                 return None
             dp_out[n.key] = Replicate()
             continue
-        out = to_mesh(s.output, plan, n.key)[0]
+        out = to_mesh(s.output, plan, n.key)[di]
         dp_out[n.key] = out
         if n.kind != "op":
             continue
@@ -247,7 +273,12 @@ def compile_program(graph: GraphIR, plan: Plan, *, local_dp: Optional[frozenset[
 
     local_dp: ``local_dp_nodes(global graph, plan)`` to run in local-dp mode (``graph`` is then
     the trace at the local batch), None for DTensor everywhere."""
-    dims = mesh_dims(plan)
+    mesh = plan.stage_mesh
+    if plan.pp > 1:
+        raise NotImplementedError(f"plan.pp={plan.pp}: codegen compiles one pipeline stage's mesh, but "
+                                  "splitting the graph into stages is not implemented yet; re-plan with "
+                                  "--force pp=1")
+    di, ti = axis_index(mesh, DATA), axis_index(mesh, TENSOR)
     if plan.offload != "none":
         raise NotImplementedError(f"plan.offload={plan.offload!r}: optimizer offload is not implemented "
                                   "by the runtime; re-plan with --force offload=none")
@@ -274,14 +305,15 @@ def compile_program(graph: GraphIR, plan: Plan, *, local_dp: Optional[frozenset[
             log.warning("%s: the plan lists %d input placements for %d tensor inputs; inputs kept",
                         where, len(ins), len(n.inputs))
             ins = ()
-        if n.kind == "input" and (out is None or out[0] is None):
-            default = _batch_default(n, graph, dims)
-            out = default if out is None else (default[0], out[1])
+        if n.kind == "input" and (out is None or (di is not None and out[di] is None)):
+            default = _batch_default(n, graph, mesh)
+            out = default if out is None else with_axis(out, di, default[di])
         if n.kind == "param":
-            _param_dp_check(out[0] if out else None, n.key)
-            tp = out[1] if out else Replicate()
+            _param_dp_check(on_axis(out, di), n.key)
+            tp = on_axis(out, ti, Replicate())
             if isinstance(tp, Partial):
-                raise ValueError(f"parameter node {n.key}: a Partial placement on tp is not a way to store a parameter")
+                raise ValueError(f"parameter node {n.key}: a Partial placement on {TENSOR} is not a way "
+                                 "to store a parameter")
             name = n.param_name or n.key
             param_meta.setdefault(name, (n.out.shape, n.out.dtype))
             if n.key in used:
@@ -294,13 +326,13 @@ def compile_program(graph: GraphIR, plan: Plan, *, local_dp: Optional[frozenset[
                               param_name=n.param_name))
     if local_dp is not None:
         nodes = [replace(n, dtensor=n.key in local_dp) for n in nodes]
-    splits, strided = _strided_splits(graph, {n.name: n.inputs for n in nodes if n.inputs}, dims)
+    splits, strided = _strided_splits(graph, {n.name: n.inputs for n in nodes if n.inputs}, mesh)
     if splits:
         nodes = [replace(n, strided=splits.get(n.name, 0)) for n in nodes]
     for name, k in strided.items():
         if param_tp.get(name) != Shard(0):
             raise NotImplementedError(f"parameter {name} feeds a strided split but is stored "
-                                      f"{param_tp.get(name)} on tp, not Shard(0) (column parallel)")
+                                      f"{param_tp.get(name)} on {TENSOR}, not Shard(0) (column parallel)")
     params = tuple(ParamPlan(name=name, shape=tuple(shape), dtype=dtype,
                              tp=param_tp.get(name, Replicate()), uses=param_uses.get(name, 0),
                              strided=strided.get(name, 1))
@@ -308,6 +340,6 @@ def compile_program(graph: GraphIR, plan: Plan, *, local_dp: Optional[frozenset[
     if unplanned:
         log.info("plan has no strategy for %d op nodes (DTensor propagates): %s", len(unplanned),
                  ", ".join(unplanned[:6]) + (" ..." if len(unplanned) > 6 else ""))
-    return RankProgram(dims=dims, zero_stage=plan.zero_stage, recompute=plan.recompute,
+    return RankProgram(mesh=mesh, zero_stage=plan.zero_stage, recompute=plan.recompute,
                        nodes=tuple(nodes), params=params, regions=regions, unplanned=tuple(unplanned),
                        local_dp=local_dp is not None)

@@ -1,4 +1,5 @@
-"""Vocab-parallel cross-entropy: the executor's path for logits sharded on the class dim over tp.
+"""Vocab-parallel cross-entropy: the executor's path for logits sharded on the class dim over the
+TENSOR axis (``autopar.mesh.TENSOR``, found in the DeviceMesh by name).
 
 ``vocab_parallel_ce`` says whether a ``aten.cross_entropy_loss`` call qualifies (class-sharded
 logits, integer targets, no class weight, no label smoothing); ``VocabParallelCE`` runs it through
@@ -7,10 +8,12 @@ docstring for the collectives; ``expected.py`` predicts the same).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.distributed.tensor import DTensor, Partial as TPartial, Replicate as TReplicate, Shard as TShard
 
-TP_AXIS = 1             # runtime mesh axis 1 is "tp"
+from autopar.mesh import TENSOR
 
 VOCAB_CE_TARGET = "aten.cross_entropy_loss.default"
 
@@ -19,15 +22,23 @@ def ce_arg(args, kwargs, i: int, name: str, default):
     return args[i] if i < len(args) else kwargs.get(name, default)
 
 
+def tensor_axis(mesh) -> Optional[int]:
+    """Position of the TENSOR axis in a DeviceMesh (by name; None: the mesh has none)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    return names.index(TENSOR) if TENSOR in names else None
+
+
 def class_sharded_on_tp(x, mesh) -> bool:
-    """Logits Shard(class dim 1) on tp (size > 1); every other axis Shard(another dim) or Replicate."""
-    if not isinstance(x, DTensor) or x.ndim < 2 or mesh.size(TP_AXIS) == 1:
+    """Logits Shard(class dim 1) on the TENSOR axis (size > 1); every other axis Shard(another dim)
+    or Replicate."""
+    t = tensor_axis(mesh)
+    if not isinstance(x, DTensor) or x.ndim < 2 or t is None or mesh.size(t) == 1:
         return False
     pl = x.placements
-    if not (isinstance(pl[TP_AXIS], TShard) and pl[TP_AXIS].dim % x.ndim == 1):
+    if not (isinstance(pl[t], TShard) and pl[t].dim % x.ndim == 1):
         return False
     return all(isinstance(q, TReplicate) or (isinstance(q, TShard) and q.dim % x.ndim != 1)
-               for i, q in enumerate(pl) if i != TP_AXIS)
+               for i, q in enumerate(pl) if i != t)
 
 
 def vocab_parallel_ce(args, kwargs, mesh) -> bool:
@@ -41,11 +52,12 @@ def vocab_parallel_ce(args, kwargs, mesh) -> bool:
 
 
 def _ce_target_placements(x: DTensor) -> tuple:
-    """loss_parallel's target placements: the logits' with the tp class shard Replicate and
-    shards of later dims shifted down by one (the class dim is gone)."""
+    """loss_parallel's target placements: the logits' with the TENSOR-axis class shard Replicate
+    and shards of later dims shifted down by one (the class dim is gone)."""
+    t = tensor_axis(x.device_mesh)
     out = []
     for i, q in enumerate(x.placements):
-        if i == TP_AXIS:
+        if i == t:
             out.append(TReplicate())
         elif isinstance(q, TShard):
             d = q.dim % x.ndim
@@ -60,11 +72,12 @@ class VocabParallelCE(torch.autograd.Function):
     (``reduction='none'``: loss_parallel's mean needs a 1-D mesh), then reduced here as aten does:
     mean = sum of the per-row losses / the number of targets != ignore_index (weight None).
 
-    Forward collectives, on tp, of (local rows, 1) fp32-or-logits-dtype tensors: all_reduce MAX of
+    Forward collectives, on the TENSOR axis, of (local rows, 1) fp32-or-logits-dtype tensors: all_reduce MAX of
     the row max, all_reduce SUM of the row sum-exp (both in the computation dtype, fp32 for
     fp32/bf16/fp16 logits), all_reduce SUM of the target logit (logits dtype). On each other axis
-    that shards the rows (dp), mean: all_reduce of the local target count (4 bytes, fp32). The
-    result is Partial on those axes (each rank: its rows' sum / the global count), Replicate on tp.
+    that shards the rows (the DATA axis), mean: all_reduce of the local target count (4 bytes, fp32). The
+    result is Partial on those axes (each rank: its rows' sum / the global count), Replicate on
+    the TENSOR axis.
     Backward: none (loss_parallel's fused nll + log_softmax backward is local).
 
     loss_parallel's backward handlers must be active when autograd runs the backward, which

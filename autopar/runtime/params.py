@@ -2,13 +2,15 @@
 
 How data parallelism and ZeRO are realized (the design in one place):
 
-- The graph runs on DTensors over the 2-D mesh ("dp", "tp"): activations carry the batch as
-  Shard(0) on dp, so every shape literal baked into the exported graph stays global and any loss
-  reduction is exact (a mean over the batch is Partial on dp, then reduced).
+- The graph runs on DTensors over the plan's mesh. Below, dp is its DATA axis and tp its
+  TENSOR axis (``autopar.mesh``; looked up by name in the DeviceMesh, a missing one has size 1;
+  any other axis holds parameters Replicate). Activations carry the batch as Shard(0) on dp, so
+  every shape literal baked into the exported graph stays global and any loss reduction is exact
+  (a mean over the batch is Partial on dp, then reduced).
 - A parameter is stored as a PLAIN tensor: its tp-local shard (the plan's tp placement), full over
   dp for ZeRO 0-2, only this dp rank's rows of it for ZeRO-3 (``codegen/buckets.py`` chunking).
 - Each graph scope that reads a parameter calls ``_UseParam``: forward wraps the tp-local tensor as
-  a DTensor ``(Replicate, tp placement)`` (ZeRO-3: all-gathers the rows over dp first); backward
+  a DTensor (its tp placement on tp, Replicate elsewhere) (ZeRO-3: all-gathers the rows over dp first); backward
   receives the gradient DTensor, brings its tp placement back to the storage placement (e.g. a
   layer-norm weight under sequence parallelism gets a Partial-on-tp gradient: all-reduce on tp)
   and keeps it Partial on dp -- the per-rank summand. DTensor thus never reduces over dp; the
@@ -31,6 +33,7 @@ from torch import nn
 from autopar.codegen.buckets import ParamLayout
 from autopar.codegen.program import ParamPlan
 from autopar.codegen.shards import chunk_range, contiguous_stride, local_ranges, slice_of
+from autopar.mesh import DATA, TENSOR
 from autopar.placements import Replicate, Shard, to_torch
 from autopar.runtime.collectives import CollectiveLog
 from autopar.runtime.init import InitRule, generate
@@ -52,6 +55,12 @@ class ParamSlot:
         return self.plan.name
 
 
+def mesh_axis(mesh, role: str) -> Optional[int]:
+    """Position of the axis named ``role`` in a DeviceMesh (None: it has no such axis)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    return names.index(role) if role in names else None
+
+
 @dataclass
 class ParamContext:
     """What ``_UseParam`` needs at forward and backward time."""
@@ -59,9 +68,25 @@ class ParamContext:
     dp: int
     zero_stage: int
     log: CollectiveLog
-    dp_group: object
+    dp_group: object               # the DATA axis' group (None: the mesh has no DATA axis)
     tp_placements: dict = field(default_factory=dict)   # name -> torch placement on tp
     local_dp: bool = False         # plain tensors (local-dp mode), no DTensor
+    data_axis: Optional[int] = None     # positions of the DATA and TENSOR axes in ``mesh``
+    tensor_axis: Optional[int] = None
+    tp: int = 1                    # the TENSOR axis' size
+    tp_group: object = None        # its group, when tp > 1
+
+    def placements(self, name: str, on_dp=None) -> tuple:
+        """Torch placements of parameter ``name`` per mesh axis: its storage placement on tp,
+        ``on_dp`` (default Replicate) on dp, Replicate on any other axis."""
+        from torch.distributed.tensor import Replicate as TReplicate
+
+        out = [TReplicate()] * self.mesh.ndim
+        if self.data_axis is not None and on_dp is not None:
+            out[self.data_axis] = on_dp
+        if self.tensor_axis is not None:
+            out[self.tensor_axis] = self.tp_placements[name]
+        return tuple(out)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -80,12 +105,13 @@ def gather_rows(slot: ParamSlot, chunk: torch.Tensor, ctx: ParamContext, record:
     out = torch.empty(ctx.dp * c * rn, dtype=chunk.dtype, device=chunk.device)
     dist.all_gather_single(out, send.contiguous(), group=ctx.dp_group)
     if record:
-        ctx.log.add("all_gather", "dp", out.numel() * out.element_size(), "zero")
+        ctx.log.add("all_gather", DATA, out.numel() * out.element_size(), "zero")
     return out[: lay.numel].view(lay.local_shape)
 
 
 class _UseParam(torch.autograd.Function):
-    """Stored parameter -> DTensor (Replicate on dp, its tp placement); see the module docstring."""
+    """Stored parameter -> DTensor (its tp placement on tp, Replicate elsewhere); see the module
+    docstring."""
 
     @staticmethod
     def forward(ctx, local, slot: ParamSlot, pctx: ParamContext):
@@ -93,8 +119,7 @@ class _UseParam(torch.autograd.Function):
 
         ctx.slot, ctx.pctx = slot, pctx
         full = gather_rows(slot, local, pctx) if pctx.zero_stage == 3 and pctx.dp > 1 else local.view_as(local)
-        tp = pctx.tp_placements[slot.name]
-        return DTensor.from_local(full, pctx.mesh, (torch.distributed.tensor.Replicate(), tp),
+        return DTensor.from_local(full, pctx.mesh, pctx.placements(slot.name),
                                   run_check=False, shape=torch.Size(slot.plan.shape),
                                   stride=contiguous_stride(slot.plan.shape))
 
@@ -103,9 +128,9 @@ class _UseParam(torch.autograd.Function):
         from torch.distributed.tensor import Partial as TPartial, Replicate as TReplicate
 
         slot, pctx = ctx.slot, ctx.pctx
-        dp_pl = grad.placements[0]
+        dp_pl = grad.placements[pctx.data_axis] if pctx.data_axis is not None else TReplicate()
         keep_partial = isinstance(dp_pl, TPartial) and dp_pl.reduce_op in ("sum", "avg")
-        want = (dp_pl if keep_partial else TReplicate(), pctx.tp_placements[slot.name])
+        want = pctx.placements(slot.name, dp_pl if keep_partial else None)
         if tuple(grad.placements) != want:
             grad = grad.redistribute(grad.device_mesh, want)
         g = grad.to_local()
@@ -155,14 +180,19 @@ class ParamStore:
               values, local_dp: bool = False) -> "ParamStore":
         """``values(plan, row_runs, col_ranges) -> tensor``: rows (runs of [start, end) along dim 0,
         concatenated) and columns of the full tensor (any device)."""
-        dp_rank, tp_rank = mesh.get_coordinate()
-        dp, tp = mesh.size(0), mesh.size(1)
+        di, ti = mesh_axis(mesh, DATA), mesh_axis(mesh, TENSOR)
+        coord, sizes = tuple(mesh.get_coordinate()), tuple(mesh.shape)
+        dp, dp_rank = (sizes[di], coord[di]) if di is not None else (1, 0)
+        tp, tp_rank = (sizes[ti], coord[ti]) if ti is not None else (1, 0)
         ctx = ParamContext(mesh=mesh, dp=dp, zero_stage=zero_stage, log=log,
-                           dp_group=mesh.get_group("dp"), local_dp=local_dp)
+                           dp_group=mesh.get_group(DATA) if di is not None else None, local_dp=local_dp,
+                           data_axis=di, tensor_axis=ti, tp=tp,
+                           tp_group=mesh.get_group(TENSOR) if tp > 1 else None)
         slots = []
         for p in plans:
             ctx.tp_placements[p.name] = to_torch(p.tp)
-            tp_ranges = local_ranges(p.shape, (Replicate(), p.tp), (dp, tp), (dp_rank, tp_rank))
+            storage = tuple(p.tp if i == ti else Replicate() for i in range(len(sizes)))
+            tp_ranges = local_ranges(p.shape, storage, sizes, coord)
             rows = tp_local_rows(p, tp, tp_rank)
             layout = ParamLayout(p.name, ((len(rows),) + tuple(b - a for a, b in tp_ranges[1:]))
                                  if p.shape else (), p.dtype)
@@ -223,7 +253,7 @@ class ParamStore:
         tp where its tp placement is a Shard, dp under ZeRO 1-3 (the optimizer sees rows). An
         optimizer with per-tensor norms (``autopar.optim.LAMB``) all-reduces them over these."""
         ctx = self.ctx
-        tp_group = ctx.mesh.get_group("tp") if ctx.mesh.size(1) > 1 else None
+        tp_group = ctx.tp_group
         out = {}
         for s in self.slots:
             groups = []
@@ -242,7 +272,7 @@ class ParamStore:
 
     # ---- full tensors (collective: every rank calls) -------------------------------------------
     def full_tensor(self, slot: ParamSlot, which: str = "param") -> torch.Tensor:
-        from torch.distributed.tensor import DTensor, Replicate as TReplicate
+        from torch.distributed.tensor import DTensor
 
         ctx = self.ctx
         if which == "param":
@@ -251,11 +281,11 @@ class ParamStore:
                 t = gather_rows(slot, t, ctx, record=False)
         else:
             t = self._tp_local_grad(slot)
-        d = DTensor.from_local(t, ctx.mesh, (TReplicate(), ctx.tp_placements[slot.name]), run_check=False,
+        d = DTensor.from_local(t, ctx.mesh, ctx.placements(slot.name), run_check=False,
                                shape=torch.Size(slot.plan.shape), stride=contiguous_stride(slot.plan.shape))
         full = d.full_tensor()
         if slot.plan.strided > 1:               # tp ranks' rows in rank order -> the model's order
-            order = [r for i in range(ctx.mesh.size(1)) for r in tp_local_rows(slot.plan, ctx.mesh.size(1), i)]
+            order = [r for i in range(ctx.tp) for r in tp_local_rows(slot.plan, ctx.tp, i)]
             out = torch.empty_like(full)
             out[torch.tensor(order, device=full.device)] = full
             full = out

@@ -1,7 +1,8 @@
 """Data-parallel gradient reduction and ZeRO parameter gathers, bucketed (see ``runtime/params.py``).
 
 After backward every rank holds, per parameter, its tp-local gradient SUMMAND over dp. Per bucket
-(``codegen/buckets.py``), one collective on the dp group:
+(``codegen/buckets.py``), one collective on the dp group (the DATA axis of the mesh,
+``autopar.mesh.DATA``; its records carry that axis' name):
 
     ZeRO 0, 1   all_reduce      flat concat of the bucket's gradients; ZeRO-1 then hands each
                                 rank's optimizer a view of its rows
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
+from autopar.mesh import DATA
 from autopar.runtime.params import ParamSlot, ParamStore
 
 
@@ -81,7 +83,7 @@ class GradReducer:
         for b, bucket in enumerate(self.buckets):
             kind, buf, out, work = self._inflight[b]
             work.wait()
-            self.log.add(kind, "dp", buf.numel() * buf.element_size(), "reducer")
+            self.log.add(kind, DATA, buf.numel() * buf.element_size(), "reducer")
             slots = [self.slots[i] for i in bucket]
             if kind == "all_reduce":
                 self._finish_all_reduce(slots, buf)
@@ -145,7 +147,7 @@ class GradReducer:
             send = torch.cat(pieces)
             out = send.new_empty(send.numel() * dp)
             dist.all_gather_single(out, send, group=self.group)
-            self.log.add("all_gather", "dp", out.numel() * out.element_size(), "zero")
+            self.log.add("all_gather", DATA, out.numel() * out.element_size(), "zero")
             gathered = out.view(dp, -1)
             offset = 0
             for s in slots:

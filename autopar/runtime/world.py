@@ -1,4 +1,8 @@
-"""The running world: process groups with timeouts, the ("dp", "tp") DeviceMesh, plan agreement.
+"""The running world: process groups with timeouts, the DeviceMesh of the plan's mesh, plan agreement.
+
+The mesh is plan data (``autopar.mesh.Mesh``: named axes, outermost first, row-major ranks);
+``build_mesh`` turns any number of named axes into a DeviceMesh with the same names, so code
+below looks axes up by role name (``autopar.mesh.DATA``, ``TENSOR``), never by position.
 
 Every group autopar creates carries ``timeout_s`` (default 120 s), so a dead or diverging rank
 makes the others fail within that time with torch.distributed's error instead of hanging.
@@ -10,15 +14,15 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from autopar.mesh import DATA, PIPELINE, TENSOR, Mesh
 from autopar.plan import Plan
 
 DEFAULT_TIMEOUT_S = 120.0
-MESH_AXES = ("dp", "tp")
+RUNTIME_ROLES = (DATA, TENSOR)      # the mesh axes the runtime runs (a size-1 pipeline axis is fine)
 PIPELINE_ISSUE = ("pipeline parallelism (pp > 1) is not implemented by the runtime yet; it is the "
                   "next runtime issue (pipeline stages and schedules). Re-plan with --force pp=1")
 
@@ -27,30 +31,23 @@ class PlanMismatchError(RuntimeError):
     """The plan does not fit this world or this model (raised on every rank)."""
 
 
-@dataclass(frozen=True)
-class MeshDims:
-    dp: int
-    tp: int
-
-    @property
-    def size(self) -> int:
-        return self.dp * self.tp
-
-
-def mesh_dims(plan: Plan) -> MeshDims:
-    """The (dp, tp) sizes of the plan's mesh; axes missing from ``plan.mesh_axes`` have size 1."""
-    if plan.pp > 1:
+def check_runtime_mesh(mesh: Mesh) -> None:
+    """Raise NotImplementedError unless the runtime runs every axis of ``mesh``: the roles in
+    ``RUNTIME_ROLES``, and a pipeline axis only of size 1 (``PIPELINE_ISSUE``)."""
+    if mesh.size_of(PIPELINE) > 1:
         raise NotImplementedError(PIPELINE_ISSUE)
-    sizes = dict(zip(plan.mesh_axes, plan.mesh_shape))
-    unknown = set(sizes) - set(MESH_AXES) - {"pp"}
+    unknown = [a for a in mesh.axes if a not in RUNTIME_ROLES and a != PIPELINE]
     if unknown:
-        raise NotImplementedError(f"mesh axes {sorted(unknown)} are not supported by the runtime "
-                                  f"(it runs {MESH_AXES}); re-plan without them")
-    dims = MeshDims(sizes.get("dp", 1), sizes.get("tp", 1))
-    if (dims.dp, dims.tp) != (plan.dp, plan.tp):
-        raise PlanMismatchError(f"plan mesh {dict(sizes)} disagrees with its degrees dp={plan.dp} "
-                                f"tp={plan.tp}; the plan file is inconsistent")
-    return dims
+        raise NotImplementedError(
+            f"mesh axes {unknown} are not supported by the runtime (it runs the axes "
+            f"{', '.join(RUNTIME_ROLES)}: data and tensor parallel); re-plan without them")
+
+
+def runtime_mesh(plan: Plan) -> Mesh:
+    """The mesh this runtime builds for ``plan``: its stage mesh (``Plan.stage_mesh``), after
+    checking the runtime runs it (pp > 1: NotImplementedError with ``PIPELINE_ISSUE``)."""
+    check_runtime_mesh(plan.mesh)
+    return plan.stage_mesh
 
 
 def init_world(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str = "cpu") -> tuple[int, int]:
@@ -69,31 +66,36 @@ def init_world(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str = "cpu") -
     return dist.get_rank(), dist.get_world_size()
 
 
-def build_mesh(dims: MeshDims, device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S):
-    """DeviceMesh(("dp", "tp")) over all ranks, row-major (tp ranks adjacent). Subgroups are made
-    here with ``timeout_s`` (``init_device_mesh`` would give them the 30-minute default)."""
+def build_mesh(mesh: Mesh, device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """DeviceMesh of ``mesh`` (any number of named axes; for training, ``runtime_mesh(plan)``)
+    over all ranks: the same axes, names and sizes, ranks row-major (the last axis' ranks
+    adjacent), one process group per group of ranks along each axis (``Mesh.groups``). Subgroups
+    are made here with ``timeout_s`` (``init_device_mesh`` would give them the 30-minute default).
+    Which axes the training runtime runs is ``runtime_mesh``'s check, not this one's."""
     from torch.distributed.device_mesh import DeviceMesh
 
     world = dist.get_world_size()
-    if dims.size != world:
-        raise PlanMismatchError(world_size_message(dims.dp, dims.tp, world))
+    if mesh.size != world:
+        raise PlanMismatchError(world_size_message(mesh, world))
+    if not mesh.axes:
+        raise PlanMismatchError("the plan's mesh has no axes; re-plan (`autopar plan`)")
     timeout = datetime.timedelta(seconds=timeout_s)
     rank = dist.get_rank()
-    layout = torch.arange(world).view(dims.dp, dims.tp)
     mine = {}
-    # every rank creates every group in the same order (a new_group requirement)
-    for axis, groups in (("dp", layout.t().tolist()), ("tp", layout.tolist())):
-        for ranks in groups:
-            g = dist.new_group(ranks=ranks, timeout=timeout)
+    # every rank creates every group of every axis, in the same order (a new_group requirement)
+    for axis in mesh.axes:
+        for ranks in mesh.groups(axis):
+            g = dist.new_group(ranks=list(ranks), timeout=timeout)
             if rank in ranks:
                 mine[axis] = g
-    return DeviceMesh.from_group([mine["dp"], mine["tp"]], device_type, mesh=layout,
-                                 mesh_dim_names=MESH_AXES)
+    layout = torch.arange(world).view(*mesh.shape)
+    return DeviceMesh.from_group([mine[a] for a in mesh.axes], device_type, mesh=layout,
+                                 mesh_dim_names=tuple(mesh.axes))
 
 
-def world_size_message(dp: int, tp: int, world: int) -> str:
-    return (f"the plan's mesh dp({dp}) * tp({tp}) = {dp * tp} != WORLD_SIZE({world}); plan for "
-            f"{world} ranks (`autopar plan ... --cluster ... ` with {world} GPUs) or launch {dp * tp}")
+def world_size_message(mesh: Mesh, world: int) -> str:
+    return (f"the plan's mesh {mesh.describe()} holds {mesh.size} ranks != WORLD_SIZE({world}); plan for "
+            f"{world} ranks (`autopar plan ... --cluster ... ` with {world} GPUs) or launch {mesh.size}")
 
 
 def plan_digest(plan: Plan) -> str:

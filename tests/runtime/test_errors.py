@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow
 def _two_stages(plan):
     """``plan`` (dp=2) as a consistent pp=2, dp=1 plan: two stages of one layer each."""
     s0 = plan.stages[0]
-    stages = (replace(s0, last_layer=1, has_head=False), replace(s0, index=1, first_layer=1, has_embedding=False))
+    stages = (replace(s0, first_layer=0, last_layer=1, has_head=False),
+              replace(s0, index=1, first_layer=1, last_layer=2, has_embedding=False))
     return replace(plan, pp=2, dp=1, mesh_shape=(1, 1), stages=stages,
                    num_micro_batches=plan.global_batch // plan.micro_batch_size)
 
