@@ -23,11 +23,23 @@ SCHEMA_VERSION = 1
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 OFFLOAD_CHOICES = ("none", "optimizer")
+# Pipeline schedules, as torch.distributed.pipelining (2.13) names its classes:
+#   gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B, interleaved_1f1b -> ScheduleInterleaved1F1B,
+#   interleaved_zb -> ScheduleInterleavedZeroBubble, zbv -> ScheduleZBVZeroBubble,
+#   dualpipev -> ScheduleDualPipeV.
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")           # one stage per pp rank
+V_SCHEDULES = ("zbv", "dualpipev")                   # exactly two stages per rank, "V" layout
+# What the runtime executes (``runtime/pipeline.py``); the solver searches only these unless a
+# schedule is forced. The zero-bubble ones are planned (costed) but not run yet: their split of the
+# backward into input and weight gradients needs the stage's parameters as ``submod.parameters()``.
+EXECUTED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 SUMMARY_KEYS = (
     "data_parallel", "tensor_parallel", "pipeline_parallel", "sequence_parallel", "zero_stage",
     "micro_batch_size", "num_micro_batches", "recompute", "offload", "estimated_step_time_s",
-    "estimated_tflops_per_gpu", "peak_memory_bytes_per_gpu", "solve_time_s",
+    "estimated_tflops_per_gpu", "peak_memory_bytes_per_gpu", "solve_time_s", "pipeline_schedule",
+    "virtual_stages",
 )
 
 
@@ -45,8 +57,31 @@ class NodeStrategy:
         return f"{self.key}: ({ins}) -> {format_placements(self.output)}"
 
 
+def stage_rank(schedule: str, pp: int, stage: int) -> int:
+    """The pipeline rank (0..pp-1) that runs global stage ``stage`` under ``schedule``: stage i on
+    rank i % pp ("loop", gpipe/1f1b/interleaved), or the "V" of zbv/dualpipev (2 * pp stages:
+    rank r runs stages r and 2 * pp - 1 - r), as torch's ``generate_stage_to_rank_mapping``."""
+    if schedule in V_SCHEDULES:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
 @dataclass(frozen=True)
 class Stage:
+    """One pipeline stage, in model order (``Plan.stages[i].index == i``): there are
+    ``pp * virtual_stages`` of them and they cover the repeated block's layers contiguously, in
+    order, each at least one layer (``[first_layer, last_layer)``; stage 0 starts at layer 0, stage
+    i + 1 starts where stage i ends). Stage 0 also runs the nodes before the block (embedding), the
+    last stage the nodes after it (head and loss). Cuts may be uneven: the solver balances the
+    embedding and head against layers.
+
+    Which pipeline rank runs stage i (``stage_rank``): gpipe, 1f1b (one stage per rank): rank i;
+    interleaved_1f1b, interleaved_zb ("loop"): rank i % pp, so rank r runs r, r + pp, r + 2pp, ...;
+    zbv, dualpipev ("V", two stages per rank): rank i for i < pp, else 2 * pp - 1 - i, so rank r
+    runs stages r and 2 * pp - 1 - r and rank 0 holds both the embedding and the head.
+
+    ``time_per_microbatch_s``: this stage's forward + backward on one micro-batch;
+    ``memory_bytes``: the peak bytes of the GPU (pp rank) that runs it (all its stages)."""
     index: int
     first_layer: int        # [first_layer, last_layer) of each repeated block's layers
     last_layer: int
@@ -114,6 +149,10 @@ class Plan:
     memory: MemoryUse
     model_flops_per_step: float
     solve_time_s: float
+    # pipeline schedule (PIPELINE_SCHEDULES) and stages per pp rank; "1f1b", 1 when pp == 1 (no
+    # pipeline). Defaults so that plan files written before these fields load unchanged.
+    pipeline_schedule: str = "1f1b"
+    virtual_stages: int = 1
     forced: tuple[tuple[str, str], ...] = ()
     notes: tuple[str, ...] = ()
     schema_version: int = SCHEMA_VERSION
@@ -175,6 +214,8 @@ class Plan:
             "estimated_tflops_per_gpu": self.model_flops_per_step / self.step_time.total_s / n / 1e12,
             "peak_memory_bytes_per_gpu": self.memory.total_bytes,
             "solve_time_s": self.solve_time_s,
+            "pipeline_schedule": self.pipeline_schedule,
+            "virtual_stages": self.virtual_stages,
         }
 
     # ---- JSON -----------------------------------------------------------------------------
@@ -286,9 +327,14 @@ def plan_problems(p: Plan) -> list[str]:
     """Every way the fields of ``p`` disagree with each other or have the wrong type (empty: none).
 
     Degrees are positive ints; the mesh names each degree it has an axis for with that size and
-    its product is dp * tp; there is one stage per pipeline rank; micro-batches times their size
-    times dp is the global batch; the cluster has the plan's world size; strategy keys are unique
-    and give at most one placement per mesh axis."""
+    its product is dp * tp; micro-batches times their size times dp is the global batch; the
+    cluster has the plan's world size; strategy keys are unique and give at most one placement per
+    mesh axis. Pipeline: the schedule is one of PIPELINE_SCHEDULES with a consistent
+    ``virtual_stages`` (1 for gpipe/1f1b, >= 2 for the interleaved ones, 2 for zbv/dualpipev);
+    pp == 1 means no pipeline: "1f1b" with 1 virtual stage; there are pp * virtual_stages stages,
+    indexed in order, covering the layers contiguously from layer 0 with >= 1 layer each, the
+    embedding on stage 0 only and the head on the last stage only. (That the last stage ends at
+    the model's layer count is checked against the graph when the plan is compiled.)"""
     out: list[str] = []
     ints = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "micro_batch_size": p.micro_batch_size,
             "num_micro_batches": p.num_micro_batches, "global_batch": p.global_batch}
@@ -305,6 +351,10 @@ def plan_problems(p: Plan) -> list[str]:
         out.append(f"dtype={p.dtype!r} is not one of {', '.join(_DTYPE_NAMES)}")
     if not isinstance(p.sequence_parallel, bool):
         out.append(f"sequence_parallel={p.sequence_parallel!r} is not true/false")
+    if p.pipeline_schedule not in PIPELINE_SCHEDULES:
+        out.append(f"pipeline_schedule={p.pipeline_schedule!r} is not one of {', '.join(PIPELINE_SCHEDULES)}")
+    if not _is_int(p.virtual_stages) or p.virtual_stages < 1:
+        out.append(f"virtual_stages={p.virtual_stages!r} is not a positive integer")
     if out:                                  # the relations below need well-typed degrees
         return out
     if len(p.mesh_axes) != len(p.mesh_shape) or len(set(p.mesh_axes)) != len(p.mesh_axes):
@@ -319,8 +369,7 @@ def plan_problems(p: Plan) -> list[str]:
         if math.prod(p.mesh_shape) != p.dp * p.tp:
             out.append(f"the mesh {list(p.mesh_shape)} holds {math.prod(p.mesh_shape)} ranks per stage, "
                        f"not dp * tp = {p.dp * p.tp}")
-    if len(p.stages) != p.pp or [s.index for s in p.stages] != list(range(p.pp)):
-        out.append(f"{len(p.stages)} stages listed for pp={p.pp}")
+    out += _pipeline_problems(p)
     if p.dp * p.micro_batch_size * p.num_micro_batches != p.global_batch:
         out.append(f"dp({p.dp}) * micro_batch_size({p.micro_batch_size}) * num_micro_batches("
                    f"{p.num_micro_batches}) != global_batch({p.global_batch})")
@@ -336,4 +385,35 @@ def plan_problems(p: Plan) -> list[str]:
             if len(s.output) > n_axes or any(len(i) > n_axes for i in s.inputs)]
     if wide:
         out.append(f"strategies with more placements than the {n_axes} mesh axes: {wide[:3]}")
+    return out
+
+
+def _pipeline_problems(p: Plan) -> list[str]:
+    out: list[str] = []
+    sched, v = p.pipeline_schedule, p.virtual_stages
+    if p.pp == 1 and (sched != "1f1b" or v != 1):
+        out.append(f"pp=1 (no pipeline) but pipeline_schedule={sched!r}, virtual_stages={v}; "
+                   "a plan without a pipeline has \"1f1b\" and 1")
+    elif sched in SINGLE_STAGE_SCHEDULES and v != 1:
+        out.append(f"pipeline_schedule={sched!r} runs one stage per rank, not virtual_stages={v}")
+    elif sched in V_SCHEDULES and v != 2:
+        out.append(f"pipeline_schedule={sched!r} runs exactly 2 stages per rank, not virtual_stages={v}")
+    elif sched.startswith("interleaved") and v < 2:
+        out.append(f"pipeline_schedule={sched!r} needs virtual_stages >= 2, not {v}")
+    n = p.pp * v
+    if len(p.stages) != n or [s.index for s in p.stages] != list(range(len(p.stages))):
+        out.append(f"{len(p.stages)} stages listed for pp={p.pp} x virtual_stages={v} = {n}"
+                   if v > 1 else f"{len(p.stages)} stages listed for pp={p.pp}")
+        return out
+    at = 0
+    for s in p.stages:
+        if not (_is_int(s.first_layer) and _is_int(s.last_layer)) or s.first_layer != at or s.last_layer <= s.first_layer:
+            out.append(f"stage {s.index} holds layers [{s.first_layer!r}, {s.last_layer!r}) but the stages must "
+                       f"cover the layers contiguously from layer 0 with >= 1 layer each (expected it to start at {at})")
+            break
+        at = s.last_layer
+    emb = [s.index for s in p.stages if s.has_embedding]
+    head = [s.index for s in p.stages if s.has_head]
+    if emb != [0] or head != [n - 1]:
+        out.append(f"the embedding is on stages {emb} and the head on {head}; expected [0] and [{n - 1}]")
     return out

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autopar.placements import Partial, Shard, format_placements
-from autopar.plan import NodeStrategy, Plan
+from autopar.plan import NodeStrategy, Plan, stage_rank
 
 _FREE_TARGETS = ("getitem", "aten.view", "aten.transpose", "aten.reshape", "aten.permute", "aten.split",
                  "aten.contiguous", "aten.unsqueeze", "aten.expand", "aten._unsafe_view", "aten.t.",
@@ -72,13 +72,15 @@ def degrees_table(plan: Plan) -> Table:
     t = Table(title=f"{plan.model_name} on {c.nodes} x {c.gpus_per_node} {c.gpu} ({c.name}), "
                     f"global batch {plan.global_batch}" + (f", seq {plan.seq_len}" if plan.seq_len else "")
                     + f", {plan.dtype}", title_justify="left")
-    for col in ("dp", "tp", "pp", "sequence parallel", "ZeRO", "micro-batch", "micro-batches", "recompute",
-                "offload", "mesh"):
+    for col in ("dp", "tp", "pp", "schedule", "stages/rank", "sequence parallel", "ZeRO", "micro-batch",
+                "micro-batches", "recompute", "offload", "mesh"):
         t.add_column(col, justify="right")
     mesh = " x ".join(f"{a}={s}" for a, s in zip(plan.mesh_axes, plan.mesh_shape))
     if plan.pp > 1:
         mesh = f"pp={plan.pp} x {mesh}"
-    t.add_row(str(plan.dp), str(plan.tp), str(plan.pp), "on" if plan.sequence_parallel else "off",
+    schedule = plan.pipeline_schedule if plan.pp > 1 else "-"
+    t.add_row(str(plan.dp), str(plan.tp), str(plan.pp), schedule, str(plan.virtual_stages),
+              "on" if plan.sequence_parallel else "off",
               str(plan.zero_stage), str(plan.micro_batch_size), str(plan.num_micro_batches), plan.recompute,
               plan.offload, mesh)
     return t
@@ -172,12 +174,15 @@ def memory_table(plan: Plan) -> Table:
 
 
 def stages_table(plan: Plan) -> Table:
-    t = Table(title="Pipeline stages", title_justify="left")
-    for col in ("stage", "layers", "embedding", "head", "time / micro-batch", "memory"):
+    """One row per stage, in model order: its layers and the pipeline rank that runs it."""
+    t = Table(title=f"Pipeline stages ({plan.pipeline_schedule}, {plan.virtual_stages} per rank)", title_justify="left")
+    for col in ("stage", "pp rank", "layers", "count", "embedding", "head", "time / micro-batch", "rank memory"):
         t.add_column(col, justify="right")
     for s in plan.stages:
-        t.add_row(str(s.index), f"{s.first_layer}..{s.last_layer - 1}", "yes" if s.has_embedding else "",
-                  "yes" if s.has_head else "", f"{s.time_per_microbatch_s * 1e3:.2f} ms", _gb(s.memory_bytes))
+        t.add_row(str(s.index), str(stage_rank(plan.pipeline_schedule, plan.pp, s.index)),
+                  f"{s.first_layer}..{s.last_layer - 1}", str(s.last_layer - s.first_layer),
+                  "yes" if s.has_embedding else "", "yes" if s.has_head else "",
+                  f"{s.time_per_microbatch_s * 1e3:.2f} ms", _gb(s.memory_bytes))
     return t
 
 

@@ -100,7 +100,7 @@ def megatron_plan(graph, tp: int):
     from dataclasses import replace
 
     from autopar.cost.hardware import resolve_cluster
-    from autopar.forcing import Force
+    from autopar.solver.forcing import Force
     from autopar.placements import Partial, Replicate, Shard
     from autopar.plan import NodeStrategy
     from autopar.solver.search import plan_model

@@ -19,12 +19,16 @@ t = tensor-parallel degree):
     TP + SP               sbh (34/t + 5as/(ht))
     selective recompute   drops the 5as/h term (core attention is recomputed)
     full recompute        2sbh: only the layer input (2sbh/t with SP: the input is sequence-sharded)
+
+Pipeline in-flight micro-batches per schedule: ``pipeline_inflight_microbatches``.
 """
 from __future__ import annotations
 
+from autopar.plan import PIPELINE_SCHEDULES
+
 ZERO_STAGES = (0, 1, 2, 3)
 RECOMPUTE_MODES = ("none", "selective", "full")
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = PIPELINE_SCHEDULES
 
 
 def model_state_bytes(num_params: int, dp: int, zero_stage: int, *, param_bytes: float = 2,
@@ -67,16 +71,44 @@ def transformer_layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 
     return sbh * per * scale
 
 
-def pipeline_inflight_microbatches(pp: int, stage: int, num_micro_batches: int, schedule: str = "1f1b") -> int:
-    """Micro-batches whose activations stage ``stage`` (0-based) holds at its peak.
+def pipeline_inflight_microbatches(pp: int, stage: int, num_micro_batches: int, schedule: str = "1f1b",
+                                   virtual_stages: int = 1) -> float:
+    """Micro-batches whose activations pipeline rank ``stage`` (0-based) holds at its peak, in units
+    of one micro-batch through all of that rank's stages (for v stages per rank: chunk
+    activations / v). From the warmup counts of torch 2.13's schedules (p ranks, r = rank, m
+    micro-batches, v stages per rank, rounds = max(1, m // p), m_r = m // rounds micro-batches
+    per round; the peak is warmup + 1 chunk forwards before the first backward frees one):
 
-    1F1B (PipeDream-Flush, torch ``Schedule1F1B``): min(pp - stage, m). GPipe: m."""
-    if not 0 <= stage < pp:
-        raise ValueError(f"stage {stage} out of range for pp={pp}")
-    if num_micro_batches < 1:
-        raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
+        gpipe              m                                  (all forwards before any backward)
+        1f1b               min(p - r, m)                      (Schedule1F1B warmup_chunks)
+        interleaved_1f1b   min((v-1) m_r + 2(p-1-r) + 1, v m) / v    (_get_warmup_ops, factor 2)
+        interleaved_zb     min((v-1) m_r + p, v m) / v        (warmup (v-1) m_r + (p-1-r), + 1, + the
+                                                               r weight-gradient steps deferred on rank r)
+        zbv                min(2p, m + 1 + r) / 2             (2(p-r)-1 chunk-0 forwards, then r pairs,
+                                                               then one more chunk-1 forward)
+        dualpipev          min(2p + 1, 2m) / 2                (DualPipe README: "PP+1" chunks; torch's
+                                                               OVERLAP_F_B runs F before B)
+
+    Rank 0 of interleaved 1F1B with m = p: p + (p - 1)/v, as Megatron's (1 + 1/v) x the 1F1B
+    stash (Narayanan et al. §2.2.2). A chunk waiting for its weight gradient (zero-bubble) is
+    counted whole. Every figure equals the peak of forwards minus (full or weight) backwards in
+    torch's own action lists (``tests/cost/test_schedule_formulas.py``)."""
+    p, r, m, v = pp, stage, num_micro_batches, virtual_stages
+    if not 0 <= r < p:
+        raise ValueError(f"stage {r} out of range for pp={p}")
+    if m < 1 or v < 1:
+        raise ValueError(f"num_micro_batches ({m}) and virtual_stages ({v}) must be >= 1")
     if schedule == "1f1b":
-        return min(pp - stage, num_micro_batches)
+        return float(min(p - r, m))
     if schedule == "gpipe":
-        return num_micro_batches
+        return float(m)
+    mr = m // max(1, m // p)
+    if schedule == "interleaved_1f1b":
+        return min((v - 1) * mr + 2 * (p - 1 - r) + 1, v * m) / v
+    if schedule == "interleaved_zb":
+        return min((v - 1) * mr + p, v * m) / v
+    if schedule == "zbv":
+        return min(2 * p, m + 1 + r) / 2.0
+    if schedule == "dualpipev":
+        return min(2 * p + 1, 2 * m) / 2.0
     raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")

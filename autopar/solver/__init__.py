@@ -40,6 +40,29 @@ Before the MILP: parallel edges are merged, dominated strategies dropped, and le
 nodes eliminated exactly (``ilp.eliminate``; replayed afterwards). Solver: HiGHS via
 ``pulp.HiGHS`` (CBC if HiGHS is missing), gap 0. ``ilp.brute_force`` is the reference for tests.
 
+The outer search and the pipeline (``search``, ``timing``; formulas in ``cost.flops`` and ``cost.memory``)
+----------------------------------------------------------------------------------------------------------
+For each (tp, pp, dp, mbs, ZeRO, recompute, sp) and, when pp > 1, each schedule s with its stages
+per rank v -- gpipe, 1f1b (v = 1); interleaved_1f1b, interleaved_zb (v = 2, 4, ... with pp v <= L);
+zbv, dualpipev (v = 2) -- that torch can run with m micro-batches (m >= pp; interleaved
+m % max(1, m // pp) = 0; dualpipev m >= 2 pp), the rank cut n_0..n_{pp-1} (layers per rank,
+sum L, each >= v) is
+
+    minimize   max_r t_r(n_r)            t_r = n_r a + [r holds stage 0] e_pre + [r holds the last stage] e_post
+    subject to M_r(n_r) <= B             M_r = n_r (k_state + I_s(r) k_act) + c_r       (timing.choose_cuts)
+
+(a: one layer's fwd + bwd + recompute + TP comm per micro-batch from the ILP solution; I_s(r): the
+in-flight micro-batches of rank r under s, ``cost.memory.pipeline_inflight_microbatches``). Both
+sides are affine in n_r, so the optimum is a water level found by bisection (``timing.balance``).
+Rank r's layers are split over its v stages; stage i runs on rank i % pp (loop) or, for zbv and
+dualpipev, rank r runs stages r and 2 pp - 1 - r (V). The step time is
+
+    T = (m + U_s(pp, m, v)) max_r t_r + exposed DP sync + optimizer step
+
+with the bubble U_s in units of the slowest rank's micro-batch time: p - 1 (gpipe, 1f1b), (p - 1)/v
+(interleaved_1f1b), (p - 1)/(3v) (interleaved_zb), (p - 1 + max(0, 2p - 1 - m))/6 (zbv, dualpipev),
+``cost.flops.pipeline_bubble_units``; the configuration minimizing T with every rank within B wins.
+
 Column- and row-parallel linears, sequence parallelism, vocab-parallel embeddings and losses are
 not written anywhere: they fall out of the einsum rules and the resharding costs.
 """

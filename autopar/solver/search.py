@@ -2,10 +2,15 @@
 
     plan_model(graph, cluster, global_batch=..., seq_len=...) -> Plan
 
-Space: tp | world, pp | layers of the repeated block (and world), dp = world / (tp pp) dividing
-the global batch, micro-batch size a power of two dividing global_batch / dp (1F1B needs
-m >= pp micro-batches), recompute in none/selective/full, ZeRO 0..3 (1..3 only with dp > 1),
-sequence parallelism on/off (only with tp > 1). Forced choices restrict it.
+Space: tp | world, pp | world with pp <= layers of the repeated block, dp = world / (tp pp)
+dividing the global batch, micro-batch size a power of two dividing global_batch / dp (every
+pipeline needs m >= pp micro-batches), recompute in none/selective/full, ZeRO 0..3 (1..3 only with
+dp > 1), sequence parallelism on/off (only with tp > 1), and for pp > 1 the pipeline schedule with
+its stages per rank v: 1f1b and gpipe (v = 1), interleaved_1f1b and interleaved_zb (v = 2, 4, 8, ...
+with pp v <= layers), zbv and dualpipev (v = 2), each where ``cost.flops.pipeline_schedule_problem``
+allows it (torch's own checks). The stage cut is not enumerated: ``timing.choose_cuts`` picks the
+fastest cut that fits for each configuration (uneven: the embedding's and head's ranks get fewer
+layers). Forced choices restrict it.
 
 Exact by branch and bound, with true lower bounds at each level:
 1. a memory bound per configuration from one tp=1, mbs=1 table (batch-dim activations scale
@@ -42,20 +47,25 @@ from typing import Callable, Optional
 
 from autopar.cost.compute import op_kind
 from autopar.cost.hardware import ClusterSpec
-from autopar.cost.memory import model_state_bytes, pipeline_inflight_microbatches
-from autopar.forcing import Force, parse_force
+from autopar.cost.flops import pipeline_bubble_units, pipeline_schedule_problem
+from autopar.cost.memory import pipeline_inflight_microbatches
+from autopar.solver.forcing import Force, parse_force
 from autopar.ir import GraphIR
 from autopar.placements import Partial, Replicate, Shard
-from autopar.plan import ClusterRef, NodeStrategy, Plan, Stage
+from autopar.plan import V_SCHEDULES, ClusterRef, NodeStrategy, Plan, Stage
 from autopar.solver.errors import InfeasibleError, PlanningError
 from autopar.solver.ilp import IlpResult, LinearConstraint, solve_ilp
 from autopar.solver.problem import AxisSummary, AxisTables, PartCost, build_tables, ilp_problem, \
     lower_bound_summary, summarize
 from autopar.solver.runtime_profile import AUTOPAR_RUNTIME, RuntimeProfile
 from autopar.solver.strategies import GraphFacts, graph_facts
-from autopar.solver.timing import PARAM_BYTES, Evaluation, OuterConfig, default_budget_bytes, evaluate
+from autopar.solver.timing import (Evaluation, OuterConfig, _state_bytes_per_param, default_budget_bytes, evaluate,
+                                   memory_lower_bound)
 
 Progress = Callable[[str, int, int], None]
+# Largest stages per rank the search tries unless vpp is forced: each doubling halves the
+# interleaved bubble but doubles the stage-to-stage traffic, and each v tried adds configurations.
+MAX_FREE_VPP = 4
 RECOMPUTES = ("none", "selective", "full")
 GB = 1e9
 
@@ -146,9 +156,11 @@ def _check_force(force: Force, graph: GraphIR, world: int, global_batch: int) ->
         if len(graph.blocks) != 1:
             raise PlanningError(f"pp={force.pp} needs one repeated block to cut into stages; "
                                 f"this model has {len(graph.blocks)}")
-        if dims["layers"] % force.pp:
-            raise PlanningError(f"pp={force.pp} does not divide the {dims['layers']} layers evenly")
+        if dims["layers"] < force.pp:
+            raise PlanningError(f"pp={force.pp} needs >= {force.pp} layers (one per stage) but the model has "
+                                f"{dims['layers']}; use pp <= {dims['layers']}")
     _check_degree_product(force, world, dims["layers"], len(graph.blocks) == 1, global_batch)
+    _check_schedule_force(force, world, dims["layers"], len(graph.blocks) == 1, global_batch)
     if force.dp is not None and global_batch % force.dp:
         raise PlanningError(f"dp={force.dp} does not divide the global batch {global_batch}")
     if force.sequence_parallel and force.tp == 1:
@@ -174,8 +186,8 @@ def _check_degree_product(force: Force, world: int, layers: int, has_block: bool
         raise PlanningError(f"Invalid parallel dims: {shown} = {prod} does not divide WORLD_SIZE({world}), "
                             f"so no {free} completes them; choose degrees whose product divides {world}")
     rest = world // prod
-    if free == "pp" and rest > 1 and (not has_block or layers % rest):
-        why = (f"the {layers} layers do not split into {rest} equal stages" if has_block
+    if free == "pp" and rest > 1 and (not has_block or layers < rest):
+        why = (f"the {layers} layers do not fill {rest} stages of >= 1 layer" if has_block
                else "this model has no repeated block to cut into stages")
         raise PlanningError(f"Invalid parallel dims: {shown} = {prod} leaves pp = {world} / {prod} = {rest}, "
                             f"but {why}; force degrees whose product is {world}")
@@ -184,11 +196,73 @@ def _check_degree_product(force: Force, world: int, layers: int, has_block: bool
                             f"the global batch {global_batch}; use a batch divisible by {rest} or other degrees")
 
 
+def _check_schedule_force(force: Force, world: int, layers: int, has_block: bool, global_batch: int) -> None:
+    """A forced schedule / vpp that cannot work: one line saying what to change."""
+    sched, v = force.schedule, force.virtual_stages
+    if sched is None and v is None:
+        return
+    pinned = ",".join(x for x in (f"schedule={sched}" if sched else "", f"vpp={v}" if v else "") if x)
+    if force.pp == 1 or (force.pp is None and world == 1) or not has_block:
+        if sched in (None, "1f1b") and v in (None, 1):
+            return
+        why = "this model has no repeated block to cut into stages" if not has_block else "pp=1 has no pipeline"
+        raise PlanningError(f"{pinned} needs a pipeline (pp > 1) but {why}; drop {pinned} or force pp > 1")
+    if sched is not None and v is not None:
+        if sched in ("gpipe", "1f1b") and v != 1:
+            raise PlanningError(f"schedule={sched} runs one stage per rank: vpp={v} needs schedule=interleaved_1f1b "
+                                f"or interleaved_zb (or drop vpp)")
+        if sched in V_SCHEDULES and v != 2:
+            raise PlanningError(f"schedule={sched} runs exactly 2 stages per rank; use vpp=2 (or drop vpp)")
+        if sched.startswith("interleaved") and v < 2:
+            raise PlanningError(f"schedule={sched} needs vpp >= 2 stages per rank; use schedule=1f1b for vpp=1")
+    need = (v or (2 if sched and sched not in ("gpipe", "1f1b") else 1)) * (force.pp or 2)
+    if need > layers:
+        raise PlanningError(f"{pinned} with pp={force.pp or 2} needs {need} stages of >= 1 layer but the model has "
+                            f"{layers} layers; use a smaller pp or vpp")
+    if force.pp and force.pp > 1 and force.dp and sched:
+        m = force.num_micro_batches or (global_batch // force.dp // force.micro_batch_size
+                                        if force.micro_batch_size and global_batch % (force.dp * force.micro_batch_size) == 0
+                                        else None)
+        vs = [v] if v else ([1] if sched in ("gpipe", "1f1b") else [2])
+        why = pipeline_schedule_problem(sched, force.pp, vs[0], m, layers) if m else None
+        if why:
+            raise PlanningError(why)
+
+
+def _schedules(force: Force, pp: int, layers: int) -> list[tuple[str, int]]:
+    """(schedule, stages per rank) candidates for pp ranks (forced ones only, when forced)."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    # v: powers of two up to MAX_FREE_VPP dividing the layers per rank (an even split of each rank's
+    # share); a forced vpp may be any value with pp * vpp <= layers (the cut is then uneven).
+    vs = []
+    v = 2
+    while v <= MAX_FREE_VPP and pp * v <= layers and (layers // pp) % v == 0:
+        vs.append(v)
+        v *= 2
+    # gpipe only when forced: it has 1f1b's bubble and holds m >= min(pp - r, m) micro-batches on
+    # every rank with the same cut, so 1f1b is never slower and never larger (exact pruning).
+    out = [("1f1b", 1)] + ([("gpipe", 1)] if force.schedule == "gpipe" else [])
+    out += [("interleaved_1f1b", v) for v in vs]
+    # the zero-bubble schedules only when forced: they are planned but not executed yet
+    # (plan.EXECUTED_SCHEDULES); a free plan must run
+    if force.schedule == "interleaved_zb":
+        out += [("interleaved_zb", v) for v in vs]
+    # dualpipev: torch 2.13 runs its overlapped F&B one after the other, so it has zbv's bubble,
+    # needs m >= 2 pp and holds one more chunk per rank (never better than zbv)
+    if 2 * pp <= layers and force.schedule in ("zbv", "dualpipev"):
+        out += [(force.schedule, 2)]
+    if force.virtual_stages is not None and force.virtual_stages not in vs + [1]:
+        out += [(s, force.virtual_stages) for s in ("interleaved_1f1b", "interleaved_zb")]
+    return [(s, v) for s, v in out if (force.schedule is None or s == force.schedule)
+            and (force.virtual_stages is None or v == force.virtual_stages)]
+
+
 # ---- enumeration ----------------------------------------------------------------------------------
 
 def _configs(force: Force, world: int, layers: int, has_block: bool, global_batch: int) -> list[OuterConfig]:
     tps = [force.tp] if force.tp else _divisors(world)
-    pps = [force.pp] if force.pp else [p for p in _divisors(world) if layers % p == 0 and (has_block or p == 1)]
+    pps = [force.pp] if force.pp else [p for p in _divisors(world) if p <= layers and (has_block or p == 1)]
     out = []
     for tp in tps:
         for pp in pps:
@@ -210,7 +284,9 @@ def _configs(force: Force, world: int, layers: int, has_block: bool, global_batc
                 m = per_replica // mbs
                 if force.num_micro_batches and m != force.num_micro_batches:
                     continue
-                if pp > 1 and m < pp:
+                scheds = [sv for sv in _schedules(force, pp, layers)
+                          if pipeline_schedule_problem(sv[0], pp, sv[1], m, layers) is None]
+                if not scheds:
                     continue
                 sps = [force.sequence_parallel] if force.sequence_parallel is not None else \
                     ([False, True] if tp > 1 else [False])
@@ -221,7 +297,8 @@ def _configs(force: Force, world: int, layers: int, has_block: bool, global_batc
                         continue
                     for z in zeros:
                         for rc in rcs:
-                            out.append(OuterConfig(tp, pp, dp, mbs, m, rc, z, sp))
+                            for sched, v in scheds:
+                                out.append(OuterConfig(tp, pp, dp, mbs, m, rc, z, sp, sched, v))
     return out
 
 
@@ -230,7 +307,12 @@ def _no_config_error(force: Force, world: int, global_batch: int, layers: int) -
         return PlanningError(
             f"no (tp, pp, dp) lets mbs={force.micro_batch_size or '?'} / micro-batches="
             f"{force.num_micro_batches or '?'} divide the global batch {global_batch} on {world} GPUs "
-            f"(mbs must divide global_batch / dp, and 1F1B needs at least pp micro-batches)")
+            f"(mbs must divide global_batch / dp, and a pipeline needs at least pp micro-batches)")
+    if force.schedule or force.virtual_stages:
+        return PlanningError(f"no configuration of {world} GPUs can run the forced values "
+                             f"({', '.join(f'{k}={v}' for k, v in force.items())}): the schedule needs >= pp "
+                             f"micro-batches (interleaved: a multiple of max(1, m // pp); dualpipev: >= 2 pp) and "
+                             f">= 1 of the {layers} layers per stage; force pp and mbs that allow it")
     return PlanningError(f"no parallel configuration of {world} GPUs with the forced values "
                          f"({', '.join(f'{k}={v}' for k, v in force.items())}) divides the global batch "
                          f"{global_batch} and the {layers} layers")
@@ -252,21 +334,16 @@ def _quick_summary(base: AxisSummary, cfg: OuterConfig) -> AxisSummary:
 
 # ---- the memory-constrained ILP ----------------------------------------------------------------------
 
-def _state_bytes_per_param(cfg: OuterConfig, profile: RuntimeProfile) -> float:
-    n = 1_000_000
-    return sum(model_state_bytes(n, cfg.dp, cfg.zero, param_bytes=PARAM_BYTES, grad_bytes=profile.grad_bytes).values()) / n
-
-
 def memory_constraints(tab: AxisTables, cfg: OuterConfig, unconstrained: Evaluation, profile: RuntimeProfile,
                        budget: float, layer_input_bytes: float) -> tuple[LinearConstraint, ...]:
-    """Stage memory as a linear function of the strategy choice (first and last stage)."""
-    lps = tab.count // cfg.pp
+    """Memory of each rank evaluated (at the unconstrained solution's cut) as a linear function of the
+    strategy choice."""
     per_param = _state_bytes_per_param(cfg, profile)
     out = []
     for st in unconstrained.stages:
         s = st.index
-        first, last = s == 0, s == cfg.pp - 1
-        inflight = pipeline_inflight_microbatches(cfg.pp, s, cfg.m, profile.schedule)
+        first, last, lps = st.has_pre, st.has_post, st.layers
+        inflight = pipeline_inflight_microbatches(cfg.pp, s, cfg.m, cfg.schedule, cfg.v)
         coeffs = []
         for k in tab.keys:
             kind = tab.kinds[k]
@@ -359,11 +436,15 @@ class _Searcher:
         base = lower_bound_summary(self.table(1, False, 1), batch_only=True)
         smallest: Optional[tuple[float, OuterConfig]] = None
         by_triple: dict = {}
+        quick: dict = {}
         for cfg in configs:
-            ev = evaluate(_quick_summary(base, cfg), cfg, self.cluster, self.profile, self.budget)
-            if smallest is None or ev.memory.total_bytes < smallest[0]:
-                smallest = (ev.memory.total_bytes, cfg)
-            if not ev.fits:
+            qkey = (cfg.tp, cfg.mbs)
+            if qkey not in quick:
+                quick[qkey] = _quick_summary(base, cfg)
+            need = memory_lower_bound(quick[qkey], cfg, self.profile).total_bytes
+            if smallest is None or need < smallest[0]:
+                smallest = (need, cfg)
+            if need > self.budget:
                 self.stats.pruned_memory_quick += 1
                 continue
             by_triple.setdefault((cfg.tp, cfg.sp, cfg.mbs), []).append(cfg)
@@ -428,8 +509,9 @@ class _Searcher:
         rc = {"none": 0.0, "selective": blk.core_fwd_s, "full": blk.fwd_compute_s}[cfg.recompute]
         t_stage = (sol.summary.objective_s + sol.summary.count * rc) / cfg.pp
         lb_stage = max(st.time_per_microbatch_s for st in lb_ev.stages)
-        outside = lb_ev.step.total_s - (cfg.m + cfg.pp - 1) * lb_stage       # DP sync + optimizer bounds
-        return (cfg.m + cfg.pp - 1) * max(t_stage, lb_stage) + outside
+        span = cfg.m + pipeline_bubble_units(cfg.pp, cfg.m, cfg.schedule, cfg.v)
+        outside = lb_ev.step.total_s - span * lb_stage       # DP sync + optimizer bounds
+        return span * max(t_stage, lb_stage) + outside
 
     def _infeasible(self, smallest, smallest_exact: Optional[Evaluation]) -> InfeasibleError:
         """``smallest``: the least memory bound over all configurations (a true lower bound);
@@ -503,11 +585,7 @@ def _build_plan(s: _Searcher, ev: Evaluation, sol: AxisSolution, seq_len, solve_
         ins = tuple((dp_read.get(r.key, Replicate()), pl) for r, pl in zip(s.facts.inputs[k], st.inputs))
         strategies.append(NodeStrategy(k, (dpp[k], st.output), ins, st.name))
     full = evaluate(sol.summary, cfg, s.cluster, s.profile, s.budget, all_stages=True)
-    lps = tab.count // cfg.pp
-    stages = tuple(Stage(index=st.index, first_layer=st.index * lps, last_layer=(st.index + 1) * lps,
-                         has_embedding=st.index == 0, has_head=st.index == cfg.pp - 1,
-                         time_per_microbatch_s=st.time_per_microbatch_s, memory_bytes=st.memory.total_bytes)
-                   for st in full.stages)
+    stages = plan_stages(full, sol.summary)
     notes = [f"runtime profile: {s.profile.name}",
              f"search: {s.stats.configs} configurations; pruned {s.stats.pruned_memory_quick + s.stats.pruned_memory} "
              f"by memory bounds, {s.stats.pruned_bound} by the step-time bound; {s.stats.evaluated} evaluated exactly",
@@ -526,10 +604,48 @@ def _build_plan(s: _Searcher, ev: Evaluation, sol: AxisSolution, seq_len, solve_
                            int(s.budget)),
         dtype=s.dtype, global_batch=s.global_batch, seq_len=seq_len,
         dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, sequence_parallel=cfg.sp, zero_stage=cfg.zero,
+        pipeline_schedule=cfg.schedule, virtual_stages=cfg.v,
         micro_batch_size=cfg.mbs, num_micro_batches=cfg.m, recompute=cfg.recompute, offload="none",
         mesh_axes=("dp", "tp"), mesh_shape=(cfg.dp, cfg.tp), strategies=tuple(strategies), stages=stages,
         step_time=full.step, memory=full.memory, model_flops_per_step=model_flops(s.graph, s.global_batch),
         solve_time_s=solve_time_s, forced=s.force.items(), notes=tuple(notes))
+
+
+def plan_stages(ev: Evaluation, summary) -> tuple[Stage, ...]:
+    """The pp * v stages of an evaluation (every rank evaluated): rank r's layers ``ev.cuts[r]``
+    split over its v stages as evenly as possible (the stage with the embedding or head gets the
+    smaller share), then laid out in model order; ``stage_rank`` gives the rank of each stage."""
+    cfg = ev.config
+    p, v, n_st = cfg.pp, cfg.v, cfg.pp * cfg.v
+    if cfg.schedule in V_SCHEDULES:
+        local = {r: [r, 2 * p - 1 - r] for r in range(p)}
+    else:
+        local = {r: [j * p + r for j in range(v)] for r in range(p)}
+    layers = [0] * n_st
+    for r, idx in local.items():
+        q, extra = divmod(ev.cuts[r], v)
+        order = sorted(idx, key=lambda g: (g in (0, n_st - 1), g))     # plain stages take the remainder
+        for j, g in enumerate(order):
+            layers[g] = q + (1 if j < extra else 0)
+    by_rank = {st.index: st for st in ev.stages}
+    blk, pre, post = summary.parts["block"], summary.parts["pre"], summary.parts["post"]
+
+    def work(g: int) -> float:
+        w = layers[g] * (blk.fwd_compute_s + blk.bwd_compute_s)
+        return w + (pre.fwd_compute_s + pre.bwd_compute_s if g == 0 else 0.0) \
+            + (post.fwd_compute_s + post.bwd_compute_s if g == n_st - 1 else 0.0)
+
+    out, at = [], 0
+    for g in range(n_st):
+        r = next(rr for rr, idx in local.items() if g in idx)
+        st = by_rank[r]
+        rank_work = sum(work(x) for x in local[r])
+        share = work(g) / rank_work if rank_work > 0 else 1.0 / v
+        out.append(Stage(index=g, first_layer=at, last_layer=at + layers[g], has_embedding=g == 0,
+                         has_head=g == n_st - 1, time_per_microbatch_s=st.time_per_microbatch_s * share,
+                         memory_bytes=st.memory.total_bytes))
+        at += layers[g]
+    return tuple(out)
 
 
 def solve(graph: GraphIR, cluster: ClusterSpec, *, global_batch: int, seq_len: Optional[int],

@@ -6,9 +6,14 @@ the nodes before the block on the first stage, the nodes after it on the last) t
     t_stage = compute (fwd + bwd) + recompute + exposed TP comm + pipeline p2p + per-micro-batch ZeRO-2/3 comm
 
 with recompute "full" re-running each layer's forward (compute and its TP comm) and "selective"
-re-running the attention core's forward. 1F1B / GPipe step time (Megatron §2.2.1):
+re-running the attention core's forward. Step time, per pipeline schedule (``cost.flops``):
 
-    T = (m + pp - 1) * max_s t_stage  +  max_s exposed DP sync  +  max_s optimizer step
+    T = (m + U) * max_r t_rank  +  max_r exposed DP sync  +  max_r optimizer step
+
+t_rank: one pp rank's time per micro-batch over all its stages; U: the schedule's bubble in units
+of it (p - 1 for GPipe/1F1B, Megatron §2.2.1; (p - 1)/v interleaved; ... ``pipeline_bubble_units``).
+The cut (layers per rank) is ``choose_cuts``: the fastest that fits, from an affine model of each
+rank's time and memory in its layer count (``balance``).
 
 DP sync (per step, on the dp axis link) by ZeRO stage, each exposed as ``max(0, comm - window)``
 when the runtime profile overlaps it (``runtime_profile.py``):
@@ -18,8 +23,8 @@ when the runtime profile overlaps it (``runtime_profile.py``):
   3: all_gather(params) fwd and bwd + reduce_scatter(grads), every micro-batch (in t_stage)
 Gradients are ``profile.grad_bytes`` per element, parameters 2 bytes (bf16/fp16).
 
-Pipeline p2p: each micro-batch sends its activation forward and its gradient backward across a
-stage boundary (one ``layer_input_bytes`` message each way), not overlapped.
+Pipeline p2p: each micro-batch sends its activation forward and its gradient backward across
+each of a rank's v stage boundaries (one ``layer_input_bytes`` message each way), not overlapped.
 
 Optimizer step (memory bound): per local parameter it reads the 16-bit param, the gradient, the
 fp32 master copy and the two Adam moments and writes the param, master and moments back
@@ -27,7 +32,8 @@ fp32 master copy and the two Adam moments and writes the param, master and momen
 under ZeRO >= 1 (each rank updates its shard).
 
 Memory of stage s (``MemoryUse``): model states by ``cost.memory.model_state_bytes`` on the stage's
-local (tp-sharded) parameters; activations = in-flight micro-batches (1F1B: ``pp - s``) x the
+local (tp-sharded) parameters; activations = in-flight micro-batches
+(``cost.memory.pipeline_inflight_microbatches``; 1F1B: ``pp - r``) x the
 bytes the stage's ops save per micro-batch (full recompute: each layer's input only; selective:
 minus the attention core's intermediates); other = a workspace of the largest single local output
 (one transient gradient), plus one layer's re-materialized activations under recompute, plus
@@ -35,13 +41,15 @@ minus the attention core's intermediates); other = a workspace of the largest si
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Optional
 
 from autopar.cost.collectives import axis_link, collective_s, stage_link
 from autopar.cost.flops import pipeline_bubble_fraction, pipeline_step_time_s
 from autopar.cost.hardware import ClusterSpec
 from autopar.cost.memory import model_state_bytes, pipeline_inflight_microbatches
-from autopar.plan import MemoryUse, StepTime
+from autopar.plan import V_SCHEDULES, MemoryUse, StepTime
 from autopar.solver.problem import AxisSummary, PartCost
 from autopar.solver.runtime_profile import RuntimeProfile
 
@@ -63,15 +71,19 @@ class OuterConfig:
     recompute: str         # "none" | "selective" | "full"
     zero: int              # 0..3
     sp: bool
+    schedule: str = "1f1b"     # pipeline schedule (plan.PIPELINE_SCHEDULES); "1f1b" when pp == 1
+    v: int = 1                 # stages per pp rank (virtual stages)
 
     def short(self) -> str:
+        pipe = f", schedule={self.schedule}" + (f", vpp={self.v}" if self.v > 1 else "") if self.pp > 1 else ""
         return (f"tp={self.tp}, pp={self.pp}, dp={self.dp}, mbs={self.mbs}, zero={self.zero}, "
-                f"recompute={self.recompute}, sp={'on' if self.sp else 'off'}")
+                f"recompute={self.recompute}, sp={'on' if self.sp else 'off'}{pipe}")
 
 
 @dataclass(frozen=True)
 class StageEval:
-    index: int
+    """One pipeline rank (all its stages), per micro-batch unless said otherwise."""
+    index: int                       # pp rank
     time_per_microbatch_s: float
     compute_s: float
     recompute_s: float
@@ -80,27 +92,31 @@ class StageEval:
     optimizer_s: float
     memory: MemoryUse
     param_numel: float
+    layers: int = 0                  # layers of the repeated block on this rank (all its stages)
+    has_pre: bool = False            # runs the nodes before the block (embedding)
+    has_post: bool = False           # runs the nodes after the block (head, loss)
+    inflight: float = 1.0            # micro-batches of activations held at the peak
 
 
 @dataclass(frozen=True)
 class Evaluation:
     config: OuterConfig
     step: StepTime
-    memory: MemoryUse                # the most loaded stage
-    stages: tuple                    # StageEval for the first and (if pp > 1) the last stage
+    memory: MemoryUse                # the most loaded rank
+    stages: tuple                    # StageEval of the ranks evaluated (all with all_stages)
     budget_bytes: float
+    cuts: tuple = ()                 # layers per pp rank (len pp)
 
     @property
     def fits(self) -> bool:
         return self.memory.total_bytes <= self.budget_bytes
 
 
-def _stage_parts(summary: AxisSummary, pp: int, first: bool, last: bool) -> list[tuple[PartCost, float, str]]:
-    lps = summary.count // pp
-    parts = [(summary.parts["block"], float(lps), "block")]
-    if first:
+def rank_parts(summary: AxisSummary, layers: float, has_pre: bool, has_post: bool) -> list[tuple[PartCost, float, str]]:
+    parts = [(summary.parts["block"], float(layers), "block")]
+    if has_pre:
         parts.append((summary.parts["pre"], 1.0, "pre"))
-    if last:
+    if has_post:
         parts.append((summary.parts["post"], 1.0, "post"))
     return parts
 
@@ -115,71 +131,205 @@ def _exposed(comm_s: float, window_s: float, overlapped: bool) -> float:
     return max(0.0, comm_s - window_s) if overlapped else comm_s
 
 
+def rank_holds(cfg: OuterConfig, r: int) -> tuple[bool, bool]:
+    """(holds stage 0 = the embedding, holds the last stage = the head) for pp rank r."""
+    return r == 0, (r == 0 if cfg.schedule in V_SCHEDULES else r == cfg.pp - 1)
+
+
+# ---- stage cuts ----------------------------------------------------------------------------------
+
+def balance(total: int, minimum: int, slopes, consts, caps=None) -> Optional[list]:
+    """Integers n_r in [minimum, caps_r] summing to ``total`` that minimize max_r slopes_r n_r + consts_r
+    (None if none exist). Water-filling: the least level T with sum_r floor((T - c_r) / k_r) >= total
+    (bisection), then the excess taken one layer at a time from the ranks highest above the level.
+    With homogeneous layers this is the bottleneck-optimal cut of a chain into contiguous stages
+    (a bottleneck shortest path over cut points would find the same, in O(pp L^2) instead).
+    Ranks with equal (k, c, cap) are handled as one class, so the usual case -- the embedding's
+    rank, the head's rank, the rest -- costs three terms per bisection step."""
+    n = len(slopes)
+    caps = list(caps) if caps is not None else [total] * n
+    caps = [min(c, total - minimum * (n - 1)) for c in caps]
+    if any(c < minimum for c in caps) or sum(caps) < total:
+        return None
+    classes: dict = {}
+    for r, key in enumerate(zip(slopes, consts, caps)):
+        classes.setdefault(key, []).append(r)
+    keys = list(classes)
+    counts = [len(classes[k]) for k in keys]
+
+    def fill(level: float) -> list:
+        res = []
+        for k, c, cap in keys:
+            x = cap if k <= 0 else int(math.floor((level - c) / k + 1e-9))
+            res.append(max(minimum, min(cap, x)))
+        return res
+
+    def filled(ns) -> int:
+        return sum(x * c for x, c in zip(ns, counts))
+
+    if all(k <= 0 for k, _, _ in keys):
+        ns = [minimum] * len(keys)
+    else:
+        lo = max(k * minimum + c for k, c, _ in keys)
+        hi = max(k * cap + c for k, c, cap in keys)
+        if filled(fill(lo)) < total:
+            for _ in range(100):
+                mid = (lo + hi) / 2
+                if filled(fill(mid)) >= total:
+                    hi = mid
+                else:
+                    lo = mid
+                if hi - lo <= 1e-9 * max(1.0, abs(hi)):
+                    break
+            lo = hi
+        ns = fill(lo)
+    if all(k <= 0 for k, _, _ in keys):            # no cost per layer: fill in rank order
+        out = [minimum] * n
+        left = total - minimum * n
+        for r in range(n):
+            add = min(left, caps[r] - minimum)
+            out[r] += add
+            left -= add
+        return out
+    # take the excess off the ranks highest above the level: per class (value, ranks at n, ranks at n-1)
+    hi_n = list(ns)
+    at_hi = list(counts)
+    excess = filled(ns) - total
+    while excess > 0:
+        i = max((j for j in range(len(keys)) if hi_n[j] > minimum and at_hi[j] > 0),
+                key=lambda j: keys[j][0] * hi_n[j] + keys[j][1])
+        t = min(excess, at_hi[i])
+        at_hi[i] -= t
+        excess -= t
+        if at_hi[i] == 0:
+            hi_n[i] -= 1
+            at_hi[i] = counts[i]
+    out = [0] * n
+    for j, key in enumerate(keys):
+        ranks = classes[key]
+        # the ranks still at hi_n are the last at_hi of the class (higher ranks hold fewer micro-batches)
+        n_lo = counts[j] - at_hi[j]
+        for q, r in enumerate(ranks):
+            out[r] = hi_n[j] - 1 if q < n_lo else hi_n[j]
+    return out
+
+
+def _linear_terms(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile):
+    """Per-layer and per-extra (embedding/head) time and memory, the affine model the cut balances."""
+    blk, pre, post = summary.parts["block"], summary.parts["pre"], summary.parts["post"]
+
+    def t_of(p: PartCost) -> float:
+        return p.fwd_compute_s + p.bwd_compute_s + sum(p.comm_fwd.values()) + sum(p.comm_bwd.values())
+
+    a = t_of(blk)
+    if cfg.recompute == "full":
+        a += blk.fwd_compute_s + sum(blk.comm_fwd.values())
+    elif cfg.recompute == "selective":
+        a += blk.core_fwd_s
+    rate = _state_bytes_per_param(cfg, profile)
+    act = activation_bytes_per_layer(blk, summary, cfg.recompute)
+    return a, t_of(pre), t_of(post), rate, act
+
+
+def _state_bytes_per_param(cfg: OuterConfig, profile: RuntimeProfile) -> float:
+    n = 1_000_000
+    return sum(model_state_bytes(n, cfg.dp, cfg.zero, param_bytes=PARAM_BYTES, grad_bytes=profile.grad_bytes).values()) / n
+
+
+def _memory_affine(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile, rate: float, act: float):
+    """(slope bytes per layer, constant bytes) of each rank's memory, as ``_rank_memory`` computes it."""
+    blk, pre, post = summary.parts["block"], summary.parts["pre"], summary.parts["post"]
+    other_blk = _other_bytes(summary, cfg)
+    slopes, consts = [], []
+    for r in range(cfg.pp):
+        hp, hh = rank_holds(cfg, r)
+        inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
+        extra_numel = (pre.param_numel if hp else 0.0) + (post.param_numel if hh else 0.0) \
+            + (summary.shared_param_numel if (hp or hh) else 0.0)
+        extra_act = (pre.saved_bytes if hp else 0.0) + (post.saved_bytes if hh else 0.0)
+        out_b = max([blk.max_out_bytes] + ([pre.max_out_bytes] if hp else []) + ([post.max_out_bytes] if hh else []))
+        slopes.append(rate * blk.param_numel + inflight * act)
+        consts.append(rate * extra_numel + inflight * extra_act + out_b + other_blk)
+    return slopes, consts
+
+
+def choose_cuts(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile, budget_bytes: float):
+    """Layers per pp rank: the fastest cut (balancing the embedding and head against layers) whose
+    every rank fits ``budget_bytes``; if none fits, the cut of least peak memory. Returns
+    (cuts, memory-feasible). A lower-bound summary gets the fastest cut regardless of memory (its
+    memory is bounded separately in ``evaluate``)."""
+    L, p, v = summary.count, cfg.pp, cfg.v
+    if p == 1:
+        return (L,), True
+    a, e_pre, e_post, rate, act = _linear_terms(summary, cfg, profile)
+    holds = [rank_holds(cfg, r) for r in range(p)]
+    t_consts = [(e_pre if hp else 0.0) + (e_post if hh else 0.0) for hp, hh in holds]
+    fast = balance(L, v, [a] * p, t_consts)
+    if summary.is_lower_bound:
+        return tuple(fast), True
+    ks, cs = _memory_affine(summary, cfg, profile, rate, act)
+    if all(k * n + c <= budget_bytes for k, n, c in zip(ks, fast, cs)):
+        return tuple(fast), True
+    caps = [int(math.floor((budget_bytes - c) / k)) if k > 0 else (L if c <= budget_bytes else -1)
+            for k, c in zip(ks, cs)]
+    fit = balance(L, v, [a] * p, t_consts, caps)
+    if fit is not None:
+        return tuple(fit), True
+    return tuple(balance(L, v, ks, cs)), False
+
+
+def _memory_lower_bound_cut(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile) -> tuple[int, float]:
+    """(rank, layers) whose memory is a lower bound on the peak memory of every cut: each rank
+    holds >= v layers, and the least-memory cut's level T satisfies sum_r (T - c_r) / k_r >= L."""
+    L, p, v = summary.count, cfg.pp, cfg.v
+    _, _, _, rate, act = _linear_terms(summary, cfg, profile)
+    ks, cs = _memory_affine(summary, cfg, profile, rate, act)
+    if any(k <= 0 for k in ks):
+        level = 0.0
+    else:
+        level = (L + sum(c / k for k, c in zip(ks, cs))) / sum(1 / k for k in ks)
+    ns = [max(float(v), (level - c) / k) if k > 0 else float(v) for k, c in zip(ks, cs)]
+    r = max(range(p), key=lambda i: ks[i] * ns[i] + cs[i])
+    return r, ns[r]
+
+
+def memory_lower_bound(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile) -> MemoryUse:
+    """A lower bound on the peak memory per GPU of ``cfg`` over every stage cut (the search's first,
+    memory-only bound; ``summary`` is itself a lower bound)."""
+    if cfg.pp == 1:
+        r, n = 0, float(summary.count)
+    else:
+        r, n = _memory_lower_bound_cut(summary, cfg, profile)
+    hp, hh = rank_holds(cfg, r)
+    parts = rank_parts(summary, n, hp, hh)
+    numel = sum(c * q.param_numel for q, c, _ in parts) + (summary.shared_param_numel if (hp or hh) else 0.0)
+    return _rank_memory(summary, cfg, profile, r, parts, numel, n)
+
+
+# ---- evaluation ------------------------------------------------------------------------------------
+
 def evaluate(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profile: RuntimeProfile,
              budget_bytes: float, all_stages: bool = False) -> Evaluation:
-    """Step time and memory of ``cfg``. Only the first and last stages are evaluated unless
-    ``all_stages`` (middle stages hold no more layers and fewer in-flight micro-batches than the
-    first, so they never bind)."""
-    gpu = cluster.gpu
-    dp_link = axis_link(cluster, (cfg.dp, cfg.tp), 0)
-    pp_link = stage_link(cluster, cfg.dp * cfg.tp)
-    blk = summary.parts["block"]
-    lps = summary.count // cfg.pp
-    stage_ids = list(range(cfg.pp)) if all_stages else ([0] if cfg.pp == 1 else [0, cfg.pp - 1])
-    stages = []
-    for s in stage_ids:
-        first, last = s == 0, s == cfg.pp - 1
-        parts = _stage_parts(summary, cfg.pp, first, last)
-        compute = sum(c * (p.fwd_compute_s + p.bwd_compute_s) for p, c, _ in parts)
-        win_f = sum(c * p.window_fwd_s for p, c, _ in parts)
-        win_b = sum(c * p.window_bwd_s for p, c, _ in parts)
-        comm: dict = {}
-        for p, c, _ in parts:
-            _merge(comm, p.comm_fwd, c)
-            _merge(comm, p.comm_bwd, c)
-        if cfg.recompute == "full":
-            recompute = lps * blk.fwd_compute_s
-            _merge(comm, blk.comm_fwd, lps)          # the re-run forward repeats its TP comm
-        elif cfg.recompute == "selective":
-            recompute = lps * blk.core_fwd_s
-        else:
-            recompute = 0.0
-        if cfg.pp > 1:
-            comm["pp:p2p"] = 2 * collective_s("p2p", summary.layer_input_bytes, 2, pp_link)
-        numel = sum(c * p.param_numel for p, c, _ in parts) + (summary.shared_param_numel if (first or last) else 0.0)
-        grad_b = numel * profile.grad_bytes
-        param_b = numel * PARAM_BYTES
-        dp_sync: dict = {}
-        if cfg.dp > 1:
-            rs = collective_s("reduce_scatter", grad_b, cfg.dp, dp_link)
-            ag = collective_s("all_gather", param_b, cfg.dp, dp_link)
-            if cfg.zero == 0:
-                dp_sync["dp:all_reduce"] = _exposed(collective_s("all_reduce", grad_b, cfg.dp, dp_link), win_b,
-                                                    profile.grad_reduce_overlap)
-            elif cfg.zero == 1:
-                dp_sync["dp:reduce_scatter"] = _exposed(rs, win_b, profile.grad_reduce_overlap)
-                dp_sync["dp:all_gather"] = _exposed(ag, win_f, profile.param_gather_overlap)
-            elif cfg.zero == 2:
-                comm["dp:reduce_scatter"] = _exposed(rs, win_b, profile.grad_reduce_overlap)
-                dp_sync["dp:all_gather"] = _exposed(ag, win_f, profile.param_gather_overlap)
-            else:
-                # forward gather against the forward; the backward gather and the reduce-scatter
-                # share the backward window (exposed time split between them pro rata)
-                exp_b = _exposed(ag + rs, win_b, profile.grad_reduce_overlap and profile.param_gather_overlap)
-                share = ag / (ag + rs) if ag + rs > 0 else 0.0
-                comm["dp:all_gather"] = _exposed(ag, win_f, profile.param_gather_overlap) + exp_b * share
-                comm["dp:reduce_scatter"] = exp_b * (1 - share)
-        t_stage = compute + recompute + sum(comm.values())
-        opt = numel * (OPTIMIZER_BYTES_PER_PARAM + profile.grad_bytes) / (gpu.hbm_Bps * gpu.memory_efficiency)
-        if cfg.zero >= 1:
-            opt /= cfg.dp
-        mem = _stage_memory(summary, cfg, profile, s, parts, numel)
-        stages.append(StageEval(s, t_stage, compute, recompute, comm, dp_sync, opt, mem, numel))
+    """Step time and memory of ``cfg`` with the cut ``choose_cuts`` picks. Ranks evaluated in full:
+    all with ``all_stages``, else the first, the last and the slowest and heaviest by the affine
+    model (the others can bind neither)."""
+    p = cfg.pp
+    cuts, _ = choose_cuts(summary, cfg, profile, budget_bytes)
+    if all_stages or p <= 2:
+        ranks = list(range(p))
+    else:
+        a, e_pre, e_post, rate, act = _linear_terms(summary, cfg, profile)
+        ks, cs = _memory_affine(summary, cfg, profile, rate, act)
+        heavy = max(range(p), key=lambda r: ks[r] * cuts[r] + cs[r])
+        holds = [rank_holds(cfg, r) for r in range(p)]
+        slow = max(range(p), key=lambda r: a * cuts[r] + (e_pre if holds[r][0] else 0) + (e_post if holds[r][1] else 0))
+        ranks = sorted({0, p - 1, heavy, slow})
+    stages = [_rank_eval(summary, cfg, cluster, profile, r, cuts[r]) for r in ranks]
 
     bottleneck = max(stages, key=lambda st: st.time_per_microbatch_s)
     t_max = bottleneck.time_per_microbatch_s
-    pipeline_s = pipeline_step_time_s(t_max, cfg.pp, cfg.m)                    # (m + pp - 1) t_max
-    bubble_s = pipeline_bubble_fraction(cfg.pp, cfg.m) * cfg.m * t_max        # (pp - 1) t_max
+    pipeline_s = pipeline_step_time_s(t_max, p, cfg.m, cfg.schedule, cfg.v)      # (m + bubble units) t_max
+    bubble_s = pipeline_bubble_fraction(p, cfg.m, cfg.schedule, cfg.v) * cfg.m * t_max
     dp_stage = max(stages, key=lambda st: sum(st.dp_sync.values()))
     opt_s = max(st.optimizer_s for st in stages)
     comm_total: dict = {}
@@ -189,8 +339,67 @@ def evaluate(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profi
     step = StepTime(compute_s=cfg.m * bottleneck.compute_s, recompute_s=cfg.m * bottleneck.recompute_s,
                     comm_s=tuple(sorted(comm_total.items())), bubble_s=bubble_s,
                     optimizer_s=opt_s, total_s=total)
-    heaviest = max(stages, key=lambda st: st.memory.total_bytes)
-    return Evaluation(cfg, step, heaviest.memory, tuple(stages), budget_bytes)
+    heaviest = max(stages, key=lambda st: st.memory.total_bytes).memory
+    if summary.is_lower_bound and p > 1:
+        heaviest = memory_lower_bound(summary, cfg, profile)
+    return Evaluation(cfg, step, heaviest, tuple(stages), budget_bytes, tuple(cuts))
+
+
+def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profile: RuntimeProfile,
+               r: int, lps: int) -> StageEval:
+    gpu = cluster.gpu
+    dp_link = axis_link(cluster, (cfg.dp, cfg.tp), 0)
+    blk = summary.parts["block"]
+    first, last = rank_holds(cfg, r)
+    parts = rank_parts(summary, lps, first, last)
+    compute = sum(c * (p.fwd_compute_s + p.bwd_compute_s) for p, c, _ in parts)
+    win_f = sum(c * p.window_fwd_s for p, c, _ in parts)
+    win_b = sum(c * p.window_bwd_s for p, c, _ in parts)
+    comm: dict = {}
+    for p, c, _ in parts:
+        _merge(comm, p.comm_fwd, c)
+        _merge(comm, p.comm_bwd, c)
+    if cfg.recompute == "full":
+        recompute = lps * blk.fwd_compute_s
+        _merge(comm, blk.comm_fwd, lps)          # the re-run forward repeats its TP comm
+    elif cfg.recompute == "selective":
+        recompute = lps * blk.core_fwd_s
+    else:
+        recompute = 0.0
+    if cfg.pp > 1:
+        # each of the rank's v stages receives its input and sends its output's gradient back
+        pp_link = stage_link(cluster, cfg.dp * cfg.tp)
+        comm["pp:p2p"] = 2 * cfg.v * collective_s("p2p", summary.layer_input_bytes, 2, pp_link)
+    numel = sum(c * p.param_numel for p, c, _ in parts) + (summary.shared_param_numel if (first or last) else 0.0)
+    grad_b = numel * profile.grad_bytes
+    param_b = numel * PARAM_BYTES
+    dp_sync: dict = {}
+    if cfg.dp > 1:
+        rs = collective_s("reduce_scatter", grad_b, cfg.dp, dp_link)
+        ag = collective_s("all_gather", param_b, cfg.dp, dp_link)
+        if cfg.zero == 0:
+            dp_sync["dp:all_reduce"] = _exposed(collective_s("all_reduce", grad_b, cfg.dp, dp_link), win_b,
+                                                profile.grad_reduce_overlap)
+        elif cfg.zero == 1:
+            dp_sync["dp:reduce_scatter"] = _exposed(rs, win_b, profile.grad_reduce_overlap)
+            dp_sync["dp:all_gather"] = _exposed(ag, win_f, profile.param_gather_overlap)
+        elif cfg.zero == 2:
+            comm["dp:reduce_scatter"] = _exposed(rs, win_b, profile.grad_reduce_overlap)
+            dp_sync["dp:all_gather"] = _exposed(ag, win_f, profile.param_gather_overlap)
+        else:
+            # forward gather against the forward; the backward gather and the reduce-scatter
+            # share the backward window (exposed time split between them pro rata)
+            exp_b = _exposed(ag + rs, win_b, profile.grad_reduce_overlap and profile.param_gather_overlap)
+            share = ag / (ag + rs) if ag + rs > 0 else 0.0
+            comm["dp:all_gather"] = _exposed(ag, win_f, profile.param_gather_overlap) + exp_b * share
+            comm["dp:reduce_scatter"] = exp_b * (1 - share)
+    t_stage = compute + recompute + sum(comm.values())
+    opt = numel * (OPTIMIZER_BYTES_PER_PARAM + profile.grad_bytes) / (gpu.hbm_Bps * gpu.memory_efficiency)
+    if cfg.zero >= 1:
+        opt /= cfg.dp
+    mem = _rank_memory(summary, cfg, profile, r, parts, numel, lps)
+    inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
+    return StageEval(r, t_stage, compute, recompute, comm, dp_sync, opt, mem, numel, lps, first, last, inflight)
 
 
 def activation_bytes_per_layer(blk: PartCost, summary: AxisSummary, recompute: str) -> float:
@@ -201,21 +410,29 @@ def activation_bytes_per_layer(blk: PartCost, summary: AxisSummary, recompute: s
     return blk.saved_bytes
 
 
-def _stage_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile, s: int, parts, numel: float) -> MemoryUse:
-    states = model_state_bytes(int(numel), cfg.dp, cfg.zero, param_bytes=PARAM_BYTES, grad_bytes=profile.grad_bytes)
-    inflight = pipeline_inflight_microbatches(cfg.pp, s, cfg.m, profile.schedule)
+def _other_bytes(summary: AxisSummary, cfg: OuterConfig) -> float:
+    """Workspace besides the largest single output: one layer re-materialized under recompute, the
+    prefetched gathered layers under ZeRO-3."""
     blk = summary.parts["block"]
-    lps = summary.count // cfg.pp
-    per_mb = lps * activation_bytes_per_layer(blk, summary, cfg.recompute)
-    per_mb += sum(p.saved_bytes for p, _, name in parts if name != "block")
-    activations = inflight * per_mb
-    other = max(p.max_out_bytes for p, _, _ in parts)
+    other = 0.0
     if cfg.recompute == "full":
         other += blk.saved_bytes
     elif cfg.recompute == "selective":
         other += blk.core_saved_bytes
     if cfg.zero == 3 and cfg.dp > 1:
         other += ZERO3_PREFETCH_LAYERS * blk.param_numel * PARAM_BYTES * (1 - 1 / cfg.dp)
+    return other
+
+
+def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile, r: int, parts, numel: float,
+                 lps: float) -> MemoryUse:
+    states = model_state_bytes(int(numel), cfg.dp, cfg.zero, param_bytes=PARAM_BYTES, grad_bytes=profile.grad_bytes)
+    inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
+    blk = summary.parts["block"]
+    per_mb = lps * activation_bytes_per_layer(blk, summary, cfg.recompute)
+    per_mb += sum(p.saved_bytes for p, _, name in parts if name != "block")
+    activations = inflight * per_mb
+    other = max(p.max_out_bytes for p, _, _ in parts) + _other_bytes(summary, cfg)
     params, grads, optim = (int(states["params"]), int(states["grads"]), int(states["optimizer"]))
     total = params + grads + optim + int(activations) + int(other)
     return MemoryUse(params, grads, optim, int(activations), int(other), total)

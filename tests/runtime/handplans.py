@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import Optional
 
 from autopar.cost.hardware import resolve_cluster
-from autopar.forcing import Force
+from autopar.solver.forcing import Force
 from autopar.ir import GraphIR
 from autopar.placements import Partial, Replicate, Shard
 from autopar.plan import NodeStrategy, Plan

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from autopar.codegen.expected import expected_collectives
 from autopar.cost.hardware import resolve_cluster
-from autopar.forcing import Force
+from autopar.solver.forcing import Force
 from autopar.runtime.launch import spawn_ranks
 from bodies import BATCH, check_against_reference, check_collectives, reference, train_jobs
 from handplans import hand_plan

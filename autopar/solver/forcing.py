@@ -1,13 +1,18 @@
-"""``--force`` parsing: ``"tp=8,pp=8,dp=1,mbs=1,recompute=full,sp=off,zero=1"`` -> ``Force``."""
+"""``--force`` parsing: ``"tp=8,pp=8,dp=1,mbs=1,recompute=full,sp=off,zero=1"`` -> ``Force``.
+
+``schedule=NAME`` pins the pipeline schedule (``plan.PIPELINE_SCHEDULES``: gpipe, 1f1b,
+interleaved_1f1b, interleaved_zb, zbv, dualpipev) and ``vpp=K`` the stages per pipeline rank
+(virtual stages). Whether they fit the model and the other degrees is checked by the search
+(``search._check_force``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from autopar.plan import OFFLOAD_CHOICES, RECOMPUTE_CHOICES
+from autopar.plan import OFFLOAD_CHOICES, PIPELINE_SCHEDULES, RECOMPUTE_CHOICES
 
 _INT_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "mbs": "micro_batch_size", "zero": "zero_stage",
-             "microbatches": "num_micro_batches"}
+             "microbatches": "num_micro_batches", "vpp": "virtual_stages"}
 _BOOL_WORDS = {"on": True, "off": False, "true": True, "false": False, "1": True, "0": False}
 
 
@@ -23,6 +28,8 @@ class Force:
     recompute: Optional[str] = None
     sequence_parallel: Optional[bool] = None
     offload: Optional[str] = None
+    schedule: Optional[str] = None           # pipeline schedule (plan.PIPELINE_SCHEDULES)
+    virtual_stages: Optional[int] = None     # stages per pipeline rank ("vpp")
 
     def items(self) -> tuple[tuple[str, str], ...]:
         return tuple((f.name, str(getattr(self, f.name))) for f in fields(self) if getattr(self, f.name) is not None)
@@ -58,6 +65,10 @@ def parse_force(spec: "str | dict | Force | None") -> Force:
             if v not in RECOMPUTE_CHOICES:
                 raise ValueError(f"--force recompute={v!r}: choose one of {', '.join(RECOMPUTE_CHOICES)}")
             out["recompute"] = v
+        elif k == "schedule":
+            if v not in PIPELINE_SCHEDULES:
+                raise ValueError(f"--force schedule={v!r}: choose one of {', '.join(PIPELINE_SCHEDULES)}")
+            out["schedule"] = v
         elif k == "offload":
             if v not in OFFLOAD_CHOICES:
                 raise ValueError(f"--force offload={v!r}: choose one of {', '.join(OFFLOAD_CHOICES)}")
@@ -70,6 +81,6 @@ def parse_force(spec: "str | dict | Force | None") -> Force:
             else:
                 raise ValueError(f"--force sp={v!r}: use on or off")
         else:
-            known = sorted(list(_INT_KEYS) + ["recompute", "offload", "sp"])
+            known = sorted(list(_INT_KEYS) + ["recompute", "offload", "sp", "schedule"])
             raise ValueError(f"--force: unknown key {k!r}; known keys: {', '.join(known)}")
     return Force(**out)
