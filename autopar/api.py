@@ -46,13 +46,15 @@ from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES
 from autopar.codegen.executor import GraphExecutor, edge
 from autopar.codegen.fused import FusedKernels, fused_kernels
 from autopar.codegen.program import RankProgram, compile_program, local_dp_nodes
-from autopar.solver.forcing import Force, parse_force
+from autopar.codegen.stages import PipelineCut, cut_pipeline, loss_reduction
 from autopar.mesh import DATA, PIPELINE, TENSOR
 from autopar.plan import Plan
 from autopar.runtime.collectives import Collective, CollectiveLog, CollectiveRecorder
 from autopar.runtime.init import init_rules
 from autopar.runtime.params import ParamStore
+from autopar.runtime.pipeline import PipelineRunner, build_pipeline, local_stages
 from autopar.runtime.reducer import GradReducer
+from autopar.solver.forcing import Force, parse_force
 from autopar.runtime.world import (DEFAULT_TIMEOUT_S, PlanMismatchError, build_mesh, check_agreement,
                                    init_world, runtime_mesh, world_size_message)
 
@@ -178,10 +180,23 @@ class ParallelModel:
         self._log = parts.collective_log
         self._train_graph = parts.train_graph
         self._fused = parts.fused
-        self._train = self._executor(self._train_graph, self.program)
+        self._loss_scale = parts.loss_scale
         self._forwards: dict[bool, tuple] = {}        # module.training -> (graph, executor)
+        self._made: list[GraphExecutor] = []          # every executor, training's first
+        whole = parts.device_mesh
         self._recorder = CollectiveRecorder(self._log, {
-            axis: tuple(dist.get_process_group_ranks(mesh.get_group(axis))) for axis in mesh.mesh_dim_names})
+            axis: tuple(dist.get_process_group_ranks(whole.get_group(axis))) for axis in whole.mesh_dim_names})
+        self._pipeline: Optional[PipelineRunner] = None
+        if parts.cut is None:
+            self._train = self._executor(self._train_graph, self.program)
+        else:                    # every rank alike: building the schedule makes process groups
+            self._train = None
+            self._pipeline = build_pipeline(
+                plan=self.plan, cut=parts.cut, graph=self._train_graph, program=self.program,
+                device_mesh=whole, stage_mesh=mesh, store=self.store,
+                make_executor=lambda part, want: self._executor(self._train_graph, self.program, part, want),
+                loss_scale=self._loss_scale, device=self.device, log=self._log, timeout_s=self.timeout_s)
+        self._pp_group = whole.get_group(PIPELINE) if PIPELINE in whole.mesh_dim_names else None
 
     def __getattr__(self, name: str):
         # only reached for attributes not set yet: those ``_install`` sets, before it ran
@@ -215,17 +230,14 @@ class ParallelModel:
     @property
     def fallbacks(self) -> frozenset[str]:
         """Op targets that ran on local tensors because DTensor has no rule for them."""
-        f = set(self._train.fallbacks)
-        for _, ex in self._forwards.values():
-            f |= ex.fallbacks
-        return frozenset(f)
+        return frozenset(t for ex in self._made for t in ex.fallbacks)
 
     @property
     def fused_kernels(self) -> tuple[tuple[str, str], ...]:
         """(node key, kernel name) of the nodes that ran through a fused Triton kernel (or its
         reference, see ``autoparallelize(kernels=...)``); filled as nodes run (after a step)."""
-        seen = dict(self._train.fused_kernels)
-        for _, ex in self._forwards.values():
+        seen: dict = {}
+        for ex in self._made:
             for k, v in ex.fused_kernels:
                 seen.setdefault(k, v)
         return tuple(seen.items())
@@ -251,18 +263,41 @@ class ParallelModel:
         self.store.zero_grad()
         self.reducer.begin_step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._log.phase = "forward"
-        with self._recording():
-            outs = self._train.run(_tuple(inputs), targets)
-            loss = self._user_output(self._train_graph, outs)
-            loss_local = edge(loss, _replicate(loss)).to_local()
-            self._log.phase = "backward"
-            loss_local.backward()
+        inputs = _tuple(inputs)
+        if self._pipeline is not None:
+            self.reducer.arm(False)                   # reduce() launches every bucket after the schedule
+            self._log.phase = "pipeline"
+            with self._recording():
+                loss = self._pipeline.step(inputs, targets)
+        else:
+            loss = self._micro_batches(inputs, targets)
         self._log.phase = "step"
         self.reducer.reduce()
         self.optimizer.step()
         self.reducer.gather_params()
-        return float(loss_local.detach())
+        return float(loss)
+
+    def _micro_batches(self, inputs: tuple, targets) -> torch.Tensor:
+        """Forward and backward of the plan's micro-batches in turn (gradients accumulate; the
+        reducer's overlap is armed for the last one only); the step's loss."""
+        m = self.plan.num_micro_batches
+        rows = _batch_rows(inputs, targets)
+        if rows % m:
+            raise ValueError(f"the batch of {rows} rows does not split into the plan's {m} micro-batches")
+        xs = list(zip(*(x.chunk(m) for x in inputs))) if m > 1 else [inputs]
+        ys = targets.chunk(m) if m > 1 else [targets]
+        total = torch.zeros(())
+        for i, (x, y) in enumerate(zip(xs, ys)):
+            self.reducer.arm(i == m - 1)
+            self._log.phase = "forward"
+            with self._recording():
+                outs = self._train.run(x, y)
+                loss = self._user_output(self._train_graph, outs)
+                loss_local = edge(loss, _replicate(loss)).to_local() * self._loss_scale
+                self._log.phase = "backward"
+                loss_local.backward()
+            total = total + loss_local.detach().to(total.dtype)
+        return total
 
     @torch.no_grad()
     def __call__(self, inputs) -> torch.Tensor:
@@ -270,6 +305,10 @@ class ParallelModel:
         (``pm.train()`` / ``pm.eval()``; BatchNorm in training mode updates its running statistics,
         as one process does)."""
         model = self._built_model()
+        if self._pipeline is not None:
+            raise NotImplementedError("forward-only pm(inputs) under pipeline parallelism (pp > 1) is not "
+                                      "implemented yet; train with pm.step, and read the model with "
+                                      "pm.full_state_dict() into one process for inference")
         if model.training not in self._forwards:
             from autopar.trace import trace_model
 
@@ -293,18 +332,39 @@ class ParallelModel:
         """Full (unsharded) parameters under the original module's names (tied names included),
         and its buffers. Collective: every rank must call it."""
         sd = self.store.full_dict("param")
-        sd.update({k: v.detach().clone() for k, v in self._buffers.items()})
+        buffers = {k: v.detach().clone() for k, v in self._buffers.items()}
+        if self._pipeline is not None:       # each stage holds its own: gather over the pipeline
+            sd = self._over_pipeline(sd)
+            buffers = self._over_pipeline(buffers, owners=self._pipeline.buffer_owner)
+        sd.update(buffers)
         return sd
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
         """Full gradients of the last step (dp-reduced), by parameter name. Collective."""
-        return self.store.full_dict("grad")
+        grads = self.store.full_dict("grad")
+        return grads if self._pipeline is None else self._over_pipeline(grads)
+
+    def _over_pipeline(self, mine: dict, owners: Optional[dict] = None) -> dict:
+        """Merge every pipeline rank's ``mine`` (one all_gather_object over the pp group); a name
+        two ranks hold (a tied parameter: equal) from the first, or from ``owners[name]``."""
+        everyone: list = [None] * dist.get_world_size(self._pp_group)
+        dist.all_gather_object(everyone, mine, group=self._pp_group)
+        out: dict = {}
+        for pp_rank, d in enumerate(everyone):
+            for k, v in d.items():
+                if owners is not None and k in owners:
+                    if owners[k] == pp_rank:
+                        out[k] = v
+                else:
+                    out.setdefault(k, v)
+        return out
 
     # ---- internals -----------------------------------------------------------------------------
     def _recording(self):
         return self._recorder if self.record_collectives else contextlib.nullcontext()
 
-    def _executor(self, graph, program: RankProgram) -> GraphExecutor:
+    def _executor(self, graph, program: RankProgram, part: Optional[frozenset] = None,
+                  want: tuple = ()) -> GraphExecutor:
         from autopar.trace import graph_on_device
 
         self._warn_random_ops(graph)
@@ -314,8 +374,10 @@ class ParallelModel:
         constants = {n.name: graph.exported.constants[spec_targets[n.name]].to(self.device)
                      for n in graph.nodes if n.kind == "buffer" and n.param_name is None}
         fused = None if self._fused is None else FusedKernels(self._fused.implementation)
-        return GraphExecutor(gm, program, self.mesh, self.store, self._buffers, constants, self._log.paused,
-                             fused)
+        ex = GraphExecutor(gm, program, self.mesh, self.store, self._buffers, constants, self._log.paused,
+                           fused, part=part, want=want)
+        self._made.append(ex)
+        return ex
 
     def _warn_random_ops(self, graph) -> None:
         """Once per ParallelModel: the graph has random ops, which differ from one process."""
@@ -381,6 +443,14 @@ def random_ops(fx_graph) -> dict[str, int]:
             continue                  # dropout (or attention dropout) that draws nothing
         found[name.removeprefix("aten.")] = found.get(name.removeprefix("aten."), 0) + 1
     return found
+
+
+def _batch_rows(inputs: tuple, target: torch.Tensor) -> int:
+    """The batch size (leading dim) every input and the target share."""
+    rows = {x.shape[0] for x in inputs if x.dim()} | ({target.shape[0]} if target.dim() else set())
+    if len(rows) != 1:
+        raise ValueError(f"the inputs and the target disagree on the batch size (leading dims {sorted(rows)})")
+    return rows.pop()
 
 
 def _replicate(t) -> tuple:
@@ -516,6 +586,9 @@ class _Built:
     collective_log: CollectiveLog
     device: torch.device
     fused: Optional[FusedKernels]
+    device_mesh: Any = None            # the whole mesh (pipeline axis included); ``mesh`` is a stage's
+    cut: Optional[PipelineCut] = None  # pp > 1: which nodes each stage runs
+    loss_scale: float = 1.0            # each micro-batch's loss times this (1/m for a mean loss)
 
 
 def _build(s: _Setup, example_target: torch.Tensor) -> _Built:
@@ -532,19 +605,37 @@ def _build(s: _Setup, example_target: torch.Tensor) -> _Built:
                                 model_name)
     else:
         plan_ = Plan.load(s.plan) if isinstance(s.plan, str) else s.plan
-    stage = runtime_mesh(plan_)                               # pp > 1: NotImplementedError
-    if stage.size != s.world:
-        raise PlanMismatchError(world_size_message(stage, s.world))
+    whole = runtime_mesh(plan_)
+    if whole.size != s.world:
+        raise PlanMismatchError(world_size_message(whole, s.world))
     check_agreement(plan_, graph.fingerprint)                 # raises on every rank alike
-    mesh = build_mesh(stage, s.device_type, s.timeout_s)
-    dp = stage.size_of(DATA)
-    local_keys = local_dp_nodes(graph, plan_) if s.dp_mode == "auto" else None
+    device_mesh = build_mesh(whole, s.device_type, s.timeout_s)
+    stage = plan_.stage_mesh
+    mesh = device_mesh[tuple(stage.axes)] if plan_.pp > 1 else device_mesh
+    dp, m = stage.size_of(DATA), plan_.num_micro_batches
+    local_keys = local_dp_nodes(graph, plan_) if s.dp_mode == "auto" and plan_.pp == 1 else None
     local_dp = local_keys is not None
-    if local_dp:          # tp == 1: run the graph traced at the local batch on plain tensors
-        graph = trace_model(model, tuple(x[: x.shape[0] // dp] for x in inputs), loss_fn=loss_fn,
-                            example_target=example_target[: example_target.shape[0] // dp],
+    loss_scale = 1.0
+    if m > 1:
+        loss_scale = 1.0 / m if loss_reduction(graph) == "mean" else 1.0
+    rows = _batch_rows(inputs, example_target)
+    split = m * (dp if local_dp else 1)      # the traced graph's batch: a micro-batch (this rank's, local-dp)
+    if split > 1:
+        if rows % split:
+            raise PlanMismatchError(f"the batch of {rows} rows does not split into {m} micro-batches"
+                                    + (f" of {dp} data-parallel shards" if local_dp else "")
+                                    + "; re-plan for this batch")
+        n = rows // split
+        graph = trace_model(model, tuple(x[:n] for x in inputs), loss_fn=loss_fn, example_target=example_target[:n],
                             collapse_repeats=False, model_name=model_name)
     program = compile_program(graph, plan_, local_dp=local_keys)
+    cut = None
+    if plan_.pp > 1:
+        cut = cut_pipeline(graph, plan_)
+        pp_rank = device_mesh.get_local_rank(PIPELINE)
+        mine = local_stages(pp_rank, plan_.pp, len(cut.stages), plan_.pipeline_schedule)
+        needed = cut.params_of(graph, mine)
+        program = dataclasses.replace(program, params=tuple(p for p in program.params if p.name in needed))
     clog = CollectiveLog()
     if _is_meta(model):
         store = ParamStore.from_init(program.params, mesh, plan_.zero_stage, clog, s.device, model,
@@ -556,8 +647,8 @@ def _build(s: _Setup, example_target: torch.Tensor) -> _Built:
     if hasattr(opt, "set_shard_groups"):          # per-tensor norms over shards (optim.LAMB)
         opt.set_shard_groups(store.shard_groups())
     reducer = GradReducer(store, s.bucket_bytes)
-    log.info("rank %d: plan %s zero=%d recompute=%s sp=%s", s.rank, stage.describe(),
+    log.info("rank %d: plan %s zero=%d recompute=%s sp=%s", s.rank, whole.describe(),
              plan_.zero_stage, plan_.recompute, plan_.sequence_parallel)
     return _Built(model=model, plan=plan_, train_graph=graph, mesh=mesh, program=program, store=store,
                   optimizer=opt, reducer=reducer, buffers=buffers, collective_log=clog, device=s.device,
-                  fused=s.fused)
+                  fused=s.fused, device_mesh=device_mesh, cut=cut, loss_scale=loss_scale)

@@ -232,8 +232,13 @@ class GraphExecutor:
 
     def __init__(self, gm: fx.GraphModule, program: RankProgram, mesh, params, buffers: dict,
                  constants: dict, log_paused=contextlib.nullcontext,
-                 fused: Optional[FusedKernels] = None) -> None:
+                 fused: Optional[FusedKernels] = None, part: Optional[frozenset[str]] = None,
+                 want: tuple[str, ...] = ()) -> None:
         self.gm = gm
+        # part: run only these nodes (a pipeline stage, ``stages.py``); values read from outside it
+        # come as ``run``'s seed, and ``run`` returns the values of ``want`` instead of the output
+        self.part = part
+        self.want = tuple(want)
         self.program = program
         self.mesh = mesh
         self.params = params
@@ -279,6 +284,8 @@ class GraphExecutor:
         nodes = {n.name: n for n in self.gm.graph.nodes}
         matches, deferred = {}, {}
         for m in find_fusions(self.gm.graph):
+            if self.part is not None and not set(m.members) <= self.part:
+                continue                    # a region cut by a stage boundary runs member by member
             plans = [self.plans[n] for n in m.members]
             if len({(p.region, p.dtensor) for p in plans}) != 1 or any(p.strided for p in plans):
                 continue
@@ -296,7 +303,10 @@ class GraphExecutor:
         units: list = []
         unit_of: dict[str, int] = {}
         seen_regions: dict[int, int] = {}
+        part = self.part
         for node in self.gm.graph.nodes:
+            if part is not None and node.name not in part:
+                continue
             r = region_of.get(node.name)
             if r is None:
                 unit_of[node.name] = len(units)
@@ -304,6 +314,8 @@ class GraphExecutor:
             elif r.index not in seen_regions:
                 seen_regions[r.index] = unit_of[node.name] = len(units)
                 names = set(r.nodes)
+                if part is not None and not names <= part:
+                    raise ValueError(f"recompute region {r.index} ({r.kind}) is cut by a pipeline stage boundary")
                 members = [n for n in self.gm.graph.nodes if n.name in names]
                 units.append(["region", r, members])
             else:
@@ -323,6 +335,8 @@ class GraphExecutor:
             at = unit_of[self._deferred[u[1].name]] if u[0] == "node" and u[1].name in self._deferred else i
             for name in r:
                 last_use[name] = max(last_use.get(name, -1), at)
+        for name in self.want:                  # returned by ``run``: never dropped
+            last_use[name] = len(units)
         out = []
         for i, u in enumerate(units):
             drop = [name for name, j in last_use.items() if j == i]
@@ -389,9 +403,11 @@ class GraphExecutor:
                 buf.copy_(v.full_tensor() if isinstance(v, DTensor) else v)
 
     # ---- running ----
-    def run(self, inputs: Sequence[torch.Tensor], target: Optional[torch.Tensor] = None) -> list:
-        """Graph outputs (DTensors; buffer mutations first, then the user output)."""
-        env: dict[str, Any] = {}
+    def run(self, inputs: Sequence[torch.Tensor], target: Optional[torch.Tensor] = None,
+            seed: Optional[dict] = None) -> list:
+        """Graph outputs (DTensors; buffer mutations first, then the user output); with a ``part``:
+        the values of ``want``, ``seed`` giving the values the part reads from outside it."""
+        env: dict[str, Any] = dict(seed or {})
         scope: dict[str, DTensor] = {}
         self.causal_masks.begin_step()
         for u in self._units:
@@ -406,6 +422,8 @@ class GraphExecutor:
                 self._run_region(region, members, reads, exported, env)
             for name in drop:
                 env.pop(name, None)
+        if self.part is not None:
+            return [env[w] for w in self.want]     # boundary values are computed, never parameters
         raise RuntimeError("the graph has no output node")
 
     def _run_region(self, region: Region, members, reads, exported, env) -> None:

@@ -127,10 +127,14 @@ def to_mesh(placements: tuple[Placement, ...], plan: Plan, where: str) -> Placem
     the module docstring."""
     axes = tuple(plan.mesh_axes)
     if len(placements) == len(axes):
-        return tuple(placements)
-    if len(placements) == 1 and TENSOR in axes:
-        return tuple(placements[0] if a == TENSOR else None for a in axes)
-    raise ValueError(f"{where}: {len(placements)} placements for mesh axes {axes}")
+        out = tuple(placements)
+    elif len(placements) == 1 and TENSOR in axes:
+        out = tuple(placements[0] if a == TENSOR else None for a in axes)
+    else:
+        raise ValueError(f"{where}: {len(placements)} placements for mesh axes {axes}")
+    # on an axis of one rank every placement holds the whole value: Replicate (DTensor would
+    # otherwise refuse views that merge a dim "sharded" over one rank)
+    return tuple(Replicate() if n == 1 and p is not None else p for p, n in zip(out, plan.mesh_shape))
 
 
 def _strategies(plan: Plan) -> dict[str, NodeStrategy]:
@@ -269,15 +273,12 @@ def local_dp_nodes(graph: GraphIR, plan: Plan) -> Optional[frozenset[str]]:
 
 
 def compile_program(graph: GraphIR, plan: Plan, *, local_dp: Optional[frozenset[str]] = None) -> RankProgram:
-    """The rank program for ``graph`` (a FULL trace: ``collapse_repeats=False``) under ``plan``.
+    """The rank program for ``graph`` (a FULL trace: ``collapse_repeats=False``) under ``plan``, on
+    one pipeline stage's mesh (with pp > 1 every stage runs a part of it: ``stages.py``).
 
     local_dp: ``local_dp_nodes(global graph, plan)`` to run in local-dp mode (``graph`` is then
     the trace at the local batch), None for DTensor everywhere."""
     mesh = plan.stage_mesh
-    if plan.pp > 1:
-        raise NotImplementedError(f"plan.pp={plan.pp}: codegen compiles one pipeline stage's mesh, but "
-                                  "splitting the graph into stages is not implemented yet; re-plan with "
-                                  "--force pp=1")
     di, ti = axis_index(mesh, DATA), axis_index(mesh, TENSOR)
     if plan.offload != "none":
         raise NotImplementedError(f"plan.offload={plan.offload!r}: optimizer offload is not implemented "

@@ -10,6 +10,9 @@ After backward every rank holds, per parameter, its tp-local gradient SUMMAND ov
                                 parameter][rank 1's ...]), output = this rank's rows
     after the optimizer step, ZeRO 1, 2: all_gather of the updated rows, same layout
 
+Micro-batches: the hooks are ``arm``ed only for the last micro-batch of a step, so the earlier
+ones accumulate into ``.grad`` and each bucket is reduced once per step.
+
 Overlap (ZeRO 0-2): a post-accumulate-grad hook on every parameter counts its bucket down; full
 buckets are launched asynchronously in bucket order (the same order on every rank, whatever order
 the hooks fire in) while backward goes on; ``reduce`` launches what is left (unused parameters
@@ -42,12 +45,21 @@ class GradReducer:
             for i, s in enumerate(self.slots):
                 s.local.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
 
+    def arm(self, armed: bool) -> None:
+        """Whether gradients arriving now start their bucket's reduction (overlap). Off for all
+        but the last micro-batch of a step (earlier ones only accumulate, as DDP's ``no_sync``) and
+        for a pipeline schedule (``reduce`` then launches every bucket after it)."""
+        self._armed = armed
+
     def begin_step(self) -> None:
+        self._armed = True
         self._pending = [len(b) for b in self.buckets]
         self._inflight: list = [None] * len(self.buckets)
         self._next = 0
 
     def _on_grad(self, i: int, _param) -> None:
+        if not self._armed:
+            return
         self._pending[self.bucket_of[i]] -= 1
         while self._next < len(self.buckets) and self._pending[self._next] == 0:
             self._launch(self._next)

@@ -22,9 +22,7 @@ from autopar.mesh import DATA, PIPELINE, TENSOR, Mesh
 from autopar.plan import Plan
 
 DEFAULT_TIMEOUT_S = 120.0
-RUNTIME_ROLES = (DATA, TENSOR)      # the mesh axes the runtime runs (a size-1 pipeline axis is fine)
-PIPELINE_ISSUE = ("pipeline parallelism (pp > 1) is not implemented by the runtime yet; it is the "
-                  "next runtime issue (pipeline stages and schedules). Re-plan with --force pp=1")
+RUNTIME_ROLES = (PIPELINE, DATA, TENSOR)      # the mesh axes the runtime runs
 
 
 class PlanMismatchError(RuntimeError):
@@ -32,22 +30,19 @@ class PlanMismatchError(RuntimeError):
 
 
 def check_runtime_mesh(mesh: Mesh) -> None:
-    """Raise NotImplementedError unless the runtime runs every axis of ``mesh``: the roles in
-    ``RUNTIME_ROLES``, and a pipeline axis only of size 1 (``PIPELINE_ISSUE``)."""
-    if mesh.size_of(PIPELINE) > 1:
-        raise NotImplementedError(PIPELINE_ISSUE)
-    unknown = [a for a in mesh.axes if a not in RUNTIME_ROLES and a != PIPELINE]
+    """Raise NotImplementedError unless the runtime runs every axis of ``mesh`` (``RUNTIME_ROLES``)."""
+    unknown = [a for a in mesh.axes if a not in RUNTIME_ROLES]
     if unknown:
         raise NotImplementedError(
             f"mesh axes {unknown} are not supported by the runtime (it runs the axes "
-            f"{', '.join(RUNTIME_ROLES)}: data and tensor parallel); re-plan without them")
+            f"{', '.join(RUNTIME_ROLES)}: pipeline, data and tensor parallel); re-plan without them")
 
 
 def runtime_mesh(plan: Plan) -> Mesh:
-    """The mesh this runtime builds for ``plan``: its stage mesh (``Plan.stage_mesh``), after
-    checking the runtime runs it (pp > 1: NotImplementedError with ``PIPELINE_ISSUE``)."""
+    """The mesh this runtime builds for ``plan``: ``Plan.mesh`` (pipeline stages outermost when
+    pp > 1), after checking the runtime runs every axis."""
     check_runtime_mesh(plan.mesh)
-    return plan.stage_mesh
+    return plan.mesh
 
 
 def init_world(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str = "cpu") -> tuple[int, int]:

@@ -65,7 +65,7 @@ def train_job(rank: int, world: int, job: dict) -> dict:
     from autopar.api import autoparallelize
     from autopar.plan import Plan
 
-    b = build(job.get("meta", False))
+    b = build(job.get("meta", False), job.get("spec", "gpt-tiny"))
     data = batches(b)
     kwargs = {k: job[k] for k in ("bucket_bytes", "dp_mode") if k in job}
     pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
@@ -90,11 +90,11 @@ def train_jobs(rank: int, world: int, jobs: list) -> list:
     return [train_job(rank, world, job) for job in jobs]
 
 
-def reference(meta: bool, seed: int = 0) -> dict:
+def reference(meta: bool, seed: int = 0, spec: str = "gpt-tiny") -> dict:
     """Same model, same batches, one process."""
     from autopar.runtime.init import materialize
 
-    b = build(meta)
+    b = build(meta, spec)
     m = materialize(b.module, seed) if meta else b.module
     opt = sgd(m.parameters())
     data = batches(b)
@@ -109,7 +109,9 @@ def reference(meta: bool, seed: int = 0) -> dict:
         grads.append({k: v.grad.clone() for k, v in named.items()})
     with torch.no_grad():
         out = m(*data[STEPS][0])
-    return {"losses": losses, "sd": {k: v.detach().clone() for k, v in named.items()},
+    sd = {k: v.detach().clone() for k, v in named.items()}
+    sd.update({k: v.detach().clone() for k, v in m.named_buffers()})     # as pm.full_state_dict()
+    return {"losses": losses, "sd": sd,
             "grads": grads, "out": out}
 
 

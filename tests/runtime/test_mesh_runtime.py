@@ -12,7 +12,7 @@ import torch
 
 from autopar.mesh import DATA, TENSOR, Mesh
 from autopar.runtime.launch import spawn_ranks
-from autopar.runtime.world import PIPELINE_ISSUE, check_runtime_mesh, runtime_mesh
+from autopar.runtime.world import check_runtime_mesh, runtime_mesh
 from handplans import hand_plan
 
 
@@ -77,23 +77,14 @@ def test_build_mesh_three_axes_on_four_ranks():
 def test_runtime_mesh_checks():
     check_runtime_mesh(Mesh((DATA, TENSOR), (2, 2)))
     check_runtime_mesh(Mesh((TENSOR,), (2,)))
-    check_runtime_mesh(Mesh(("pp", DATA), (1, 2)))                # a size-1 pipeline axis runs
-    with pytest.raises(NotImplementedError, match="next runtime issue"):
-        check_runtime_mesh(Mesh(("pp", DATA), (2, 2)))
-    with pytest.raises(NotImplementedError, match=r"\['cp'\] are not supported.*dp, tp"):
+    check_runtime_mesh(Mesh(("pp", DATA), (2, 2)))                # pipeline stages run
+    with pytest.raises(NotImplementedError, match=r"\['cp'\] are not supported.*pp, dp, tp"):
         check_runtime_mesh(Mesh((DATA, "cp"), (2, 2)))
 
 
 def test_runtime_mesh_of_a_plan(tiny_full):
-    from types import SimpleNamespace
-
     plan = hand_plan(tiny_full, dp=2, tp=1)
-    assert runtime_mesh(plan) == plan.stage_mesh == Mesh((DATA, TENSOR), (2, 1), plan.cluster.gpus_per_node)
-    stage = Mesh((DATA, TENSOR), (1, 1))         # what runtime_mesh reads of a pp=2 plan
-    two = SimpleNamespace(mesh=Mesh(("pp", DATA, TENSOR), (2, 1, 1)), stage_mesh=stage)
-    with pytest.raises(NotImplementedError) as info:
-        runtime_mesh(two)
-    assert str(info.value) == PIPELINE_ISSUE
+    assert runtime_mesh(plan) == plan.mesh == Mesh((DATA, TENSOR), (2, 1), plan.cluster.gpus_per_node)
 
 
 # ---- axes read by name: a tp-first plan is the same plan -------------------------------------------

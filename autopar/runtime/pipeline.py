@@ -1,0 +1,289 @@
+"""Pipeline execution on ``torch.distributed.pipelining``: the plan's stages as ``PipelineStage``s,
+its schedule, its micro-batches.
+
+A stage is a ``StageModule``: an ``nn.Module`` whose ``forward`` takes what the previous stage sent
+(the model inputs on stage 0), runs that stage's share of the traced graph (``codegen/stages.py``)
+through a ``GraphExecutor`` on the stage's (dp, tp, ...) mesh, and returns the values the next stage
+needs as plain local tensors. Between stages a value travels as this rank's shard of it: every
+pipeline group links ranks of equal (dp, tp, ...) coordinates, so shards line up, and each side
+knows the placement from the plan (``wire_placements``: the plan's output placement, Replicate
+where the plan leaves it to DTensor or the value is Partial). The target reaches only the schedule's
+``loss_fn``, which runs the loss part of the graph on the last stage.
+
+Gradients: the schedule runs forward and backward of each micro-batch; parameters accumulate their
+gradient summands over micro-batches in this rank's ``ParamStore``; the loss of each micro-batch
+is divided by the number of micro-batches (the traced loss is a mean over its micro-batch, so the
+sum of the scaled losses is the mean over the step's batch: gradients equal one process's on the
+whole batch). After the schedule: parameters two stages share (tied embeddings) have their
+gradients summed over the ranks holding them, then the data-parallel reduction and the optimizer
+step run as without a pipeline.
+
+Schedules: the plan's ``pipeline_schedule`` name -> torch's class (``SCHEDULES``, the plan's
+``EXECUTED_SCHEDULES``). The zero-bubble ones (``interleaved_zb``, ``zbv``, ``dualpipev``) split
+backward into input and weight gradients through ``submod.parameters()``; autopar's parameters
+live in the ParamStore, so those schedules are refused with a message until that split is wired
+(the solver picks them only when forced).
+
+Stages are declared with static metadata (``input_args`` / ``output_args`` and their gradients, as
+this rank's shard shapes): torch's dynamic inference would run each stage once more on the first
+micro-batch, which updates BatchNorm statistics twice and costs a forward.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from autopar.codegen.shards import local_ranges
+from autopar.placements import Partial, Replicate, to_torch
+from autopar.plan import PIPELINE_SCHEDULES, stage_rank
+
+# plan.EXECUTED_SCHEDULES -> torch's class (tests/runtime/test_pipeline.py checks they agree)
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+}
+
+
+def wire_placements(output: Optional[tuple], ndim_mesh: int) -> tuple:
+    """The placements a value crosses a stage boundary in (one per stage-mesh axis): the plan's
+    output placement, Replicate where it says "keep" (None) or Partial."""
+    want = output if output is not None else (None,) * ndim_mesh
+    return tuple(Replicate() if w is None or isinstance(w, Partial) else w for w in want)
+
+
+class Wire:
+    """DTensor <-> the local tensor sent between stages, for one boundary value."""
+
+    def __init__(self, mesh, placements: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.mesh = mesh
+        self.placements = tuple(to_torch(p) for p in placements)
+        self.shape = torch.Size(shape)
+        self.stride = tuple(torch.empty(shape, device="meta").stride())
+        ranges = local_ranges(shape, placements, tuple(mesh.shape), tuple(mesh.get_coordinate()))
+        # what torch's PipelineStage is told it sends / receives (static metadata: no inference run)
+        self.example = torch.empty(tuple(b - a for a, b in ranges), dtype=dtype, device="meta",
+                                   requires_grad=dtype.is_floating_point)
+
+    def send(self, v) -> torch.Tensor:
+        if not isinstance(v, DTensor):
+            raise TypeError(f"a stage boundary value is {type(v).__name__}, expected a DTensor")
+        if tuple(v.placements) != self.placements:
+            v = v.redistribute(self.mesh, self.placements)
+        return v.to_local()
+
+    def recv(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape,
+                                  stride=self.stride)
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: ``forward(*received) -> tuple(sent)``; see the module docstring.
+
+    ``run(inputs, seed) -> list`` runs the stage's graph part: ``inputs`` are the model inputs
+    (stage 0; empty elsewhere), ``seed`` maps received node names to DTensors; it returns the
+    values of ``send`` in order. ``wires[name]`` (a ``Wire``) converts a boundary value."""
+
+    def __init__(self, index: int, run: Callable[[Sequence, dict], list], recv: Sequence[str],
+                 send: Sequence[str], wires: dict, on_send: Optional[Callable[[int], None]] = None) -> None:
+        super().__init__()
+        self.index = index
+        self._run = run
+        self.recv = tuple(recv)
+        self.send = tuple(send)
+        self._wires = wires
+        self._on_send = on_send
+
+    def forward(self, *args):
+        if self.recv:
+            seed = {name: self._wires[name].recv(a) for name, a in zip(self.recv, args)}
+            outs = self._run((), seed)
+        else:
+            outs = self._run(args, {})
+        sent = tuple(self._wires[name].send(v) for name, v in zip(self.send, outs))
+        if self._on_send is not None:
+            self._on_send(sum(t.numel() * t.element_size() for t in sent))
+        return sent
+
+
+def make_schedule(name: str, stages: list, n_microbatches: int, loss_fn: Callable):
+    """torch's schedule object for the plan's schedule ``name`` over this rank's ``stages``
+    (``PipelineStage``s). Gradient scaling is autopar's (``loss_fn`` divides), not torch's."""
+    from torch.distributed.pipelining import schedules
+
+    if name in PIPELINE_SCHEDULES and name not in SCHEDULES:
+        raise NotImplementedError(
+            f"pipeline schedule {name!r} splits backward into input and weight gradients through "
+            "submod.parameters(), which autopar's parameter store does not expose yet; re-plan with "
+            f"--force schedule={'|'.join(SCHEDULES)}")
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; expected one of {', '.join(SCHEDULES)}")
+    cls = getattr(schedules, SCHEDULES[name])
+    if issubclass(cls, schedules.PipelineScheduleSingle):
+        if len(stages) != 1:
+            raise ValueError(f"schedule {name!r} runs one stage per rank; this rank holds {len(stages)}")
+        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def local_stages(pp_rank: int, pp: int, n_stages: int, schedule: str) -> list[int]:
+    """The stages pipeline rank ``pp_rank`` runs (``plan.stage_rank``'s layout)."""
+    return [s for s in range(n_stages) if stage_rank(schedule, pp, s) == pp_rank]
+
+
+def tied_groups(params_by_stage: dict[int, frozenset[str]], pp: int, schedule: str) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> the pipeline ranks (sorted) that hold it, for parameters on more than one."""
+    holders: dict[str, set[int]] = {}
+    for stage, names in params_by_stage.items():
+        for n in names:
+            holders.setdefault(n, set()).add(stage_rank(schedule, pp, stage))
+    return {n: tuple(sorted(r)) for n, r in holders.items() if len(r) > 1}
+
+
+class PipelineRunner:
+    """This rank's share of a pipelined step: its stages under the plan's schedule, the loss part
+    on the last stage, tied-parameter gradient sums. Built by ``build_pipeline``."""
+
+    def __init__(self, schedule, holds_first: bool, holds_last: bool, pp_group, last_pp_rank: int,
+                 tied: list, store, log, buffer_owner: dict[str, int]) -> None:
+        self.schedule = schedule
+        self.holds_first = holds_first
+        self.holds_last = holds_last
+        self.pp_group = pp_group
+        self.last_pp_rank = last_pp_rank          # global rank of this pipeline's last stage
+        self.tied = tied                          # [(process group, [slot names])]
+        self.store = store
+        self.log = log
+        self.buffer_owner = buffer_owner          # buffer name -> the pipeline rank whose stage updates it
+
+    def step(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every micro-batch; returns the step's loss (0-dim, on every rank
+        of the pipeline). Gradients are left summed in the parameter store."""
+        import torch.distributed as dist
+
+        losses: list = []
+        kwargs = {"target": targets, "losses": losses} if self.holds_last else {}
+        self.schedule.step(*(inputs if self.holds_first else ()), **kwargs)
+        loss = (torch.stack([x.detach() for x in losses]).sum() if self.holds_last
+                else torch.zeros((), dtype=torch.float32))
+        loss = loss.to(torch.float32).reshape(())
+        dist.broadcast(loss, src=self.last_pp_rank, group=self.pp_group)
+        self._sum_tied_grads()
+        return loss
+
+    def _sum_tied_grads(self) -> None:
+        """A parameter held by two pipeline ranks (tied embedding and head) gets the sum of both
+        gradients on both, as one module would (Megatron's embedding group)."""
+        import torch.distributed as dist
+
+        by_name = self.store.by_name
+        for group, names in self.tied:
+            for name in names:
+                s = by_name[name]
+                zero3 = self.store.ctx.zero_stage == 3
+                g = s.full_grad if zero3 else s.local.grad
+                if g is None:
+                    g = torch.zeros(s.layout.local_shape, dtype=s.local.dtype, device=s.local.device)
+                dist.all_reduce(g, group=group)
+                self.log.add("all_reduce", "pp", g.numel() * g.element_size(), "tied")
+                if zero3:
+                    s.full_grad = g
+                else:
+                    s.local.grad = g
+
+
+def build_pipeline(*, plan, cut, graph, program, device_mesh, stage_mesh, store, make_executor,
+                   loss_scale: float, device, log, timeout_s: float) -> PipelineRunner:
+    """The stages of ``cut`` this rank runs (``plan.pipeline_schedule``'s layout) as
+    ``PipelineStage``s under the schedule; ``make_executor(part, want)`` runs a part of
+    ``graph``; ``loss_scale`` multiplies each micro-batch's loss (1/m for a mean)."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+
+    from autopar.mesh import PIPELINE
+
+    pp, schedule = plan.pp, plan.pipeline_schedule
+    n_stages = len(cut.stages)
+    pp_axis = device_mesh.mesh_dim_names.index(PIPELINE)
+    pp_rank = device_mesh.get_local_rank(pp_axis)
+    pp_group = device_mesh.get_group(PIPELINE)
+    pp_ranks = dist.get_process_group_ranks(pp_group)
+    mine = local_stages(pp_rank, pp, n_stages, schedule)
+    metas = {n.name: n.out for n in graph.nodes if n.outputs}
+    plans = {n.name: n for n in program.nodes}
+    ndim = stage_mesh.ndim
+
+    def wire(name: str) -> Wire:
+        meta = metas[name]
+        return Wire(stage_mesh, wire_placements(plans[name].output, ndim), meta.shape, getattr(torch, meta.dtype))
+
+    def example(name: str) -> torch.Tensor:               # a model input: the whole micro-batch
+        meta = metas[name]
+        return torch.empty(meta.shape, dtype=getattr(torch, meta.dtype), device="meta")
+
+    def on_send(nbytes: int) -> None:
+        log.add("send", PIPELINE, nbytes, "p2p")
+
+    stages = []
+    loss_ex = make_executor(frozenset(cut.loss), (cut.loss_output,)) if n_stages - 1 in mine else None
+    for s in mine:
+        sc = cut.stages[s]
+        ex = make_executor(frozenset(sc.nodes), sc.send)
+        wires = {name: wire(name) for name in sc.recv + sc.send}
+        module = StageModule(s, lambda inputs, seed, ex=ex: ex.run(inputs, None, seed), sc.recv, sc.send,
+                             wires, on_send if s < n_stages - 1 else None)
+        # static metadata (input_args / output_args): torch's dynamic inference would run the stage
+        # once more on the first micro-batch, updating BatchNorm statistics a second time
+        ins = tuple(wires[n].example for n in sc.recv) if s else tuple(example(n) for n in cut.inputs)
+        outs = tuple(wires[n].example for n in sc.send)
+        stages.append(PipelineStage(module, s, n_stages, device, input_args=ins, output_args=outs,
+                                    input_grads=ins if s else None, output_grads=outs if s < n_stages - 1 else None,
+                                    group=pp_group))
+    last_wires = {name: wire(name) for name in cut.stages[-1].send}
+
+    def loss_fn(output, target):
+        from torch.distributed.tensor import Replicate as TReplicate
+
+        output = output if isinstance(output, tuple) else (output,)
+        seed = {name: last_wires[name].recv(t) for name, t in zip(cut.stages[-1].send, output)}
+        (loss,) = loss_ex.run((), target, seed)
+        loss = loss.redistribute(loss.device_mesh, tuple(TReplicate() for _ in loss.placements))
+        return loss.to_local() * loss_scale
+
+    sched = make_schedule(schedule, stages, plan.num_micro_batches, loss_fn)
+    # tied parameters: one group per set of pipeline ranks holding a parameter, made by every rank
+    # in the same order (a new_group requirement), for every pipeline (each dp/tp coordinate)
+    params_by_stage = {s: cut.params_of(graph, [s]) for s in range(n_stages)}
+    tied_sets = tied_groups(params_by_stage, pp, schedule)
+    tied = []
+    timeout = datetime.timedelta(seconds=timeout_s)
+    me = dist.get_rank()
+    for holders in sorted(set(tied_sets.values())):
+        names = sorted(n for n, h in tied_sets.items() if h == holders and n in store.by_name)
+        for group_ranks in _pipeline_groups(device_mesh, pp_axis):
+            ranks = [group_ranks[h] for h in holders]
+            g = dist.new_group(ranks=ranks, timeout=timeout)
+            if me in ranks:
+                tied.append((g, names))
+    last_rank = pp_ranks[stage_rank(schedule, pp, n_stages - 1)]
+    # a buffer's value is the one of the first stage that reads it (a stage that mutates it, BatchNorm)
+    owner: dict[str, int] = {}
+    parts = [frozenset(sc.nodes) for sc in cut.stages]
+    for n in graph.nodes:
+        if n.kind == "buffer" and n.param_name is not None:
+            readers = [s for s in range(n_stages) if n.name in parts[s]]
+            if readers:
+                owner.setdefault(n.param_name, stage_rank(schedule, pp, readers[0]))
+    return PipelineRunner(sched, 0 in mine, n_stages - 1 in mine, pp_group, last_rank, tied, store, log,
+                          owner)
+
+
+def _pipeline_groups(device_mesh, pp_axis: int) -> list[list[int]]:
+    """Every pipeline's global ranks in pp order (one per coordinate of the other axes)."""
+    t = device_mesh.mesh.movedim(pp_axis, -1).reshape(-1, device_mesh.mesh.shape[pp_axis])
+    return [row.tolist() for row in t]
