@@ -17,7 +17,7 @@ def _one_gpu_plan(graph) -> Plan:
                 cluster=ClusterRef("h100", "h100", 1, 1, 80 * 2**30), dtype="float32",
                 global_batch=graph.batch_size, seq_len=None, dp=1, tp=1, pp=1, sequence_parallel=False,
                 zero_stage=0, micro_batch_size=graph.batch_size, num_micro_batches=1, recompute="full",
-                offload="none", mesh_axes=("dp", "tp"), mesh_shape=(1, 1), strategies=(), stages=(Stage(0, 0, 0, True, True, 1.0, 0),),
+                offload="none", mesh_axes=("dp", "tp"), mesh_shape=(1, 1), strategies=(), stages=(Stage(0, 0, graph.blocks[0].count if graph.blocks else 1, True, True, 1.0, 0),),
                 step_time=StepTime(1.0, 0.0, (), 0.0, 0.0, 1.0), memory=MemoryUse(0, 0, 0, 0, 0, 0),
                 model_flops_per_step=1.0, solve_time_s=0.0)
 
