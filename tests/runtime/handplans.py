@@ -98,13 +98,16 @@ def _name(family: str, s: NodeStrategy, t) -> str:
 
 
 def hand_plan(graph: GraphIR, *, dp: int, tp: int, family: str = "megatron", zero: int = 0,
-              recompute: str = "none", sp: Optional[bool] = None) -> Plan:
+              recompute: str = "none", sp: Optional[bool] = None, pp: int = 1, mbs: Optional[int] = None,
+              schedule: Optional[str] = None) -> Plan:
+    """``mbs``: the micro-batch size (default: the whole per-replica batch, one micro-batch)."""
     from autopar.solver.search import plan_model
 
     sp = (family == "megatron_sp") if sp is None else sp
-    force = Force(dp=dp, tp=tp, pp=1, zero_stage=zero, recompute=recompute,
-                  sequence_parallel=sp if tp > 1 else None)
-    base = plan_model(graph, resolve_cluster("cpu", nodes=1, gpus_per_node=dp * tp),
+    force = Force(dp=dp, tp=tp, pp=pp, zero_stage=zero, recompute=recompute,
+                  sequence_parallel=sp if tp > 1 else None,
+                  micro_batch_size=mbs if mbs is not None else graph.batch_size // dp, schedule=schedule)
+    base = plan_model(graph, resolve_cluster("cpu", nodes=1, gpus_per_node=dp * tp * pp),
                       global_batch=graph.batch_size, seq_len=None, dtype="float32", force=force)
     if tp == 1:
         return base

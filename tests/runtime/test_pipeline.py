@@ -19,6 +19,7 @@ from autopar.runtime.launch import spawn_ranks
 from autopar.solver import plan_model
 from autopar.trace import trace_model
 from bodies import BATCH, LLAMA_TINY, STEPS, check_training, reference, train_jobs
+from handplans import hand_plan
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +37,15 @@ PLANS_2 = {
 PLANS_4 = {
     "pp2_dp2_zero2": ("gpt-tiny", "pp=2,dp=2,mbs=1,zero=2", (2, "1f1b", 1, 2)),
     "pp2_dp2_zero3_selective": ("gpt-tiny", "pp=2,dp=2,mbs=1,zero=3,recompute=selective", (2, "1f1b", 1, 2)),
+}
+
+
+# Megatron tensor parallelism inside pipeline stages (hand plans: the solver replicates a model
+# this small on the "cpu" cluster, which would leave tp unused): name -> (world, hand_plan kwargs)
+MEGATRON = {
+    "pp2_tp2_megatron_sp": (4, dict(pp=2, dp=1, tp=2, family="megatron_sp", mbs=2, zero=0)),
+    "pp2_dp2_tp2_megatron_zero1": (8, dict(pp=2, dp=2, tp=2, family="megatron", mbs=1, zero=1,
+                                           recompute="full")),
 }
 
 
@@ -108,3 +118,21 @@ def test_runtime_schedules_are_the_plans_executed_ones():
 
     assert tuple(SCHEDULES) == EXECUTED_SCHEDULES
     assert all(hasattr(schedules, cls) for cls in SCHEDULES.values())
+
+
+@pytest.mark.parametrize("name", list(MEGATRON))
+def test_megatron_inside_pipeline_stages(tiny_bundle, name):
+    """pp x tp (x dp): the stages' layers are column/row parallel; each axis carries traffic."""
+    world, kw = MEGATRON[name]
+    b = tiny_bundle               # planned on the collapsed trace, as autoparallelize does
+    graph = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
+                        model_name="gpt-tiny")
+    plan = hand_plan(graph, **kw)
+    assert (plan.pp, plan.tp, plan.dp) == (kw["pp"], kw["tp"], kw["dp"])
+    results = spawn_ranks(train_jobs, world, ([{"plan": plan.to_json()}],), timeout_s=120)
+    results = [r[0] for r in results]
+    check_training(results[0], _reference("gpt-tiny"), f"{name}: ")
+    sent = Counter(k[1] for k in results[0]["issued"])
+    assert sent["pp"] > 0 and sent["tp"] > 0, sent
+    if kw["dp"] > 1:
+        assert sent["dp"] > 0, sent
