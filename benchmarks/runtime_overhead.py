@@ -6,7 +6,11 @@
 Data parallel: autopar (plan dp=2: DTensor graph executor + bucketed reducer) vs
 ``torch.nn.parallel.DistributedDataParallel``. Tensor parallel: autopar (hand plan: Megatron
 column/row-parallel attention and MLP, as the table below) vs ``parallelize_module`` with
-``ColwiseParallel`` / ``RowwiseParallel`` on the same linears. Each engine runs warm-up steps,
+``ColwiseParallel`` / ``RowwiseParallel`` on the same linears. Pipeline parallel (``--pp``, on by
+default): autopar (plan pp=2, 1F1B, micro-batch size 1: its generated stages) vs the same model cut
+by hand into two ``PipelineStage``s (embeddings + first half of the blocks; second half + final norm
++ head; the same weights) under ``Schedule1F1B`` with the same micro-batches, loss scaled by 1/m,
+the step's loss broadcast to both ranks as autopar's ``pm.step`` does. Each engine runs warm-up steps,
 then ``--steps`` timed optimizer steps (forward, backward, gradient reduction, AdamW); the
 median step time is reported and the ratio autopar / PyTorch (goal <= 1.05).
 
@@ -72,6 +76,23 @@ class BenchGPT(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.head(self.ln_f(x))
+
+
+class Front(nn.Module):
+    """Stage 0 of the hand pipeline: embeddings and the first blocks of a BenchGPT (shared modules)."""
+
+    def __init__(self, m: BenchGPT, cut: int) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.blocks = m.wte, m.wpe, nn.Sequential(*m.blocks[:cut])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.blocks(self.wte(idx) + self.wpe(pos))
+
+
+def back_half(m: BenchGPT, cut: int) -> nn.Sequential:
+    """Stage 1 of the hand pipeline: the remaining blocks, final norm and head."""
+    return nn.Sequential(*m.blocks[cut:], m.ln_f, m.head)
 
 
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -204,18 +225,61 @@ def bench_rank(rank: int, world: int, cfg: dict, tp_plan_json: str) -> dict:
                             plan=Plan.from_json(tp_plan_json), timeout_s=300, record_collectives=cfg["record"])
     steps["autopar_tp"] = (pm_tp.step, data)
 
+    if cfg["pp"]:
+        steps.update(pipeline_engines(rank, world, cfg, data, ex_x, ex_y))
+
     names = list(steps)
     for name in names:                                   # warm-up
-        fn, d = steps[name]
+        fn, d = steps[name][:2]
         _time_steps(fn, d[:cfg["warmup"]], cfg["warmup"])
     times: dict[str, list] = {n: [] for n in names}
     per_round = max(1, cfg["steps"] // cfg["rounds"])
     for r in range(cfg["rounds"]):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            fn, d = steps[name]
+            fn, d = steps[name][:2]
             times[name] += _time_steps(fn, d[r * per_round:(r + 1) * per_round], 0)
     times["autopar_dp_plan"] = (pm_dp.plan.dp, pm_dp.plan.tp, pm_dp.plan.zero_stage)
+    if cfg["pp"]:
+        times["autopar_pp_plan"] = steps["autopar_pp"][2]
     return times
+
+
+def pipeline_engines(rank: int, world: int, cfg: dict, data, ex_x, ex_y) -> dict:
+    """autopar's pp=2 1F1B plan and the hand-cut torch pipeline of the same model, same batches."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from autopar.api import autoparallelize
+
+    pm_pp = autoparallelize(make_model(cfg), (ex_x,), loss_fn=lm_loss, example_target=ex_y, optimizer=adamw,
+                            force=f"pp={world},dp=1,tp=1,mbs=1,schedule=1f1b,zero=0,recompute=none",
+                            timeout_s=300, record_collectives=cfg["record"])
+    plan = pm_pp.plan
+    m = plan.num_micro_batches
+    full = make_model(cfg)
+    cut = cfg["layers"] // 2
+    module = Front(full, cut) if rank == 0 else back_half(full, cut)
+    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    sched = Schedule1F1B(stage, n_microbatches=m, loss_fn=lambda out, y: lm_loss(out, y) / m, scale_grads=False)
+    opt = adamw(module.parameters())
+
+    def hand_step(x, y):
+        opt.zero_grad(set_to_none=True)
+        losses: list = []
+        if rank == 0:
+            sched.step(x)
+        else:
+            sched.step(target=y, losses=losses)
+        loss = torch.stack(losses).sum().detach() if losses else torch.zeros(())
+        dist.broadcast(loss, src=world - 1)
+        opt.step()
+        return float(loss)
+
+    # same model, same batch: the first step's losses agree (the two engines run the same thing)
+    a, b = pm_pp.step(*data[0]), hand_step(*data[0])
+    if abs(a - b) > 1e-4 * abs(b):
+        raise AssertionError(f"autopar pp loss {a!r} != hand-cut pipeline loss {b!r}")
+    return {"torch_pp": (hand_step, data), "autopar_pp": (pm_pp.step, data, (plan.pp, plan.pipeline_schedule, m))}
 
 
 def main() -> None:
@@ -231,6 +295,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--record", action="store_true",
                     help="keep autopar's DTensor collective log on (pm.collectives) while timing")
+    ap.add_argument("--pp", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time pipeline parallel (autopar pp=2 1F1B vs hand-cut torch PipelineStages)")
     args = ap.parse_args()
     cfg = dict(vars(args))
     world = 2
@@ -250,11 +316,16 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in res.items() if isinstance(v, list)}
     flops = 6 * params * args.batch * args.seq
     print(f"{'engine':<14}{'median step s':>14}{'min s':>9}")
-    for k in ("ddp", "autopar_dp", "dtensor_tp", "autopar_tp"):
+    engines = ("ddp", "autopar_dp", "dtensor_tp", "autopar_tp") + (("torch_pp", "autopar_pp") if args.pp else ())
+    for k in engines:
         print(f"{k:<14}{med[k]:>14.4f}{min(res[k]):>9.4f}")
     print(f"data parallel:   autopar / DDP         = {med['autopar_dp'] / med['ddp']:.3f}   "
           f"(plan dp,tp,zero = {res['autopar_dp_plan']})")
     print(f"tensor parallel: autopar / DTensor TP  = {med['autopar_tp'] / med['dtensor_tp']:.3f}")
+    if args.pp:
+        pp, sched, m = res["autopar_pp_plan"]
+        print(f"pipeline (pp={pp}, {sched}, {m} micro-batches): autopar / hand-cut torch PipelineStages = "
+              f"{med['autopar_pp'] / med['torch_pp']:.3f}")
     print(f"(model FLOPs per step ~{flops / 1e9:.1f} GFLOP; {flops / med['ddp'] / world / 1e9:.1f} GFLOP/s per "
           "rank under DDP)")
 

@@ -136,3 +136,47 @@ def test_megatron_inside_pipeline_stages(tiny_bundle, name):
     assert sent["pp"] > 0 and sent["tp"] > 0, sent
     if kw["dp"] > 1:
         assert sent["dp"] > 0, sent
+
+
+# ---- hypothesis-drawn forced plans over pp x dp x tp (4 ranks) -------------------------------------
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+
+@st.composite
+def _configs(draw):
+    pp = draw(st.sampled_from([1, 2]))
+    dp = draw(st.sampled_from([1, 2] if pp == 2 else [1, 2, 4]))
+    tp = 4 // (pp * dp)
+    per_replica = BATCH // dp
+    mbs = draw(st.sampled_from([m for m in (1, 2, 4) if per_replica % m == 0 and per_replica // m >= pp]))
+    zero = draw(st.integers(0, 3)) if dp > 1 else 0
+    recompute = draw(st.sampled_from(["none", "selective", "full"]))
+    family = draw(st.sampled_from(["replicate", "megatron", "megatron_sp"] if tp > 1 else ["megatron"]))
+    schedule = draw(st.sampled_from(["gpipe", "1f1b"])) if pp > 1 else None
+    return dict(pp=pp, dp=dp, tp=tp, mbs=mbs, zero=zero, recompute=recompute, family=family, schedule=schedule)
+
+
+@settings(max_examples=1, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_configs(), min_size=4, max_size=4, unique_by=lambda c: tuple(sorted(c.items()))))
+def test_random_3d_plans(cs):
+    """Drawn (pp, dp, tp, micro-batches, ZeRO, recompute, tp family, schedule) on 4 ranks, run in one
+    launch: each equals one process (bounds in bodies.py) and uses every axis of size > 1."""
+    import torch
+
+    torch.manual_seed(0)
+    b = build_model("gpt-tiny", device="cpu", batch=BATCH)
+    graph = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
+                        model_name="gpt-tiny")
+    plans = [hand_plan(graph, **c) for c in cs]
+    per_rank = spawn_ranks(train_jobs, 4, ([{"plan": p.to_json()} for p in plans],), timeout_s=120)
+    for i, c in enumerate(cs):
+        results = [per_rank[r][i] for r in range(4)]
+        try:
+            check_training(results[0], _reference("gpt-tiny"))
+            used = Counter(k[1] for r in results for k in r["issued"])
+            for axis in ("pp", "dp") + (("tp",) if c["family"] != "replicate" else ()):
+                if c[axis] > 1:
+                    assert used[axis] > 0, (axis, used)
+        except AssertionError as e:
+            raise AssertionError(f"config {c}: {e}") from e
