@@ -13,6 +13,7 @@ from rich.console import Console
 
 from autopar.cli import main
 from autopar.plan import SUMMARY_KEYS, Plan
+from readme_examples import README_POD
 from autopar.report import render
 
 MODEL = "gpt:hidden=256,layers=4,heads=8,vocab=1024,seq=128"
@@ -100,20 +101,6 @@ def test_inspect_a_directory_is_a_one_line_error(tmp_path, capsys):
 
 # ---- --cluster, --gpu, --nodes, --gpus-per-node (issue 14, item 1) ---------------------------------
 
-README_POD = """\
-name = "my-h100-pod"
-gpu = "h100"
-nodes = 4
-gpus_per_node = 8
-[intra]                 # NCCL bus bandwidth per GPU inside a node
-busbw_GBps = 370.0
-latency_us = 2.0
-[inter]                 # between nodes
-busbw_GBps = 48.0
-latency_us = 8.0
-[gpu_overrides]         # optional
-memory_GB = 80.0
-"""
 
 
 def _cluster_plan(tmp_path, capsys, *args):

@@ -6,6 +6,7 @@ import pytest
 
 from autopar.cost.hardware import (CLUSTER_NAMES, GPU_NAMES, cluster_overrides, cluster_to_toml, get_gpu,
                                    load_calibration, load_cluster, make_cluster, resolve_cluster)
+from readme_examples import README_POD
 
 
 def test_gpu_datasheet_figures():
@@ -125,21 +126,6 @@ def test_megatron_h100_mfu_below_calibrated_matmul_efficiency():
     assert get_gpu("h100").matmul_efficiency > 0.49
 
 
-# The README's cluster example, verbatim.
-README_POD = """\
-name = "my-h100-pod"
-gpu = "h100"
-nodes = 4
-gpus_per_node = 8
-[intra]                 # NCCL bus bandwidth per GPU inside a node
-busbw_GBps = 370.0
-latency_us = 2.0
-[inter]                 # between nodes
-busbw_GBps = 48.0
-latency_us = 8.0
-[gpu_overrides]         # optional
-memory_GB = 80.0
-"""
 
 
 def test_resolve_toml_keeps_the_file_unless_a_value_is_given(tmp_path):
