@@ -17,7 +17,10 @@ Exact by branch and bound, with true lower bounds at each level:
    linearly with the micro-batch; nothing shards below 1/tp): prunes without building tables;
 2. for surviving (tp, sp, mbs) triples the cost tables are built and every quantity taken at its
    own minimum over strategies (edges 0, overlap windows at their maximum): a bound on the step
-   time and memory of every configuration using the triple; memory-infeasible ones are pruned;
+   time and memory of every configuration using the triple; memory-infeasible ones are pruned.
+   Evaluated lazily: each configuration is first queued with ``timing.step_time_lower_bound``
+   (<= the table bound, no cut, no rank evaluated) and evaluated on the tables only when it reaches
+   the head of the queue, which visits the table-bound entries in the same order as evaluating all;
 3. configurations are visited in order of their bound; the first time the bound reaches the best
    step time found, the rest are pruned.
 The tp-axis ILP is solved once per (tp, sp, mbs) triple (its solution does not depend on pp, ZeRO
@@ -60,7 +63,7 @@ from autopar.solver.problem import AxisSummary, AxisTables, PartCost, build_tabl
 from autopar.solver.runtime_profile import AUTOPAR_RUNTIME, RuntimeProfile
 from autopar.solver.strategies import GraphFacts, graph_facts
 from autopar.solver.timing import (Evaluation, OuterConfig, _state_bytes_per_param, default_budget_bytes, evaluate,
-                                   memory_lower_bound)
+                                   memory_lower_bound, step_time_lower_bound)
 
 Progress = Callable[[str, int, int], None]
 # Largest stages per rank the search tries unless vpp is forced: each doubling halves the
@@ -437,11 +440,17 @@ class _Searcher:
         smallest: Optional[tuple[float, OuterConfig]] = None
         by_triple: dict = {}
         quick: dict = {}
+        need_of: dict = {}
         for cfg in configs:
             qkey = (cfg.tp, cfg.mbs)
             if qkey not in quick:
                 quick[qkey] = _quick_summary(base, cfg)
-            need = memory_lower_bound(quick[qkey], cfg, self.profile).total_bytes
+            # the quick summary and the memory model do not depend on sp (sp only changes the
+            # tables of bound 2), so the sp=on configuration has the sp=off one's bound: compute once
+            nkey = replace(cfg, sp=False) if cfg.sp else cfg
+            need = need_of.get(nkey)
+            if need is None:
+                need = need_of[nkey] = memory_lower_bound(quick[qkey], cfg, self.profile).total_bytes
             if smallest is None or need < smallest[0]:
                 smallest = (need, cfg)
             if need > self.budget:
@@ -449,25 +458,34 @@ class _Searcher:
                 continue
             by_triple.setdefault((cfg.tp, cfg.sp, cfg.mbs), []).append(cfg)
 
-        # bound 2: per-triple tables
+        # bound 2: per-triple tables. Evaluating every configuration on its triple's lower-bound
+        # tables (``evaluate`` with the fastest cut, a few ranks in full) is most of the search's
+        # time, and the schedule variants multiply it; most configurations are then pruned by the
+        # step-time bound without ever being looked at again. So each configuration first enters
+        # the queue with ``timing.step_time_lower_bound`` of the same tables (a few multiplications;
+        # it is <= the table bound, see its proof) at level -1, and is evaluated on the tables only
+        # when it reaches the head of the queue. This visits the configurations of level >= 0 in
+        # exactly the order of the eager search -- an entry (b, tie) at level 0 is preceded by its
+        # own level -1 entry (c, tie) with c <= b -- so the same configurations are evaluated and
+        # the same plan wins; the ones whose cheap bound already reaches the best step time are
+        # pruned without the table evaluation. Those that do not fit the memory bound are dropped
+        # when they are evaluated (if nothing fits, every entry is evaluated: ``smallest`` below).
         heap: list = []
+        order = 0
+        lb_memory: dict = {}                        # cfg -> (tie, lower-bound memory) of evaluated ones
         for i, (triple, cfgs) in enumerate(sorted(by_triple.items())):
             self.progress("bounds", i, len(by_triple))
             lb = self._lb[triple] = lower_bound_summary(self.table(*triple))
             for cfg in cfgs:
-                ev = evaluate(lb, cfg, self.cluster, self.profile, self.budget)
-                if ev.memory.total_bytes < smallest[0]:
-                    smallest = (ev.memory.total_bytes, cfg)
-                if not ev.fits:
-                    self.stats.pruned_memory += 1
-                    continue
-                heapq.heappush(heap, (ev.step.total_s, len(heap), cfg, 0, ev))
+                heapq.heappush(heap, (step_time_lower_bound(lb, cfg, self.cluster, self.profile), order, cfg, -1, None))
+                order += 1
         self.progress("bounds", len(by_triple), len(by_triple))
 
-        # bound 3: best first. Entries: (bound, tie, cfg, level, lb evaluation). Level 0: the table
-        # bound. Level 1: the unconstrained ILP solution did not fit; its bound is tightened with
-        # the ILP optimum (any memory-constrained choice has an objective >= it, and the
-        # objective plus recompute is the sum of the stage times, so max stage >= it / pp).
+        # bound 3: best first. Entries: (bound, tie, cfg, level, lb evaluation). Level -1: the cheap
+        # bound above. Level 0: the table bound. Level 1: the unconstrained ILP solution did not fit;
+        # its bound is tightened with the ILP optimum (any memory-constrained choice has an
+        # objective >= it, and the objective plus recompute is the sum of the stage times, so max
+        # stage >= it / pp).
         best: Optional[tuple[Evaluation, AxisSolution]] = None
         smallest_exact: Optional[Evaluation] = None
         total = len(heap)
@@ -477,8 +495,16 @@ class _Searcher:
             if best is not None and bound >= best[0].step.total_s:
                 self.stats.pruned_bound += 1 + len(heap)
                 break
-            done += level == 0
-            self.progress("search", done, total)
+            if level == -1:
+                done += 1
+                self.progress("search", done, total)
+                ev = evaluate(self._lb[(cfg.tp, cfg.sp, cfg.mbs)], cfg, self.cluster, self.profile, self.budget)
+                lb_memory[cfg] = (tie, ev.memory.total_bytes)
+                if not ev.fits:
+                    self.stats.pruned_memory += 1
+                    continue
+                heapq.heappush(heap, (ev.step.total_s, tie, cfg, 0, ev))
+                continue
             sol = self.solution(cfg.tp, cfg.sp, cfg.mbs)
             if level == 0:
                 ev = evaluate(sol.summary, cfg, self.cluster, self.profile, self.budget)
@@ -500,6 +526,11 @@ class _Searcher:
                 best = (ev, sol)
         self.progress("search", total, total)
         if best is None:
+            # nothing fit, so the queue ran dry and every configuration was evaluated on its tables:
+            # the least lower-bound memory, first in the eager search's order on ties
+            for cfg, (_, need) in sorted(lb_memory.items(), key=lambda kv: kv[1][0]):
+                if need < smallest[0]:
+                    smallest = (need, cfg)
             raise self._infeasible(smallest, smallest_exact)
         return best
 

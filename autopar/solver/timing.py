@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from autopar.cost.collectives import axis_link, collective_s, stage_link
-from autopar.cost.flops import pipeline_bubble_fraction, pipeline_step_time_s
+from autopar.cost.flops import pipeline_bubble_fraction, pipeline_bubble_units, pipeline_step_time_s
 from autopar.cost.hardware import ClusterSpec
 from autopar.cost.memory import model_state_bytes, pipeline_inflight_microbatches
 from autopar.plan import V_SCHEDULES, MemoryUse, StepTime
@@ -138,7 +138,24 @@ def rank_holds(cfg: OuterConfig, r: int) -> tuple[bool, bool]:
 
 # ---- stage cuts ----------------------------------------------------------------------------------
 
+_BALANCE_MEMO: dict = {}
+_BALANCE_MEMO_MAX = 200_000
+
+
 def balance(total: int, minimum: int, slopes, consts, caps=None) -> Optional[list]:
+    """Memoized ``_balance`` (a pure function of its arguments): the search asks for the same cut
+    for every ZeRO stage and data-parallel variant of a configuration."""
+    key = (total, minimum, tuple(slopes), tuple(consts), None if caps is None else tuple(caps))
+    hit = _BALANCE_MEMO.get(key, _BALANCE_MEMO)
+    if hit is _BALANCE_MEMO:
+        if len(_BALANCE_MEMO) >= _BALANCE_MEMO_MAX:
+            _BALANCE_MEMO.clear()
+        res = _balance(total, minimum, slopes, consts, caps)
+        hit = _BALANCE_MEMO[key] = None if res is None else tuple(res)
+    return None if hit is None else list(hit)
+
+
+def _balance(total: int, minimum: int, slopes, consts, caps=None) -> Optional[list]:
     """Integers n_r in [minimum, caps_r] summing to ``total`` that minimize max_r slopes_r n_r + consts_r
     (None if none exist). Water-filling: the least level T with sum_r floor((T - c_r) / k_r) >= total
     (bisection), then the excess taken one layer at a time from the ranks highest above the level.
@@ -253,21 +270,23 @@ def _memory_affine(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfi
     return slopes, consts
 
 
-def choose_cuts(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile, budget_bytes: float):
+def choose_cuts(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile, budget_bytes: float,
+                terms=None, affine=None):
     """Layers per pp rank: the fastest cut (balancing the embedding and head against layers) whose
     every rank fits ``budget_bytes``; if none fits, the cut of least peak memory. Returns
     (cuts, memory-feasible). A lower-bound summary gets the fastest cut regardless of memory (its
-    memory is bounded separately in ``evaluate``)."""
+    memory is bounded separately in ``evaluate``). ``terms`` / ``affine``: ``_linear_terms`` /
+    ``_memory_affine`` of (summary, cfg) when the caller has them already."""
     L, p, v = summary.count, cfg.pp, cfg.v
     if p == 1:
         return (L,), True
-    a, e_pre, e_post, rate, act = _linear_terms(summary, cfg, profile)
+    a, e_pre, e_post, rate, act = terms if terms is not None else _linear_terms(summary, cfg, profile)
     holds = [rank_holds(cfg, r) for r in range(p)]
     t_consts = [(e_pre if hp else 0.0) + (e_post if hh else 0.0) for hp, hh in holds]
     fast = balance(L, v, [a] * p, t_consts)
     if summary.is_lower_bound:
         return tuple(fast), True
-    ks, cs = _memory_affine(summary, cfg, profile, rate, act)
+    ks, cs = affine if affine is not None else _memory_affine(summary, cfg, profile, rate, act)
     if all(k * n + c <= budget_bytes for k, n, c in zip(ks, fast, cs)):
         return tuple(fast), True
     caps = [int(math.floor((budget_bytes - c) / k)) if k > 0 else (L if c <= budget_bytes else -1)
@@ -278,12 +297,15 @@ def choose_cuts(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile,
     return tuple(balance(L, v, ks, cs)), False
 
 
-def _memory_lower_bound_cut(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile) -> tuple[int, float]:
+def _memory_lower_bound_cut(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile,
+                            affine=None) -> tuple[int, float]:
     """(rank, layers) whose memory is a lower bound on the peak memory of every cut: each rank
     holds >= v layers, and the least-memory cut's level T satisfies sum_r (T - c_r) / k_r >= L."""
     L, p, v = summary.count, cfg.pp, cfg.v
-    _, _, _, rate, act = _linear_terms(summary, cfg, profile)
-    ks, cs = _memory_affine(summary, cfg, profile, rate, act)
+    if affine is None:
+        _, _, _, rate, act = _linear_terms(summary, cfg, profile)
+        affine = _memory_affine(summary, cfg, profile, rate, act)
+    ks, cs = affine
     if any(k <= 0 for k in ks):
         level = 0.0
     else:
@@ -293,17 +315,53 @@ def _memory_lower_bound_cut(summary: AxisSummary, cfg: OuterConfig, profile: Run
     return r, ns[r]
 
 
-def memory_lower_bound(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile) -> MemoryUse:
+def memory_lower_bound(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile, affine=None) -> MemoryUse:
     """A lower bound on the peak memory per GPU of ``cfg`` over every stage cut (the search's first,
-    memory-only bound; ``summary`` is itself a lower bound)."""
+    memory-only bound; ``summary`` is itself a lower bound). ``affine``: ``_memory_affine`` of
+    (summary, cfg) when the caller has it already."""
     if cfg.pp == 1:
         r, n = 0, float(summary.count)
     else:
-        r, n = _memory_lower_bound_cut(summary, cfg, profile)
+        r, n = _memory_lower_bound_cut(summary, cfg, profile, affine)
     hp, hh = rank_holds(cfg, r)
     parts = rank_parts(summary, n, hp, hh)
     numel = sum(c * q.param_numel for q, c, _ in parts) + (summary.shared_param_numel if (hp or hh) else 0.0)
     return _rank_memory(summary, cfg, profile, r, parts, numel, n)
+
+
+def step_time_lower_bound(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profile: RuntimeProfile,
+                          terms=None) -> float:
+    """A cheap lower bound on ``evaluate(summary, cfg, ...).step.total_s`` (same summary), without
+    cutting the layers or evaluating any rank. Proof, term by term of ``evaluate``:
+
+    * total = (m + U) t_max + DP sync + optimizer, and DP sync, optimizer >= 0 (exposed times and
+      traffic are never negative), so total >= (m + U) t_max;
+    * t_max is the largest ``_rank_eval`` time over the evaluated ranks, which always include the
+      slowest rank of the affine model (``slow``). ``_rank_eval``'s time of rank r with n_r layers
+      is exactly the affine a n_r + e_r (compute, recompute, TP comm: ``_linear_terms``) plus the
+      pipeline p2p (the same 2 v p2p on every rank, pp > 1) plus ZeRO-2/3 comm (>= 0);
+    * for any cut with n_r >= v and sum_r n_r = L (the cut ``balance`` returns), max_r (a n_r + e_r)
+      >= the mean (a L + e_pre + e_post) / pp (the embedding and head each sit on one rank), and
+      >= a v + e_r of the rank holding the embedding / the head (both on rank 0 for V schedules).
+
+    The product is scaled by (1 - 1e-9) so that rounding in the different summation order cannot
+    lift it above the evaluated value."""
+    p, v, L = cfg.pp, cfg.v, summary.count
+    if terms is None:
+        terms = _linear_terms(summary, cfg, profile)
+    a, e_pre, e_post = terms[0], terms[1], terms[2]
+    if p == 1:
+        t = a * L + e_pre + e_post
+        p2p = 0.0
+    else:
+        mean = (a * L + e_pre + e_post) / p
+        if cfg.schedule in V_SCHEDULES:
+            ends = a * v + e_pre + e_post
+        else:
+            ends = a * v + max(e_pre, e_post)
+        t = max(mean, ends)
+        p2p = 2 * v * collective_s("p2p", summary.layer_input_bytes, 2, stage_link(cluster, cfg.dp * cfg.tp))
+    return max(0.0, (cfg.m + pipeline_bubble_units(p, cfg.m, cfg.schedule, v)) * (t + p2p) * (1.0 - 1e-9))
 
 
 # ---- evaluation ------------------------------------------------------------------------------------
@@ -314,12 +372,18 @@ def evaluate(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profi
     all with ``all_stages``, else the first, the last and the slowest and heaviest by the affine
     model (the others can bind neither)."""
     p = cfg.pp
-    cuts, _ = choose_cuts(summary, cfg, profile, budget_bytes)
+    # the affine terms are computed once here and shared with choose_cuts and memory_lower_bound
+    # (the same pure functions of (summary, cfg) they would compute themselves)
+    terms = affine = None
+    if p > 1:
+        terms = _linear_terms(summary, cfg, profile)
+        affine = _memory_affine(summary, cfg, profile, terms[3], terms[4])
+    cuts, _ = choose_cuts(summary, cfg, profile, budget_bytes, terms, affine)
     if all_stages or p <= 2:
         ranks = list(range(p))
     else:
-        a, e_pre, e_post, rate, act = _linear_terms(summary, cfg, profile)
-        ks, cs = _memory_affine(summary, cfg, profile, rate, act)
+        a, e_pre, e_post, rate, act = terms
+        ks, cs = affine
         heavy = max(range(p), key=lambda r: ks[r] * cuts[r] + cs[r])
         holds = [rank_holds(cfg, r) for r in range(p)]
         slow = max(range(p), key=lambda r: a * cuts[r] + (e_pre if holds[r][0] else 0) + (e_post if holds[r][1] else 0))
@@ -341,7 +405,7 @@ def evaluate(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profi
                     optimizer_s=opt_s, total_s=total)
     heaviest = max(stages, key=lambda st: st.memory.total_bytes).memory
     if summary.is_lower_bound and p > 1:
-        heaviest = memory_lower_bound(summary, cfg, profile)
+        heaviest = memory_lower_bound(summary, cfg, profile, affine)
     return Evaluation(cfg, step, heaviest, tuple(stages), budget_bytes, tuple(cuts))
 
 

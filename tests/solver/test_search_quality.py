@@ -54,3 +54,25 @@ def test_lower_bounds_are_below_exact_evaluations():
                 ex = evaluate(r.solution.summary, cfg, CLUSTER, r.profile, r.budget_bytes)
                 assert lo.step.total_s <= ex.step.total_s * (1 + 1e-12)
                 assert lo.memory.total_bytes <= ex.memory.total_bytes
+
+
+def test_cheap_step_time_bound_is_below_the_table_bound_for_every_schedule():
+    """The search queues configurations by ``step_time_lower_bound`` before evaluating them on the
+    lower-bound tables; it must never exceed that evaluation (nor the exact one)."""
+    from autopar.solver.timing import step_time_lower_bound
+    r = free_result(None)
+    tabs = r.solution.tables
+    lb = lower_bound_summary(tabs)
+    for pp, sched, v in ((1, "1f1b", 1), (2, "1f1b", 1), (2, "gpipe", 1), (2, "interleaved_1f1b", 2),
+                         (2, "zbv", 2), (4, "1f1b", 1), (2, "interleaved_zb", 2)):
+        dp = 8 // (tabs.t * pp)
+        if dp < 1:
+            continue
+        for rc in ("none", "selective", "full"):
+            for zero in (0, 2, 3):
+                cfg = OuterConfig(tabs.t, pp, dp, tabs.mbs, max(2 * pp, 4), rc, zero, tabs.sp, sched, v)
+                cheap = step_time_lower_bound(lb, cfg, CLUSTER, r.profile)
+                lo = evaluate(lb, cfg, CLUSTER, r.profile, r.budget_bytes)
+                ex = evaluate(r.solution.summary, cfg, CLUSTER, r.profile, r.budget_bytes)
+                assert 0 < cheap <= lo.step.total_s, (cfg, cheap, lo.step.total_s)
+                assert step_time_lower_bound(r.solution.summary, cfg, CLUSTER, r.profile) <= ex.step.total_s
