@@ -183,7 +183,7 @@ class ParallelModel:
         self._loss_scale = parts.loss_scale
         self._forwards: dict[bool, tuple] = {}        # module.training -> (graph, executor)
         self._made: list[GraphExecutor] = []          # every executor, training's first
-        whole = parts.device_mesh
+        self.device_mesh = whole = parts.device_mesh   # the whole mesh; ``mesh`` is this rank's stage's
         self._recorder = CollectiveRecorder(self._log, {
             axis: tuple(dist.get_process_group_ranks(whole.get_group(axis))) for axis in whole.mesh_dim_names})
         self._pipeline: Optional[PipelineRunner] = None
@@ -212,6 +212,11 @@ class ParallelModel:
     def collectives(self) -> tuple[Collective, ...]:
         """Collectives this rank issued (DTensor's and autopar's own), oldest first."""
         return self._log.records
+
+    @property
+    def coordinates(self) -> dict[str, int]:
+        """This rank's index along each mesh axis, by name (``{"pp": 1, "dp": 0, "tp": 1}``)."""
+        return dict(zip(self.device_mesh.mesh_dim_names, self.device_mesh.get_coordinate()))
 
     def reset_collectives(self) -> None:
         self._log.clear()

@@ -24,8 +24,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.ir import GraphIR, NodeInfo
-from autopar.plan import Plan
+from typing import Optional
+
+from autopar.codegen.shards import local_ranges
+from autopar.ir import DTYPE_BYTES, GraphIR, NodeInfo
+from autopar.placements import Partial, Replicate
+from autopar.plan import Plan, stage_rank
 
 TARGET_KEY = "|target|0"
 
@@ -223,3 +227,46 @@ def _aten_op(target: str):
         return None
     packet = getattr(torch.ops.aten, parts[1], None)
     return getattr(packet, parts[2], None) if packet is not None else None
+
+
+def wire_placements(output: Optional[tuple], ndim_mesh: int) -> tuple:
+    """The placements a value crosses a stage boundary in (one per stage-mesh axis): the plan's
+    output placement, Replicate where it says "keep" (None) or Partial."""
+    want = output if output is not None else (None,) * ndim_mesh
+    return tuple(Replicate() if w is None or isinstance(w, Partial) else w for w in want)
+
+
+def expected_sends(graph: GraphIR, plan: Plan, cut: PipelineCut, program, coord: tuple[int, ...],
+                   pp_rank: int) -> list:
+    """The point-to-point sends one step costs the rank at stage-mesh coordinate ``coord`` and
+    pipeline coordinate ``pp_rank`` (``graph``: the micro-batch trace): per micro-batch, each of its
+    stages but the last sends its boundary values forward (this rank's shards), and each but the
+    first sends their gradients back (the same bytes, for the floating-point ones)."""
+    from autopar.codegen.expected import Collective
+    from autopar.mesh import PIPELINE
+
+    metas = {n.name: n.out for n in graph.nodes if n.outputs}
+    plans = {n.name: n for n in program.nodes}
+    mesh = program.mesh
+
+    def shard_bytes(name: str) -> int:
+        meta = metas[name]
+        pl = wire_placements(plans[name].output, len(mesh.axes))
+        ranges = local_ranges(meta.shape, pl, mesh.shape, coord)
+        n = 1
+        for a, b in ranges:
+            n *= b - a
+        return n * DTYPE_BYTES[meta.dtype]
+
+    floating = ("float64", "float32", "float16", "bfloat16")
+    last = len(cut.stages) - 1
+    out = []
+    for _ in range(plan.num_micro_batches):
+        for sc in cut.stages:
+            if stage_rank(plan.pipeline_schedule, plan.pp, sc.index) != pp_rank:
+                continue
+            if sc.index < last:
+                out.append(Collective("send", PIPELINE, sum(shard_bytes(x) for x in sc.send), "forward", "p2p"))
+            out += [Collective("send", PIPELINE, shard_bytes(x), "backward", "p2p")
+                    for x in sc.recv if metas[x].dtype in floating]
+    return out

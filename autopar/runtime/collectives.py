@@ -14,6 +14,7 @@ reduce_scatter the INPUT, all_to_all each rank's send buffer.
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -28,9 +29,9 @@ class CollectiveLog:
         self.phase = "setup"
         self._paused = 0
 
-    def add(self, kind: str, axis: str, nbytes: int, source: str) -> None:
+    def add(self, kind: str, axis: str, nbytes: int, source: str, phase: Optional[str] = None) -> None:
         if not self._paused:
-            self._records.append(Collective(kind, axis, int(nbytes), self.phase, source))
+            self._records.append(Collective(kind, axis, int(nbytes), phase or self.phase, source))
 
     @contextlib.contextmanager
     def paused(self):

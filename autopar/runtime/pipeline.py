@@ -37,7 +37,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from autopar.codegen.shards import local_ranges
-from autopar.placements import Partial, Replicate, to_torch
+from autopar.codegen.stages import wire_placements
+from autopar.placements import to_torch
 from autopar.plan import PIPELINE_SCHEDULES, stage_rank
 
 # plan.EXECUTED_SCHEDULES -> torch's class (tests/runtime/test_pipeline.py checks they agree)
@@ -46,13 +47,6 @@ SCHEDULES = {
     "1f1b": "Schedule1F1B",
     "interleaved_1f1b": "ScheduleInterleaved1F1B",
 }
-
-
-def wire_placements(output: Optional[tuple], ndim_mesh: int) -> tuple:
-    """The placements a value crosses a stage boundary in (one per stage-mesh axis): the plan's
-    output placement, Replicate where it says "keep" (None) or Partial."""
-    want = output if output is not None else (None,) * ndim_mesh
-    return tuple(Replicate() if w is None or isinstance(w, Partial) else w for w in want)
 
 
 class Wire:
@@ -88,9 +82,11 @@ class StageModule(nn.Module):
     values of ``send`` in order. ``wires[name]`` (a ``Wire``) converts a boundary value."""
 
     def __init__(self, index: int, run: Callable[[Sequence, dict], list], recv: Sequence[str],
-                 send: Sequence[str], wires: dict, on_send: Optional[Callable[[int], None]] = None) -> None:
+                 send: Sequence[str], wires: dict, last: int,
+                 on_send: Optional[Callable[[int, str], None]] = None) -> None:
         super().__init__()
         self.index = index
+        self._last = last                 # the last stage's index: its ``send`` goes to the loss, not P2P
         self._run = run
         self.recv = tuple(recv)
         self.send = tuple(send)
@@ -99,14 +95,23 @@ class StageModule(nn.Module):
 
     def forward(self, *args):
         if self.recv:
+            if self._on_send is not None:        # each received activation's gradient goes back
+                # (hooked on a fresh view: torch reuses its receive buffers from step to step)
+                args = tuple(a.view_as(a) if a.requires_grad else a for a in args)
+                for a in args:
+                    if a.requires_grad:
+                        a.register_hook(self._sent_back)
             seed = {name: self._wires[name].recv(a) for name, a in zip(self.recv, args)}
             outs = self._run((), seed)
         else:
             outs = self._run(args, {})
         sent = tuple(self._wires[name].send(v) for name, v in zip(self.send, outs))
-        if self._on_send is not None:
-            self._on_send(sum(t.numel() * t.element_size() for t in sent))
+        if self._on_send is not None and self.index < self._last:
+            self._on_send(sum(t.numel() * t.element_size() for t in sent), "forward")
         return sent
+
+    def _sent_back(self, grad: torch.Tensor) -> None:
+        self._on_send(grad.numel() * grad.element_size(), "backward")
 
 
 def make_schedule(name: str, stages: list, n_microbatches: int, loss_fn: Callable):
@@ -226,8 +231,8 @@ def build_pipeline(*, plan, cut, graph, program, device_mesh, stage_mesh, store,
         meta = metas[name]
         return torch.empty(meta.shape, dtype=getattr(torch, meta.dtype), device="meta")
 
-    def on_send(nbytes: int) -> None:
-        log.add("send", PIPELINE, nbytes, "p2p")
+    def on_send(nbytes: int, phase: str) -> None:
+        log.add("send", PIPELINE, nbytes, "p2p", phase)
 
     stages = []
     loss_ex = make_executor(frozenset(cut.loss), (cut.loss_output,)) if n_stages - 1 in mine else None
@@ -236,7 +241,7 @@ def build_pipeline(*, plan, cut, graph, program, device_mesh, stage_mesh, store,
         ex = make_executor(frozenset(sc.nodes), sc.send)
         wires = {name: wire(name) for name in sc.recv + sc.send}
         module = StageModule(s, lambda inputs, seed, ex=ex: ex.run(inputs, None, seed), sc.recv, sc.send,
-                             wires, on_send if s < n_stages - 1 else None)
+                             wires, n_stages - 1, on_send)
         # static metadata (input_args / output_args): torch's dynamic inference would run the stage
         # once more on the first micro-batch, updating BatchNorm statistics a second time
         ins = tuple(wires[n].example for n in sc.recv) if s else tuple(example(n) for n in cut.inputs)

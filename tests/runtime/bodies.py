@@ -80,6 +80,7 @@ def train_job(rank: int, world: int, job: dict) -> dict:
     sd = pm.full_state_dict()
     out = pm(data[STEPS][0]) if job.get("forward") else None
     res = {"losses": losses, "issued": issued, "coord": tuple(pm.mesh.get_coordinate()),
+           "pp_rank": pm.coordinates.get("pp", 0),
            "fallbacks": sorted(pm.fallbacks)}
     if rank == 0:
         res.update(sd=sd, grads=grads, out=out)
