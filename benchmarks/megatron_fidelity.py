@@ -67,7 +67,9 @@ def predict_row(row: dict, profile=None, mbs: Optional[int] = 1) -> FidelityRow:
     b = build_model(spec, batch=2)
     g = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target, model_name=spec)
     cluster = make_cluster("h100", n // 8)
-    force = f"tp={tp},pp={pp},dp={dp}" + (f",mbs={mbs}" if mbs else "")
+    # schedule=1f1b: the runs used Megatron's non-interleaved 1F1B (pp > 1), which the planner would
+    # otherwise be free to replace by an interleaved one
+    force = f"tp={tp},pp={pp},dp={dp}" + (f",mbs={mbs}" if mbs else "") + (",schedule=1f1b" if pp > 1 else "")
     plan = plan_model(g, cluster, global_batch=gb, seq_len=s, force=force, runtime=profile)
     mflops = megatron_model_flops(gb, s, L, h, V)
     pred = mflops / plan.step_time.total_s / n / 1e12

@@ -688,6 +688,14 @@ def solve(graph: GraphIR, cluster: ClusterSpec, *, global_batch: int, seq_len: O
         raise PlanningError(f"global_batch must be >= 1, got {global_batch}")
     world = cluster.num_gpus
     force = parse_force(force)
+    if any(b.traced > 1 for b in graph.blocks):
+        # a full trace (every layer traced) is one "layer" to the stage cut: pipelines are planned
+        # on the collapsed trace (trace_model's default), as autopar plan / autoparallelize do
+        if force.pp is not None and force.pp > 1:
+            raise PlanningError(f"pp={force.pp}: pipeline stages are planned on the trace with each repeated "
+                                "block traced once (trace_model(..., collapse_repeats=True), the default); "
+                                "this graph traces every layer")
+        force = replace(force, pp=1)
     _check_force(force, graph, world, global_batch)
     budget = float(memory_budget_bytes) if memory_budget_bytes is not None else default_budget_bytes(cluster)
     s = _Searcher(graph, cluster, global_batch, seq_len, dtype, budget, force, progress, runtime)
