@@ -52,7 +52,7 @@ from autopar.plan import Plan
 from autopar.runtime.collectives import Collective, CollectiveLog, CollectiveRecorder
 from autopar.runtime.init import init_rules
 from autopar.runtime.params import ParamStore
-from autopar.runtime.pipeline import PipelineRunner, build_pipeline, local_stages
+from autopar.runtime.pipeline import PipelineRunner, build_pipeline, forward_through_stages, local_stages
 from autopar.runtime.reducer import GradReducer
 from autopar.solver.forcing import Force, parse_force
 from autopar.runtime.world import (DEFAULT_TIMEOUT_S, PlanMismatchError, build_mesh, check_agreement,
@@ -183,6 +183,7 @@ class ParallelModel:
         self._loss_scale = parts.loss_scale
         self._forwards: dict[bool, tuple] = {}        # module.training -> (graph, executor)
         self._made: list[GraphExecutor] = []          # every executor, training's first
+        self._stage_executors: dict = {}              # forward-only pipeline parts, by (graph, part)
         self.device_mesh = whole = parts.device_mesh   # the whole mesh; ``mesh`` is this rank's stage's
         self._recorder = CollectiveRecorder(self._log, {
             axis: tuple(dist.get_process_group_ranks(whole.get_group(axis))) for axis in whole.mesh_dim_names})
@@ -311,9 +312,7 @@ class ParallelModel:
         as one process does)."""
         model = self._built_model()
         if self._pipeline is not None:
-            raise NotImplementedError("forward-only pm(inputs) under pipeline parallelism (pp > 1) is not "
-                                      "implemented yet; train with pm.step, and read the model with "
-                                      "pm.full_state_dict() into one process for inference")
+            return self._forward_pipeline(model, _tuple(inputs))
         if model.training not in self._forwards:
             from autopar.trace import trace_model
 
@@ -332,6 +331,29 @@ class ParallelModel:
                 rows = tuple(Shard(0) if a == DATA else Replicate() for a in self.mesh.mesh_dim_names)
                 out = DTensor.from_local(out, self.mesh, rows, run_check=False)
             return out.redistribute(out.device_mesh, _replicate(out)).to_local()
+
+    def _forward_pipeline(self, model: nn.Module, inputs: tuple) -> torch.Tensor:
+        """``pm(inputs)`` with pp > 1: the forward graph cut into the plan's stages, run in order."""
+        if model.training not in self._forwards:
+            from autopar.trace import trace_model
+
+            g = trace_model(model, tuple(x.to("cpu") if x.is_meta else x for x in inputs),
+                            collapse_repeats=False, model_name=self.plan.model_name)
+            program = dataclasses.replace(compile_program(g, self.plan), params=self.program.params)
+            self._forwards[model.training] = (g, program, cut_pipeline(g, self.plan))
+        graph, program, cut = self._forwards[model.training]
+        self._log.phase = "forward"
+        with self._recording():
+            return forward_through_stages(
+                plan=self.plan, cut=cut, graph=graph, program=program, device_mesh=self.device_mesh,
+                stage_mesh=self.mesh, inputs=inputs,
+                make_executor=lambda part, want: self._stage_executor(graph, program, part, want))
+
+    def _stage_executor(self, graph, program, part, want) -> GraphExecutor:
+        key = (id(graph), part)
+        if key not in self._stage_executors:
+            self._stage_executors[key] = self._executor(graph, program, part, want)
+        return self._stage_executors[key]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) parameters under the original module's names (tied names included),

@@ -18,7 +18,7 @@ Assignment, for the stages of ``plan.stages`` (each holds the repeated block's l
 A value made on stage s and read on stage t > s goes s -> s+1 -> ... -> t: ``torch.distributed.
 pipelining`` sends only between neighbouring stages, so stages in between pass it on. Stage k's
 ``recv`` lists what stage k-1 sends (its ``send``), in one order both sides agree on; the last
-stage's ``send`` is what the loss part reads.
+stage's ``send`` is what the loss part reads (in a forward-only graph: the model's output).
 """
 from __future__ import annotations
 
@@ -47,9 +47,9 @@ class StageCut:
 class PipelineCut:
     stages: tuple[StageCut, ...]
     loss: tuple[str, ...]          # the loss part's nodes (run on the last stage), graph order
-    loss_output: str               # the node whose value is the loss
+    loss_output: str               # the node whose value is the loss (forward only: the model output)
     inputs: tuple[str, ...]        # model-input placeholders (fed to stage 0), in input order
-    target: str                    # the target placeholder (fed to the loss part)
+    target: str                    # the target placeholder (fed to the loss part); "" forward only
 
     def params_of(self, graph: GraphIR, stage_indices) -> frozenset[str]:
         """Canonical names of the parameters the given stages read (the loss part counts as the
@@ -89,9 +89,10 @@ def cut_pipeline(graph: GraphIR, plan: Plan) -> PipelineCut:
     keys = {n.key: n for n in graph.nodes}
     inputs = [n for n in graph.nodes if n.kind == "input" and n.key != TARGET_KEY]
     target = next((n for n in graph.nodes if n.key == TARGET_KEY), None)
-    if target is None:
-        raise ValueError("pipeline execution needs the loss in the traced graph (pass loss_fn and a target)")
-    loss_keys = _reach(graph, {target.key})
+    out = next(n for n in graph.nodes if n.kind == "output")
+    # what reads the last stage's values: the loss part, or (a forward-only graph) the output
+    loss_keys = _reach(graph, {target.key}) if target is not None else set()
+    sink = loss_keys if target is not None else {out.key}
     dyn = _reach(graph, {n.key for n in inputs}) - loss_keys
     block_ops = [i for i, n in enumerate(graph.nodes) if n.block is not None and n.kind == "op"]
     first_block, last_block = block_ops[0], block_ops[-1]
@@ -164,8 +165,8 @@ def cut_pipeline(graph: GraphIR, plan: Plan) -> PipelineCut:
         if n.key not in home:
             continue
         s = home[n.key]
-        readers = [n_stages if u.key in loss_keys else home[u.key] for u in users[n.key]
-                   if u.key in loss_keys or u.key in home]
+        readers = [n_stages if u.key in sink else home[u.key] for u in users[n.key]
+                   if u.key in sink or u.key in home]
         if any(r < s for r in readers):
             raise ValueError(f"node {n.name} runs on stage {s} but an earlier stage reads it")
         for k in range(s, max(readers, default=s)):    # stage n_stages: the loss part
@@ -176,12 +177,14 @@ def cut_pipeline(graph: GraphIR, plan: Plan) -> PipelineCut:
         send = tuple(sorted(crossing[i], key=order.__getitem__))
         recv = tuple(sorted(crossing[i - 1], key=order.__getitem__)) if i else ()
         cuts.append(StageCut(i, tuple(runs[i]), recv, send))
-    out = next(n for n in graph.nodes if n.kind == "output")
-    loss_output = next((r.key for r in reversed(out.inputs) if r.key in loss_keys), None)
-    if loss_output is None:
-        raise ValueError("the graph's output does not depend on the target: no loss to pipeline")
+    if target is None:                      # forward only: the model's output, sent by the last stage
+        loss_output = out.inputs[-1].key
+    else:
+        loss_output = next((r.key for r in reversed(out.inputs) if r.key in loss_keys), None)
+        if loss_output is None:
+            raise ValueError("the graph's output does not depend on the target: no loss to pipeline")
     return PipelineCut(stages=tuple(cuts), loss=tuple(runs["loss"]), loss_output=keys[loss_output].name,
-                       inputs=tuple(n.name for n in inputs), target=target.name)
+                       inputs=tuple(n.name for n in inputs), target=target.name if target is not None else "")
 
 
 _MEAN_OPS = ("aten.mean.default", "aten.mean.dim")

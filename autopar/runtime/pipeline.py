@@ -292,3 +292,50 @@ def _pipeline_groups(device_mesh, pp_axis: int) -> list[list[int]]:
     """Every pipeline's global ranks in pp order (one per coordinate of the other axes)."""
     t = device_mesh.mesh.movedim(pp_axis, -1).reshape(-1, device_mesh.mesh.shape[pp_axis])
     return [row.tolist() for row in t]
+
+
+@torch.no_grad()
+def forward_through_stages(*, plan, cut, graph, program, device_mesh, stage_mesh, make_executor,
+                           inputs: tuple) -> torch.Tensor:
+    """Forward only (``pm(inputs)``): the stages of ``cut`` (a forward-only graph) one after another,
+    each rank running its own and passing the boundary values on with plain point-to-point sends;
+    the model output, full, on every rank of the pipeline."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate as TReplicate
+
+    from autopar.mesh import PIPELINE
+
+    pp, schedule = plan.pp, plan.pipeline_schedule
+    pp_group = device_mesh.get_group(PIPELINE)
+    pp_ranks = dist.get_process_group_ranks(pp_group)
+    me = device_mesh.get_local_rank(PIPELINE)
+    metas = {n.name: n.out for n in graph.nodes if n.outputs}
+    plans = {n.name: n for n in program.nodes}
+    ndim = stage_mesh.ndim
+    carried: list = []                              # what the previous stage sent, as local tensors
+    result = None
+    for sc in cut.stages:
+        holder = stage_rank(schedule, pp, sc.index)
+        prev = stage_rank(schedule, pp, sc.index - 1) if sc.index else None
+        wires = {n: Wire(stage_mesh, wire_placements(plans[n].output, ndim), metas[n].shape,
+                         getattr(torch, metas[n].dtype)) for n in sc.recv + sc.send}
+        if holder == me:
+            if sc.index and prev != me:
+                carried = [torch.empty(wires[n].example.shape, dtype=wires[n].example.dtype) for n in sc.recv]
+                for t in carried:
+                    dist.recv(t, src=pp_ranks[prev], group=pp_group)
+            ex = make_executor(frozenset(sc.nodes), sc.send)
+            seed = {n: wires[n].recv(t) for n, t in zip(sc.recv, carried)}
+            outs = ex.run(inputs if sc.index == 0 else (), None, seed)
+            carried = [wires[n].send(v) for n, v in zip(sc.send, outs)]
+            nxt = stage_rank(schedule, pp, sc.index + 1) if sc.index + 1 < len(cut.stages) else None
+            if nxt is not None and nxt != me:
+                for t in carried:
+                    dist.send(t.contiguous(), dst=pp_ranks[nxt], group=pp_group)
+            if nxt is None:
+                (value,) = outs
+                result = value.redistribute(value.device_mesh, tuple(TReplicate() for _ in value.placements)).to_local()
+    meta = metas[cut.loss_output]
+    out = result if result is not None else torch.empty(meta.shape, dtype=getattr(torch, meta.dtype))
+    dist.broadcast(out, src=pp_ranks[stage_rank(schedule, pp, len(cut.stages) - 1)], group=pp_group)
+    return out
