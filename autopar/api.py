@@ -26,6 +26,10 @@ The flow (order matters where noted):
   4. plan: the given Plan / file, or rank 0 solves and broadcasts       autopar.solver
   5. every rank: plan fits the world, all ranks agree (one all_gather)  runtime/world.py
   6. mesh (the plan's), program, parameters, reducer, optimizer        codegen/, runtime/
+  7. the execution graph is traced at one micro-batch when the plan has several (the step runs
+     them in turn, gradients accumulating); with pp > 1 it is cut into the plan's stages, this
+     rank's run as torch.distributed.pipelining stages under the plan's schedule
+     (codegen/stages.py, runtime/pipeline.py)
 """
 from __future__ import annotations
 
@@ -337,9 +341,13 @@ class ParallelModel:
         if model.training not in self._forwards:
             from autopar.trace import trace_model
 
-            g = trace_model(model, tuple(x.to("cpu") if x.is_meta else x for x in inputs),
-                            collapse_repeats=False, model_name=self.plan.model_name)
-            program = dataclasses.replace(compile_program(g, self.plan), params=self.program.params)
+            ex = tuple(x.to("cpu") if x.is_meta else x for x in inputs)
+            keys = None
+            if self.program.local_dp:                # traced at this rank's rows, as the training graph
+                ex = tuple(x[: x.shape[0] // self.program.mesh.size_of(DATA)] for x in ex)
+                keys = frozenset(n.key for n in self.program.nodes if n.dtensor)
+            g = trace_model(model, ex, collapse_repeats=False, model_name=self.plan.model_name)
+            program = dataclasses.replace(compile_program(g, self.plan, local_dp=keys), params=self.program.params)
             self._forwards[model.training] = (g, program, cut_pipeline(g, self.plan))
         graph, program, cut = self._forwards[model.training]
         self._log.phase = "forward"
@@ -640,7 +648,7 @@ def _build(s: _Setup, example_target: torch.Tensor) -> _Built:
     stage = plan_.stage_mesh
     mesh = device_mesh[tuple(stage.axes)] if plan_.pp > 1 else device_mesh
     dp, m = stage.size_of(DATA), plan_.num_micro_batches
-    local_keys = local_dp_nodes(graph, plan_) if s.dp_mode == "auto" and plan_.pp == 1 else None
+    local_keys = local_dp_nodes(graph, plan_, single=plan_.pp > 1) if s.dp_mode == "auto" else None
     local_dp = local_keys is not None
     loss_scale = 1.0
     if m > 1:

@@ -234,7 +234,7 @@ def _has_shape_literal(args) -> bool:
                for a in args)
 
 
-def local_dp_nodes(graph: GraphIR, plan: Plan) -> Optional[frozenset[str]]:
+def local_dp_nodes(graph: GraphIR, plan: Plan, *, single: bool = False) -> Optional[frozenset[str]]:
     """Local-dp mode: when the DATA axis is the only one of size > 1 (tp == 1), nodes whose DATA
     placement only carries the batch can run on plain tensors of the LOCAL batch (a graph traced at
     global_batch / dp: no DTensor dispatch, DDP's speed). Only nodes that reduce over the batch -- a
@@ -242,10 +242,11 @@ def local_dp_nodes(graph: GraphIR, plan: Plan) -> Optional[frozenset[str]]:
     (an exact mean, ignore_index counts). Returns those nodes' keys, or None when the plan does not
     allow the mode (another axis of size > 1; a node whose DATA output is Replicate although an
     input is Shard, i.e. a batch reduction DTensor would all-reduce mid-graph; a strategy without a
-    placement per axis; a batch not divisible by dp)."""
+    placement per axis; a batch not divisible by dp). ``single``: a stage mesh of one rank (dp == 1,
+    a pipeline stage) runs on plain tensors too, every node (nothing reduces across ranks)."""
     mesh = plan.stage_mesh
     dp = mesh.size_of(DATA)
-    if dp == 1 or mesh.size != dp or graph.batch_size % dp:
+    if (dp == 1 and not single) or mesh.size != dp or graph.batch_size % dp:
         return None
     di = axis_index(mesh, DATA)
     strategies = _strategies(plan)

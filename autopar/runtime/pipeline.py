@@ -50,26 +50,34 @@ SCHEDULES = {
 
 
 class Wire:
-    """DTensor <-> the local tensor sent between stages, for one boundary value."""
+    """DTensor <-> the local tensor sent between stages, for one boundary value. ``plain``: the
+    stage runs on plain tensors (local-dp mode: ``shape`` is already this rank's) and the value
+    crosses as it is."""
 
-    def __init__(self, mesh, placements: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def __init__(self, mesh, placements: tuple, shape: tuple[int, ...], dtype: torch.dtype,
+                 plain: bool = False) -> None:
         self.mesh = mesh
+        self.plain = plain
         self.placements = tuple(to_torch(p) for p in placements)
         self.shape = torch.Size(shape)
         self.stride = tuple(torch.empty(shape, device="meta").stride())
-        ranges = local_ranges(shape, placements, tuple(mesh.shape), tuple(mesh.get_coordinate()))
+        local = shape if plain else tuple(
+            b - a for a, b in local_ranges(shape, placements, tuple(mesh.shape), tuple(mesh.get_coordinate())))
         # what torch's PipelineStage is told it sends / receives (static metadata: no inference run)
-        self.example = torch.empty(tuple(b - a for a, b in ranges), dtype=dtype, device="meta",
-                                   requires_grad=dtype.is_floating_point)
+        self.example = torch.empty(local, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point)
 
     def send(self, v) -> torch.Tensor:
+        if self.plain and not isinstance(v, DTensor):
+            return v
         if not isinstance(v, DTensor):
             raise TypeError(f"a stage boundary value is {type(v).__name__}, expected a DTensor")
         if tuple(v.placements) != self.placements:
             v = v.redistribute(self.mesh, self.placements)
         return v.to_local()
 
-    def recv(self, local: torch.Tensor) -> DTensor:
+    def recv(self, local: torch.Tensor):
+        if self.plain:
+            return local
         return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape,
                                   stride=self.stride)
 
@@ -225,7 +233,8 @@ def build_pipeline(*, plan, cut, graph, program, device_mesh, stage_mesh, store,
 
     def wire(name: str) -> Wire:
         meta = metas[name]
-        return Wire(stage_mesh, wire_placements(plans[name].output, ndim), meta.shape, getattr(torch, meta.dtype))
+        return Wire(stage_mesh, wire_placements(plans[name].output, ndim), meta.shape, getattr(torch, meta.dtype),
+                    plain=program.local_dp and not plans[name].dtensor)
 
     def example(name: str) -> torch.Tensor:               # a model input: the whole micro-batch
         meta = metas[name]
@@ -257,8 +266,9 @@ def build_pipeline(*, plan, cut, graph, program, device_mesh, stage_mesh, store,
         output = output if isinstance(output, tuple) else (output,)
         seed = {name: last_wires[name].recv(t) for name, t in zip(cut.stages[-1].send, output)}
         (loss,) = loss_ex.run((), target, seed)
-        loss = loss.redistribute(loss.device_mesh, tuple(TReplicate() for _ in loss.placements))
-        return loss.to_local() * loss_scale
+        if isinstance(loss, DTensor):
+            loss = loss.redistribute(loss.device_mesh, tuple(TReplicate() for _ in loss.placements)).to_local()
+        return loss * loss_scale
 
     sched = make_schedule(schedule, stages, plan.num_micro_batches, loss_fn)
     # tied parameters: one group per set of pipeline ranks holding a parameter, made by every rank
@@ -301,9 +311,9 @@ def forward_through_stages(*, plan, cut, graph, program, device_mesh, stage_mesh
     each rank running its own and passing the boundary values on with plain point-to-point sends;
     the model output, full, on every rank of the pipeline."""
     import torch.distributed as dist
-    from torch.distributed.tensor import Replicate as TReplicate
+    from torch.distributed.tensor import Replicate as TReplicate, Shard as TShard
 
-    from autopar.mesh import PIPELINE
+    from autopar.mesh import DATA, PIPELINE
 
     pp, schedule = plan.pp, plan.pipeline_schedule
     pp_group = device_mesh.get_group(PIPELINE)
@@ -318,7 +328,8 @@ def forward_through_stages(*, plan, cut, graph, program, device_mesh, stage_mesh
         holder = stage_rank(schedule, pp, sc.index)
         prev = stage_rank(schedule, pp, sc.index - 1) if sc.index else None
         wires = {n: Wire(stage_mesh, wire_placements(plans[n].output, ndim), metas[n].shape,
-                         getattr(torch, metas[n].dtype)) for n in sc.recv + sc.send}
+                         getattr(torch, metas[n].dtype), plain=program.local_dp and not plans[n].dtensor)
+                 for n in sc.recv + sc.send}
         if holder == me:
             if sc.index and prev != me:
                 carried = [torch.empty(wires[n].example.shape, dtype=wires[n].example.dtype) for n in sc.recv]
@@ -334,8 +345,14 @@ def forward_through_stages(*, plan, cut, graph, program, device_mesh, stage_mesh
                     dist.send(t.contiguous(), dst=pp_ranks[nxt], group=pp_group)
             if nxt is None:
                 (value,) = outs
+                if not isinstance(value, DTensor):    # plain: this rank's batch rows
+                    value = DTensor.from_local(value, stage_mesh, tuple(
+                        TShard(0) if a == DATA else TReplicate() for a in stage_mesh.mesh_dim_names), run_check=False)
                 result = value.redistribute(value.device_mesh, tuple(TReplicate() for _ in value.placements)).to_local()
     meta = metas[cut.loss_output]
-    out = result if result is not None else torch.empty(meta.shape, dtype=getattr(torch, meta.dtype))
+    shape = list(meta.shape)
+    if program.local_dp and shape:                  # traced at this rank's rows: the full batch
+        shape[0] *= program.mesh.size_of(DATA)
+    out = result if result is not None else torch.empty(shape, dtype=getattr(torch, meta.dtype))
     dist.broadcast(out, src=pp_ranks[stage_rank(schedule, pp, len(cut.stages) - 1)], group=pp_group)
     return out
