@@ -129,9 +129,11 @@ def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFA
                          backend: str = "gloo", tp_rank: int = 0, dp_mode: str = "auto",
                          program: Optional[RankProgram] = None, fused: Collection[str] = ()) -> list[Collective]:
     """One step's collectives on a rank with TENSOR-axis coordinate ``tp_rank`` (``graph``: the FULL trace
-    at the global batch). ``dp_mode`` as ``autoparallelize``'s: in local-dp mode only the nodes
-    that reduce over the batch run on DTensors, so only their edges communicate. ``fused``: keys
-    of the nodes that ran through a fused kernel (``ParallelModel.fused_kernels``)."""
+    at one global micro-batch, i.e. the global batch when the plan has one). ``dp_mode`` as
+    ``autoparallelize``'s: in local-dp mode only the nodes that reduce over the batch run on
+    DTensors, so only their edges communicate. ``fused``: keys of the nodes that ran through a fused
+    kernel (``ParallelModel.fused_kernels``). With ``plan.num_micro_batches`` m > 1 what the graph
+    issues (its edges, the loss, ZeRO-3's gathers) happens m times, the reducer's once."""
     if program is None:
         program = compile_program(graph, plan, local_dp=local_dp_nodes(graph, plan) if dp_mode == "auto" else None)
     mesh = program.mesh
@@ -238,6 +240,8 @@ def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFA
                     add("all_reduce", ax, DTYPE_BYTES[loss.out.dtype], "backward")
 
     # ---- ZeRO and the reducer ----
+    per_run = out                                  # issued by every micro-batch's forward and backward
+    out = []
     dp = mesh.size_of(DATA)
     if dp > 1:
         tp = mesh.size_of(TENSOR)
@@ -254,9 +258,9 @@ def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFA
                         scopes.add((u.param_name or u.key, region_of.get(n.key)))
             for name, region in scopes:
                 nb = lay[name].padded_numel(dp) * DTYPE_BYTES[lay[name].dtype]
-                add("all_gather", di, nb, "forward", "zero")
+                per_run.append(Collective("all_gather", axes[di], int(nb), "forward", "zero"))
                 if region is not None:
-                    add("all_gather", di, nb, "backward", "zero")
+                    per_run.append(Collective("all_gather", axes[di], int(nb), "backward", "zero"))
         for bucket in plan_buckets(layouts, bucket_bytes):
             if program.zero_stage in (0, 1):
                 add("all_reduce", di, bucket_comm_bytes(layouts, bucket, dp, "all_reduce"), "step", "reducer")
@@ -264,7 +268,7 @@ def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFA
                 add("reduce_scatter", di, bucket_comm_bytes(layouts, bucket, dp, "reduce_scatter"), "step", "reducer")
             if program.zero_stage in (1, 2):
                 add("all_gather", di, bucket_comm_bytes(layouts, bucket, dp, "all_gather"), "step", "zero")
-    return out
+    return per_run * plan.num_micro_batches + out
 
 
 def _ce_reduction(n: NodeInfo) -> int:
