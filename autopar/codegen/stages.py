@@ -86,6 +86,10 @@ def cut_pipeline(graph: GraphIR, plan: Plan) -> PipelineCut:
     for st in stages:
         for layer in range(st.first_layer, st.last_layer):
             layer_stage[layer] = st.index
+    layers = {n.layer_id for n in graph.nodes if n.block is not None}
+    if max(layer_stage) >= len(layers):
+        raise ValueError(f"the plan's stages hold layers 0..{max(layer_stage)}, the model has {len(layers)}; "
+                         "re-plan for this model")
     keys = {n.key: n for n in graph.nodes}
     inputs = [n for n in graph.nodes if n.kind == "input" and n.key != TARGET_KEY]
     target = next((n for n in graph.nodes if n.key == TARGET_KEY), None)
@@ -117,8 +121,8 @@ def cut_pipeline(graph: GraphIR, plan: Plan) -> PipelineCut:
             continue
         if n.block is not None:
             if n.layer_id not in layer_stage:
-                raise ValueError(f"layer {n.layer_id} of {n.block} is in no stage of the plan "
-                                 f"(stages cover layers {sorted(layer_stage)[:1]}..{max(layer_stage)})")
+                raise ValueError(f"layer {n.layer_id} of {n.block} is in no stage of the plan (its stages "
+                                 f"cover layers 0..{max(layer_stage)}); re-plan for this model")
             home[n.key] = layer_stage[n.layer_id]
         elif n.target == "getitem" and n.inputs and n.inputs[0].key in home:
             home[n.key] = home[n.inputs[0].key]
