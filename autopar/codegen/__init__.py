@@ -8,6 +8,8 @@ the runtime).
     fused.py, fused_args.py, fused_regions.py, patterns.py, vocab_ce.py
                   fused-kernel substitution (single ops and multi-node regions), vocab-parallel CE
     causal_check.py  constant attention masks too large to fold at trace time, checked on step 1
+    stages.py     the pipeline cut: each stage's nodes, what crosses each boundary, the loss part;
+                  the point-to-point sends a step should issue
     expected.py   the collectives a step should issue, from Plan + GraphIR
     buckets.py    gradient buckets and ZeRO row chunks (shared by the reducer and the predictor)
     shards.py     which slice of a full tensor a mesh coordinate holds

@@ -1,11 +1,13 @@
 """Runtime: the world (process groups, mesh, plan checks), parameters and ZeRO, the bucketed
-gradient reducer, deterministic init, collective logs, and launching CPU ranks.
+gradient reducer, pipeline schedules, deterministic init, collective logs, and launching CPU ranks.
 
     world.py        init_world / build_mesh / check_agreement (timeouts everywhere)
     params.py       ParamStore: tp-local storage, ZeRO row shards, parameters as DTensors
     reducer.py      GradReducer: bucketed, overlapped all-reduce / reduce-scatter over dp
     init.py         counter-based init of any shard; materialize(module_on_meta, seed)
     collectives.py  Collective records and the recorder of DTensor's collectives
+    pipeline.py     the plan's stages as torch.distributed.pipelining stages under its schedule;
+                    tied parameters summed over pp; forward-only passes through the stages
     launch.py       spawn_ranks (N gloo ranks, fail fast); ``autopar run`` is ``autopar/cli_run.py``
 """
 from autopar.runtime.init import materialize
