@@ -23,7 +23,7 @@ The flow (order matters where noted):
   1. join the world (or start a one-process one) with timeouts        runtime/world.py
   2. check --force degrees against the world size (before any work)
   3. trace the FULL graph with the loss                                 autopar.trace
-  4. plan: the given Plan / file, or rank 0 solves and broadcasts       autopar.solver
+  4. plan: the given Plan / file, or rank 0 solves and broadcasts       autopar/planning.py
   5. every rank: plan fits the world, all ranks agree (one all_gather)  runtime/world.py
   6. mesh (the plan's), program, parameters, reducer, optimizer        codegen/, runtime/
   7. the execution graph is traced at one micro-batch when the plan has several (the step runs
@@ -37,7 +37,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import warnings
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -47,18 +46,23 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES
-from autopar.codegen.executor import GraphExecutor, edge
+from autopar.codegen.edges import edge
+from autopar.codegen.executor import GraphExecutor
 from autopar.codegen.fused import FusedKernels, fused_kernels
 from autopar.codegen.program import RankProgram, compile_program, local_dp_nodes
 from autopar.codegen.stages import PipelineCut, cut_pipeline, loss_reduction
-from autopar.mesh import DATA, PIPELINE, TENSOR
+from autopar.mesh import DATA, PIPELINE
 from autopar.plan import Plan
+from autopar.planning import solve_on_rank0
+from autopar.runtime.buffers import module_buffers
 from autopar.runtime.collectives import Collective, CollectiveLog, CollectiveRecorder
+from autopar.runtime.failures import peer_failures
 from autopar.runtime.init import init_rules
 from autopar.runtime.params import ParamStore
 from autopar.runtime.pipeline import PipelineRunner, build_pipeline, forward_through_stages, local_stages
 from autopar.runtime.reducer import GradReducer
-from autopar.solver.forcing import Force, parse_force
+from autopar.solver.forcing import Force, check_world, parse_force
+from autopar.trace.random_ops import random_ops
 from autopar.runtime.world import (DEFAULT_TIMEOUT_S, PlanMismatchError, build_mesh, check_agreement,
                                    init_world, runtime_mesh, world_size_message)
 
@@ -71,87 +75,12 @@ class RandomOpsWarning(UserWarning):
     """The traced graph has random ops: they draw from per-rank streams, not one process's."""
 
 
-class RankCommunicationError(RuntimeError):
-    """A collective failed: another rank died, diverged or stalled past the timeout."""
-
-
-_PEER_FAILURE_WORDS = ("timed out", "connection closed", "connection reset", "broken pipe", "timeout")
-
-
-@contextlib.contextmanager
-def peer_failures(what: str, timeout_s: float):
-    """Re-raise a backend's low-level peer failure with what autopar was doing and why."""
-    try:
-        yield
-    except RuntimeError as e:
-        first = (str(e).strip().splitlines() or [""])[0]
-        if isinstance(e, RankCommunicationError) or not any(w in first.lower() for w in _PEER_FAILURE_WORDS):
-            raise
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        raise RankCommunicationError(
-            f"rank {rank}: {what} failed: another rank died, diverged or did not answer within "
-            f"{timeout_s:g} s (timeout_s). Check the other ranks' errors. Backend: {first}") from e
-
-
 def _tuple(x) -> tuple:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
 def _is_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
-
-
-def check_force(force: Force, world: int) -> None:
-    """Forced degrees must divide the world (and multiply to it when all are given). The degrees
-    are the mesh roles (``autopar.mesh``), which ``--force`` names as they are."""
-    roles = (DATA, TENSOR, PIPELINE)
-    for name in roles:
-        v = getattr(force, name)
-        if v is not None and world % v:
-            raise ValueError(f"--force {name}={v} does not divide the world size {world}; choose a "
-                             f"divisor of {world}")
-    given = {name: getattr(force, name) for name in roles}
-    if all(v is not None for v in given.values()) and math.prod(given.values()) != world:
-        product = " * ".join(f"{name}({v})" for name, v in given.items())
-        raise ValueError(f"--force {product} != WORLD_SIZE({world})")
-
-
-def _default_cluster(device_type: str, world: int):
-    from autopar.cost.hardware import GPU_NAMES, resolve_cluster
-
-    if device_type == "cuda":
-        name = torch.cuda.get_device_name().lower()
-        gpu = next((g for g in GPU_NAMES if g.split("-")[0] in name), "h100")
-        return resolve_cluster(gpu, nodes=1, gpus_per_node=world)
-    return resolve_cluster("cpu", nodes=1, gpus_per_node=world)
-
-
-def _solve_on_rank0(model, inputs, loss_fn, target, cluster, force: Force, device_type: str,
-                    model_name: str) -> Plan:
-    """Rank 0 plans; every rank receives the plan JSON (or rank 0's error, raised everywhere)."""
-    payload: list = [None]
-    if dist.get_rank() == 0:
-        try:
-            from autopar.cost.hardware import resolve_cluster
-            from autopar.solver import plan_model
-            from autopar.trace import trace_model
-
-            world = dist.get_world_size()
-            spec = (_default_cluster(device_type, world) if cluster is None
-                    else resolve_cluster(cluster, nodes=1, gpus_per_node=world) if isinstance(cluster, str)
-                    else cluster)
-            g = trace_model(model, inputs, loss_fn=loss_fn, example_target=target, model_name=model_name)
-            seq = inputs[0].shape[1] if inputs[0].dim() >= 2 else None
-            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-            p = plan_model(g, spec, global_batch=inputs[0].shape[0], seq_len=seq, dtype=dtype, force=force)
-            payload = [("plan", p.to_json())]
-        except Exception as e:  # sent to every rank and re-raised there, not swallowed
-            payload = [("error", f"{type(e).__name__}: {e}")]
-    dist.broadcast_object_list(payload, src=0)
-    kind, text = payload[0]
-    if kind == "error":
-        raise RuntimeError(f"planning failed on rank 0: {text}")
-    return Plan.from_json(text)
 
 
 class ParallelModel:
@@ -293,7 +222,8 @@ class ParallelModel:
         m = self.plan.num_micro_batches
         rows = _batch_rows(inputs, targets)
         if rows % m:
-            raise ValueError(f"the batch of {rows} rows does not split into the plan's {m} micro-batches")
+            raise ValueError(f"the batch of {rows} rows does not split into the plan's {m} micro-batches; pass "
+                             f"batches of the example's {self.plan.global_batch} rows")
         xs = list(zip(*(x.chunk(m) for x in inputs))) if m > 1 else [inputs]
         ys = targets.chunk(m) if m > 1 else [targets]
         total = torch.zeros(())
@@ -448,70 +378,17 @@ class ParallelModel:
         return user[0]
 
 
-def _schema_args(node, op) -> dict[str, Any]:
-    """The node's arguments by schema name, defaults filled in."""
-    out = {}
-    for i, a in enumerate(op._schema.arguments):
-        if i < len(node.args) and not a.kwarg_only:
-            out[a.name] = node.args[i]
-        elif a.name in node.kwargs:
-            out[a.name] = node.kwargs[a.name]
-        elif a.has_default_value():
-            out[a.name] = a.default_value
-    return out
-
-
-def random_ops(fx_graph) -> dict[str, int]:
-    """Random ops of an exported graph (ATen's ``nondeterministic_seeded`` tag: dropout, rand,
-    randn, bernoulli, normal, multinomial, ...) -> count; a dropout (or SDPA) with p == 0 or
-    train=False draws nothing and is left out."""
-    found: dict[str, int] = {}
-    for n in fx_graph.nodes:
-        t = n.target
-        if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
-            continue
-        if torch.Tag.nondeterministic_seeded not in t.tags:
-            continue
-        name = str(t)
-        args = _schema_args(n, t)
-        if args.get("p", args.get("dropout_p")) == 0 or args.get("train") is False:
-            continue                  # dropout (or attention dropout) that draws nothing
-        found[name.removeprefix("aten.")] = found.get(name.removeprefix("aten."), 0) + 1
-    return found
-
-
 def _batch_rows(inputs: tuple, target: torch.Tensor) -> int:
     """The batch size (leading dim) every input and the target share."""
     rows = {x.shape[0] for x in inputs if x.dim()} | ({target.shape[0]} if target.dim() else set())
     if len(rows) != 1:
-        raise ValueError(f"the inputs and the target disagree on the batch size (leading dims {sorted(rows)})")
+        raise ValueError(f"the inputs and the target disagree on the batch size (leading dims {sorted(rows)}); "
+                         "give every input and the target the same leading (batch) dim")
     return rows.pop()
 
 
 def _replicate(t) -> tuple:
     return tuple(Replicate() for _ in t.placements)
-
-
-def _buffers(model: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every buffer of ``model`` on ``device`` (copies: the user's module is left as it is). A
-    module whose buffers were built on the meta device regenerates them if it defines
-    ``init_buffers(device) -> {local name: tensor}`` (computed tables such as RoPE's cos/sin; as
-    torchtitan's ``init_weights(buffer_device)``); any other meta buffer is an error."""
-    out: dict[str, torch.Tensor] = {}
-    for prefix, mod in model.named_modules():
-        local = {n: b for n, b in mod.named_buffers(recurse=False) if b is not None}
-        if any(b.is_meta for b in local.values()) and hasattr(mod, "init_buffers"):
-            fresh = mod.init_buffers(device)
-            local.update({n: fresh[n].to(dtype=b.dtype) for n, b in local.items() if n in fresh})
-        for n, b in local.items():
-            name = f"{prefix}.{n}" if prefix else n
-            if b.is_meta:
-                raise ValueError(f"buffer {name!r} is on the meta device and its module "
-                                 f"({type(mod).__name__}) defines no init_buffers(device) to "
-                                 "regenerate it; build the model's buffers on the CPU, or define "
-                                 "init_buffers(device) -> {name: tensor} on that module")
-            out.setdefault(name, b.detach().to(device).clone())
-    return out
 
 
 def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequence[torch.Tensor]], *,
@@ -599,7 +476,7 @@ def _setup(model, example_inputs, loss_fn, optimizer, cluster, force, plan, seed
     fused = fused_kernels(kernels, device_type)
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     force_ = parse_force(force)
-    check_force(force_, world)
+    check_world(force_, world)
     return _Setup(model, _tuple(example_inputs), loss_fn,
                   optimizer or (lambda params: torch.optim.AdamW(params, lr=3e-4)), cluster, force_, plan,
                   seed, timeout_s, bucket_bytes, model_name, dp_mode, kernels, fused, device_type, device, rank,
@@ -636,7 +513,7 @@ def _build(s: _Setup, example_target: torch.Tensor) -> _Built:
     graph = trace_model(model, inputs, loss_fn=loss_fn, example_target=example_target,
                         collapse_repeats=False, model_name=model_name)
     if s.plan is None:
-        plan_ = _solve_on_rank0(model, inputs, loss_fn, example_target, s.cluster, s.force, s.device_type,
+        plan_ = solve_on_rank0(model, inputs, loss_fn, example_target, s.cluster, s.force, s.device_type,
                                 model_name)
     else:
         plan_ = Plan.load(s.plan) if isinstance(s.plan, str) else s.plan
@@ -677,7 +554,7 @@ def _build(s: _Setup, example_target: torch.Tensor) -> _Built:
                                      init_rules(model), s.seed, local_dp)
     else:
         store = ParamStore.from_module(program.params, mesh, plan_.zero_stage, clog, s.device, model, local_dp)
-    buffers = _buffers(model, s.device)
+    buffers = module_buffers(model, s.device)
     opt = s.optimizer(store.optimizer_params())
     if hasattr(opt, "set_shard_groups"):          # per-tensor norms over shards (optim.LAMB)
         opt.set_shard_groups(store.shard_groups())

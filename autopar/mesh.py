@@ -15,11 +15,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 PIPELINE = "pp"   # pipeline stages (outermost: a stage's ranks are contiguous)
 DATA = "dp"       # data parallel: the batch dim, gradient reduction, ZeRO shards
 TENSOR = "tp"     # tensor parallel (Megatron 1-D; sequence parallel shares it)
 ROLES = (PIPELINE, DATA, TENSOR)
+
+
+def axis_position(axes, role: str) -> Optional[int]:
+    """Position of the axis named ``role`` among ``axes`` (a ``Mesh``'s, or a DeviceMesh's
+    ``mesh_dim_names``); None when there is no such axis."""
+    axes = tuple(axes or ())
+    return axes.index(role) if role in axes else None
 
 
 @dataclass(frozen=True)

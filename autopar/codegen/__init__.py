@@ -3,7 +3,9 @@ stage mesh (``autopar.mesh.Mesh``: named axes, found by role name; codegen impor
 the runtime).
 
     program.py    plan -> per-node placements, parameters, recompute regions, strided QKV, local-dp
-    executor.py   the interpreter over the exported graph (edges, fallbacks, checkpoint regions)
+    executor.py   the interpreter over the exported graph (fallbacks, checkpoint regions, stage parts)
+    edges.py      a value moved between placements, autograd-correct (the resharding on every edge)
+    writes.py     which operands an op writes in place (BatchNorm statistics, counters)
     fallback.py   ops DTensor has no rule for, run on local tensors
     fused.py, fused_args.py, fused_regions.py, patterns.py, vocab_ce.py
                   fused-kernel substitution (single ops and multi-node regions), vocab-parallel CE

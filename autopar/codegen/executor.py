@@ -6,7 +6,7 @@ output placement if DTensor produced another one, and plain tensors (factories s
 ``arange``) become replicated DTensors. Parameters enter through ``ParamStore.use`` in each scope
 that reads them (the main graph, or a recompute region).
 
-Gradients. ``edge`` is an autograd function: forward redistributes producer -> consumer placement;
+Gradients. ``edge`` (``edges.py``) is an autograd function: forward redistributes producer -> consumer placement;
 backward redistributes the gradient to the producer's output placement (Partial read as
 Replicate), which is the solver's cost model (``solver/reshard.py``). Edges into a Replicate input
 are wrapped even when nothing moves forward, because the consumer may hand back a Partial gradient
@@ -53,108 +53,22 @@ from typing import Any, Optional, Sequence
 
 import torch
 from torch import fx
-from torch.distributed.tensor import DTensor, Replicate as TReplicate, Shard as TShard
+from torch.distributed.tensor import DTensor, Replicate as TReplicate
 
 from autopar.codegen import fallback
 from autopar.codegen.causal_check import RuntimeCausalMasks
+from autopar.codegen.edges import edge, release_masks, resolve, resolve_placements
 from autopar.codegen.fused import FusedKernels
 from autopar.codegen.patterns import Match, find_fusions, node_inputs
 from autopar.codegen.program import NodePlan, Placements, Region, RankProgram, axis_index
 from autopar.codegen.shards import contiguous_stride, local_ranges, slice_of
+from autopar.codegen.writes import is_view, local_of, same_storage, whole_of, written_args, written_root
 from autopar.codegen.vocab_ce import (VOCAB_CE_TARGET, VocabParallelCE, ce_arg, class_sharded_on_tp,
                                       vocab_parallel_ce)
 from autopar.mesh import DATA, TENSOR
 from autopar.placements import Partial, Replicate, Shard, to_torch
 
 log = logging.getLogger("autopar.codegen")
-
-
-# ---- edges ------------------------------------------------------------------------------------
-
-def _grad_placements(placements) -> tuple:
-    return tuple(TReplicate() if p.is_partial() else p for p in placements)
-
-
-class _Edge(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, target, keep_partial_axes):
-        ctx.back = _grad_placements(x.placements)
-        ctx.keep = keep_partial_axes
-        if tuple(x.placements) == tuple(target):
-            return x.view_as(x)
-        return redistribute(x, target)
-
-    @staticmethod
-    def backward(ctx, g):
-        back = tuple(have if i in ctx.keep and have.is_partial() else want
-                     for i, (have, want) in enumerate(zip(g.placements, ctx.back)))
-        if tuple(g.placements) != back:
-            g = g.redistribute(g.device_mesh, back)
-        return g, None, None
-
-
-def _release_masks(out) -> None:
-    """A probe's output is thrown away unreduced, so release the mask a masked-Partial placement
-    (the vocab-sharded embedding lookup) materialized; otherwise the next call with other indices
-    finds it still held ("MaskBuffer has been materialized with conflicting data")."""
-    for t in torch.utils._pytree.tree_leaves(out):
-        if isinstance(t, DTensor):
-            for p in t.placements:
-                buf = getattr(p, "mask_buffer", None)
-                if buf is not None and buf.data is not None:
-                    buf.release_mask()
-
-
-def redistribute(x: DTensor, target: tuple) -> DTensor:
-    """``x.redistribute`` that also turns Replicate into Partial(sum) (each rank holds 1/n of the
-    value: a bias added after a row-parallel matmul), which DTensor keeps internal."""
-    mesh = x.device_mesh
-    to_partial = [i for i, p in enumerate(target) if p.is_partial() and not x.placements[i].is_partial()]
-    if not to_partial:
-        return x.redistribute(mesh, target)
-    first = tuple(TReplicate() if i in to_partial else p for i, p in enumerate(target))
-    if tuple(x.placements) != first:
-        x = x.redistribute(mesh, first)
-    local = x.to_local()
-    for i in to_partial:
-        local = local / mesh.size(i)
-    return DTensor.from_local(local, mesh, target, run_check=False, shape=x.shape, stride=x.stride())
-
-
-def resolve(x: DTensor, want: Optional[Placements]) -> tuple:
-    """The torch placements ``want`` asks of ``x`` (None entries keep x's; a plan Partial accepts
-    any Partial x already has)."""
-    return resolve_placements(tuple(x.placements), x.ndim, want)
-
-
-def resolve_placements(have: tuple, ndim: int, want: Optional[Placements]) -> tuple:
-    """``resolve`` for a value of ``ndim`` dims that has torch placements ``have``."""
-    if want is None:
-        return have
-    out = []
-    for h, w in zip(have, want):
-        if w is None or (isinstance(w, Partial) and h.is_partial()):
-            out.append(h)
-        elif isinstance(w, Shard) and w.dim < 0:
-            out.append(TShard(w.dim + ndim))
-        else:
-            out.append(to_torch(w))
-    return tuple(out)
-
-
-def edge(x: DTensor, target: tuple, keep_partial_axes: tuple[int, ...] = ()) -> DTensor:
-    """``x`` in ``target`` placements; see the module docstring for the backward. A gradient that
-    is Partial on an axis of ``keep_partial_axes`` stays Partial (a parameter's summand on dp is
-    reduced by the bucketed reducer, not here)."""
-    same = tuple(x.placements) == target
-    if not (x.requires_grad and torch.is_grad_enabled()):
-        return x if same else redistribute(x, target)
-    mesh = x.device_mesh
-    guard = any(isinstance(p, TReplicate) and mesh.size(i) > 1 and i not in keep_partial_axes
-                for i, p in enumerate(target))
-    if same and not guard:
-        return x
-    return _Edge.apply(x, target, keep_partial_axes)
 
 
 def _dtensors(args, kwargs) -> list:
@@ -169,58 +83,6 @@ class _ParamRef:
 
     def __init__(self, name: str) -> None:
         self.name = name
-
-
-# ---- in-place writes --------------------------------------------------------------------------
-
-_aten = torch.ops.aten
-# composite ops that update running statistics in training mode although their schema marks no
-# argument as written: (positions of running_mean, running_var), position of the training flag
-_RUNNING_STATS = {_aten.batch_norm.default: ((3, 4), 5), _aten.instance_norm.default: ((3, 4), 5)}
-
-
-def written_args(node: fx.Node) -> tuple[int, ...]:
-    """Positions of ``node.args`` the op writes in place: the schema's ``Tensor(a!)`` arguments,
-    and the running statistics of batch / instance norm in training mode."""
-    t = node.target
-    if not isinstance(t, torch._ops.OpOverload):
-        return ()
-    if t in _RUNNING_STATS:
-        pos, flag = _RUNNING_STATS[t]
-        return pos if len(node.args) > flag and node.args[flag] is True else ()
-    return tuple(i for i, a in enumerate(t._schema.arguments)
-                 if i < len(node.args) and a.alias_info is not None and a.alias_info.is_write)
-
-
-def _is_view(node: fx.Node) -> bool:
-    t = node.target
-    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or not node.args:
-        return False
-    rets = t._schema.returns
-    return bool(rets) and rets[0].alias_info is not None and not rets[0].alias_info.is_write
-
-
-def written_root(node: fx.Node) -> tuple[fx.Node, bool]:
-    """The node whose storage a write to ``node`` lands in (through view ops), and whether
-    ``node`` is that node itself."""
-    root = node
-    while _is_view(root) and isinstance(root.args[0], fx.Node):
-        root = root.args[0]
-    return root, root is node
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _whole(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``a`` is all of ``b`` (the same elements in the same memory)."""
-    return (_same_storage(a, b) and a.data_ptr() == b.data_ptr() and a.shape == b.shape
-            and a.stride() == b.stride())
-
-
-def _local(v) -> torch.Tensor:
-    return v._local_tensor if isinstance(v, DTensor) else v
 
 
 # ---- the executor ----------------------------------------------------------------------------
@@ -369,7 +231,7 @@ class GraphExecutor:
                         found.append((i, p.param_name, direct))
                     # the value that is written, as the region receives it from outside
                     v = a
-                    while v.name in inside and _is_view(v) and isinstance(v.args[0], fx.Node):
+                    while v.name in inside and is_view(v) and isinstance(v.args[0], fx.Node):
                         v = v.args[0]
                     if v.name not in inside:
                         read_written.add(v.name)
@@ -388,11 +250,11 @@ class GraphExecutor:
             buf, v = self.buffers[name], args[i]
             if not isinstance(v, torch.Tensor):
                 continue
-            local = _local(v)
-            if _whole(local, buf):
+            local = local_of(v)
+            if whole_of(local, buf):
                 continue
             if not direct:
-                if _same_storage(local, buf) and (not isinstance(v, DTensor) or
+                if same_storage(local, buf) and (not isinstance(v, DTensor) or
                                                   all(p.is_replicate() for p in v.placements)):
                     continue                       # a view of the full buffer: written through
                 raise NotImplementedError(
@@ -626,7 +488,7 @@ class GraphExecutor:
                          for i, a in enumerate(args))
         try:
             with torch.no_grad(), self.log_paused():
-                _release_masks(node.target(*args, **kwargs))
+                release_masks(node.target(*args, **kwargs))
         except NotImplementedError as e:
             if "sharding strategy" not in str(e) and "sharding propagation" not in str(e):
                 raise

@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from autopar.ir import GraphIR, NodeInfo
-from autopar.mesh import DATA, TENSOR, Mesh
+from autopar.mesh import DATA, TENSOR, Mesh, axis_position
 from autopar.placements import Partial, Placement, Replicate, Shard
 from autopar.plan import NodeStrategy, Plan
 
@@ -108,7 +108,7 @@ def base_key(key: str) -> str:
 
 def axis_index(mesh: Mesh, role: str) -> Optional[int]:
     """Position of the axis named ``role`` in ``mesh`` (None: the mesh has no such axis)."""
-    return mesh.axes.index(role) if role in mesh.axes else None
+    return axis_position(mesh.axes, role)
 
 
 def on_axis(placements: Optional[Placements], i: Optional[int], default=None):

@@ -80,7 +80,8 @@ def cut_pipeline(graph: GraphIR, plan: Plan) -> PipelineCut:
         raise ValueError("the plan lists no stages")
     blocks = {n.block for n in graph.nodes if n.block is not None}
     if len(blocks) != 1:
-        raise ValueError(f"a pipeline cut needs one repeated block, this graph has {len(blocks)}")
+        raise ValueError(f"a pipeline cut needs one repeated block, this graph has {len(blocks)}; "
+                         "re-plan with --force pp=1")
     n_stages = len(stages)
     layer_stage = {}
     for st in stages:

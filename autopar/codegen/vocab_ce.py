@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch.distributed.tensor import DTensor, Partial as TPartial, Replicate as TReplicate, Shard as TShard
 
-from autopar.mesh import TENSOR
+from autopar.mesh import TENSOR, axis_position
 
 VOCAB_CE_TARGET = "aten.cross_entropy_loss.default"
 
@@ -24,8 +24,7 @@ def ce_arg(args, kwargs, i: int, name: str, default):
 
 def tensor_axis(mesh) -> Optional[int]:
     """Position of the TENSOR axis in a DeviceMesh (by name; None: the mesh has none)."""
-    names = tuple(mesh.mesh_dim_names or ())
-    return names.index(TENSOR) if TENSOR in names else None
+    return axis_position(mesh.mesh_dim_names, TENSOR)
 
 
 def class_sharded_on_tp(x, mesh) -> bool:

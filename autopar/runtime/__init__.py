@@ -5,6 +5,8 @@ gradient reducer, pipeline schedules, deterministic init, collective logs, and l
     params.py       ParamStore: tp-local storage, ZeRO row shards, parameters as DTensors
     reducer.py      GradReducer: bucketed, overlapped all-reduce / reduce-scatter over dp
     init.py         counter-based init of any shard; materialize(module_on_meta, seed)
+    buffers.py      the module's buffers on this rank's device (meta buffers regenerated)
+    failures.py     a peer's failure re-raised with what autopar was doing
     collectives.py  Collective records and the recorder of DTensor's collectives
     pipeline.py     the plan's stages as torch.distributed.pipelining stages under its schedule;
                     tied parameters summed over pp; forward-only passes through the stages

@@ -33,7 +33,7 @@ from torch import nn
 from autopar.codegen.buckets import ParamLayout
 from autopar.codegen.program import ParamPlan
 from autopar.codegen.shards import chunk_range, contiguous_stride, local_ranges, slice_of
-from autopar.mesh import DATA, TENSOR
+from autopar.mesh import DATA, TENSOR, axis_position
 from autopar.placements import Replicate, Shard, to_torch
 from autopar.runtime.collectives import CollectiveLog
 from autopar.runtime.init import InitRule, generate
@@ -57,8 +57,7 @@ class ParamSlot:
 
 def mesh_axis(mesh, role: str) -> Optional[int]:
     """Position of the axis named ``role`` in a DeviceMesh (None: it has no such axis)."""
-    names = tuple(mesh.mesh_dim_names or ())
-    return names.index(role) if role in names else None
+    return axis_position(mesh.mesh_dim_names, role)
 
 
 @dataclass

@@ -222,19 +222,12 @@ def build_pipeline(*, plan, cut, graph, program, device_mesh, stage_mesh, store,
 
     pp, schedule = plan.pp, plan.pipeline_schedule
     n_stages = len(cut.stages)
-    pp_axis = device_mesh.mesh_dim_names.index(PIPELINE)
-    pp_rank = device_mesh.get_local_rank(pp_axis)
+    pp_rank = device_mesh.get_local_rank(PIPELINE)
     pp_group = device_mesh.get_group(PIPELINE)
     pp_ranks = dist.get_process_group_ranks(pp_group)
     mine = local_stages(pp_rank, pp, n_stages, schedule)
     metas = {n.name: n.out for n in graph.nodes if n.outputs}
-    plans = {n.name: n for n in program.nodes}
-    ndim = stage_mesh.ndim
-
-    def wire(name: str) -> Wire:
-        meta = metas[name]
-        return Wire(stage_mesh, wire_placements(plans[name].output, ndim), meta.shape, getattr(torch, meta.dtype),
-                    plain=program.local_dp and not plans[name].dtensor)
+    wire = _wires(graph, program, stage_mesh)
 
     def example(name: str) -> torch.Tensor:               # a model input: the whole micro-batch
         meta = metas[name]
@@ -280,7 +273,7 @@ def build_pipeline(*, plan, cut, graph, program, device_mesh, stage_mesh, store,
     me = dist.get_rank()
     for holders in sorted(set(tied_sets.values())):
         names = sorted(n for n, h in tied_sets.items() if h == holders and n in store.by_name)
-        for group_ranks in _pipeline_groups(device_mesh, pp_axis):
+        for group_ranks in plan.mesh.groups(PIPELINE):      # the DeviceMesh's layout (build_mesh)
             ranks = [group_ranks[h] for h in holders]
             g = dist.new_group(ranks=ranks, timeout=timeout)
             if me in ranks:
@@ -298,10 +291,16 @@ def build_pipeline(*, plan, cut, graph, program, device_mesh, stage_mesh, store,
                           owner)
 
 
-def _pipeline_groups(device_mesh, pp_axis: int) -> list[list[int]]:
-    """Every pipeline's global ranks in pp order (one per coordinate of the other axes)."""
-    t = device_mesh.mesh.movedim(pp_axis, -1).reshape(-1, device_mesh.mesh.shape[pp_axis])
-    return [row.tolist() for row in t]
+def _wires(graph, program, stage_mesh) -> Callable[[str], Wire]:
+    """``wire(name)``: the ``Wire`` of a boundary value of ``graph`` under ``program``."""
+    metas = {n.name: n.out for n in graph.nodes if n.outputs}
+    plans = {n.name: n for n in program.nodes}
+
+    def wire(name: str) -> Wire:
+        meta, p = metas[name], plans[name]
+        return Wire(stage_mesh, wire_placements(p.output, stage_mesh.ndim), meta.shape, getattr(torch, meta.dtype),
+                    plain=program.local_dp and not p.dtensor)
+    return wire
 
 
 @torch.no_grad()
@@ -320,17 +319,14 @@ def forward_through_stages(*, plan, cut, graph, program, device_mesh, stage_mesh
     pp_ranks = dist.get_process_group_ranks(pp_group)
     me = device_mesh.get_local_rank(PIPELINE)
     metas = {n.name: n.out for n in graph.nodes if n.outputs}
-    plans = {n.name: n for n in program.nodes}
-    ndim = stage_mesh.ndim
+    wire = _wires(graph, program, stage_mesh)
     carried: list = []                              # what the previous stage sent, as local tensors
     result = None
     for sc in cut.stages:
         holder = stage_rank(schedule, pp, sc.index)
         prev = stage_rank(schedule, pp, sc.index - 1) if sc.index else None
-        wires = {n: Wire(stage_mesh, wire_placements(plans[n].output, ndim), metas[n].shape,
-                         getattr(torch, metas[n].dtype), plain=program.local_dp and not plans[n].dtensor)
-                 for n in sc.recv + sc.send}
         if holder == me:
+            wires = {n: wire(n) for n in sc.recv + sc.send}
             if sc.index and prev != me:
                 carried = [torch.empty(wires[n].example.shape, dtype=wires[n].example.dtype) for n in sc.recv]
                 for t in carried:

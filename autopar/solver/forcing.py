@@ -3,12 +3,14 @@
 ``schedule=NAME`` pins the pipeline schedule (``plan.PIPELINE_SCHEDULES``: gpipe, 1f1b,
 interleaved_1f1b, interleaved_zb, zbv, dualpipev) and ``vpp=K`` the stages per pipeline rank
 (virtual stages). Whether they fit the model and the other degrees is checked by the search
-(``search._check_force``)."""
+(``configs.check_force``)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Optional
 
+from autopar.mesh import DATA, PIPELINE, TENSOR
 from autopar.plan import OFFLOAD_CHOICES, PIPELINE_SCHEDULES, RECOMPUTE_CHOICES
 
 _INT_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "mbs": "micro_batch_size", "zero": "zero_stage",
@@ -84,3 +86,18 @@ def parse_force(spec: "str | dict | Force | None") -> Force:
             known = sorted(list(_INT_KEYS) + ["recompute", "offload", "sp", "schedule"])
             raise ValueError(f"--force: unknown key {k!r}; known keys: {', '.join(known)}")
     return Force(**out)
+
+
+def check_world(force: Force, world: int) -> None:
+    """Forced degrees must divide the world (and multiply to it when all are given). The degrees
+    are the mesh roles (``autopar.mesh``), which ``--force`` names as they are."""
+    roles = (DATA, TENSOR, PIPELINE)
+    for name in roles:
+        v = getattr(force, name)
+        if v is not None and world % v:
+            raise ValueError(f"--force {name}={v} does not divide the world size {world}; choose a "
+                             f"divisor of {world}")
+    given = {name: getattr(force, name) for name in roles}
+    if all(v is not None for v in given.values()) and math.prod(given.values()) != world:
+        product = " * ".join(f"{name}({v})" for name, v in given.items())
+        raise ValueError(f"--force {product} != WORLD_SIZE({world})")

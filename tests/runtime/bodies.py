@@ -2,6 +2,7 @@
 single-process reference they are compared with."""
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from typing import Optional
 
@@ -47,13 +48,24 @@ def sgd(params):
 LLAMA_TINY = "llama:hidden=64,layers=2,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16"
 
 
-def build(meta: bool, spec: str = "gpt-tiny"):
+def build(meta: bool, spec: str = "gpt-tiny", rows: int = BATCH):
     from autopar.models import build_model
 
     if meta:
-        return build_model(spec, device="meta", batch=BATCH)
+        return build_model(spec, device="meta", batch=rows)
     torch.manual_seed(0)
-    return build_model(spec, device="cpu", batch=BATCH)
+    return build_model(spec, device="cpu", batch=rows)
+
+
+@functools.lru_cache(maxsize=None)
+def full_trace(rows: int, spec: str = "gpt-tiny"):
+    """``spec`` traced with every layer (what the runtime executes) at a batch of ``rows``: one
+    micro-batch's graph, from which a plan's collectives and sends are predicted."""
+    from autopar.trace import trace_model
+
+    b = build(False, spec, rows)
+    return trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
+                       collapse_repeats=False, model_name=spec)
 
 
 def batches(b, n: int = STEPS):

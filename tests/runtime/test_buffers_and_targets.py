@@ -116,7 +116,7 @@ def test_random_ops_skip_attention_and_dropout_that_draw_nothing():
     import torch
     import torch.nn.functional as F
 
-    from autopar.api import random_ops
+    from autopar.trace.random_ops import random_ops
 
     class Attn(torch.nn.Module):
         def __init__(self, p):

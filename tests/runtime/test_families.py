@@ -13,7 +13,7 @@ import pytest
 
 from autopar.codegen.expected import expected_collectives
 from autopar.runtime.launch import spawn_ranks
-from bodies import check_against_reference, check_collectives, reference, train_jobs
+from bodies import check_against_reference, full_trace, check_collectives, reference, train_jobs
 from handplans import hand_plan
 
 pytestmark = pytest.mark.slow
@@ -79,21 +79,9 @@ def _check(name, graph, results, plan, spec):
     kw = {k: spec[k] for k in ("bucket_bytes", "dp_mode") if k in spec}
     assert (plan.num_micro_batches > 1) == ("micro_batches" in name), (name, plan.num_micro_batches)
     if plan.num_micro_batches > 1:                 # predicted from one micro-batch's trace
-        graph = _micro_batch_graph(plan.global_batch // plan.num_micro_batches)
+        graph = full_trace(plan.global_batch // plan.num_micro_batches)
     check_collectives(results, lambda tp_rank: expected_collectives(graph, plan, tp_rank=tp_rank, **kw))
 
-
-@functools.lru_cache(maxsize=None)
-def _micro_batch_graph(rows: int):
-    import torch
-
-    from autopar.models import build_model
-    from autopar.trace import trace_model
-
-    torch.manual_seed(0)
-    b = build_model("gpt-tiny", device="cpu", batch=rows)
-    return trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
-                       collapse_repeats=False, model_name="gpt-tiny")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES_2))

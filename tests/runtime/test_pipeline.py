@@ -18,7 +18,7 @@ from autopar.models import build_model
 from autopar.runtime.launch import spawn_ranks
 from autopar.solver import plan_model
 from autopar.trace import trace_model
-from bodies import BATCH, LLAMA_TINY, RTOL_OUT, STEPS, _amax, check_training, reference, train_jobs
+from bodies import BATCH, LLAMA_TINY, full_trace, RTOL_OUT, STEPS, _amax, check_training, reference, train_jobs
 from handplans import hand_plan
 
 pytestmark = pytest.mark.slow
@@ -110,9 +110,7 @@ def _predicted_sends(spec: str, plan, coord: tuple, pp_rank: int) -> list:
     from autopar.codegen.program import compile_program
     from autopar.codegen.stages import cut_pipeline, expected_sends
 
-    b = build_model(spec, device="cpu", batch=BATCH // plan.num_micro_batches)     # one micro-batch
-    graph = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
-                        collapse_repeats=False)
+    graph = full_trace(BATCH // plan.num_micro_batches, spec)                     # one micro-batch
     return expected_sends(graph, plan, cut_pipeline(graph, plan), compile_program(graph, plan), coord, pp_rank)
 
 

@@ -5,7 +5,6 @@ time and run in one 4-rank launch; each must match the single-process run within
 the predicted collectives (predicted from one micro-batch's trace where the solver picked several)."""
 from __future__ import annotations
 
-import functools
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -14,7 +13,7 @@ from autopar.codegen.expected import expected_collectives
 from autopar.cost.hardware import resolve_cluster
 from autopar.solver.forcing import Force
 from autopar.runtime.launch import spawn_ranks
-from bodies import BATCH, check_against_reference, check_collectives, reference, train_jobs
+from bodies import BATCH, check_against_reference, full_trace, check_collectives, reference, train_jobs
 from handplans import hand_plan
 
 pytestmark = pytest.mark.slow
@@ -43,24 +42,12 @@ def _plan(graph, c):
                      family=c["family"])
 
 
-@functools.lru_cache(maxsize=None)
-def _graph(rows: int = BATCH):
-    import torch
-
-    from autopar.models import build_model
-    from autopar.trace import trace_model
-
-    torch.manual_seed(0)
-    b = build_model("gpt-tiny", device="cpu", batch=rows)
-    return trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
-                       collapse_repeats=False, model_name="gpt-tiny")
-
 
 @settings(max_examples=2, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(configs(), min_size=3, max_size=3, unique_by=lambda c: tuple(sorted(c.items()))))
 def test_random_forced_plans(cs):
-    tiny_full = _graph()
+    tiny_full = full_trace(BATCH)
     plans = [_plan(tiny_full, c) for c in cs]
     jobs = [{"plan": p.to_json(), "meta": c["meta"], "seed": 11} for p, c in zip(plans, cs)]
     per_rank = spawn_ranks(train_jobs, WORLD, (jobs,), timeout_s=60)
@@ -68,7 +55,7 @@ def test_random_forced_plans(cs):
         results = [per_rank[r][i] for r in range(WORLD)]
         try:
             check_against_reference(results, reference(c["meta"], 11))
-            graph = tiny_full if plan.num_micro_batches == 1 else _graph(BATCH // plan.num_micro_batches)
+            graph = full_trace(BATCH // plan.num_micro_batches)
             check_collectives(results, lambda tp_rank: expected_collectives(graph, plan, tp_rank=tp_rank))
         except AssertionError as e:
             raise AssertionError(f"config {c}: {e}") from e

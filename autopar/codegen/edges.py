@@ -1,0 +1,102 @@
+"""Edges: a value moved from its producer's placements to a consumer's, autograd-correct.
+
+``edge(x, target)`` redistributes forward; backward redistributes the gradient to the producer's
+output placement (Partial read as Replicate), the solver's cost model (``solver/reshard.py``).
+Edges into a Replicate input are wrapped even when nothing moves forward, because the consumer may
+hand back a Partial gradient (Megatron's "f"): the all-reduce then happens on that edge.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate as TReplicate, Shard as TShard
+
+from autopar.codegen.program import Placements
+from autopar.placements import Partial, Shard, to_torch
+
+
+def _grad_placements(placements) -> tuple:
+    return tuple(TReplicate() if p.is_partial() else p for p in placements)
+
+
+class _Edge(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, target, keep_partial_axes):
+        ctx.back = _grad_placements(x.placements)
+        ctx.keep = keep_partial_axes
+        if tuple(x.placements) == tuple(target):
+            return x.view_as(x)
+        return redistribute(x, target)
+
+    @staticmethod
+    def backward(ctx, g):
+        back = tuple(have if i in ctx.keep and have.is_partial() else want
+                     for i, (have, want) in enumerate(zip(g.placements, ctx.back)))
+        if tuple(g.placements) != back:
+            g = g.redistribute(g.device_mesh, back)
+        return g, None, None
+
+
+def release_masks(out) -> None:
+    """A probe's output is thrown away unreduced, so release the mask a masked-Partial placement
+    (the vocab-sharded embedding lookup) materialized; otherwise the next call with other indices
+    finds it still held ("MaskBuffer has been materialized with conflicting data")."""
+    for t in torch.utils._pytree.tree_leaves(out):
+        if isinstance(t, DTensor):
+            for p in t.placements:
+                buf = getattr(p, "mask_buffer", None)
+                if buf is not None and buf.data is not None:
+                    buf.release_mask()
+
+
+def redistribute(x: DTensor, target: tuple) -> DTensor:
+    """``x.redistribute`` that also turns Replicate into Partial(sum) (each rank holds 1/n of the
+    value: a bias added after a row-parallel matmul), which DTensor keeps internal."""
+    mesh = x.device_mesh
+    to_partial = [i for i, p in enumerate(target) if p.is_partial() and not x.placements[i].is_partial()]
+    if not to_partial:
+        return x.redistribute(mesh, target)
+    first = tuple(TReplicate() if i in to_partial else p for i, p in enumerate(target))
+    if tuple(x.placements) != first:
+        x = x.redistribute(mesh, first)
+    local = x.to_local()
+    for i in to_partial:
+        local = local / mesh.size(i)
+    return DTensor.from_local(local, mesh, target, run_check=False, shape=x.shape, stride=x.stride())
+
+
+def resolve(x: DTensor, want: Optional[Placements]) -> tuple:
+    """The torch placements ``want`` asks of ``x`` (None entries keep x's; a plan Partial accepts
+    any Partial x already has)."""
+    return resolve_placements(tuple(x.placements), x.ndim, want)
+
+
+def resolve_placements(have: tuple, ndim: int, want: Optional[Placements]) -> tuple:
+    """``resolve`` for a value of ``ndim`` dims that has torch placements ``have``."""
+    if want is None:
+        return have
+    out = []
+    for h, w in zip(have, want):
+        if w is None or (isinstance(w, Partial) and h.is_partial()):
+            out.append(h)
+        elif isinstance(w, Shard) and w.dim < 0:
+            out.append(TShard(w.dim + ndim))
+        else:
+            out.append(to_torch(w))
+    return tuple(out)
+
+
+def edge(x: DTensor, target: tuple, keep_partial_axes: tuple[int, ...] = ()) -> DTensor:
+    """``x`` in ``target`` placements; see the module docstring for the backward. A gradient that
+    is Partial on an axis of ``keep_partial_axes`` stays Partial (a parameter's summand on dp is
+    reduced by the bucketed reducer, not here)."""
+    same = tuple(x.placements) == target
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return x if same else redistribute(x, target)
+    mesh = x.device_mesh
+    guard = any(isinstance(p, TReplicate) and mesh.size(i) > 1 and i not in keep_partial_axes
+                for i, p in enumerate(target))
+    if same and not guard:
+        return x
+    return _Edge.apply(x, target, keep_partial_axes)

@@ -1,0 +1,47 @@
+"""Planning for the running world (``autoparallelize`` without a plan): rank 0 traces and solves,
+every rank receives the plan as JSON (or rank 0's error, raised on every rank alike)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from autopar.plan import Plan
+from autopar.solver.forcing import Force
+
+
+def _default_cluster(device_type: str, world: int):
+    from autopar.cost.hardware import GPU_NAMES, resolve_cluster
+
+    if device_type == "cuda":
+        name = torch.cuda.get_device_name().lower()
+        gpu = next((g for g in GPU_NAMES if g.split("-")[0] in name), "h100")
+        return resolve_cluster(gpu, nodes=1, gpus_per_node=world)
+    return resolve_cluster("cpu", nodes=1, gpus_per_node=world)
+
+
+def solve_on_rank0(model, inputs, loss_fn, target, cluster, force: Force, device_type: str,
+                    model_name: str) -> Plan:
+    """Rank 0 plans; every rank receives the plan JSON (or rank 0's error, raised everywhere)."""
+    payload: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            from autopar.cost.hardware import resolve_cluster
+            from autopar.solver import plan_model
+            from autopar.trace import trace_model
+
+            world = dist.get_world_size()
+            spec = (_default_cluster(device_type, world) if cluster is None
+                    else resolve_cluster(cluster, nodes=1, gpus_per_node=world) if isinstance(cluster, str)
+                    else cluster)
+            g = trace_model(model, inputs, loss_fn=loss_fn, example_target=target, model_name=model_name)
+            seq = inputs[0].shape[1] if inputs[0].dim() >= 2 else None
+            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+            p = plan_model(g, spec, global_batch=inputs[0].shape[0], seq_len=seq, dtype=dtype, force=force)
+            payload = [("plan", p.to_json())]
+        except Exception as e:  # sent to every rank and re-raised there, not swallowed
+            payload = [("error", f"{type(e).__name__}: {e}")]
+    dist.broadcast_object_list(payload, src=0)
+    kind, text = payload[0]
+    if kind == "error":
+        raise RuntimeError(f"planning failed on rank 0: {text}")
+    return Plan.from_json(text)

@@ -1,0 +1,228 @@
+"""The outer search space: the configurations (tp, pp, dp, micro-batch, ZeRO, recompute, sequence
+parallel, pipeline schedule and stages per rank) the forced choices allow, and a one-line
+``PlanningError`` for forced choices that cannot work (``check_force``) or leave no configuration
+(``no_config_error``). ``search.py`` evaluates what ``outer_configs`` lists."""
+from __future__ import annotations
+
+from autopar.cost.flops import pipeline_schedule_problem
+from autopar.ir import GraphIR
+from autopar.plan import V_SCHEDULES
+from autopar.solver.errors import PlanningError
+from autopar.solver.forcing import Force
+from autopar.solver.timing import OuterConfig
+
+# Largest stages per rank the search tries unless vpp is forced: each doubling halves the
+# interleaved bubble but doubles the stage-to-stage traffic, and each v tried adds configurations.
+MAX_FREE_VPP = 4
+RECOMPUTES = ("none", "selective", "full")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _pow2_divisors(n: int) -> list[int]:
+    out, d = [], 1
+    while d <= n:
+        if n % d == 0:
+            out.append(d)
+        d *= 2
+    return out
+
+
+# ---- model facts used to validate forced choices ------------------------------------------------
+
+def model_dims(graph: GraphIR) -> dict:
+    """Attention heads (from SDPA's query), hidden size (last dim of the block's input), layers."""
+    nodes = {n.key: n for n in graph.nodes}
+    heads = hidden = None
+    for n in graph.nodes:
+        if "scaled_dot_product_attention" in n.target and n.inputs:
+            q = nodes[n.inputs[0].key].outputs[0]
+            if len(q.shape) == 4:
+                heads = q.shape[1]
+        if hidden is None and n.block is not None and n.kind == "op" and n.inputs:
+            src = nodes.get(n.inputs[0].key)
+            if src is not None and src.block is None and src.outputs and len(src.out.shape) >= 2:
+                hidden = src.out.shape[-1]
+    layers = graph.blocks[0].count if len(graph.blocks) == 1 else 1
+    return {"heads": heads, "hidden": hidden, "layers": layers}
+
+
+def check_force(force: Force, graph: GraphIR, world: int, global_batch: int) -> None:
+    dims = model_dims(graph)
+    if force.offload not in (None, "none"):
+        raise PlanningError(f"offload={force.offload} is not modelled by this planner yet; drop --force offload")
+    for name, v in (("tp", force.tp), ("pp", force.pp), ("dp", force.dp)):
+        if v is not None and world % v:
+            raise PlanningError(f"{name}={v} does not divide the {world} GPUs of the cluster")
+    if force.tp is not None and force.tp > 1:
+        if dims["heads"] and dims["heads"] % force.tp:
+            raise PlanningError(f"tp={force.tp} does not divide the {dims['heads']} attention heads; "
+                                f"use a tp that divides {dims['heads']}")
+        if dims["hidden"] and dims["hidden"] % force.tp:
+            raise PlanningError(f"tp={force.tp} does not divide the hidden size {dims['hidden']}")
+    if force.pp is not None and force.pp > 1:
+        if len(graph.blocks) != 1:
+            raise PlanningError(f"pp={force.pp} needs one repeated block to cut into stages; "
+                                f"this model has {len(graph.blocks)}")
+        if dims["layers"] < force.pp:
+            raise PlanningError(f"pp={force.pp} needs >= {force.pp} layers (one per stage) but the model has "
+                                f"{dims['layers']}; use pp <= {dims['layers']}")
+    _check_degree_product(force, world, dims["layers"], len(graph.blocks) == 1, global_batch)
+    _check_schedule_force(force, world, dims["layers"], len(graph.blocks) == 1, global_batch)
+    if force.dp is not None and global_batch % force.dp:
+        raise PlanningError(f"dp={force.dp} does not divide the global batch {global_batch}")
+    if force.sequence_parallel and force.tp == 1:
+        raise PlanningError("sequence parallelism needs tp > 1 (it shards the sequence over the tp group)")
+
+
+def _check_degree_product(force: Force, world: int, layers: int, has_block: bool, global_batch: int) -> None:
+    """The forced degrees multiply to the world, or leave a whole, usable degree for the free axis."""
+    given = {n: v for n, v in (("dp", force.dp), ("tp", force.tp), ("pp", force.pp)) if v is not None}
+    if len(given) < 2:
+        return
+    prod = 1
+    for v in given.values():
+        prod *= v
+    shown = " * ".join(f"{n}({v})" for n, v in given.items())
+    if len(given) == 3:
+        if prod != world:
+            raise PlanningError(f"Invalid parallel dims: {shown} = {prod} != WORLD_SIZE({world}); "
+                                f"choose degrees whose product is {world}")
+        return
+    free = next(n for n in ("dp", "tp", "pp") if n not in given)
+    if world % prod:
+        raise PlanningError(f"Invalid parallel dims: {shown} = {prod} does not divide WORLD_SIZE({world}), "
+                            f"so no {free} completes them; choose degrees whose product divides {world}")
+    rest = world // prod
+    if free == "pp" and rest > 1 and (not has_block or layers < rest):
+        why = (f"the {layers} layers do not fill {rest} stages of >= 1 layer" if has_block
+               else "this model has no repeated block to cut into stages")
+        raise PlanningError(f"Invalid parallel dims: {shown} = {prod} leaves pp = {world} / {prod} = {rest}, "
+                            f"but {why}; force degrees whose product is {world}")
+    if free == "dp" and global_batch % rest:
+        raise PlanningError(f"{shown} = {prod} leaves dp = {world} / {prod} = {rest}, which does not divide "
+                            f"the global batch {global_batch}; use a batch divisible by {rest} or other degrees")
+
+
+def _check_schedule_force(force: Force, world: int, layers: int, has_block: bool, global_batch: int) -> None:
+    """A forced schedule / vpp that cannot work: one line saying what to change."""
+    sched, v = force.schedule, force.virtual_stages
+    if sched is None and v is None:
+        return
+    pinned = ",".join(x for x in (f"schedule={sched}" if sched else "", f"vpp={v}" if v else "") if x)
+    if force.pp == 1 or (force.pp is None and world == 1) or not has_block:
+        if sched in (None, "1f1b") and v in (None, 1):
+            return
+        why = "this model has no repeated block to cut into stages" if not has_block else "pp=1 has no pipeline"
+        raise PlanningError(f"{pinned} needs a pipeline (pp > 1) but {why}; drop {pinned} or force pp > 1")
+    if sched is not None and v is not None:
+        if sched in ("gpipe", "1f1b") and v != 1:
+            raise PlanningError(f"schedule={sched} runs one stage per rank: vpp={v} needs schedule=interleaved_1f1b "
+                                f"or interleaved_zb (or drop vpp)")
+        if sched in V_SCHEDULES and v != 2:
+            raise PlanningError(f"schedule={sched} runs exactly 2 stages per rank; use vpp=2 (or drop vpp)")
+        if sched.startswith("interleaved") and v < 2:
+            raise PlanningError(f"schedule={sched} needs vpp >= 2 stages per rank; use schedule=1f1b for vpp=1")
+    need = (v or (2 if sched and sched not in ("gpipe", "1f1b") else 1)) * (force.pp or 2)
+    if need > layers:
+        raise PlanningError(f"{pinned} with pp={force.pp or 2} needs {need} stages of >= 1 layer but the model has "
+                            f"{layers} layers; use a smaller pp or vpp")
+    if force.pp and force.pp > 1 and force.dp and sched:
+        m = force.num_micro_batches or (global_batch // force.dp // force.micro_batch_size
+                                        if force.micro_batch_size and global_batch % (force.dp * force.micro_batch_size) == 0
+                                        else None)
+        vs = [v] if v else ([1] if sched in ("gpipe", "1f1b") else [2])
+        why = pipeline_schedule_problem(sched, force.pp, vs[0], m, layers) if m else None
+        if why:
+            raise PlanningError(why)
+
+
+def _schedules(force: Force, pp: int, layers: int) -> list[tuple[str, int]]:
+    """(schedule, stages per rank) candidates for pp ranks (forced ones only, when forced)."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    # v: powers of two up to MAX_FREE_VPP dividing the layers per rank (an even split of each rank's
+    # share); a forced vpp may be any value with pp * vpp <= layers (the cut is then uneven).
+    vs = []
+    v = 2
+    while v <= MAX_FREE_VPP and pp * v <= layers and (layers // pp) % v == 0:
+        vs.append(v)
+        v *= 2
+    # gpipe only when forced: it has 1f1b's bubble and holds m >= min(pp - r, m) micro-batches on
+    # every rank with the same cut, so 1f1b is never slower and never larger (exact pruning).
+    out = [("1f1b", 1)] + ([("gpipe", 1)] if force.schedule == "gpipe" else [])
+    out += [("interleaved_1f1b", v) for v in vs]
+    # the zero-bubble schedules only when forced: they are planned but not executed yet
+    # (plan.EXECUTED_SCHEDULES); a free plan must run
+    if force.schedule == "interleaved_zb":
+        out += [("interleaved_zb", v) for v in vs]
+    # dualpipev: torch 2.13 runs its overlapped F&B one after the other, so it has zbv's bubble,
+    # needs m >= 2 pp and holds one more chunk per rank (never better than zbv)
+    if 2 * pp <= layers and force.schedule in ("zbv", "dualpipev"):
+        out += [(force.schedule, 2)]
+    if force.virtual_stages is not None and force.virtual_stages not in vs + [1]:
+        out += [(s, force.virtual_stages) for s in ("interleaved_1f1b", "interleaved_zb")]
+    return [(s, v) for s, v in out if (force.schedule is None or s == force.schedule)
+            and (force.virtual_stages is None or v == force.virtual_stages)]
+
+
+# ---- enumeration ----------------------------------------------------------------------------------
+
+def outer_configs(force: Force, world: int, layers: int, has_block: bool, global_batch: int) -> list[OuterConfig]:
+    tps = [force.tp] if force.tp else _divisors(world)
+    pps = [force.pp] if force.pp else [p for p in _divisors(world) if p <= layers and (has_block or p == 1)]
+    out = []
+    for tp in tps:
+        for pp in pps:
+            if world % (tp * pp):
+                continue
+            dp = world // (tp * pp)
+            if (force.dp and dp != force.dp) or global_batch % dp:
+                continue
+            per_replica = global_batch // dp
+            if force.micro_batch_size:
+                mbss = [force.micro_batch_size]
+            elif force.num_micro_batches:
+                mbss = [per_replica // force.num_micro_batches] if per_replica % force.num_micro_batches == 0 else []
+            else:
+                mbss = _pow2_divisors(per_replica)
+            for mbs in mbss:
+                if per_replica % mbs:
+                    continue
+                m = per_replica // mbs
+                if force.num_micro_batches and m != force.num_micro_batches:
+                    continue
+                scheds = [sv for sv in _schedules(force, pp, layers)
+                          if pipeline_schedule_problem(sv[0], pp, sv[1], m, layers) is None]
+                if not scheds:
+                    continue
+                sps = [force.sequence_parallel] if force.sequence_parallel is not None else \
+                    ([False, True] if tp > 1 else [False])
+                zeros = [force.zero_stage] if force.zero_stage is not None else ([0, 1, 2, 3] if dp > 1 else [0])
+                rcs = [force.recompute] if force.recompute else list(RECOMPUTES)
+                for sp in sps:
+                    if sp and tp == 1:
+                        continue
+                    for z in zeros:
+                        for rc in rcs:
+                            for sched, v in scheds:
+                                out.append(OuterConfig(tp, pp, dp, mbs, m, rc, z, sp, sched, v))
+    return out
+
+
+def no_config_error(force: Force, world: int, global_batch: int, layers: int) -> PlanningError:
+    if force.micro_batch_size or force.num_micro_batches:
+        return PlanningError(
+            f"no (tp, pp, dp) lets mbs={force.micro_batch_size or '?'} / micro-batches="
+            f"{force.num_micro_batches or '?'} divide the global batch {global_batch} on {world} GPUs "
+            f"(mbs must divide global_batch / dp, and a pipeline needs at least pp micro-batches)")
+    if force.schedule or force.virtual_stages:
+        return PlanningError(f"no configuration of {world} GPUs can run the forced values "
+                             f"({', '.join(f'{k}={v}' for k, v in force.items())}): the schedule needs >= pp "
+                             f"micro-batches (interleaved: a multiple of max(1, m // pp); dualpipev: >= 2 pp) and "
+                             f">= 1 of the {layers} layers per stage; force pp and mbs that allow it")
+    return PlanningError(f"no parallel configuration of {world} GPUs with the forced values "
+                         f"({', '.join(f'{k}={v}' for k, v in force.items())}) divides the global batch "
+                         f"{global_batch} and the {layers} layers")
