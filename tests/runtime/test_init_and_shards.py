@@ -92,12 +92,12 @@ def test_buckets_group_reverse_order_and_bytes():
 def test_meta_buffers_regenerated_by_init_buffers():
     """A LLaMA built on meta has meta RoPE tables; autoparallelize takes them from the module's
     init_buffers(device), equal to a CPU build's, in the model's dtype."""
-    from autopar.api import _buffers
+    from autopar.runtime.buffers import module_buffers
 
     spec = "llama:hidden=32,layers=1,heads=4,kv_heads=2,ffn=48,vocab=64,seq=16"
     cpu = dict(build_model(spec, device="cpu").module.named_buffers())
     meta_model = build_model(spec, device="meta", dtype=torch.bfloat16).module
-    got = _buffers(meta_model, torch.device("cpu"))
+    got = module_buffers(meta_model, torch.device("cpu"))
     assert set(got) == set(cpu) == {"rope_cos", "rope_sin"}
     for name, t in got.items():
         assert t.dtype == torch.bfloat16 and t.device.type == "cpu"
@@ -106,7 +106,7 @@ def test_meta_buffers_regenerated_by_init_buffers():
 
 
 def test_meta_buffer_without_init_buffers_is_an_error():
-    from autopar.api import _buffers
+    from autopar.runtime.buffers import module_buffers
 
     class Table(nn.Module):
         def __init__(self):
@@ -115,4 +115,4 @@ def test_meta_buffer_without_init_buffers_is_an_error():
 
     outer = nn.Sequential(nn.Linear(2, 2), Table())
     with pytest.raises(ValueError, match=r"buffer '1.table' is on the meta device .*init_buffers"):
-        _buffers(outer, torch.device("cpu"))
+        module_buffers(outer, torch.device("cpu"))
