@@ -7,6 +7,7 @@
     pm.eval(); pm(inputs); pm.train()   # the mode of pm(inputs), as the module's (BatchNorm, dropout)
     (batches keep the example's shapes: the traced graph's shape literals are those of the example)
     pm.plan, pm.full_state_dict(), pm.collectives
+    pm.save("ckpt/"); autoparallelize(..., resume="ckpt/")   # checkpoints any plan / world size loads
 
 Every rank calls it with the same module (real weights: autopar shards them; meta device: each
 rank generates only its shards, see ``runtime/init.py``) and the same global batches.
@@ -55,6 +56,7 @@ from autopar.mesh import DATA, PIPELINE
 from autopar.plan import Plan
 from autopar.planning import solve_on_rank0
 from autopar.runtime.buffers import module_buffers
+from autopar.runtime.checkpoint import CheckpointInfo, load_checkpoint, save_checkpoint
 from autopar.runtime.collectives import Collective, CollectiveLog, CollectiveRecorder
 from autopar.runtime.failures import peer_failures
 from autopar.runtime.init import init_rules
@@ -90,8 +92,10 @@ class ParallelModel:
     made now, else on the first ``step`` from its targets (collectively, every rank alike)."""
 
     def __init__(self, build: Callable[[torch.Tensor], "_Built"], *, timeout_s: float,
-                 example_target: Optional[torch.Tensor] = None, record_collectives: bool = True) -> None:
+                 example_target: Optional[torch.Tensor] = None, record_collectives: bool = True,
+                 resume: Optional[str] = None) -> None:
         self.timeout_s = timeout_s
+        self._resume = resume
         self.record_collectives = record_collectives
         self._pending: Optional[Callable[[torch.Tensor], _Built]] = build
         self._random_warned = False
@@ -131,6 +135,10 @@ class ParallelModel:
                 make_executor=lambda part, want: self._executor(self._train_graph, self.program, part, want),
                 loss_scale=self._loss_scale, device=self.device, log=self._log, timeout_s=self.timeout_s)
         self._pp_group = whole.get_group(PIPELINE) if PIPELINE in whole.mesh_dim_names else None
+        self.steps_done = 0                           # optimizer steps taken (restored by load)
+        self.resumed: Optional[CheckpointInfo] = None
+        if self._resume is not None:
+            self.load(self._resume)
 
     def __getattr__(self, name: str):
         # only reached for attributes not set yet: those ``_install`` sets, before it ran
@@ -188,7 +196,9 @@ class ParallelModel:
             with peer_failures("autoparallelize (setup, on the first step)", self.timeout_s):
                 self._install(targets)
         with peer_failures("a training step", self.timeout_s):
-            return self._step(inputs, targets)
+            loss = self._step(inputs, targets)
+        self.steps_done += 1
+        return loss
 
     def _built_model(self) -> nn.Module:
         if self._pending is not None:
@@ -304,6 +314,30 @@ class ParallelModel:
         sd.update(buffers)
         return sd
 
+    def save(self, directory: str, *, extra: Optional[dict] = None, keep: Optional[int] = None) -> str:
+        """Checkpoint parameters, optimizer state, buffers, the step count, RNG and ``extra`` (JSON
+        values or objects with ``state_dict()``, e.g. an LR scheduler) under ``directory`` in a
+        form any plan and world size loads (``runtime/checkpoint.py``); ``keep``: committed steps
+        to keep. Collective. Returns the step directory."""
+        buffers = self._buffers
+        if self._pipeline is not None:
+            buffers = self._over_pipeline(buffers, owners=self._pipeline.buffer_owner)
+        with peer_failures("saving a checkpoint", self.timeout_s):
+            return save_checkpoint(directory, store=self.store, optimizer=self.optimizer, buffers=buffers,
+                                   step=self.steps_done, plan=self.plan, device=self.device,
+                                   stage_key=self.coordinates.get(PIPELINE, 0), extra=extra, keep=keep)
+
+    def load(self, directory: str) -> CheckpointInfo:
+        """Restore the last checkpoint saved under ``directory`` (by any plan, any world size),
+        resharded to this plan; ``info.extra`` holds what ``save(extra=...)`` stored. Collective."""
+        with peer_failures("loading a checkpoint", self.timeout_s):
+            info = load_checkpoint(directory, store=self.store, optimizer=self.optimizer, buffers=self._buffers,
+                                   device=self.device, stage_key=self.coordinates.get(PIPELINE, 0))
+        self.steps_done = info.step
+        self.resumed = info
+        log.info("%s", info.change_line(self.plan))
+        return info
+
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
         """Full gradients of the last step (dp-reduced), by parameter name. Collective."""
         grads = self.store.full_dict("grad")
@@ -404,7 +438,8 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
                     model_name: str = "",
                     record_collectives: bool = True,
                     dp_mode: str = "auto",
-                    kernels: str = "off") -> ParallelModel:
+                    kernels: str = "off",
+                    resume: Optional[str] = None) -> ParallelModel:
     """Plan (or take ``plan``) and compile ``model`` for the running world; see the module docstring.
 
     example_inputs / example_target: one GLOBAL batch (shapes fix the plan's batch and sequence).
@@ -429,6 +464,10 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
         on CUDA or under TRITON_INTERPRET=1, else the plain-torch references: tests); "off" never.
         ``pm.fused_kernels`` lists the substituted nodes. Default "off": the substitution is tested
         against aten on CPU ranks through Triton's interpreter, but has not yet run on a GPU.
+    resume: a directory ``pm.save`` wrote: its last checkpoint is loaded once the model is built
+        (parameters, optimizer state, buffers, step count, RNG), resharded from whatever plan and
+        world size saved it; ``pm.resumed`` says what was restored and ``pm.resumed.extra`` holds
+        the saved ``extra``.
     record_collectives: log DTensor's collectives into ``pm.collectives`` (a dispatch mode around
         forward and backward: a few microseconds per op; autopar's own reducer/ZeRO collectives are
         always logged).
@@ -437,7 +476,8 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
         setup = _setup(model, example_inputs, loss_fn, optimizer, cluster, force, plan, seed, timeout_s,
                        bucket_bytes, model_name, dp_mode, kernels)
         return ParallelModel(functools.partial(_build, setup), timeout_s=timeout_s,
-                             example_target=example_target, record_collectives=record_collectives)
+                             example_target=example_target, record_collectives=record_collectives,
+                             resume=resume)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,6 +71,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--optimizer", choices=("adamw", "lamb"), default="adamw",
                    help="AdamW, or autopar.optim.LAMB (per-tensor trust ratio exact under shards)")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="save a checkpoint here at the end (and every --checkpoint-every steps); any plan "
+                   "and world size can resume from it")
+    p.add_argument("--checkpoint-every", type=_positive_int, default=None, help="also save every K steps")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the last checkpoint in --checkpoint-dir up to --steps (re-planned "
+                   "for this world; resharded on load)")
 
     sub.add_parser("models", help="list the built-in models")
     return ap
@@ -163,7 +170,9 @@ def cmd_run(args, console: Console) -> int:
     try:
         run_command(args.model, nproc=args.nproc, steps=args.steps, plan_path=args.plan_file,
                     force=args.force or None, json_path=args.json_path, batch=args.batch,
-                    seq_len=args.seq_len, seed=args.seed, optimizer=args.optimizer)
+                    seq_len=args.seq_len, seed=args.seed, optimizer=args.optimizer,
+                    checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                    resume=args.resume)
     except RankFailure:
         return 1  # run_command printed every rank's first error lines
     return 0

@@ -10,10 +10,11 @@ same model on one process with the same initial weights and batches, print both 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from autopar.runtime.launch import DEFAULT_RUN_TIMEOUT_S, RankFailure, spawn_ranks
 
@@ -35,9 +36,7 @@ def make_optimizer(name: str, params):
 
 def _train_rank(rank: int, world: int, model: str, steps: int, plan_json: Optional[str], force,
                 batch: Optional[int], seq_len: Optional[int], seed: int, timeout_s: float,
-                optimizer: str) -> dict:
-    import torch
-
+                optimizer: str, checkpoint: Optional["CheckpointArgs"] = None) -> dict:
     from autopar.api import autoparallelize
     from autopar.models import build_model
     from autopar.plan import Plan
@@ -47,17 +46,48 @@ def _train_rank(rank: int, world: int, model: str, steps: int, plan_json: Option
     pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn,
                          example_target=b.example_target, plan=plan, force=force, seed=seed,
                          timeout_s=timeout_s, model_name=model,
-                         optimizer=lambda params: make_optimizer(optimizer, params))
-    gen = torch.Generator().manual_seed(seed)
-    losses = []
-    for _ in range(steps):
-        inputs, target = b.make_batch(b.example_inputs[0].shape[0], gen)
-        losses.append(pm.step(inputs, target))
+                         optimizer=lambda params: make_optimizer(optimizer, params),
+                         resume=checkpoint.directory if checkpoint is not None and checkpoint.resume else None)
+    losses = train_steps(pm, b, steps, seed, checkpoint)
+    out = {"losses": losses, "first_step": pm.steps_done - len(losses) + 1}
+    if pm.resumed is not None:
+        out["resumed"] = pm.resumed.change_line(pm.plan)
     if rank:
-        return {"losses": losses}
+        return out
     from autopar.runtime.collectives import traffic_by_axis
 
-    return {"losses": losses, "plan": pm.plan.to_json(), "collectives": traffic_by_axis(pm.collectives)}
+    return {**out, "plan": pm.plan.to_json(), "collectives": traffic_by_axis(pm.collectives)}
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointArgs:
+    """``autopar run --checkpoint-dir D [--checkpoint-every K] [--resume]``."""
+    directory: str
+    every: Optional[int] = None       # also save after every K-th step (the last step always saves)
+    resume: bool = False              # continue from D's last checkpoint
+
+
+def train_steps(pm, b, steps: int, seed: int, checkpoint: Optional[CheckpointArgs] = None,
+                after_step: Optional[Callable[[int], None]] = None) -> list[float]:
+    """Train ``pm`` on ``b``'s generated batches up to step ``steps`` (from ``pm.steps_done``, the
+    step a resumed checkpoint ended at, with the batch generator where it was); save into
+    ``checkpoint`` every K steps and at the end; ``after_step(step)`` after each step (and its
+    save). The losses of the steps run."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    if pm.resumed is not None and "data_rng" in pm.resumed.extra:
+        gen.set_state(torch.tensor(pm.resumed.extra["data_rng"], dtype=torch.uint8))
+    losses = []
+    while pm.steps_done < steps:
+        inputs, target = b.make_batch(b.example_inputs[0].shape[0], gen)
+        losses.append(pm.step(inputs, target))
+        if checkpoint is not None and (pm.steps_done == steps or (
+                checkpoint.every and pm.steps_done % checkpoint.every == 0)):
+            pm.save(checkpoint.directory, extra={"data_rng": gen.get_state().tolist()})
+        if after_step is not None:
+            after_step(pm.steps_done)
+    return losses
 
 
 def reference_losses(model: str, steps: int, *, batch: Optional[int], seq_len: Optional[int],
@@ -92,6 +122,22 @@ def _print_plan(plan) -> None:
     console.print(strategies_table(plan))
 
 
+def _checkpoint_args(directory: Optional[str], every: Optional[int], resume: bool, steps: int):
+    """--checkpoint-dir / --checkpoint-every / --resume, checked before any rank starts."""
+    if directory is None:
+        if every is not None or resume:
+            raise ValueError("--checkpoint-every and --resume need --checkpoint-dir DIR")
+        return None
+    if resume:
+        from autopar.runtime.checkpoint import read_meta, resolve
+
+        saved = read_meta(resolve(directory))["step"]
+        if saved >= steps:
+            raise ValueError(f"the checkpoint in {directory} is at step {saved}, so --steps {steps} leaves "
+                             f"nothing to run; give --steps > {saved}")
+    return CheckpointArgs(directory, every, resume)
+
+
 def _check_trainable(model: str, batch: Optional[int], seq_len: Optional[int]) -> None:
     """Errors in the model spec (and a model without a loss) surface here, once, before any rank
     starts."""
@@ -107,20 +153,27 @@ def _check_trainable(model: str, batch: Optional[int], seq_len: Optional[int]) -
 def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = None, force=None,
                 json_path: Optional[str] = None, batch: Optional[int] = None,
                 seq_len: Optional[int] = None, seed: int = 0,
-                timeout_s: float = DEFAULT_RUN_TIMEOUT_S, optimizer: str = "adamw") -> dict:
+                timeout_s: float = DEFAULT_RUN_TIMEOUT_S, optimizer: str = "adamw",
+                checkpoint_dir: Optional[str] = None, checkpoint_every: Optional[int] = None,
+                resume: bool = False) -> dict:
     """``autopar run MODEL --nproc N --steps K``: train on N CPU ranks (planned by the solver for a
     "cpu" cluster of N, or ``plan_path``), then on one process; print and return the losses.
-    ``optimizer``: "adamw" or "lamb" (``autopar.optim.LAMB``, exact under tp and ZeRO shards)."""
+    ``optimizer``: "adamw" or "lamb" (``autopar.optim.LAMB``, exact under tp and ZeRO shards).
+    ``checkpoint_dir``: save there at the end and every ``checkpoint_every`` steps; ``resume``:
+    continue from its last checkpoint up to step ``steps`` (the losses are those of the steps run,
+    ``"first_step"`` the first one's number; the reference trains from step 1 and is compared on
+    the same steps)."""
     from autopar.plan import Plan
 
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"--optimizer {optimizer!r}: choose one of {OPTIMIZERS}")
     _check_trainable(model, batch, seq_len)
+    checkpoint = _checkpoint_args(checkpoint_dir, checkpoint_every, resume, steps)
     plan_json = Plan.load(plan_path).to_json() if plan_path else None
     t0 = time.monotonic()
     try:
         outs = spawn_ranks(_train_rank, nproc, (model, steps, plan_json, force, batch, seq_len, seed,
-                                               timeout_s, optimizer), timeout_s=timeout_s)
+                                               timeout_s, optimizer, checkpoint), timeout_s=timeout_s)
     except RankFailure as e:
         print(f"autopar run {model} on {nproc} ranks failed; every rank was stopped.\n" + e.summary(),
               file=sys.stderr)
@@ -128,21 +181,23 @@ def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = N
     wall = time.monotonic() - t0
     plan = Plan.from_json(outs[0]["plan"])
     _print_plan(plan)
-    losses = outs[0]["losses"]
+    losses, first = outs[0]["losses"], outs[0]["first_step"]
+    if "resumed" in outs[0]:
+        print(outs[0]["resumed"])
     for i, l in enumerate(losses):
-        print(f"step {i + 1}: loss {l:.6f}")
-    ref = reference_losses(model, steps, batch=batch, seq_len=seq_len, seed=seed, optimizer=optimizer)
+        print(f"step {first + i}: loss {l:.6f}")
+    ref = reference_losses(model, steps, batch=batch, seq_len=seq_len, seed=seed, optimizer=optimizer)[first - 1:]
     diff = max((abs(a - b) for a, b in zip(losses, ref)), default=0.0)
     print("reference (1 process): " + ", ".join(f"{l:.6f}" for l in ref))
     print(f"max |loss - reference| = {diff:.3e}   ({nproc} ranks, {wall:.1f} s)")
     from autopar.report import idle_axis_notes
 
     traffic = outs[0]["collectives"]
-    print(f"rank 0 communicated over {steps} steps (setup included): " + (", ".join(
+    print(f"rank 0 communicated over {len(losses)} steps (setup included): " + (", ".join(
         f"{axis}: {t['count']} collectives, {t['bytes'] / 1e6:.3f} MB" for axis, t in traffic.items()) or "nothing"))
     for note in idle_axis_notes(plan):
         print(f"note: {note}")
-    result = {"losses": losses, "reference_losses": ref, "max_abs_diff": diff, "summary": plan.summary(),
+    result = {"losses": losses, "first_step": first, "reference_losses": ref, "max_abs_diff": diff, "summary": plan.summary(),
               "collectives": traffic, "plan": plan.to_dict()}
     if json_path:
         with open(json_path, "w") as f:

@@ -271,8 +271,6 @@ class ParamStore:
 
     # ---- full tensors (collective: every rank calls) -------------------------------------------
     def full_tensor(self, slot: ParamSlot, which: str = "param") -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
         ctx = self.ctx
         if which == "param":
             t = slot.local.detach()
@@ -280,6 +278,20 @@ class ParamStore:
                 t = gather_rows(slot, t, ctx, record=False)
         else:
             t = self._tp_local_grad(slot)
+        return self._full_of_tp_local(slot, t)
+
+    def full_of_opt(self, slot: ParamSlot, t: torch.Tensor) -> torch.Tensor:
+        """The full tensor of ``t``, a tensor shaped like ``slot.opt_param`` (an optimizer state:
+        this rank's ZeRO rows of its tp-local part). Collective over the stage's mesh."""
+        ctx = self.ctx
+        if ctx.zero_stage >= 1 and ctx.dp > 1:
+            t = gather_rows(slot, t.reshape(-1), ctx, record=False)
+        return self._full_of_tp_local(slot, t.reshape(slot.layout.local_shape))
+
+    def _full_of_tp_local(self, slot: ParamSlot, t: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        ctx = self.ctx
         d = DTensor.from_local(t, ctx.mesh, ctx.placements(slot.name), run_check=False,
                                shape=torch.Size(slot.plan.shape), stride=contiguous_stride(slot.plan.shape))
         full = d.full_tensor()
@@ -289,6 +301,25 @@ class ParamStore:
             out[torch.tensor(order, device=full.device)] = full
             full = out
         return full
+
+    def local_of(self, slot: ParamSlot, full: torch.Tensor, what: str = "param") -> torch.Tensor:
+        """This rank's part of the full tensor ``full`` (the inverse of ``full_tensor`` /
+        ``full_of_opt``): ``what="param"`` shaped like ``slot.local``, ``"opt"`` like
+        ``slot.opt_param``. Local: no communication."""
+        ctx, p, lay = self.ctx, slot.plan, slot.layout
+        if p.shape:
+            tp_rank = self.ctx.mesh.get_coordinate()[ctx.tensor_axis] if ctx.tensor_axis is not None else 0
+            cols = tuple(slot.tp_ranges[1:])
+            tp_local = torch.cat([slice_of(full, ((a, b),) + cols)
+                                  for a, b in row_runs(tp_local_rows(p, ctx.tp, tp_rank))])
+        else:
+            tp_local = full.reshape(())
+        a, b = slot.rows
+        if ctx.zero_stage == 3:
+            return (tp_local if p.shape else tp_local.reshape(1))[a:b].reshape(slot.local.shape)
+        if what == "opt" and ctx.zero_stage in (1, 2):
+            return tp_local.reshape(lay.rows, lay.row_numel)[a:b].reshape(slot.opt_param.shape)
+        return tp_local.reshape(slot.local.shape)
 
     def _tp_local_grad(self, slot: ParamSlot) -> torch.Tensor:
         ctx = self.ctx
