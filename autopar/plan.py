@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-from autopar.mesh import PIPELINE, Mesh
+from autopar.mesh import DATA, PIPELINE, TENSOR, Mesh
 from autopar.placements import Placement, Replicate, format_placements, parse_placements
+from autopar.plan_schema import parse_plan_json, schema_message, schema_problems
 
 SCHEMA_VERSION = 1
 
@@ -34,6 +35,8 @@ V_SCHEDULES = ("zbv", "dualpipev")                   # exactly two stages per ra
 # schedule is forced. The zero-bubble ones are planned (costed) but not run yet: their split of the
 # backward into input and weight gradients needs the stage's parameters as ``submod.parameters()``.
 EXECUTED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+STAGE_AXES = (DATA, TENSOR)      # the axes a stage's mesh may name (``mesh_axes``), in any order
 
 SUMMARY_KEYS = (
     "data_parallel", "tensor_parallel", "pipeline_parallel", "sequence_parallel", "zero_stage",
@@ -240,14 +243,27 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
-        """Plan from its JSON dict. Missing, unknown, mistyped or disagreeing fields are a
-        ``ValueError`` that names them (never a half-valid Plan)."""
+        """Plan from its JSON dict. Missing, unknown, mistyped or disagreeing fields are a one-line
+        ``ValueError`` that names them by their JSON path (never a half-valid Plan): first the
+        schema (``plan_schema``: types and ranges), then ``plan_problems`` (how fields relate),
+        then the summary against the fields."""
         if not isinstance(d, dict):
-            raise ValueError(f"a plan file holds one JSON object, not {type(d).__name__}; write one with "
+            raise ValueError(f"a plan file holds one JSON object, not {_json_kind(d)}; write one with "
                              "`autopar plan ... --json FILE`")
+        if "schema_version" not in d:
+            raise ValueError("the JSON object has no schema_version, so it is not a plan file; write one with "
+                             "`autopar plan ... --json FILE`")
+        version = d["schema_version"]
+        if version != SCHEMA_VERSION or not _is_int(version):
+            raise ValueError(
+                f"plan schema_version {json.dumps(version)} is not the supported {SCHEMA_VERSION}; "
+                "re-run `autopar plan ... --json FILE` with this autopar version")
+        problems = schema_problems(d, SUMMARY_KEYS)
+        if problems:
+            raise ValueError(schema_message(problems))
         try:
             plan = cls._from_dict(d)
-        except (KeyError, TypeError, AttributeError) as e:
+        except (KeyError, TypeError, AttributeError) as e:      # the schema should have said: a bug
             raise ValueError(f"plan file is malformed ({type(e).__name__}: {e}); write it with "
                              "`autopar plan ... --json FILE`") from None
         summary = d.get("summary")
@@ -262,11 +278,7 @@ class Plan:
 
     @classmethod
     def _from_dict(cls, d: dict[str, Any]) -> "Plan":
-        version = d.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise ValueError(
-                f"plan schema version {version!r} is not the supported {SCHEMA_VERSION}; "
-                "re-run `autopar plan ... --json FILE` with this autopar version")
+        """The dataclasses from a dict that passed ``schema_problems`` (every field well typed)."""
         d = dict(d)
         d.pop("summary", None)
         d["cluster"] = ClusterRef(**d["cluster"])
@@ -283,29 +295,65 @@ class Plan:
         d["notes"] = tuple(d.get("notes", ()))
         d["mesh_axes"] = tuple(d["mesh_axes"])
         d["mesh_shape"] = tuple(d["mesh_shape"])
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"plan file has unknown fields {sorted(unknown)}; was it written by another tool?")
-        missing = sorted(f.name for f in fields(cls) if f.name not in d and f.default is MISSING)
-        if missing:
-            raise ValueError(f"plan file lacks the fields {missing}; write it with `autopar plan ... --json FILE`")
         return cls(**d)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        return cls.from_dict(json.loads(text))
+        """Plan from JSON text (``parse_plan_json``: a repeated key or NaN is an error too)."""
+        try:
+            d = parse_plan_json(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"the text is not JSON (line {e.lineno} column {e.colno}: {e.msg}); write a plan "
+                             "with `autopar plan ... --json FILE`") from None
+        return cls.from_dict(d)
 
     @classmethod
     def load(cls, path: str) -> "Plan":
+        """Plan from a file written by ``Plan.save`` (``autopar plan ... --json FILE``). Anything
+        else -- a directory, binary data, text that is not JSON, JSON that is not a plan, a plan
+        with a bad field -- is one ``ValueError`` line that starts with ``path``. A missing file
+        is ``FileNotFoundError``."""
+        fix = f"write one with `autopar plan ... --json {path}`"
         try:
-            with open(path) as f:
-                return cls.from_json(f.read())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path} is not a plan JSON file ({e}); write one with `autopar plan ... --json {path}`") from e
+            with open(path, "rb") as f:
+                raw = f.read()
         except IsADirectoryError:
             raise ValueError(f"{path} is a directory; give the plan JSON file written by "
                              "`autopar plan ... --json FILE`") from None
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+        try:
+            text = raw.decode("utf-8-sig")          # a byte-order mark some editors add is fine
+        except UnicodeDecodeError as e:
+            at = e.start + (len(raw) - len(e.object))   # the decoder's offset is past a byte-order mark
+            raise ValueError(f"{path} is not a plan JSON file (binary data, not UTF-8 text: byte {at} is "
+                             f"0x{raw[at]:02x}); {fix}") from None
+        try:
+            d = parse_plan_json(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not a plan JSON file (line {e.lineno} column {e.colno}: {e.msg}); "
+                             f"{fix}") from None
+        except ValueError as e:                      # a repeated key, NaN
+            raise ValueError(f"{path}: {e}") from None
+        try:
+            return cls.from_dict(d)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+
+
+def _json_kind(v: Any) -> str:
+    """The JSON name of a parsed value's type: "an array", "a number", ..."""
+    if isinstance(v, list):
+        return "an array"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, bool):
+        return "true/false"
+    if v is None:
+        return "null"
+    return "a number" if isinstance(v, (int, float)) else type(v).__name__
 
 
 # ---- consistency ------------------------------------------------------------------------------
@@ -326,10 +374,10 @@ def _same(a: Any, b: Any) -> bool:
 def plan_problems(p: Plan) -> list[str]:
     """Every way the fields of ``p`` disagree with each other or have the wrong type (empty: none).
 
-    Degrees are positive ints; the mesh names each degree it has an axis for with that size and
-    its product is dp * tp; micro-batches times their size times dp is the global batch; the
-    cluster has the plan's world size; strategy keys are unique and give at most one placement per
-    mesh axis. Pipeline: the schedule is one of PIPELINE_SCHEDULES with a consistent
+    Degrees are positive ints; the mesh's axes are among ``STAGE_AXES`` ("dp", "tp"), each with
+    its degree as size, and its product is dp * tp; micro-batches times their size times dp is the global batch; the
+    cluster has the plan's world size; strategy keys are unique and give one or more placements,
+    at most one per mesh axis. Pipeline: the schedule is one of PIPELINE_SCHEDULES with a consistent
     ``virtual_stages`` (1 for gpipe/1f1b, >= 2 for the interleaved ones, 2 for zbv/dualpipev);
     pp == 1 means no pipeline: "1f1b" with 1 virtual stage; there are pp * virtual_stages stages,
     indexed in order, covering the layers contiguously from layer 0 with >= 1 layer each, the
@@ -359,6 +407,9 @@ def plan_problems(p: Plan) -> list[str]:
         return out
     if len(p.mesh_axes) != len(p.mesh_shape) or len(set(p.mesh_axes)) != len(p.mesh_axes):
         out.append(f"mesh_axes {list(p.mesh_axes)} and mesh_shape {list(p.mesh_shape)} do not pair up")
+    elif not set(p.mesh_axes) <= set(STAGE_AXES):
+        out.append(f"mesh_axes {list(p.mesh_axes)} name axes other than {' and '.join(STAGE_AXES)} (the pipeline "
+                   "axis is the pp field, outermost)")
     elif not all(_is_int(n) and n >= 1 for n in p.mesh_shape):
         out.append(f"mesh_shape {list(p.mesh_shape)} has a size that is not a positive integer")
     else:
@@ -385,6 +436,9 @@ def plan_problems(p: Plan) -> list[str]:
             if len(s.output) > n_axes or any(len(i) > n_axes for i in s.inputs)]
     if wide:
         out.append(f"strategies with more placements than the {n_axes} mesh axes: {wide[:3]}")
+    empty = [s.key for s in p.strategies if not s.output or not all(s.inputs)]
+    if empty:
+        out.append(f"strategies with an empty placement (\"\") for the output or an input: {empty[:3]}")
     return out
 
 

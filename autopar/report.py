@@ -6,6 +6,7 @@ import os
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from autopar.placements import Partial, Shard, format_placements
@@ -69,9 +70,10 @@ def throughput_line(plan: Plan) -> str:
 
 def degrees_table(plan: Plan) -> Table:
     c = plan.cluster
-    t = Table(title=f"{plan.model_name} on {c.nodes} x {c.gpus_per_node} {c.gpu} ({c.name}), "
-                    f"global batch {plan.global_batch}" + (f", seq {plan.seq_len}" if plan.seq_len else "")
-                    + f", {plan.dtype}", title_justify="left")
+    # plan strings (model and cluster names, mesh axes, node keys) are text, not rich markup: escaped
+    t = Table(title=escape(f"{plan.model_name} on {c.nodes} x {c.gpus_per_node} {c.gpu} ({c.name}), "
+                           f"global batch {plan.global_batch}" + (f", seq {plan.seq_len}" if plan.seq_len else "")
+                           + f", {plan.dtype}"), title_justify="left")
     for col in ("dp", "tp", "pp", "schedule", "stages/rank", "sequence parallel", "ZeRO", "micro-batch",
                 "micro-batches", "recompute", "offload", "mesh"):
         t.add_column(col, justify="right")
@@ -82,7 +84,7 @@ def degrees_table(plan: Plan) -> Table:
     t.add_row(str(plan.dp), str(plan.tp), str(plan.pp), schedule, str(plan.virtual_stages),
               "on" if plan.sequence_parallel else "off",
               str(plan.zero_stage), str(plan.micro_batch_size), str(plan.num_micro_batches), plan.recompute,
-              plan.offload, mesh)
+              plan.offload, escape(mesh))
     return t
 
 
@@ -111,7 +113,7 @@ def strategy_label(plan: Plan, s: NodeStrategy) -> str:
 def strategies_table(plan: Plan, verbose: bool = False) -> Table:
     """One row per operator; nodes of a repeated block are shown once, in a section of their own."""
     layers = plan.stages[-1].last_layer if plan.stages else 0
-    t = Table(title="Per-operator strategies (placements per mesh axis " + ",".join(plan.mesh_axes) + ")",
+    t = Table(title=escape("Per-operator strategies (placements per mesh axis " + ",".join(plan.mesh_axes) + ")"),
               title_justify="left")
     t.add_column("module")
     t.add_column("operator")
@@ -134,11 +136,11 @@ def strategies_table(plan: Plan, verbose: bool = False) -> Table:
     for i, (title, rows) in enumerate(sections.items()):
         if i:
             t.add_section()
-        t.add_row(f"[bold]{title}[/bold]", "", "", "")
+        t.add_row(f"[bold]{escape(title)}[/bold]", "", "", "")
         for where, target, s in rows:
             ins = ", ".join(format_placements(p) for p in s.inputs)
-            t.add_row(where, target, strategy_label(plan, s), f"{ins} -> {format_placements(s.output)}" if ins
-                      else format_placements(s.output))
+            t.add_row(escape(where), escape(target), escape(strategy_label(plan, s)),
+                      f"{ins} -> {format_placements(s.output)}" if ins else format_placements(s.output))
     if hidden:
         t.caption = f"{hidden} view/reshape-like operators not shown (--verbose shows them)"
     return t
@@ -151,7 +153,7 @@ def time_table(plan: Plan) -> Table:
     t.add_column("seconds", justify="right")
     t.add_column("share", justify="right")
     rows = [("compute", st.compute_s), ("recompute", st.recompute_s)]
-    rows += [(f"exposed comm: {kind}", s) for kind, s in st.comm_s]
+    rows += [(escape(f"exposed comm: {kind}"), s) for kind, s in st.comm_s]
     rows += [("pipeline bubble", st.bubble_s), ("optimizer step", st.optimizer_s)]
     for name, sec in rows:
         t.add_row(name, f"{sec:.4f}", f"{100 * sec / st.total_s:.1f}%" if st.total_s else "-")

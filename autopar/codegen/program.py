@@ -273,6 +273,77 @@ def local_dp_nodes(graph: GraphIR, plan: Plan, *, single: bool = False) -> Optio
     return frozenset(dtensor)
 
 
+TRAINING_TARGET_KEY = "|target|0"      # the loss target's input node: only training traces have one
+_LISTED = 5                              # node keys named per kind of mismatch
+
+
+def _rank_of(n: NodeInfo) -> int:
+    """The most dims among a node's outputs (a Shard dim beyond it is out of range for all)."""
+    return max((len(m.shape) for m in n.outputs), default=0)
+
+
+def _names(keys: list[str]) -> str:
+    more = f", ... ({len(keys) - _LISTED} more)" if len(keys) > _LISTED else ""
+    return ", ".join(k if k.isprintable() else repr(k) for k in keys[:_LISTED]) + more
+
+
+def plan_fit_problems(graph: GraphIR, plan: Plan) -> list[str]:
+    """How the plan's strategies disagree with ``graph``, the training trace of the model the plan
+    was made for (full or collapsed, any batch): strategies for nodes the graph does not have;
+    nodes the solver always plans (tensor-valued ops, and inputs, parameters and buffers that are
+    read) without a strategy; strategies with another number of input placements than the node
+    has tensor inputs; Shard dims beyond a tensor's dims. A plan file's fingerprint ties it to the
+    model, not its strategies: these are what an edited or truncated file gets wrong."""
+    keys = {n.key for n in graph.nodes} | {base_key(n.key) for n in graph.nodes}
+    strategies = _strategies(plan)
+    used = _used_keys(graph)
+    by_key = {n.key: n for n in graph.nodes}
+    out: list[str] = []
+    unknown = [k for k in strategies if k not in keys]
+    if unknown:
+        out.append(f"strategies for {len(unknown)} node{'s' if len(unknown) > 1 else ''} the model does not "
+                   f"have: {_names(unknown)}")
+    missing = list(dict.fromkeys(
+        base_key(n.key) for n in graph.nodes if base_key(n.key) not in strategies and n.outputs
+        and (n.kind == "op" or (n.kind in ("input", "param", "buffer") and n.key in used))))
+    if missing:
+        out.append(f"no strategy for {len(missing)} of its nodes: {_names(missing)}")
+    arity, dims = [], []
+    for n in graph.nodes:
+        s = strategies.get(base_key(n.key))
+        if s is None or "@" in n.key:            # copies of layer 0 read layer 0's strategy: checked there
+            continue
+        if len(s.inputs) != len(n.inputs):
+            arity.append(f"{n.key} ({len(s.inputs)} for {len(n.inputs)})")
+            continue
+        sides = [("output", s.output, n)]
+        sides += [(f"input {i}", p, by_key[r.key]) for i, (p, r) in enumerate(zip(s.inputs, n.inputs))
+                  if r.key in by_key]
+        for side, placements, holder in sides:
+            rank = _rank_of(holder)
+            bad = [p.dim for p in placements if isinstance(p, Shard) and p.dim >= rank]
+            if bad:
+                shape = f" (shape {list(holder.outputs[0].shape)})" if len(holder.outputs) == 1 else ""
+                dims.append(f"{n.key} shards dim {bad[0]} of its {side}, which has {rank} "
+                            f"dim{'' if rank == 1 else 's'}{shape}")
+    if arity:
+        out.append(f"strategies whose input placements do not match the node's tensor inputs: {_names(arity)}")
+    if dims:
+        out.append(_names(dims))
+    return out
+
+
+def check_plan_fits(graph: GraphIR, plan: Plan) -> None:
+    """``ValueError`` naming every ``plan_fit_problems`` (none: returns). Checked by
+    ``compile_program`` on a training trace (one with the loss target) of a plan that has
+    strategies; forward-only traces (``pm(x)``, eval mode) hold fewer nodes and are not checked."""
+    problems = plan_fit_problems(graph, plan)
+    if problems:
+        raise ValueError(f"the plan does not fit the model {plan.model_name or graph.model_name!r}: "
+                         + "; ".join(problems) + ". Re-plan with `autopar plan ... --json FILE` for this model "
+                         "rather than editing the plan's strategies")
+
+
 def compile_program(graph: GraphIR, plan: Plan, *, local_dp: Optional[frozenset[str]] = None) -> RankProgram:
     """The rank program for ``graph`` (a FULL trace: ``collapse_repeats=False``) under ``plan``, on
     one pipeline stage's mesh (with pp > 1 every stage runs a part of it: ``stages.py``).
@@ -326,6 +397,8 @@ def compile_program(graph: GraphIR, plan: Plan, *, local_dp: Optional[frozenset[
         nodes.append(NodePlan(name=n.name, key=n.key, kind=n.kind, target=n.target,
                               inputs=ins, output=out, region=region_of.get(n.name),
                               param_name=n.param_name))
+    if plan.strategies and any(n.key == TRAINING_TARGET_KEY for n in graph.nodes):
+        check_plan_fits(graph, plan)        # after the per-node checks above, which say more
     if local_dp is not None:
         nodes = [replace(n, dtensor=n.key in local_dp) for n in nodes]
     splits, strided = _strided_splits(graph, {n.name: n.inputs for n in nodes if n.inputs}, mesh)
