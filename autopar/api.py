@@ -56,10 +56,11 @@ from autopar.mesh import DATA, PIPELINE
 from autopar.plan import Plan
 from autopar.planning import solve_on_rank0
 from autopar.runtime.buffers import module_buffers
-from autopar.runtime.checkpoint import CheckpointInfo, load_checkpoint, save_checkpoint
+from autopar.runtime.checkpoint import CheckpointInfo, Checkpoints, TrainingState
 from autopar.runtime.collectives import Collective, CollectiveLog, CollectiveRecorder
 from autopar.runtime.failures import peer_failures
 from autopar.runtime.init import init_rules
+from autopar.runtime.launch import report_progress
 from autopar.runtime.params import ParamStore
 from autopar.runtime.pipeline import PipelineRunner, build_pipeline, forward_through_stages, local_stages
 from autopar.runtime.reducer import GradReducer
@@ -137,6 +138,7 @@ class ParallelModel:
         self._pp_group = whole.get_group(PIPELINE) if PIPELINE in whole.mesh_dim_names else None
         self.steps_done = 0                           # optimizer steps taken (restored by load)
         self.resumed: Optional[CheckpointInfo] = None
+        self._checkpoints = Checkpoints(self.timeout_s)
         if self._resume is not None:
             self.load(self._resume)
 
@@ -198,6 +200,7 @@ class ParallelModel:
         with peer_failures("a training step", self.timeout_s):
             loss = self._step(inputs, targets)
         self.steps_done += 1
+        report_progress(self.steps_done)          # a rank of runtime/launch.spawn_ranks: its progress
         return loss
 
     def _built_model(self) -> nn.Module:
@@ -314,29 +317,38 @@ class ParallelModel:
         sd.update(buffers)
         return sd
 
-    def save(self, directory: str, *, extra: Optional[dict] = None, keep: Optional[int] = None) -> str:
+    def save(self, directory: str, *, extra: Optional[dict] = None, keep: Optional[int] = None,
+             asynchronous: bool = False) -> str:
         """Checkpoint parameters, optimizer state, buffers, the step count, RNG and ``extra`` (JSON
         values or objects with ``state_dict()``, e.g. an LR scheduler) under ``directory`` in a
         form any plan and world size loads (``runtime/checkpoint.py``); ``keep``: committed steps
-        to keep. Collective. Returns the step directory."""
+        to keep. ``asynchronous``: written in the background, committed when done
+        (``wait_for_save()`` waits). Collective. Returns the step directory."""
         buffers = self._buffers
         if self._pipeline is not None:
             buffers = self._over_pipeline(buffers, owners=self._pipeline.buffer_owner)
         with peer_failures("saving a checkpoint", self.timeout_s):
-            return save_checkpoint(directory, store=self.store, optimizer=self.optimizer, buffers=buffers,
-                                   step=self.steps_done, plan=self.plan, device=self.device,
-                                   stage_key=self.coordinates.get(PIPELINE, 0), extra=extra, keep=keep)
+            return self._checkpoints.save(directory, self._checkpoint_parts(buffers), step=self.steps_done,
+                                          plan=self.plan, extra=extra, keep=keep, asynchronous=asynchronous)
+
+    def wait_for_save(self) -> Optional[str]:
+        """Wait until an asynchronous save is written and committed; its directory (None: none
+        was pending)."""
+        with peer_failures("writing a checkpoint", self.timeout_s):
+            return self._checkpoints.wait()
 
     def load(self, directory: str) -> CheckpointInfo:
         """Restore the last checkpoint saved under ``directory`` (by any plan, any world size),
         resharded to this plan; ``info.extra`` holds what ``save(extra=...)`` stored. Collective."""
         with peer_failures("loading a checkpoint", self.timeout_s):
-            info = load_checkpoint(directory, store=self.store, optimizer=self.optimizer, buffers=self._buffers,
-                                   device=self.device, stage_key=self.coordinates.get(PIPELINE, 0))
+            info = self._checkpoints.load(directory, self._checkpoint_parts(self._buffers))
         self.steps_done = info.step
         self.resumed = info
         log.info("%s", info.change_line(self.plan))
         return info
+
+    def _checkpoint_parts(self, buffers: dict) -> TrainingState:
+        return TrainingState(self.store, self.optimizer, buffers, self.device, self.coordinates.get(PIPELINE, 0))
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
         """Full gradients of the last step (dp-reduced), by parameter name. Collective."""

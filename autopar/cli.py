@@ -31,6 +31,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    """argparse type: a number > 0 (seconds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give seconds > 0") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{value:g} is not a positive finite number of seconds")
+    return value
+
+
 def _add_problem_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="built-in name (see `autopar models`), a spec like "
                    "gpt:hidden=4096,layers=32,heads=32,vocab=50304, or path/to/file.py:fn")
@@ -69,6 +80,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--plan", dest="plan_file", default=None, help="a plan JSON to run instead of planning")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=_positive_float, default=300.0, metavar="SECONDS",
+                   help="how long a collective waits for another rank, and (plus 30 s) how long the run "
+                   "may go without any rank finishing a step (default 300; a run that keeps stepping "
+                   "is never cut short). A dead rank ends the run at once, a stuck one after 30 s "
+                   "without heartbeat")
     p.add_argument("--optimizer", choices=("adamw", "lamb"), default="adamw",
                    help="AdamW, or autopar.optim.LAMB (per-tensor trust ratio exact under shards)")
     p.add_argument("--checkpoint-dir", default=None,
@@ -170,11 +186,14 @@ def cmd_run(args, console: Console) -> int:
     try:
         run_command(args.model, nproc=args.nproc, steps=args.steps, plan_path=args.plan_file,
                     force=args.force or None, json_path=args.json_path, batch=args.batch,
-                    seq_len=args.seq_len, seed=args.seed, optimizer=args.optimizer,
+                    seq_len=args.seq_len, seed=args.seed, optimizer=args.optimizer, timeout_s=args.timeout,
                     checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                     resume=args.resume)
     except RankFailure:
         return 1  # run_command printed every rank's first error lines
+    except KeyboardInterrupt:
+        _say(make_console(stderr=True), "interrupted:", "bold red", "every rank was stopped")
+        return 130
     return 0
 
 

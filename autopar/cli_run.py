@@ -48,7 +48,7 @@ def _train_rank(rank: int, world: int, model: str, steps: int, plan_json: Option
                          timeout_s=timeout_s, model_name=model,
                          optimizer=lambda params: make_optimizer(optimizer, params),
                          resume=checkpoint.directory if checkpoint is not None and checkpoint.resume else None)
-    losses = train_steps(pm, b, steps, seed, checkpoint)
+    losses = train_steps(pm, b, steps, seed, checkpoint)      # pm.step reports progress to the launcher
     out = {"losses": losses, "first_step": pm.steps_done - len(losses) + 1}
     if pm.resumed is not None:
         out["resumed"] = pm.resumed.change_line(pm.plan)
@@ -65,28 +65,44 @@ class CheckpointArgs:
     directory: str
     every: Optional[int] = None       # also save after every K-th step (the last step always saves)
     resume: bool = False              # continue from D's last checkpoint
+    keep: Optional[int] = 3           # committed steps kept in D (None: all)
 
 
 def train_steps(pm, b, steps: int, seed: int, checkpoint: Optional[CheckpointArgs] = None,
-                after_step: Optional[Callable[[int], None]] = None) -> list[float]:
+                after_step: Optional[Callable[[int], None]] = None, scheduler=None) -> list[float]:
     """Train ``pm`` on ``b``'s generated batches up to step ``steps`` (from ``pm.steps_done``, the
     step a resumed checkpoint ended at, with the batch generator where it was); save into
-    ``checkpoint`` every K steps and at the end; ``after_step(step)`` after each step (and its
-    save). The losses of the steps run."""
+    ``checkpoint`` every K steps and at the end (written in the background while the next steps
+    run; the last one waited for); ``after_step(step)`` after each step (and its
+    save); ``scheduler``: an LR scheduler stepped after each step, saved and restored with the
+    checkpoint. The losses of the steps run."""
     import torch
 
+    from autopar.runtime.checkpoint import record_progress
+
     gen = torch.Generator().manual_seed(seed)
-    if pm.resumed is not None and "data_rng" in pm.resumed.extra:
-        gen.set_state(torch.tensor(pm.resumed.extra["data_rng"], dtype=torch.uint8))
+    if pm.resumed is not None:
+        if "data_rng" in pm.resumed.extra:
+            gen.set_state(torch.tensor(pm.resumed.extra["data_rng"], dtype=torch.uint8))
+        if scheduler is not None:
+            scheduler.load_state_dict(pm.resumed.extra["lr_scheduler"])
     losses = []
     while pm.steps_done < steps:
         inputs, target = b.make_batch(b.example_inputs[0].shape[0], gen)
         losses.append(pm.step(inputs, target))
+        if scheduler is not None:
+            scheduler.step()
+        if checkpoint is not None:
+            record_progress(checkpoint.directory, pm.steps_done)
         if checkpoint is not None and (pm.steps_done == steps or (
                 checkpoint.every and pm.steps_done % checkpoint.every == 0)):
-            pm.save(checkpoint.directory, extra={"data_rng": gen.get_state().tolist()})
+            extra = {"data_rng": gen.get_state().tolist()}
+            if scheduler is not None:
+                extra["lr_scheduler"] = scheduler
+            pm.save(checkpoint.directory, extra=extra, keep=checkpoint.keep, asynchronous=True)
         if after_step is not None:
             after_step(pm.steps_done)
+    pm.wait_for_save()
     return losses
 
 
@@ -159,6 +175,9 @@ def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = N
     """``autopar run MODEL --nproc N --steps K``: train on N CPU ranks (planned by the solver for a
     "cpu" cluster of N, or ``plan_path``), then on one process; print and return the losses.
     ``optimizer``: "adamw" or "lamb" (``autopar.optim.LAMB``, exact under tp and ZeRO shards).
+    ``timeout_s`` (``--timeout``): every collective's timeout; the ranks report each step, and the
+    run is stopped when no rank finishes one for ``timeout_s`` + 30 s (``runtime/launch.py``: a
+    dead rank stops it at once, a stuck one after 30 s without heartbeat).
     ``checkpoint_dir``: save there at the end and every ``checkpoint_every`` steps; ``resume``:
     continue from its last checkpoint up to step ``steps`` (the losses are those of the steps run,
     ``"first_step"`` the first one's number; the reference trains from step 1 and is compared on

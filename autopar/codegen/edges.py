@@ -34,8 +34,17 @@ class _Edge(torch.autograd.Function):
         back = tuple(have if i in ctx.keep and have.is_partial() else want
                      for i, (have, want) in enumerate(zip(g.placements, ctx.back)))
         if tuple(g.placements) != back:
-            g = g.redistribute(g.device_mesh, back)
+            g = _contiguous(g).redistribute(g.device_mesh, back)
         return g, None, None
+
+
+def _contiguous(x: DTensor) -> DTensor:
+    """``x`` with contiguous strides before DTensor moves it. A collective returns a contiguous
+    local tensor, but ``DTensor.redistribute`` keeps the input's strides in the result's metadata:
+    a non-contiguous value (after ``movedim``, or an op on one) would come out with metadata that
+    its local tensor does not match, and the next ``view`` fails ("view size is not compatible
+    with input tensor's size and stride")."""
+    return x if x.is_contiguous() else x.contiguous()
 
 
 def release_masks(out) -> None:
@@ -56,10 +65,10 @@ def redistribute(x: DTensor, target: tuple) -> DTensor:
     mesh = x.device_mesh
     to_partial = [i for i, p in enumerate(target) if p.is_partial() and not x.placements[i].is_partial()]
     if not to_partial:
-        return x.redistribute(mesh, target)
+        return _contiguous(x).redistribute(mesh, target)
     first = tuple(TReplicate() if i in to_partial else p for i, p in enumerate(target))
     if tuple(x.placements) != first:
-        x = x.redistribute(mesh, first)
+        x = _contiguous(x).redistribute(mesh, first)
     local = x.to_local()
     for i in to_partial:
         local = local / mesh.size(i)

@@ -471,7 +471,7 @@ class GraphExecutor:
             # CPU attention has no DTensor rule, and finding that out through DTensor's
             # decomposition-based propagation takes minutes with a mask (HF LLaMA): not probed
             if (p.target in fallback.SDPA_TARGETS and self.device.type == "cpu") or \
-                    self._lacks_rule(node, p, args, kwargs):
+                    fallback.needs_local(p.target, sig[1]) or self._lacks_rule(node, p, args, kwargs):
                 self.fallbacks.add(p.target)
                 self._fallback_sigs.add(sig)
         if sig in self._fallback_sigs:
@@ -502,20 +502,24 @@ class GraphExecutor:
         chosen, out_pl = fallback.local_placements(p.target, args, kwargs, [t.placements for t in flat],
                                                    [t.ndim for t in flat])
         shapes = [tuple(t.shape) for t in flat]
-        it = iter(zip(flat, chosen))
+        it = iter(zip(flat, chosen, fallback.grad_placements(chosen, out_pl)))
 
         def local(a):
             if isinstance(a, DTensor):
-                t, pl = next(it)
-                return edge(t, tuple(pl)).to_local()
+                t, pl, grad_pl = next(it)
+                return edge(t, tuple(pl)).to_local(grad_placements=grad_pl)
             return a
         largs = fx.node.map_aggregate(args, local)
         lkwargs = fx.node.map_aggregate(kwargs, local)
         out = node.target(*largs, **lkwargs)
         if not isinstance(out, torch.Tensor):
             raise NotImplementedError(f"{node.format_node()}: fallback for multi-output op {p.target}")
-        shape = fallback.global_output_shape(p.target, shapes, out.shape)
-        return DTensor.from_local(out, self.mesh, out_pl, run_check=False, shape=torch.Size(shape),
+        split = any(o.is_shard() for o in out_pl)
+        shape = fallback.global_output_shape(p.target, shapes, out.shape) if split else tuple(out.shape)
+        # the DTensor is declared contiguous, so its local tensor must be: a kernel may return
+        # another layout (a convolution of a channels-last-strided input, CPU flash attention)
+        # and DTensor's view rules trust the declared strides
+        return DTensor.from_local(out.contiguous(), self.mesh, out_pl, run_check=False, shape=torch.Size(shape),
                                   stride=contiguous_stride(shape))
 
     def _strided_split(self, p: NodePlan, x: DTensor, k: int) -> tuple:

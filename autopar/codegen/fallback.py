@@ -1,4 +1,5 @@
-"""Ops DTensor has no sharding rule for (e.g. CPU flash attention): run them on local tensors.
+"""Ops DTensor has no sharding rule for (e.g. CPU flash attention), or a wrong one (convolution
+with a sharded weight): run them on local tensors.
 
 ``local_placements`` picks, per mesh axis, placements under which running the op on each rank's
 local shards is exact; every other axis is made Replicate first. The executor redistributes the
@@ -9,7 +10,22 @@ inputs to them (autograd-correct), runs the op on ``to_local()`` tensors and wra
                                    agree and there is no mask; a query-sequence shard (dim 2 of q,
                                    k and v Replicate) only without mask and without is_causal
                                    (a causal mask is relative to the global position)
+    convolution (groups 1)         the solver's three splits (``solver/rules.py``): the batch
+                                   (x Shard(0), weight and bias Replicate -> Shard(0)), the output
+                                   channels (x Replicate, weight and bias Shard(0) -> Shard(1)),
+                                   the input channels (x and weight Shard(1), bias Partial ->
+                                   Partial); with groups > 1 only the batch
     anything else                  Replicate on every axis (always exact, costs a gather)
+
+DTensor's own convolution handler (``torch/distributed/tensor/_tp_conv.py``) runs the op on the
+local arguments as they come and gives the output the input's placements, whatever the weight's:
+a column-split weight silently yields a local output with half the channels labelled Replicate.
+``needs_local`` sends every convolution with a split operand here.
+
+Gradients (``grad_placements``): on an axis where the output is a Shard, an operand the op read
+Replicate gets only this rank's share of its gradient (a query shard's part of the keys' gradient,
+a channel shard's part of the input's): Partial, summed by the edge that fed it. A Partial operand
+(a bias added once per rank) gets the full gradient: Replicate.
 
 ``aten._assert_tensor_metadata`` (torch.export writes it after dtype casts, e.g. in HF's mask
 building) is not run at all on shards: ``assert_global_metadata`` checks its size, stride, dtype,
@@ -26,6 +42,31 @@ SDPA_TARGETS = frozenset({
 
 
 ASSERT_METADATA = "aten._assert_tensor_metadata.default"
+
+CONV_TARGETS = frozenset({
+    "aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default", "aten.convolution.default",
+    "aten.conv1d.padding", "aten.conv2d.padding", "aten.conv3d.padding",
+})
+
+
+def _conv_groups(target: str, args: Sequence[Any], kwargs: dict) -> int:
+    general = target == "aten.convolution.default"
+    if general and _arg(args, kwargs, 6, "transposed", False):
+        return 0                                      # transposed: no split is exact here
+    return int(_arg(args, kwargs, 8 if general else 6, "groups", 1))
+
+
+def needs_local(target: str, placements: Sequence[tuple]) -> bool:
+    """True when ``target`` runs here rather than through DTensor's own handler under these
+    placements (torch placements per tensor argument): a convolution with any operand split.
+    DTensor's handler is right only for a batch split on one mesh axis; it ignores a split weight
+    (module docstring) and refuses a batch split on two axes (``[Shard(0), Shard(0)]``: "DTensor
+    operator implementation does not support things like hybrid sharding strategies yet")."""
+    from torch.distributed.tensor import Replicate
+
+    if target not in CONV_TARGETS:
+        return False
+    return any(not isinstance(p, Replicate) for pl in placements for p in pl)
 
 
 def assert_global_metadata(a, size=None, stride=None, dtype=None, *, device=None, layout=None) -> None:
@@ -74,7 +115,51 @@ def local_placements(target: str, args: Sequence[Any], kwargs: dict, placements:
                 ins[i].append(choice[i])
             out.append(o)
         return [tuple(p) for p in ins], tuple(out)
+    if target in CONV_TARGETS and 2 <= len(placements) <= 3 and len(ndims) >= 2 and ndims[0] == ndims[1]:
+        return _conv_placements(placements, _conv_groups(target, args, kwargs))
     return [rep for _ in placements], rep
+
+
+def _conv_placements(placements: Sequence[tuple], groups: int) -> tuple[list[tuple], tuple]:
+    """Per axis, the split of ``solver/rules.py``'s conv rule the operands are in, else Replicate."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    n = len(placements)
+    ins: list[list] = [[] for _ in range(n)]
+    out: list = []
+    for a in range(len(placements[0])):
+        px, pw = placements[0][a], placements[1][a]
+        pb = placements[2][a] if n > 2 else None
+        rep = lambda p: isinstance(p, Replicate)            # noqa: E731
+        shard = lambda p, d: isinstance(p, Shard) and p.dim == d   # noqa: E731
+        if groups >= 1 and shard(px, 0) and rep(pw) and (pb is None or rep(pb)):
+            o = Shard(0)
+        elif groups == 1 and rep(px) and shard(pw, 0) and (pb is None or shard(pb, 0)):
+            o = Shard(1)
+        elif groups == 1 and shard(px, 1) and shard(pw, 1) and (pb is None or isinstance(pb, Partial)):
+            o = Partial()
+        else:
+            px, pw, pb, o = Replicate(), Replicate(), Replicate(), Replicate()
+        for i, p in enumerate((px, pw, pb)[:n]):
+            ins[i].append(p)
+        out.append(o)
+    return [tuple(p) for p in ins], tuple(out)
+
+
+def grad_placements(chosen: Sequence[tuple], out: tuple) -> list[tuple]:
+    """The placements of each operand's local gradient after a local run under ``chosen`` with
+    output placements ``out`` (module docstring): Partial where the operand was Replicate and the
+    output a Shard, Replicate where the operand was Partial, else the operand's own."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    def one(p, o):
+        if isinstance(p, Replicate) and isinstance(o, Shard):
+            return Partial()
+        if p.is_partial():
+            return Replicate()
+        return p
+
+    return [tuple(one(p, o) for p, o in zip(pl, out)) for pl in chosen]
 
 
 def sdpa_output_shape(q_shape: Sequence[int], v_shape: Sequence[int]) -> tuple[int, ...]:
@@ -85,4 +170,7 @@ def global_output_shape(target: str, tensor_shapes: Sequence[Sequence[int]], loc
     """Global shape of the output when it is not the local shape (sharded fallbacks)."""
     if target in SDPA_TARGETS:
         return sdpa_output_shape(tensor_shapes[0], tensor_shapes[2])
+    if target in CONV_TARGETS and len(tensor_shapes) >= 2 and len(tensor_shapes[0]) == len(local_shape):
+        # batch from the input, channels from the weight; spatial dims are never split
+        return (tensor_shapes[0][0], tensor_shapes[1][0]) + tuple(local_shape[2:])
     return tuple(local_shape)

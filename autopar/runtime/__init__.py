@@ -10,9 +10,11 @@ gradient reducer, pipeline schedules, deterministic init, collective logs, and l
     collectives.py  Collective records and the recorder of DTensor's collectives
     pipeline.py     the plan's stages as torch.distributed.pipelining stages under its schedule;
                     tied parameters summed over pp; forward-only passes through the stages
-    launch.py       spawn_ranks (N gloo ranks, fail fast); ``autopar run`` is ``autopar/cli_run.py``
+    launch.py       spawn_ranks (N gloo ranks; heartbeats and progress watched, a dead or stuck rank
+                    named at once, nothing left behind); ``autopar run`` is ``autopar/cli_run.py``
+    forkserver_exit.py  preloaded into spawn_ranks' forkserver: removes the launcher's temp dir
 """
 from autopar.runtime.init import materialize
-from autopar.runtime.launch import spawn_ranks
+from autopar.runtime.launch import report_progress, spawn_ranks
 
-__all__ = ["materialize", "spawn_ranks"]
+__all__ = ["materialize", "report_progress", "spawn_ranks"]

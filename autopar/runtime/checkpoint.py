@@ -21,7 +21,14 @@ once (one gather on the stage that holds it; a scatter to the other pipeline sta
 full tensor at a time, never the whole model.
 
 Scalars and buffers are plain tensors written once; everything that is not a tensor goes to
-``autopar.json`` (JSON, never pickle), written last.
+``autopar.json`` (JSON, never pickle), written last. Loading never unpickles freely: DCP reads the
+tensors with ``torch.load(weights_only=True)``, and its pickled ``.metadata`` is read by an
+unpickler that only builds DCP's own metadata classes (``_MetadataUnpickler``).
+
+Asynchronous saves (``pm.save(..., asynchronous=True)``): the conversion above runs at once (it
+is collective), DCP's writer thread writes the files over a process group of its own while
+training goes on, and rank 0 commits the checkpoint as soon as they are written; ``pm.wait_for_save()``
+(and the next save) waits for that.
 
 Commit. A save writes ``D/step-NNNNNNNN.partial`` (any stale one is removed first), then rank 0
 writes ``autopar.json`` into it, renames it to ``D/step-NNNNNNNN`` and points ``D/latest`` at it
@@ -31,9 +38,12 @@ must be one filesystem every rank sees (a shared one across nodes).
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import pickle
 import shutil
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -41,11 +51,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 
 FORMAT = "autopar-checkpoint"
 VERSION = 1
 META_FILE = "autopar.json"
 LATEST_FILE = "latest"
+PROGRESS_FILE = "progress"
 
 
 class CheckpointError(ValueError):
@@ -60,14 +72,21 @@ class CheckpointInfo:
     world_size: int
     plan_summary: dict
     extra: dict = field(default_factory=dict)
+    reached: Optional[int] = None      # the last step the saving run recorded (``record_progress``)
+
+    @property
+    def steps_lost(self) -> Optional[int]:
+        """Steps the interrupted run had done past this checkpoint (they run again)."""
+        return None if self.reached is None else max(0, self.reached - self.step)
 
     def change_line(self, plan) -> str:
         """One line saying what changed between the saved plan and ``plan`` (elastic re-plans)."""
         old, new = _degrees(self.plan_summary), _degrees(plan.summary())
+        lost = "" if self.steps_lost is None else f"; {self.steps_lost} steps lost"
         if old == new and self.world_size == plan.world_size:
-            return f"resumed step {self.step} from {self.path} under the same plan ({new})"
+            return f"resumed step {self.step} from {self.path} under the same plan ({new}){lost}"
         return (f"resumed step {self.step} from {self.path}: world {self.world_size} -> {plan.world_size} "
-                f"ranks, plan {old} -> {new} (resharded on load)")
+                f"ranks, plan {old} -> {new} (resharded on load){lost}")
 
 
 def _degrees(summary: dict) -> str:
@@ -91,6 +110,68 @@ def latest_checkpoint(directory: str) -> Optional[str]:
         return None
     path = os.path.join(directory, name)
     return path if os.path.isfile(os.path.join(path, META_FILE)) else None
+
+
+def record_progress(directory: str, step: int) -> None:
+    """Note that training reached ``step`` (rank 0; atomic): a resume then says how many steps
+    past its checkpoint were lost."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, PROGRESS_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{step}\n")
+    os.replace(tmp, os.path.join(directory, PROGRESS_FILE))
+
+
+def _reached(directory: str) -> Optional[int]:
+    try:
+        with open(os.path.join(directory, PROGRESS_FILE)) as f:
+            return int(f.read().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """What a checkpoint saves and restores on one rank."""
+    store: Any                  # runtime.params.ParamStore
+    optimizer: Any              # the user's torch.optim.Optimizer over the store's parameters
+    buffers: dict               # name -> tensor, full, the same on every rank (restored in place)
+    device: torch.device
+    stage_key: int = 0          # this rank's pipeline coordinate
+
+
+class Checkpoints:
+    """One model's saves and loads: the asynchronous save in flight, and the process group its
+    writer thread uses (made on the first asynchronous save, by every rank alike)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._pending: Optional[PendingSave] = None
+        self._group = None
+
+    def save(self, directory: str, parts: TrainingState, *, step: int, plan, extra: Optional[dict] = None,
+             keep: Optional[int] = None, asynchronous: bool = False) -> str:
+        self.wait()                                    # one save in flight at a time
+        if asynchronous and self._group is None:
+            import datetime
+
+            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+        out = save_checkpoint(directory, parts, step=step, plan=plan, extra=extra, keep=keep,
+                              async_group=self._group if asynchronous else None)
+        if isinstance(out, PendingSave):
+            self._pending = out
+            return out.path
+        return out
+
+    def wait(self) -> Optional[str]:
+        pending, self._pending = self._pending, None
+        return None if pending is None else pending.wait()
+
+    def load(self, directory: str, parts: TrainingState) -> CheckpointInfo:
+        self.wait()
+        return load_checkpoint(directory, parts)
 
 
 # ---- who holds what ----------------------------------------------------------------------------
@@ -181,11 +262,46 @@ def _to_world(full: Optional[torch.Tensor], holding: _Holding, n: int, dtype, de
 
 # ---- save --------------------------------------------------------------------------------------
 
-def save_checkpoint(directory: str, *, store, optimizer, buffers: dict, step: int, plan, device,
-                    stage_key: int = 0, extra: Optional[dict] = None, keep: Optional[int] = None) -> str:
+class PendingSave:
+    """A checkpoint being written in the background (``save_checkpoint(async_group=...)``). Rank 0
+    commits it as soon as DCP's writer has finished (every rank's files and the metadata are
+    written by then); ``wait()`` blocks until that, and raises what went wrong. Until the commit,
+    ``D/latest`` names the previous checkpoint."""
+
+    def __init__(self, future, commit, path: str) -> None:
+        self.path = path
+        self._error: Optional[BaseException] = None
+        self._committed = threading.Event()
+        self._commit = commit
+        self.future = future
+        future.add_done_callback(self._done)
+
+    def _done(self, future) -> None:
+        try:
+            future.result()
+            if self._commit is not None:
+                self._commit()
+        except BaseException as e:    # re-raised by wait() on the training thread
+            self._error = e
+        finally:
+            self._committed.set()
+
+    def wait(self) -> str:
+        self.future.result()
+        self._committed.wait()
+        if self._error is not None:
+            raise CheckpointError(f"writing checkpoint {self.path} failed: {self._error}") from self._error
+        return self.path
+
+
+def save_checkpoint(directory: str, parts: "TrainingState", *, step: int, plan, extra: Optional[dict] = None,
+                    keep: Optional[int] = None, async_group=None):
     """Write a checkpoint of this training state under ``directory`` (collective: every rank
     calls it with the same arguments). ``buffers``: full, the same on every rank. Returns the
-    committed step directory."""
+    committed step directory; with ``async_group`` (a process group of its own, gloo, for the
+    writer thread's collectives) a ``PendingSave``: the tensors are converted now, written by
+    DCP's background thread while training goes on."""
+    store, optimizer, buffers, device = parts.store, parts.optimizer, parts.buffers, parts.device
     rank = dist.get_rank()
     final = _step_dir(directory, step)
     partial = final + ".partial"
@@ -193,7 +309,7 @@ def save_checkpoint(directory: str, *, store, optimizer, buffers: dict, step: in
         os.makedirs(directory, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
-    holdings, kinds, shapes = _holdings(store, optimizer, stage_key)
+    holdings, kinds, shapes = _holdings(store, optimizer, parts.stage_key)
     mesh = _world_mesh(device)
     state: dict[str, Any] = {}
     values: dict[str, dict] = {}
@@ -216,15 +332,25 @@ def save_checkpoint(directory: str, *, store, optimizer, buffers: dict, step: in
     if rank == 0:
         state.update({f"buffer/{k}": v.detach().clone() for k, v in buffers.items()})
         state["rng/torch"] = torch.get_rng_state()
-    dcp.save(state, checkpoint_id=partial)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, values)
+    commit = None
     if rank == 0:
         merged = {k: v for d in gathered for k, v in d.items()}
         meta = _meta(step, plan, optimizer, holdings, kinds, shapes, merged, buffers, extra)
-        with open(os.path.join(partial, META_FILE), "w") as f:
-            json.dump(meta, f, indent=1)
-        _commit(directory, partial, final, keep)
+
+        def commit_meta() -> None:
+            with open(os.path.join(partial, META_FILE), "w") as f:
+                json.dump(meta, f, indent=1)
+            _commit(directory, partial, final, keep)
+        commit = commit_meta
+    if async_group is not None:
+        future = dcp.async_save(state, checkpoint_id=partial, process_group=async_group)
+        return PendingSave(future, commit, final)
+    dcp.save(state, checkpoint_id=partial)
+    dist.barrier()                                    # every rank's files are written
+    if commit is not None:
+        commit()
     dist.barrier()
     return final
 
@@ -241,7 +367,6 @@ def _numel(shape) -> int:
 
 
 def _meta(step, plan, optimizer, holdings, kinds, shapes, values, buffers, extra) -> dict:
-    index = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
     groups = [{k: v for k, v in g.items() if k != "params" and _json_ok(v)} for g in optimizer.param_groups]
     return {
         "format": FORMAT, "version": VERSION, "step": step, "world_size": dist.get_world_size(),
@@ -286,6 +411,45 @@ def _commit(directory: str, partial: str, final: str, keep: Optional[int]) -> No
 
 # ---- load --------------------------------------------------------------------------------------
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP writes its ``.metadata`` with pickle; reading one with plain pickle runs whatever a
+    crafted file names. This one only builds DCP's metadata classes, torch's dtype / layout /
+    memory-format constants, ``torch.Size``, paths and plain containers."""
+
+    def find_class(self, module: str, name: str):
+        if module.startswith("torch.distributed.checkpoint.") and not name.startswith("_load"):
+            obj = getattr(importlib.import_module(module), name, None)
+            if isinstance(obj, type):
+                return obj
+        if module == "torch":
+            obj = getattr(torch, name, None)
+            if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+                return obj
+        if (module, name) == ("torch.serialization", "_get_layout"):    # a dict lookup of torch.layouts
+            return super().find_class(module, name)
+        if (module, name) in (("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+                              ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath")):
+            return super().find_class(module, name)
+        raise CheckpointError(f"the checkpoint's DCP metadata names {module}.{name}, which a checkpoint "
+                              "never holds: refusing to load it (the file may be crafted)")
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader, with its metadata read by ``_MetadataUnpickler`` (tensors themselves are
+    read by DCP with ``torch.load(weights_only=True)``)."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
 def read_meta(path: str) -> dict:
     try:
         with open(os.path.join(path, META_FILE)) as f:
@@ -310,12 +474,13 @@ def resolve(directory: str) -> str:
     return path
 
 
-def load_checkpoint(directory: str, *, store, optimizer, buffers: dict, device, stage_key: int = 0) -> CheckpointInfo:
+def load_checkpoint(directory: str, parts: "TrainingState") -> CheckpointInfo:
     """Restore the state ``save_checkpoint`` wrote into this rank's parameters, optimizer and
-    ``buffers`` (in place), resharding to this rank's plan. Collective."""
+    buffers (in place), resharding to this rank's plan. Collective."""
+    store, optimizer, buffers, device = parts.store, parts.optimizer, parts.buffers, parts.device
     path = resolve(directory)
     meta = read_meta(path)
-    _, _, shapes = _holdings(store, optimizer, stage_key)
+    _, _, shapes = _holdings(store, optimizer, parts.stage_key)
     _check_fits(meta, shapes, optimizer)
     mesh = _world_mesh(device)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -335,7 +500,7 @@ def load_checkpoint(directory: str, *, store, optimizer, buffers: dict, device, 
     state.update({f"buffer/{k}": buffers[k].clone() for k in meta["buffers"] if k in buffers})
     state["rng/torch"] = torch.get_rng_state()
     try:
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, storage_reader=_SafeReader(path))
     except Exception as e:       # DCP wraps each rank's read error; say which checkpoint and what
         raise CheckpointError(f"reading checkpoint {path} failed: {str(e).strip().splitlines()[0]}") from e
     for name in sorted(params):
@@ -364,7 +529,8 @@ def load_checkpoint(directory: str, *, store, optimizer, buffers: dict, device, 
             buffers[k].copy_(state[f"buffer/{k}"])
     torch.set_rng_state(state["rng/torch"])
     return CheckpointInfo(path=path, step=int(meta["step"]), world_size=int(meta["world_size"]),
-                          plan_summary=dict(meta["plan"]), extra=dict(meta.get("extra", {})))
+                          plan_summary=dict(meta["plan"]), extra=dict(meta.get("extra", {})),
+                          reached=_reached(directory))
 
 
 def _check_fits(meta: dict, shapes: dict, optimizer) -> None:
@@ -396,14 +562,12 @@ def read_checkpoint(directory: str) -> dict[str, torch.Tensor]:
     k.startswith("param/")}``."""
     path = resolve(directory)
     meta = read_meta(path)
-    from torch.distributed.checkpoint import FileSystemReader
-
-    md = FileSystemReader(path).read_metadata()
+    md = _SafeReader(path).read_metadata()
     state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
              if hasattr(v, "size")}
     with warnings.catch_warnings():          # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=path, no_dist=True)
+        dcp.load(state, storage_reader=_SafeReader(path), no_dist=True)
     for name, info in meta["params"].items():
         for k in [f"param/{name}"] + [f"optim/{name}/{key}" for key, kind in info["state"].items()
                                       if kind.startswith("sharded")]:

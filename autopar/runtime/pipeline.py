@@ -67,13 +67,15 @@ class Wire:
         self.example = torch.empty(local, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point)
 
     def send(self, v) -> torch.Tensor:
+        """This rank's piece of ``v``, contiguous (a point-to-point send takes only a contiguous
+        buffer; a stage may end in a view such as ``movedim``)."""
         if self.plain and not isinstance(v, DTensor):
-            return v
+            return v.contiguous()
         if not isinstance(v, DTensor):
             raise TypeError(f"a stage boundary value is {type(v).__name__}, expected a DTensor")
         if tuple(v.placements) != self.placements:
             v = v.redistribute(self.mesh, self.placements)
-        return v.to_local()
+        return v.to_local().contiguous()
 
     def recv(self, local: torch.Tensor):
         if self.plain:

@@ -33,15 +33,19 @@ def _pow2_divisors(n: int) -> list[int]:
 # ---- model facts used to validate forced choices ------------------------------------------------
 
 def model_dims(graph: GraphIR) -> dict:
-    """Attention heads (from SDPA's query), hidden size (last dim of the block's input), layers."""
+    """Attention heads (from SDPA's query), hidden size (last dim of the block's input), layers.
+    A convolutional model has no hidden size here: the last dim of its activations is spatial
+    (the channels, which tp splits, are dim 1)."""
     nodes = {n.key: n for n in graph.nodes}
     heads = hidden = None
+    conv = any(n.kind == "op" and n.target.split(".")[1:2] in (["conv1d"], ["conv2d"], ["conv3d"], ["convolution"])
+               for n in graph.nodes)
     for n in graph.nodes:
         if "scaled_dot_product_attention" in n.target and n.inputs:
             q = nodes[n.inputs[0].key].outputs[0]
             if len(q.shape) == 4:
                 heads = q.shape[1]
-        if hidden is None and n.block is not None and n.kind == "op" and n.inputs:
+        if hidden is None and not conv and n.block is not None and n.kind == "op" and n.inputs:
             src = nodes.get(n.inputs[0].key)
             if src is not None and src.block is None and src.outputs and len(src.out.shape) >= 2:
                 hidden = src.out.shape[-1]
@@ -58,10 +62,11 @@ def check_force(force: Force, graph: GraphIR, world: int, global_batch: int) -> 
             raise PlanningError(f"{name}={v} does not divide the {world} GPUs of the cluster")
     if force.tp is not None and force.tp > 1:
         if dims["heads"] and dims["heads"] % force.tp:
-            raise PlanningError(f"tp={force.tp} does not divide the {dims['heads']} attention heads; "
-                                f"use a tp that divides {dims['heads']}")
+            raise PlanningError(f"tp={force.tp} does not divide the {dims['heads']} attention "
+                                f"head{'s' if dims['heads'] > 1 else ''}; {_use_tp(dims['heads'], world)}")
         if dims["hidden"] and dims["hidden"] % force.tp:
-            raise PlanningError(f"tp={force.tp} does not divide the hidden size {dims['hidden']}")
+            raise PlanningError(f"tp={force.tp} does not divide the hidden size {dims['hidden']}; "
+                                f"{_use_tp(dims['hidden'], world)}")
     if force.pp is not None and force.pp > 1:
         if len(graph.blocks) != 1:
             raise PlanningError(f"pp={force.pp} needs one repeated block to cut into stages; "
@@ -75,6 +80,12 @@ def check_force(force: Force, graph: GraphIR, world: int, global_batch: int) -> 
         raise PlanningError(f"dp={force.dp} does not divide the global batch {global_batch}")
     if force.sequence_parallel and force.tp == 1:
         raise PlanningError("sequence parallelism needs tp > 1 (it shards the sequence over the tp group)")
+
+
+def _use_tp(n: int, world: int) -> str:
+    """What to force instead: the tp degrees that divide both ``n`` and the world."""
+    ok = [d for d in _divisors(n) if world % d == 0]
+    return "use tp=1 (no tensor parallelism)" if ok == [1] else "use tp=" + " or ".join(map(str, ok))
 
 
 def _check_degree_product(force: Force, world: int, layers: int, has_block: bool, global_batch: int) -> None:

@@ -189,8 +189,10 @@ def _einsum(node, ins, outs):
 
 @rule("conv1d", "conv2d", "conv3d", "convolution")
 def _conv(node, ins, outs):
-    """x (n, c, *spatial), w (o, c/groups, *kernel), bias (o): the batch n, the output channels o
-    and (groups == 1) the contracted input channels c can be sharded; spatial dims cannot (halos)."""
+    """x (n, c, *spatial), w (o, c/groups, *kernel), bias (o): the batch n and, with groups == 1,
+    the output channels o and the contracted input channels c can be sharded; spatial dims cannot
+    (halos). With groups > 1 an output-channel shard would need the matching input-channel groups
+    (x is not Replicate then), which these per-label protos cannot say: batch only."""
     x, w = ins[0], ins[1]
     general = base_name(node.target) == "convolution"      # (x, w, b, stride, pad, dil, transposed, out_pad, groups)
     if general and arg(node, 6, "transposed", False):
@@ -199,7 +201,7 @@ def _conv(node, ins, outs):
     sp = "".join(chr(ord("p") + i) for i in range(len(x.shape) - 2))
     kn = "".join(chr(ord("u") + i) for i in range(len(w.shape) - 2))
     labels = ["nc" + sp, "oc" + kn] + (["o"] if len(ins) > 2 else [])
-    shardable = "no" + ("c" if groups == 1 else "")
+    shardable = "n" + ("oc" if groups == 1 else "")
     return einsum_protos(labels, "no" + sp, ins, names={"o": "colwise", "c": "rowwise"}, shardable=shardable,
                          extra_partial_inputs=(2,))
 

@@ -80,8 +80,16 @@ _GENERIC_HINT = (
 )
 
 
-def trace_error_from(exc: BaseException, *, model_name: str = "") -> TraceError:
-    """Classify an exception raised while exporting ``model_name`` into a TraceError."""
+_EAGER_HINT = (
+    "forward() (with the loss) fails on these example inputs when simply run, not only under "
+    "torch.export: an op rejected its operands (shapes, dtypes). Run `loss_fn(model(*example_inputs), "
+    "example_target)` once in plain PyTorch and fix the model or the example inputs' shapes."
+)
+
+
+def trace_error_from(exc: BaseException, *, model_name: str = "", fails_eagerly: bool = False) -> TraceError:
+    """Classify an exception raised while exporting ``model_name`` into a TraceError.
+    ``fails_eagerly``: the model raises when simply run on the example inputs too."""
     name = type(exc).__name__
     text = str(exc)
     what = f"could not trace {model_name or 'the model'}"
@@ -92,7 +100,8 @@ def trace_error_from(exc: BaseException, *, model_name: str = "") -> TraceError:
     if "data pointer" in text or "Cannot access storage" in text or ".numpy()" in text:
         return TraceError(f"{what}: forward() reads tensor data ({_first_line(exc)})",
                           source=source, hint=_DATA_ACCESS_HINT)
-    return TraceError(f"{what}: {name}: {_first_line(exc)}", source=source, hint=_GENERIC_HINT)
+    return TraceError(f"{what}: {name}: {_first_line(exc)}", source=source,
+                      hint=_EAGER_HINT if fails_eagerly else _GENERIC_HINT)
 
 
 def describe_source(stack_trace: Optional[str]) -> str:

@@ -163,6 +163,17 @@ def _fake_forward(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> Any:
         return _TraceWrapper(model, None, len(inputs))(*(mode.from_tensor(x) for x in inputs))
 
 
+def _fails_eagerly(model: nn.Module, args: tuple, loss_fn: Optional[Callable], num_inputs: int) -> bool:
+    """Whether ``loss_fn(model(*inputs), target)`` also raises when simply run (eagerly, on fake
+    tensors): then the model or its example inputs are wrong, whatever torch.export says."""
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            _TraceWrapper(model, loss_fn, num_inputs)(*(mode.from_tensor(x) for x in args))
+    except Exception:  # any failure: the model does not run on these inputs
+        return True
+    return False
+
+
 def _is_data_dependent(exc: BaseException) -> bool:
     return type(exc).__name__.startswith("GuardOnDataDependent") or "data-dependent" in str(exc)
 
@@ -211,7 +222,8 @@ def trace_model(module: nn.Module, example_inputs: Any, *, loss_fn: Optional[Cal
             raise
         except Exception as exc:  # torch.export raises many types; all become a TraceError
             if not collapsed or _is_data_dependent(exc):
-                raise trace_error_from(exc, model_name=model_name) from exc
+                raise trace_error_from(exc, model_name=model_name,
+                                       fails_eagerly=_fails_eagerly(traced, args, loss_fn, len(inputs))) from exc
             warnings.warn(f"tracing {model_name or 'the model'} with one copy of "
                           f"{sorted(collapsed)} failed ({type(exc).__name__}: "
                           f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); "

@@ -33,15 +33,21 @@ def _same_files(a: str, b: str) -> None:
 
 
 def test_resume_after_a_killed_rank_is_bit_identical(tmp_path):
+    """Parameters, AdamW state, the LR schedule's position and the data position all restored:
+    the resumed steps are the uninterrupted run's, bit for bit."""
     force = "dp=2,tp=2,zero=2"
-    whole = spawn_ranks(cb.train, 4, (TINY, force, 5, None), timeout_s=60)[0]
+    whole = spawn_ranks(cb.train, 4, (TINY, force, 5, None, None, False, "adamw", None, None, True),
+                        timeout_s=60)[0]
     ck = str(tmp_path / "ck")
     with pytest.raises(RankFailure):                  # rank 1 SIGKILLs itself after step 3's save
-        spawn_ranks(cb.train, 4, (TINY, force, 5, ck, 1, False, "adamw", (1, 3)), timeout_s=20, grace_s=10)
+        spawn_ranks(cb.train, 4, (TINY, force, 5, ck, 1, False, "adamw", (1, 3), None, True),
+                    timeout_s=20, grace_s=10)
     assert latest_checkpoint(ck).endswith("step-00000003")
-    resumed = spawn_ranks(cb.train, 4, (TINY, force, 5, ck, 1, True), timeout_s=60)[0]
+    resumed = spawn_ranks(cb.train, 4, (TINY, force, 5, ck, 1, True, "adamw", None, None, True),
+                          timeout_s=60)[0]
     assert resumed["first_step"] == 4 and "same plan" in resumed["resumed"]
     assert resumed["losses"] == whole["losses"][3:]
+    assert resumed["lr"] == whole["lr"] == 3e-4 * 0.5 ** 5
     for k, v in whole["state"].items():
         assert torch.equal(v, resumed["state"][k]), k
 
@@ -115,3 +121,20 @@ def test_autopar_run_resumes_from_its_checkpoint_dir(tmp_path, capsys):
         run_command(TINY, nproc=2, steps=3, checkpoint_dir=d, resume=True)
     with pytest.raises(ValueError, match="need --checkpoint-dir"):
         run_command(TINY, nproc=2, steps=3, resume=True)
+
+
+class _Crafted:
+    def __reduce__(self):
+        return (os.system, ("echo crafted > /dev/null",))
+
+
+def test_crafted_dcp_metadata_is_not_unpickled(saved, tmp_path):
+    """DCP pickles its .metadata; autopar reads it with an unpickler that builds only DCP's classes."""
+    import pickle
+
+    d = str(tmp_path / "ck")
+    shutil.copytree(saved[(TINY, "dp=2,tp=2,zero=2")], d)
+    with open(os.path.join(latest_checkpoint(d), ".metadata"), "wb") as f:
+        pickle.dump(_Crafted(), f)
+    with pytest.raises(CheckpointError, match="names posix.system"):
+        read_checkpoint(d)

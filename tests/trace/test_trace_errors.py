@@ -73,3 +73,27 @@ def test_bad_arguments():
         trace_model(m, ([1, 2],))
     with pytest.raises(ValueError, match="together"):
         trace_model(m, (torch.randn(2, 8),), loss_fn=lambda o, t: o.sum())
+
+
+class _WrongWidth(nn.Module):
+    """A Linear over the wrong dim (what a fuzzed conv model did): fails in plain PyTorch too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.transpose(1, 2))          # x is (B, 5, 8): the Linear gets 5 features
+
+
+def test_shape_error_says_the_model_fails_when_simply_run():
+    """An op that rejects its operands' shapes is the model's (or the inputs') fault, not
+    torch.export's: the hint says so instead of the generic "make forward() pure"."""
+    with torch.device("meta"):
+        m = _WrongWidth()
+    with pytest.raises(TraceError) as info:
+        trace_model(m, (torch.randn(2, 5, 8),))
+    err = info.value
+    assert "self.fc(x.transpose(1, 2))" in err.source
+    assert "fails on these example inputs when simply run" in err.hint
+    assert "pure function" not in err.hint
