@@ -13,8 +13,8 @@ Every rank calls it with the same module (real weights: autopar shards them; met
 rank generates only its shards, see ``runtime/init.py``) and the same global batches.
 
 Without ``example_target`` (as with DDP / FSDP: a model, inputs and a loss), steps 3-6 run on the
-first ``pm.step(inputs, targets)``, with that batch's targets, on every rank alike (``_setup``
-does 1-2 at once, ``_build`` does 3-6 given a target; ``ParallelModel`` holds the pending build).
+first ``pm.step(inputs, targets)``, with that batch's targets, on every rank alike (``build.setup``
+does 1-2 at once, ``build.build`` does 3-7 given a target; ``ParallelModel`` holds the pending build).
 
 Random ops in the traced graph (dropout, rand, randn, bernoulli, ...) draw from each rank's own
 generator, so their values differ from one process with the same seed: ``ParallelModel`` says so
@@ -46,59 +46,45 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from autopar.build import IdleAxisWarning  # noqa: F401 (public: autopar.api.IdleAxisWarning)
+from autopar.build import Built, OptimizerFactory, as_tuple, batch_rows, build, setup
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES
 from autopar.codegen.edges import edge
 from autopar.codegen.executor import GraphExecutor
-from autopar.codegen.fused import FusedKernels, fused_kernels
-from autopar.codegen.program import RankProgram, compile_program, local_dp_nodes
-from autopar.codegen.stages import PipelineCut, cut_pipeline, loss_reduction
+from autopar.codegen.fused import FusedKernels
+from autopar.codegen.program import RankProgram, compile_program
+from autopar.codegen.stages import cut_pipeline
 from autopar.mesh import DATA, PIPELINE
 from autopar.plan import Plan
-from autopar.planning import solve_on_rank0
-from autopar.runtime.buffers import module_buffers
 from autopar.runtime.checkpoint import CheckpointInfo, Checkpoints, TrainingState
-from autopar.runtime.collectives import Collective, CollectiveLog, CollectiveRecorder
+from autopar.runtime.collectives import Collective, CollectiveRecorder
 from autopar.runtime.failures import peer_failures
-from autopar.runtime.init import init_rules
 from autopar.runtime.launch import report_progress
-from autopar.runtime.params import ParamStore
-from autopar.runtime.pipeline import PipelineRunner, build_pipeline, forward_through_stages, local_stages
-from autopar.runtime.reducer import GradReducer
-from autopar.solver.forcing import Force, check_world, parse_force
+from autopar.runtime.pipeline import PipelineRunner, build_pipeline, forward_through_stages
+from autopar.solver.forcing import Force
 from autopar.trace.random_ops import random_ops
-from autopar.runtime.world import (DEFAULT_TIMEOUT_S, PlanMismatchError, build_mesh, check_agreement,
-                                   init_world, runtime_mesh, world_size_message)
+from autopar.runtime.world import DEFAULT_TIMEOUT_S
 
 log = logging.getLogger("autopar.runtime")
-
-OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 
 
 class RandomOpsWarning(UserWarning):
     """The traced graph has random ops: they draw from per-rank streams, not one process's."""
 
 
-def _tuple(x) -> tuple:
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
-
-
-def _is_meta(model: nn.Module) -> bool:
-    return any(p.is_meta for p in model.parameters())
-
-
 class ParallelModel:
     """A model running under a Plan on this rank. Build with ``autoparallelize``.
 
-    ``build(target) -> _Built`` makes the runtime parts (``_build``); with ``example_target`` they are
+    ``build(target) -> Built`` makes the runtime parts (``autopar/build.py``); with ``example_target`` they are
     made now, else on the first ``step`` from its targets (collectively, every rank alike)."""
 
-    def __init__(self, build: Callable[[torch.Tensor], "_Built"], *, timeout_s: float,
+    def __init__(self, build: Callable[[torch.Tensor], "Built"], *, timeout_s: float,
                  example_target: Optional[torch.Tensor] = None, record_collectives: bool = True,
                  resume: Optional[str] = None) -> None:
         self.timeout_s = timeout_s
         self._resume = resume
         self.record_collectives = record_collectives
-        self._pending: Optional[Callable[[torch.Tensor], _Built]] = build
+        self._pending: Optional[Callable[[torch.Tensor], Built]] = build
         self._random_warned = False
         if example_target is not None:
             self._install(example_target)
@@ -215,7 +201,7 @@ class ParallelModel:
         self.store.zero_grad()
         self.reducer.begin_step()
         self.optimizer.zero_grad(set_to_none=True)
-        inputs = _tuple(inputs)
+        inputs = as_tuple(inputs)
         if self._pipeline is not None:
             self.reducer.arm(False)                   # reduce() launches every bucket after the schedule
             self._log.phase = "pipeline"
@@ -233,7 +219,7 @@ class ParallelModel:
         """Forward and backward of the plan's micro-batches in turn (gradients accumulate; the
         reducer's overlap is armed for the last one only); the step's loss."""
         m = self.plan.num_micro_batches
-        rows = _batch_rows(inputs, targets)
+        rows = batch_rows(inputs, targets)
         if rows % m:
             raise ValueError(f"the batch of {rows} rows does not split into the plan's {m} micro-batches; pass "
                              f"batches of the example's {self.plan.global_batch} rows")
@@ -259,11 +245,11 @@ class ParallelModel:
         as one process does)."""
         model = self._built_model()
         if self._pipeline is not None:
-            return self._forward_pipeline(model, _tuple(inputs))
+            return self._forward_pipeline(model, as_tuple(inputs))
         if model.training not in self._forwards:
             from autopar.trace import trace_model
 
-            ex = tuple(x.to("cpu") if x.is_meta else x for x in _tuple(inputs))
+            ex = tuple(x.to("cpu") if x.is_meta else x for x in as_tuple(inputs))
             if self.program.local_dp:
                 ex = tuple(x[: x.shape[0] // self.program.mesh.size_of(DATA)] for x in ex)
             g = trace_model(model, ex, collapse_repeats=False, model_name=self.plan.model_name)
@@ -272,7 +258,7 @@ class ParallelModel:
         graph, forward = self._forwards[model.training]
         self._log.phase = "forward"
         with self._recording():
-            outs = forward.run(_tuple(inputs), None)
+            outs = forward.run(as_tuple(inputs), None)
             out = self._user_output(graph, outs)
             if not isinstance(out, DTensor):             # local-dp mode: this rank's batch rows
                 rows = tuple(Shard(0) if a == DATA else Replicate() for a in self.mesh.mesh_dim_names)
@@ -424,15 +410,6 @@ class ParallelModel:
         return user[0]
 
 
-def _batch_rows(inputs: tuple, target: torch.Tensor) -> int:
-    """The batch size (leading dim) every input and the target share."""
-    rows = {x.shape[0] for x in inputs if x.dim()} | ({target.shape[0]} if target.dim() else set())
-    if len(rows) != 1:
-        raise ValueError(f"the inputs and the target disagree on the batch size (leading dims {sorted(rows)}); "
-                         "give every input and the target the same leading (batch) dim")
-    return rows.pop()
-
-
 def _replicate(t) -> tuple:
     return tuple(Replicate() for _ in t.placements)
 
@@ -451,7 +428,8 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
                     record_collectives: bool = True,
                     dp_mode: str = "auto",
                     kernels: str = "off",
-                    resume: Optional[str] = None) -> ParallelModel:
+                    resume: Optional[str] = None,
+                    heartbeat_timeout_s: Optional[float] = 30.0) -> ParallelModel:
     """Plan (or take ``plan``) and compile ``model`` for the running world; see the module docstring.
 
     example_inputs / example_target: one GLOBAL batch (shapes fix the plan's batch and sequence).
@@ -465,6 +443,9 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
     plan: a Plan, or the path of ``autopar plan --json`` output (then nothing is solved).
     seed: autopar's deterministic init, used when the model is on the meta device.
     timeout_s: every process group's timeout (a dead or stuck rank fails the others in this time).
+    heartbeat_timeout_s: under torchrun, a rank whose heartbeat stops this long (stopped, frozen,
+        cut off) ends the job with a message naming it, well before ``timeout_s``
+        (``runtime/watchdog.py``); None disables it. ``autopar run``'s launcher has its own.
     bucket_bytes: gradient bucket size of the data-parallel reducer.
     dp_mode: "auto" runs a tp == 1 plan whose dp axis only carries the batch on plain local-batch
         tensors (DTensor only for the loss: exact global semantics, DDP's speed); "dtensor" runs
@@ -485,134 +466,8 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
         always logged).
     """
     with peer_failures("autoparallelize (setup)", timeout_s):
-        setup = _setup(model, example_inputs, loss_fn, optimizer, cluster, force, plan, seed, timeout_s,
-                       bucket_bytes, model_name, dp_mode, kernels)
-        return ParallelModel(functools.partial(_build, setup), timeout_s=timeout_s,
+        checked = setup(model, example_inputs, loss_fn, optimizer, cluster, force, plan, seed, timeout_s,
+                        bucket_bytes, model_name, dp_mode, kernels, heartbeat_timeout_s)
+        return ParallelModel(functools.partial(build, checked), timeout_s=timeout_s,
                              example_target=example_target, record_collectives=record_collectives,
                              resume=resume)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Setup:
-    """autoparallelize's checked arguments, in the joined world: all but the target."""
-    model: nn.Module
-    inputs: tuple
-    loss_fn: Callable
-    optimizer: OptimizerFactory
-    cluster: Any
-    force: Force
-    plan: Union[Plan, str, None]
-    seed: int
-    timeout_s: float
-    bucket_bytes: int
-    model_name: str
-    dp_mode: str
-    kernels: str
-    fused: Optional[FusedKernels]
-    device_type: str
-    device: torch.device
-    rank: int
-    world: int
-
-
-def _setup(model, example_inputs, loss_fn, optimizer, cluster, force, plan, seed, timeout_s, bucket_bytes,
-           model_name, dp_mode, kernels) -> _Setup:
-    """Steps 1-2 of the module docstring: check the arguments, join the world, check --force."""
-    if dp_mode not in ("auto", "dtensor"):
-        raise ValueError(f"dp_mode={dp_mode!r}: choose 'auto' or 'dtensor'")
-    if kernels not in ("auto", "on", "off"):
-        raise ValueError(f"kernels={kernels!r}: choose 'auto', 'on' or 'off'")
-    meta = _is_meta(model)
-    device_type = "cuda" if torch.cuda.is_available() and (meta or next(model.parameters()).is_cuda) else "cpu"
-    rank, world = init_world(timeout_s, device_type)
-    fused = fused_kernels(kernels, device_type)
-    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    force_ = parse_force(force)
-    check_world(force_, world)
-    return _Setup(model, _tuple(example_inputs), loss_fn,
-                  optimizer or (lambda params: torch.optim.AdamW(params, lr=3e-4)), cluster, force_, plan,
-                  seed, timeout_s, bucket_bytes, model_name, dp_mode, kernels, fused, device_type, device, rank,
-                  world)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Built:
-    """What ``_build`` makes for one target: the parts a ParallelModel runs."""
-    model: nn.Module
-    plan: Plan
-    train_graph: Any
-    mesh: Any
-    program: RankProgram
-    store: ParamStore
-    optimizer: torch.optim.Optimizer
-    reducer: GradReducer
-    buffers: dict
-    collective_log: CollectiveLog
-    device: torch.device
-    fused: Optional[FusedKernels]
-    device_mesh: Any = None            # the whole mesh (pipeline axis included); ``mesh`` is a stage's
-    cut: Optional[PipelineCut] = None  # pp > 1: which nodes each stage runs
-    loss_scale: float = 1.0            # each micro-batch's loss times this (1/m for a mean loss)
-
-
-def _build(s: _Setup, example_target: torch.Tensor) -> _Built:
-    """Steps 3-6 of the module docstring for one global batch's target: ParallelModel's parts."""
-    from autopar.trace import trace_model
-
-    if not isinstance(example_target, torch.Tensor):
-        raise TypeError(f"the target must be a tensor, got {type(example_target).__name__}")
-    model, inputs, loss_fn, model_name = s.model, s.inputs, s.loss_fn, s.model_name
-    graph = trace_model(model, inputs, loss_fn=loss_fn, example_target=example_target,
-                        collapse_repeats=False, model_name=model_name)
-    if s.plan is None:
-        plan_ = solve_on_rank0(model, inputs, loss_fn, example_target, s.cluster, s.force, s.device_type,
-                                model_name)
-    else:
-        plan_ = Plan.load(s.plan) if isinstance(s.plan, str) else s.plan
-    whole = runtime_mesh(plan_)
-    if whole.size != s.world:
-        raise PlanMismatchError(world_size_message(whole, s.world))
-    check_agreement(plan_, graph.fingerprint)                 # raises on every rank alike
-    device_mesh = build_mesh(whole, s.device_type, s.timeout_s)
-    stage = plan_.stage_mesh
-    mesh = device_mesh[tuple(stage.axes)] if plan_.pp > 1 else device_mesh
-    dp, m = stage.size_of(DATA), plan_.num_micro_batches
-    local_keys = local_dp_nodes(graph, plan_, single=plan_.pp > 1) if s.dp_mode == "auto" else None
-    local_dp = local_keys is not None
-    loss_scale = 1.0
-    if m > 1:
-        loss_scale = 1.0 / m if loss_reduction(graph) == "mean" else 1.0
-    rows = _batch_rows(inputs, example_target)
-    split = m * (dp if local_dp else 1)      # the traced graph's batch: a micro-batch (this rank's, local-dp)
-    if split > 1:
-        if rows % split:
-            raise PlanMismatchError(f"the batch of {rows} rows does not split into {m} micro-batches"
-                                    + (f" of {dp} data-parallel shards" if local_dp else "")
-                                    + "; re-plan for this batch")
-        n = rows // split
-        graph = trace_model(model, tuple(x[:n] for x in inputs), loss_fn=loss_fn, example_target=example_target[:n],
-                            collapse_repeats=False, model_name=model_name)
-    program = compile_program(graph, plan_, local_dp=local_keys)
-    cut = None
-    if plan_.pp > 1:
-        cut = cut_pipeline(graph, plan_)
-        pp_rank = device_mesh.get_local_rank(PIPELINE)
-        mine = local_stages(pp_rank, plan_.pp, len(cut.stages), plan_.pipeline_schedule)
-        needed = cut.params_of(graph, mine)
-        program = dataclasses.replace(program, params=tuple(p for p in program.params if p.name in needed))
-    clog = CollectiveLog()
-    if _is_meta(model):
-        store = ParamStore.from_init(program.params, mesh, plan_.zero_stage, clog, s.device, model,
-                                     init_rules(model), s.seed, local_dp)
-    else:
-        store = ParamStore.from_module(program.params, mesh, plan_.zero_stage, clog, s.device, model, local_dp)
-    buffers = module_buffers(model, s.device)
-    opt = s.optimizer(store.optimizer_params())
-    if hasattr(opt, "set_shard_groups"):          # per-tensor norms over shards (optim.LAMB)
-        opt.set_shard_groups(store.shard_groups())
-    reducer = GradReducer(store, s.bucket_bytes)
-    log.info("rank %d: plan %s zero=%d recompute=%s sp=%s", s.rank, whole.describe(),
-             plan_.zero_stage, plan_.recompute, plan_.sequence_parallel)
-    return _Built(model=model, plan=plan_, train_graph=graph, mesh=mesh, program=program, store=store,
-                  optimizer=opt, reducer=reducer, buffers=buffers, collective_log=clog, device=s.device,
-                  fused=s.fused, device_mesh=device_mesh, cut=cut, loss_scale=loss_scale)

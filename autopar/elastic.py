@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--optimizer", choices=("adamw", "lamb"), default="adamw")
     ap.add_argument("--timeout", type=float, default=60.0, help="collective timeout in seconds")
+    ap.add_argument("--heartbeat-timeout", type=float, default=30.0,
+                    help="a rank whose heartbeat stops this long ends the job, naming it (seconds)")
     ap.add_argument("--json", dest="json_path", default=None,
                     help="rank 0 writes this start's losses, first step and plan here")
     return ap
@@ -55,6 +57,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     resume = args.checkpoint_dir if latest_checkpoint(args.checkpoint_dir) else None
     pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
                          force=args.force, seed=args.seed, timeout_s=args.timeout, model_name=args.model,
+                         heartbeat_timeout_s=args.heartbeat_timeout,
                          optimizer=lambda p: make_optimizer(args.optimizer, p), resume=resume)
     rank = dist.get_rank()
     if rank == 0:

@@ -39,9 +39,22 @@ def solve_on_rank0(model, inputs, loss_fn, target, cluster, force: Force, device
             p = plan_model(g, spec, global_batch=inputs[0].shape[0], seq_len=seq, dtype=dtype, force=force)
             payload = [("plan", p.to_json())]
         except Exception as e:  # sent to every rank and re-raised there, not swallowed
-            payload = [("error", f"{type(e).__name__}: {e}")]
+            payload = [("error", (type(e).__name__, f"{type(e).__name__}: {e}"))]
     dist.broadcast_object_list(payload, src=0)
     kind, text = payload[0]
     if kind == "error":
-        raise RuntimeError(f"planning failed on rank 0: {text}")
+        name, message = text
+        raise _error_class(name)(f"planning failed on rank 0: {message}")
     return Plan.from_json(text)
+
+
+def _error_class(name: str) -> type:
+    """The class every rank raises rank 0's planning error as: the same for autopar's own errors
+    (so ``except PlanningError`` / ``except TraceError`` / ``except ValueError`` work on every
+    rank), RuntimeError for anything else."""
+    from autopar.solver.errors import InfeasibleError, PlanningError
+    from autopar.trace.errors import TraceError
+
+    known = {c.__name__: c for c in (InfeasibleError, PlanningError, TraceError, ValueError, TypeError,
+                                      NotImplementedError)}
+    return known.get(name, RuntimeError)

@@ -120,6 +120,11 @@ def free_port() -> int:
 _BOARD: Optional[tuple[Any, int]] = None       # in a rank: (the shared board, this rank)
 
 
+def in_launched_rank() -> bool:
+    """True in a rank ``spawn_ranks`` started (it watches the rank's heartbeat itself)."""
+    return _BOARD is not None
+
+
 def report_progress(step: Optional[int] = None) -> None:
     """Tell the launcher this rank made progress: finished step ``step`` (or one more step). It resets
     ``spawn_ranks``' progress timeout and names the step in failure reports. Outside a rank started

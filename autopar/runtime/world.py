@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,18 @@ def init_world(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str = "cpu") -
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
+
+
+def start_watchdog(heartbeat_timeout_s: Optional[float]):
+    """Start this rank's heartbeat watchdog (``runtime/watchdog.py``) unless it is disabled (None),
+    the world has one rank, or ``spawn_ranks`` started this rank (it has its own heartbeat)."""
+    from autopar.runtime.launch import in_launched_rank
+    from autopar.runtime.watchdog import Watchdog
+
+    if heartbeat_timeout_s is None or dist.get_world_size() == 1 or in_launched_rank():
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    return Watchdog(store, dist.get_rank(), dist.get_world_size(), stale_s=heartbeat_timeout_s).start()
 
 
 def build_mesh(mesh: Mesh, device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S):

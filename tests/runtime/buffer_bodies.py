@@ -162,3 +162,21 @@ def _caught(fn, *args):
 def all_jobs(rank: int, world: int, bn: list, dropout_ps: list) -> dict:
     return {"bn": [_caught(bn_job, rank, world, j) for j in bn],
             "warnings": [_caught(random_warning_job, rank, world, p) for p in dropout_ps]}
+
+
+def plan_outcome_job(rank: int, world: int, spec: str, force: str) -> dict:
+    """What ``autoparallelize`` tells the user on this rank: the IdleAxisWarnings it raised, or the
+    class of the planning error every rank catches."""
+    from autopar.api import IdleAxisWarning, autoparallelize
+    from autopar.models import build_model
+    from autopar.solver.errors import PlanningError
+
+    b = build_model(spec, device="meta")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
+                            force=force, model_name=spec, timeout_s=60)
+        except PlanningError as e:
+            return {"error": type(e).__name__, "message": str(e)}
+    return {"idle": [str(w.message) for w in caught if issubclass(w.category, IdleAxisWarning)]}

@@ -130,3 +130,16 @@ def test_random_ops_skip_attention_and_dropout_that_draw_nothing():
     assert random_ops(torch.export.export(Attn(0.0), (q,), strict=False).graph_module.graph) == {}
     assert random_ops(torch.export.export(Attn(0.1), (q,), strict=False).graph_module.graph) == {
         "scaled_dot_product_attention.default": 1, "dropout.default": 1}
+
+
+def test_idle_forced_axis_warns_and_planning_errors_keep_their_class():
+    """A forced tp that the solver leaves all-replicated (gpt-tiny on the CPU cluster) is an
+    IdleAxisWarning on rank 0 (silence elsewhere); a planning error raised on rank 0 is raised as
+    the same class on every rank, so ``except PlanningError`` works everywhere."""
+    from buffer_bodies import plan_outcome_job
+
+    out = spawn_ranks(plan_outcome_job, 2, ("gpt-tiny", "tp=2"), timeout_s=60)
+    assert len(out[0]["idle"]) == 1 and "tp axis" in out[0]["idle"][0] and out[1]["idle"] == []
+    out = spawn_ranks(plan_outcome_job, 2, ("gpt:hidden=32,layers=2,heads=1,vocab=64,seq=16", "tp=2"), timeout_s=60)
+    assert [o["error"] for o in out] == ["PlanningError"] * 2
+    assert out[0]["message"].startswith("planning failed on rank 0: PlanningError: tp=2 does not divide")

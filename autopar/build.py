@@ -1,0 +1,190 @@
+"""Steps 1-7 of ``autoparallelize`` (``autopar/api.py``'s docstring): ``setup`` checks the arguments,
+joins the world and checks ``force``; ``build`` traces, plans (or takes the plan), and compiles one
+rank's runtime parts (``Built``) for a target. ``ParallelModel`` runs them."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from autopar.codegen.fused import FusedKernels, fused_kernels
+from autopar.codegen.program import RankProgram, compile_program, local_dp_nodes
+from autopar.codegen.stages import PipelineCut, cut_pipeline, loss_reduction
+from autopar.mesh import DATA, PIPELINE
+from autopar.plan import Plan
+from autopar.planning import solve_on_rank0
+from autopar.runtime.buffers import module_buffers
+from autopar.runtime.collectives import CollectiveLog
+from autopar.runtime.init import init_rules
+from autopar.runtime.params import ParamStore
+from autopar.runtime.pipeline import local_stages
+from autopar.runtime.reducer import GradReducer
+from autopar.runtime.world import (PlanMismatchError, build_mesh, check_agreement, init_world, runtime_mesh,
+                                   start_watchdog, world_size_message)
+from autopar.solver.forcing import Force, check_world, parse_force
+
+log = logging.getLogger("autopar.runtime")
+
+OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+
+
+class IdleAxisWarning(UserWarning):
+    """A mesh axis of size > 1 that the plan splits nothing on (e.g. a forced tp on a model too
+    small to gain from it): its ranks compute the same thing."""
+
+
+def as_tuple(x) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def is_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def batch_rows(inputs: tuple, target: torch.Tensor) -> int:
+    """The batch size (leading dim) every input and the target share."""
+    rows = {x.shape[0] for x in inputs if x.dim()} | ({target.shape[0]} if target.dim() else set())
+    if len(rows) != 1:
+        raise ValueError(f"the inputs and the target disagree on the batch size (leading dims {sorted(rows)}); "
+                         "give every input and the target the same leading (batch) dim")
+    return rows.pop()
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """autoparallelize's checked arguments, in the joined world: all but the target."""
+    model: nn.Module
+    inputs: tuple
+    loss_fn: Callable
+    optimizer: OptimizerFactory
+    cluster: Any
+    force: Force
+    plan: Union[Plan, str, None]
+    seed: int
+    timeout_s: float
+    bucket_bytes: int
+    model_name: str
+    dp_mode: str
+    kernels: str
+    fused: Optional[FusedKernels]
+    device_type: str
+    device: torch.device
+    rank: int
+    world: int
+    watchdog: Any = None          # runtime/watchdog.Watchdog, under torchrun
+
+
+def setup(model, example_inputs, loss_fn, optimizer, cluster, force, plan, seed, timeout_s, bucket_bytes,
+           model_name, dp_mode, kernels, heartbeat_timeout_s: Optional[float] = None) -> Setup:
+    """Steps 1-2 of the module docstring: check the arguments, join the world, check --force."""
+    if dp_mode not in ("auto", "dtensor"):
+        raise ValueError(f"dp_mode={dp_mode!r}: choose 'auto' or 'dtensor'")
+    if kernels not in ("auto", "on", "off"):
+        raise ValueError(f"kernels={kernels!r}: choose 'auto', 'on' or 'off'")
+    meta = is_meta(model)
+    device_type = "cuda" if torch.cuda.is_available() and (meta or next(model.parameters()).is_cuda) else "cpu"
+    if heartbeat_timeout_s is not None and not heartbeat_timeout_s > 0:
+        raise ValueError(f"heartbeat_timeout_s={heartbeat_timeout_s!r}: give a positive number of seconds, or None")
+    rank, world = init_world(timeout_s, device_type)
+    watchdog = start_watchdog(heartbeat_timeout_s)
+    fused = fused_kernels(kernels, device_type)
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    force_ = parse_force(force)
+    check_world(force_, world)
+    return Setup(model, as_tuple(example_inputs), loss_fn,
+                  optimizer or (lambda params: torch.optim.AdamW(params, lr=3e-4)), cluster, force_, plan,
+                  seed, timeout_s, bucket_bytes, model_name, dp_mode, kernels, fused, device_type, device, rank,
+                  world, watchdog)
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """What ``build`` makes for one target: the parts a ParallelModel runs."""
+    model: nn.Module
+    plan: Plan
+    train_graph: Any
+    mesh: Any
+    program: RankProgram
+    store: ParamStore
+    optimizer: torch.optim.Optimizer
+    reducer: GradReducer
+    buffers: dict
+    collective_log: CollectiveLog
+    device: torch.device
+    fused: Optional[FusedKernels]
+    device_mesh: Any = None            # the whole mesh (pipeline axis included); ``mesh`` is a stage's
+    cut: Optional[PipelineCut] = None  # pp > 1: which nodes each stage runs
+    loss_scale: float = 1.0            # each micro-batch's loss times this (1/m for a mean loss)
+
+
+def build(s: Setup, example_target: torch.Tensor) -> Built:
+    """Steps 3-6 of the module docstring for one global batch's target: ParallelModel's parts."""
+    from autopar.trace import trace_model
+
+    if not isinstance(example_target, torch.Tensor):
+        raise TypeError(f"the target must be a tensor, got {type(example_target).__name__}")
+    model, inputs, loss_fn, model_name = s.model, s.inputs, s.loss_fn, s.model_name
+    graph = trace_model(model, inputs, loss_fn=loss_fn, example_target=example_target,
+                        collapse_repeats=False, model_name=model_name)
+    if s.plan is None:
+        plan_ = solve_on_rank0(model, inputs, loss_fn, example_target, s.cluster, s.force, s.device_type,
+                                model_name)
+    else:
+        plan_ = Plan.load(s.plan) if isinstance(s.plan, str) else s.plan
+    whole = runtime_mesh(plan_)
+    if whole.size != s.world:
+        raise PlanMismatchError(world_size_message(whole, s.world))
+    check_agreement(plan_, graph.fingerprint)                 # raises on every rank alike
+    device_mesh = build_mesh(whole, s.device_type, s.timeout_s)
+    stage = plan_.stage_mesh
+    mesh = device_mesh[tuple(stage.axes)] if plan_.pp > 1 else device_mesh
+    dp, m = stage.size_of(DATA), plan_.num_micro_batches
+    local_keys = local_dp_nodes(graph, plan_, single=plan_.pp > 1) if s.dp_mode == "auto" else None
+    local_dp = local_keys is not None
+    loss_scale = 1.0
+    if m > 1:
+        loss_scale = 1.0 / m if loss_reduction(graph) == "mean" else 1.0
+    rows = batch_rows(inputs, example_target)
+    split = m * (dp if local_dp else 1)      # the traced graph's batch: a micro-batch (this rank's, local-dp)
+    if split > 1:
+        if rows % split:
+            raise PlanMismatchError(f"the batch of {rows} rows does not split into {m} micro-batches"
+                                    + (f" of {dp} data-parallel shards" if local_dp else "")
+                                    + "; re-plan for this batch")
+        n = rows // split
+        graph = trace_model(model, tuple(x[:n] for x in inputs), loss_fn=loss_fn, example_target=example_target[:n],
+                            collapse_repeats=False, model_name=model_name)
+    program = compile_program(graph, plan_, local_dp=local_keys)
+    cut = None
+    if plan_.pp > 1:
+        cut = cut_pipeline(graph, plan_)
+        pp_rank = device_mesh.get_local_rank(PIPELINE)
+        mine = local_stages(pp_rank, plan_.pp, len(cut.stages), plan_.pipeline_schedule)
+        needed = cut.params_of(graph, mine)
+        program = dataclasses.replace(program, params=tuple(p for p in program.params if p.name in needed))
+    clog = CollectiveLog()
+    if is_meta(model):
+        store = ParamStore.from_init(program.params, mesh, plan_.zero_stage, clog, s.device, model,
+                                     init_rules(model), s.seed, local_dp)
+    else:
+        store = ParamStore.from_module(program.params, mesh, plan_.zero_stage, clog, s.device, model, local_dp)
+    buffers = module_buffers(model, s.device)
+    opt = s.optimizer(store.optimizer_params())
+    if hasattr(opt, "set_shard_groups"):          # per-tensor norms over shards (optim.LAMB)
+        opt.set_shard_groups(store.shard_groups())
+    reducer = GradReducer(store, s.bucket_bytes)
+    if s.rank == 0:
+        from autopar.report import idle_axis_notes
+
+        for note in idle_axis_notes(plan_):
+            warnings.warn(note, IdleAxisWarning, stacklevel=2)
+    log.info("rank %d: plan %s zero=%d recompute=%s sp=%s", s.rank, whole.describe(),
+             plan_.zero_stage, plan_.recompute, plan_.sequence_parallel)
+    return Built(model=model, plan=plan_, train_graph=graph, mesh=mesh, program=program, store=store,
+                  optimizer=opt, reducer=reducer, buffers=buffers, collective_log=clog, device=s.device,
+                  fused=s.fused, device_mesh=device_mesh, cut=cut, loss_scale=loss_scale)
+
