@@ -15,6 +15,7 @@ import time
 import pytest
 
 from autopar.cli_run import reference_losses
+from autopar.runtime.checkpoint import latest_checkpoint
 from autopar.runtime.launch import free_port
 
 STEPS = 16
@@ -64,7 +65,7 @@ def test_a_lost_node_is_replanned_and_resumed(tmp_path):
     b = subprocess.Popen(cmd, stdout=logs[1], stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while _progress(ck) < 3:
+        while _progress(ck) < 3 or latest_checkpoint(ck) is None:     # saves commit asynchronously
             assert time.monotonic() < deadline and a.poll() is None, (tmp_path / "a.log").read_text()[-3000:]
             time.sleep(0.1)
         _kill_tree(b.pid)                             # the node is gone: agent and worker
