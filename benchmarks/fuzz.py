@@ -55,7 +55,8 @@ def main(argv=None) -> int:
                          "cases; reported, not failures)")
     args = ap.parse_args(argv)
 
-    from fuzz_models import case_repr, run_cases
+    from fuzz_models import case_repr
+    from fuzz_runs import run_cases
 
     t0 = time.perf_counter()
     outcomes = []

@@ -17,7 +17,8 @@ import json
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
-from fuzz_models import case_shape, cases, fast_links_cluster, run_cases
+from fuzz_models import case_shape, cases, fast_links_cluster
+from fuzz_runs import run_cases
 
 pytestmark = pytest.mark.slow
 
