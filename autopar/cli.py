@@ -3,6 +3,7 @@
     autopar plan gpt3-175b --gpu a100-80g --nodes 128 --json plan.json
     autopar inspect plan.json
     autopar run gpt-tiny --nproc 4 --steps 3 --force tp=2,dp=2
+    autopar sweep --models gpt3-1.3b,llama3-8b --gpus 8,64,512 --gpu h100 --compare-force tp=8 --out sweep
     autopar models
 """
 from __future__ import annotations
@@ -73,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="render a plan JSON written by `autopar plan --json`")
     p.add_argument("plan_file")
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--code", action="store_true", help="print each pipeline stage's generated module "
+                   "(torch.fx code with the plan's placements); rebuilds the plan's model on the meta device")
+    p.add_argument("--stage", type=int, default=None, metavar="K", help="with --code: only stage K")
 
     p = sub.add_parser("run", help="train a few steps on N CPU ranks (gloo) and compare with one process")
     _add_problem_args(p)
@@ -94,6 +98,28 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue from the last checkpoint in --checkpoint-dir up to --steps (re-planned "
                    "for this world; resharded on load)")
+
+    p = sub.add_parser("sweep", help="plan models at several GPU counts -> DIR/sweep.csv and PNG plots")
+    p.add_argument("--models", required=True,
+                   help="models separated by ',' or ';': built-in names (see `autopar models`), specs, "
+                   "path/to/file.py:fn. A ',' followed by key=value continues a spec, so "
+                   "'gpt2,gpt:hidden=1024,layers=8,llama3-8b' is three models; ';' always separates")
+    p.add_argument("--gpus", required=True, help="GPU counts, e.g. 8,64,512,4096: whole nodes of "
+                   "--gpus-per-node GPUs, or fewer GPUs as one node")
+    p.add_argument("--gpu", default=None, help=f"{GPU_CHOICES} (default a100-80g)")
+    p.add_argument("--gpus-per-node", type=_positive_int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--force", default="", help="pin choices for every plan (the config is then labelled "
+                   "with this string instead of 'free'), e.g. zero=1")
+    p.add_argument("--compare-force", default=None, help="also plan this forced config at every point and "
+                   "plot it beside the other, e.g. tp=8 or Megatron's tp=8,pp=4,mbs=1")
+    p.add_argument("--batch", type=_positive_int, default=None, help="global batch size (default: each model's)")
+    p.add_argument("--seq-len", type=_positive_int, default=None, help="sequence length (default: each model's)")
+    p.add_argument("--memory-gb", type=_positive_float, default=None,
+                   help="memory budget per GPU in GB (default: the GPU's HBM minus a reserve)")
+    p.add_argument("--out", default="sweep", help="directory for sweep.csv, throughput.png, memory.png, "
+                   "solve_time.png (default ./sweep)")
+    p.add_argument("--resume", action="store_true", help="keep the rows already in DIR/sweep.csv (same model, "
+                   "GPUs and config) and plan only the missing ones")
 
     sub.add_parser("models", help="list the built-in models")
     return ap
@@ -173,6 +199,15 @@ def cmd_inspect(args, console: Console) -> int:
         plan = Plan.load(args.plan_file)
     except FileNotFoundError:
         raise ValueError(f"no such plan file: {args.plan_file}") from None
+    if args.stage is not None and not args.code:
+        raise ValueError("--stage K selects a stage of --code; add --code")
+    if args.code:
+        from autopar.codegen.emit import emit_plan
+
+        for header, gm in emit_plan(plan, args.stage):
+            console.print(f"# {header}", highlight=False, markup=False)
+            console.print(gm.code, highlight=False, markup=False, soft_wrap=True)
+        return 0
     render(plan, console, verbose=args.verbose)
     return 0
 
@@ -197,6 +232,21 @@ def cmd_run(args, console: Console) -> int:
     return 0
 
 
+def cmd_sweep(args, console: Console) -> int:
+    from autopar.sweep import parse_gpus, run_sweep, split_models, summary_table
+
+    gpus, models = parse_gpus(args.gpus), split_models(args.models)
+    result = run_sweep(models, gpus, out_dir=args.out, gpu=args.gpu or DEFAULT_GPU, gpus_per_node=args.gpus_per_node,
+                       force=args.force, compare_force=args.compare_force, batch=args.batch, seq_len=args.seq_len,
+                       memory_gb=args.memory_gb, resume=args.resume, console=console)
+    console.print(summary_table(result.rows))
+    failed = sum(1 for r in result.rows if r.error)
+    console.print(f"{result.planned} planned, {result.reused} kept from {result.csv_path}"
+                  + (f", {failed} could not be planned (see the error column)" if failed else "")
+                  + "; plots: " + ", ".join(result.plots), markup=False, highlight=False, soft_wrap=True)
+    return 0
+
+
 def cmd_models(args, console: Console) -> int:
     from autopar.models import list_models
 
@@ -208,7 +258,8 @@ def cmd_models(args, console: Console) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = make_console()
-    handler = {"plan": cmd_plan, "inspect": cmd_inspect, "run": cmd_run, "models": cmd_models}[args.command]
+    handler = {"plan": cmd_plan, "inspect": cmd_inspect, "run": cmd_run, "sweep": cmd_sweep,
+               "models": cmd_models}[args.command]
     try:
         return handler(args, console)
     except (ValueError, NotImplementedError, FileNotFoundError) as e:

@@ -4,6 +4,8 @@ the runtime).
 
     program.py    plan -> per-node placements, parameters, recompute regions, strided QKV, local-dp
     executor.py   the interpreter over the exported graph (fallbacks, checkpoint regions, stage parts)
+    emit.py       per stage, an fx.GraphModule of its forward with the placements explicit
+                  (``redistribute(x, 'S(0)R')`` calls; `autopar inspect --code`); runnable on DTensors
     edges.py      a value moved between placements, autograd-correct (the resharding on every edge)
     writes.py     which operands an op writes in place (BatchNorm statistics, counters)
     fallback.py   ops DTensor has no rule for, run on local tensors
