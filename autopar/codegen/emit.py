@@ -152,34 +152,25 @@ def vocab_parallel_cross_entropy(*args, **kwargs):
 
 
 def local_op(op, *args, **kwargs):
-    """``op`` on local shards where DTensor has no (right) rule, as ``GraphExecutor._run_local``."""
-    target = str(op)
+    """``op`` on local shards where DTensor has no (right) rule (attention on the CPU, a
+    convolution with split operands), else the op on DTensors; as the executor decides."""
     flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensor)]
     if not flat:
         return op(*args, **kwargs)
-    cpu = flat[0].device.type == "cpu"
-    if not ((target in fallback.SDPA_TARGETS and cpu) or target in _LOCAL
+    target = str(op)
+    if not ((target in fallback.SDPA_TARGETS and flat[0].device.type == "cpu")
             or fallback.needs_local(target, [t.placements for t in flat])):
         return op(*args, **kwargs)
-    mesh = flat[0].device_mesh
-    chosen, out_pl = fallback.local_placements(target, args, kwargs, [t.placements for t in flat],
-                                               [t.ndim for t in flat])
-    shapes = [tuple(t.shape) for t in flat]
-    it = iter(zip(flat, chosen, fallback.grad_placements(chosen, out_pl)))
-
-    def local(a):
-        if isinstance(a, DTensor):
-            t, pl, grad_pl = next(it)
-            return edge(t, tuple(pl)).to_local(grad_placements=grad_pl)
-        return a
-    out = op(*fx.node.map_aggregate(args, local), **fx.node.map_aggregate(kwargs, local))
-    split = any(o.is_shard() for o in out_pl)
-    shape = fallback.global_output_shape(target, shapes, out.shape) if split else tuple(out.shape)
-    return DTensor.from_local(out.contiguous(), mesh, out_pl, run_check=False, shape=torch.Size(shape),
-                              stride=contiguous_stride(shape))
+    return fallback.run_local(op, target, args, kwargs, flat[0].device_mesh)
 
 
-_LOCAL: set[str] = set()           # targets forced local (``emit_stage(fallbacks=...)``)
+def forced_local_op(op, *args, **kwargs):
+    """``op`` on local shards, always (a target in ``emit_stage(fallbacks=...)``: one the executor
+    found DTensor has no rule for)."""
+    flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensor)]
+    if not flat:
+        return op(*args, **kwargs)
+    return fallback.run_local(op, str(op), args, kwargs, flat[0].device_mesh)
 
 
 def recompute(region: nn.Module, rt: StageRuntime, *values):
@@ -195,7 +186,7 @@ def _register_names() -> None:
     from torch.fx.graph import _register_custom_builtin
 
     for fn in (param, place, buffer, redistribute, replicated_input, strided_split,
-               vocab_parallel_cross_entropy, local_op, recompute, fallback.assert_global_metadata):
+               vocab_parallel_cross_entropy, local_op, forced_local_op, recompute, fallback.assert_global_metadata):
         _register_custom_builtin(fn.__name__, f"from {fn.__module__} import {fn.__name__}", fn)
 
 
@@ -316,7 +307,9 @@ class _Emitter:
             out = g.call_function(vocab_parallel_cross_entropy, args, kwargs, name=node.name)
         elif t == fallback.ASSERT_METADATA:
             out = g.call_function(fallback.assert_global_metadata, args, kwargs, name=node.name)
-        elif t in fallback.SDPA_TARGETS or t in fallback.CONV_TARGETS or t in self.fallbacks:
+        elif t in self.fallbacks:
+            out = g.call_function(forced_local_op, (node.target, *args), kwargs, name=node.name)
+        elif t in fallback.SDPA_TARGETS or t in fallback.CONV_TARGETS:
             out = g.call_function(local_op, (node.target, *args), kwargs, name=node.name)
         else:
             out = g.call_function(node.target, args, kwargs, name=node.name)
@@ -354,7 +347,6 @@ def emit_stage(graph: GraphIR, program: RankProgram, *, cut: Optional[PipelineCu
 
     if program.local_dp:
         raise NotImplementedError("local-dp programs are not emitted; compile the program with local_dp=None")
-    _LOCAL.update(fallbacks)
     gm = graph_on_device(graph, device)
     em = _Emitter(gm, program, frozenset(fallbacks))
     nodes = [n for n in gm.graph.nodes if n.op != "output"]

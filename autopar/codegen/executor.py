@@ -498,29 +498,7 @@ class GraphExecutor:
         return False
 
     def _run_local(self, node: fx.Node, p: NodePlan, args, kwargs):
-        flat = _dtensors(args, kwargs)
-        chosen, out_pl = fallback.local_placements(p.target, args, kwargs, [t.placements for t in flat],
-                                                   [t.ndim for t in flat])
-        shapes = [tuple(t.shape) for t in flat]
-        it = iter(zip(flat, chosen, fallback.grad_placements(chosen, out_pl)))
-
-        def local(a):
-            if isinstance(a, DTensor):
-                t, pl, grad_pl = next(it)
-                return edge(t, tuple(pl)).to_local(grad_placements=grad_pl)
-            return a
-        largs = fx.node.map_aggregate(args, local)
-        lkwargs = fx.node.map_aggregate(kwargs, local)
-        out = node.target(*largs, **lkwargs)
-        if not isinstance(out, torch.Tensor):
-            raise NotImplementedError(f"{node.format_node()}: fallback for multi-output op {p.target}")
-        split = any(o.is_shard() for o in out_pl)
-        shape = fallback.global_output_shape(p.target, shapes, out.shape) if split else tuple(out.shape)
-        # the DTensor is declared contiguous, so its local tensor must be: a kernel may return
-        # another layout (a convolution of a channels-last-strided input, CPU flash attention)
-        # and DTensor's view rules trust the declared strides
-        return DTensor.from_local(out.contiguous(), self.mesh, out_pl, run_check=False, shape=torch.Size(shape),
-                                  stride=contiguous_stride(shape))
+        return fallback.run_local(node.target, p.target, args, kwargs, self.mesh)
 
     def _strided_split(self, p: NodePlan, x: DTensor, k: int) -> tuple:
         """Split a strided TENSOR-axis shard into its k chunks locally (see ``program.py``)."""

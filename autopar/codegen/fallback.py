@@ -174,3 +174,37 @@ def global_output_shape(target: str, tensor_shapes: Sequence[Sequence[int]], loc
         # batch from the input, channels from the weight; spatial dims are never split
         return (tensor_shapes[0][0], tensor_shapes[1][0]) + tuple(local_shape[2:])
     return tuple(local_shape)
+
+
+def run_local(op, target: str, args, kwargs: dict, mesh):
+    """``op`` on this rank's local shards, each DTensor operand first brought to the placement
+    ``local_placements`` chooses (autograd-correct, with the gradient placements
+    ``grad_placements`` gives); the result a DTensor with the output placement and the global
+    shape. Declared contiguous, so its local tensor is made contiguous (a kernel may return another
+    layout: a convolution of a channels-last-strided input, CPU flash attention). Shared by the
+    executor and the emitted modules (``emit.local_op``)."""
+    import torch
+    import torch.fx as fx
+    from torch.distributed.tensor import DTensor
+
+    from autopar.codegen.edges import edge
+    from autopar.codegen.shards import contiguous_stride
+
+    flat: list = []              # in the order map_aggregate visits them below
+    fx.node.map_aggregate((args, kwargs), lambda a: flat.append(a) if isinstance(a, DTensor) else None)
+    chosen, out_pl = local_placements(target, args, kwargs, [t.placements for t in flat], [t.ndim for t in flat])
+    shapes = [tuple(t.shape) for t in flat]
+    it = iter(zip(flat, chosen, grad_placements(chosen, out_pl)))
+
+    def local(a):
+        if isinstance(a, DTensor):
+            t, pl, grad_pl = next(it)
+            return edge(t, tuple(pl)).to_local(grad_placements=grad_pl)
+        return a
+    out = op(*fx.node.map_aggregate(args, local), **fx.node.map_aggregate(kwargs, local))
+    if not isinstance(out, torch.Tensor):
+        raise NotImplementedError(f"local fallback for the multi-output op {target}")
+    split = any(o.is_shard() for o in out_pl)
+    shape = global_output_shape(target, shapes, out.shape) if split else tuple(out.shape)
+    return DTensor.from_local(out.contiguous(), mesh, out_pl, run_check=False, shape=torch.Size(shape),
+                              stride=contiguous_stride(shape))
