@@ -1,5 +1,6 @@
 """Distributed checkpoints (``runtime/checkpoint.py``): exact resume after a rank is killed, and a
-checkpoint saved under one plan and world size loaded under others.
+checkpoint saved under one plan and world size loaded under others (``benchmarks/checkpoint_io.py``
+runs the whole 5 x 5 matrix).
 
 Why these bounds: a load is pure data movement (full tensors cut into another plan's shards and
 gathered back), so what a resumed run saves again at the same step must be bit-identical to what
@@ -67,7 +68,6 @@ def saved(tmp_path_factory):
     (TIED, "pp=2,dp=2,zero=1", "dp=2,zero=0", 2),        # pp=2 -> pp=1, tied weights, 4 -> 2 ranks
     (TIED, "pp=2,dp=2,zero=1", "dp=1", 1),               # -> one rank
     (TINY, "dp=2,tp=2,zero=2", "tp=2,zero=3", 2),        # tp x dp, ZeRO-2 -> tp, ZeRO-3
-    (TINY, "dp=2,tp=2,zero=2", "pp=2,tp=2", 4),          # -> pp x tp on the same world
 ])
 def test_checkpoint_loads_under_another_plan(saved, tmp_path, model, saved_under, load_under, world):
     src = str(tmp_path / "src")

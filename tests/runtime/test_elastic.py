@@ -15,7 +15,7 @@ import time
 import pytest
 
 from autopar.cli_run import reference_losses
-from autopar.runtime.checkpoint import latest_checkpoint
+from autopar.runtime.checkpoint import CheckpointError, latest_checkpoint, read_meta
 from autopar.runtime.launch import free_port
 
 STEPS = 16
@@ -51,21 +51,33 @@ def _progress(ck: str) -> int:
         return 0
 
 
+def _saved_by_two(ck: str) -> bool:
+    """A checkpoint of the two-rank world is committed (the agents may first have run alone)."""
+    path = latest_checkpoint(ck)
+    try:
+        return path is not None and read_meta(path)["world_size"] == 2
+    except (CheckpointError, OSError, KeyError):
+        return False
+
+
 def test_a_lost_node_is_replanned_and_resumed(tmp_path):
     ck, out = str(tmp_path / "ck"), str(tmp_path / "a.json")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun, "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=2", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.5",
-           "--rdzv-conf=last_call_timeout=5,join_timeout=60,close_timeout=5",
+           "--rdzv-conf=last_call_timeout=5,join_timeout=60,close_timeout=5,is_host=IS_HOST",
            "-m", "autopar.elastic", "gpt-tiny", "--steps", str(STEPS), "--checkpoint-dir", ck,
            "--checkpoint-every", "2", "--timeout", "30"]
     logs = [open(tmp_path / f"{n}.log", "w") for n in "ab"]
-    a = subprocess.Popen(cmd + ["--json", out], stdout=logs[0], stderr=subprocess.STDOUT, start_new_session=True)
-    time.sleep(1.0)                                   # a hosts the rendezvous store
-    b = subprocess.Popen(cmd, stdout=logs[1], stderr=subprocess.STDOUT, start_new_session=True)
+    def agent(is_host: int) -> list[str]:            # a hosts the rendezvous store, b only connects to it
+        return [c.replace("IS_HOST", str(is_host)) for c in cmd]
+
+    a = subprocess.Popen(agent(1) + ["--json", out], stdout=logs[0], stderr=subprocess.STDOUT, start_new_session=True)
+    time.sleep(1.0)
+    b = subprocess.Popen(agent(0), stdout=logs[1], stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while _progress(ck) < 3 or latest_checkpoint(ck) is None:     # saves commit asynchronously
+        while not _saved_by_two(ck) or _progress(ck) < 3:   # a world of 2 has saved (asynchronously)
             assert time.monotonic() < deadline and a.poll() is None, (tmp_path / "a.log").read_text()[-3000:]
             time.sleep(0.1)
         _kill_tree(b.pid)                             # the node is gone: agent and worker

@@ -33,7 +33,7 @@ def _assert_ok(outcomes, world):
 
 
 @_FUZZ
-@given(st.lists(cases(2), min_size=10, max_size=10, unique_by=case_shape))
+@given(st.lists(cases(2), min_size=6, max_size=6, unique_by=case_shape))
 def test_fuzzed_models_on_two_ranks(cs):
     outcomes = run_cases(cs, 2)
     _assert_ok(outcomes, 2)
@@ -41,7 +41,7 @@ def test_fuzzed_models_on_two_ranks(cs):
 
 
 @_FUZZ
-@given(st.lists(cases(4), min_size=8, max_size=8, unique_by=case_shape))
+@given(st.lists(cases(4), min_size=5, max_size=5, unique_by=case_shape))
 def test_fuzzed_models_on_four_ranks(cs):
     outcomes = run_cases(cs, 4)
     _assert_ok(outcomes, 4)
