@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import pickle
 import shutil
@@ -52,6 +53,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+
+from autopar.codegen.shards import chunk_range
 
 FORMAT = "autopar-checkpoint"
 VERSION = 1
@@ -229,9 +232,8 @@ def _world_mesh(device: torch.device):
 
 
 def _flat_chunk(n: int, world: int, rank: int) -> tuple[int, int]:
-    c = -(-n // world) if n else 0
-    a = min(rank * c, n)
-    return a, min(a + c, n)
+    """[start, end) of this rank's piece of a flat tensor of ``n`` elements (``Shard(0)``'s chunking)."""
+    return chunk_range(n, world, rank)
 
 
 def _flat_dtensor(local: torch.Tensor, n: int, mesh):
@@ -246,7 +248,7 @@ def _to_world(full: Optional[torch.Tensor], holding: _Holding, n: int, dtype, de
     rank, world = dist.get_rank(), dist.get_world_size()
     a, b = _flat_chunk(n, world, rank)
     if len(holding.ranks) < world:
-        c = -(-n // world) if n else 0
+        c = math.ceil(n / world)
         out = torch.zeros(c, dtype=dtype, device=device)
         parts = None
         if rank == holding.src:
@@ -316,7 +318,7 @@ def save_checkpoint(directory: str, parts: "TrainingState", *, step: int, plan, 
     by_name = store.by_name
     for name, h in holdings.items():
         shape, dtype = shapes[name]
-        n = _numel(shape)
+        n = math.prod(shape)
         slot = by_name.get(name) if rank in h.ranks else None
         full = store.full_tensor(slot) if slot is not None else None
         state[f"param/{name}"] = _to_world(full, h, n, getattr(torch, dtype), device, mesh)
@@ -357,13 +359,6 @@ def save_checkpoint(directory: str, parts: "TrainingState", *, step: int, plan, 
 
 def _dtype_of(kind: str) -> torch.dtype:
     return getattr(torch, kind.split(":", 1)[1])
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _meta(step, plan, optimizer, holdings, kinds, shapes, values, buffers, extra) -> dict:
@@ -488,7 +483,7 @@ def load_checkpoint(directory: str, parts: "TrainingState") -> CheckpointInfo:
     params = meta["params"]
     for name in sorted(params):
         info = params[name]
-        n, dtype = _numel(info["shape"]), getattr(torch, info["dtype"])
+        n, dtype = math.prod(info["shape"]), getattr(torch, info["dtype"])
         a, b = _flat_chunk(n, world, rank)
         state[f"param/{name}"] = _flat_dtensor(torch.empty(b - a, dtype=dtype, device=device), n, mesh)
         for key, kind in info["state"].items():
