@@ -61,6 +61,7 @@ from autopar.runtime.collectives import Collective, CollectiveRecorder
 from autopar.runtime.failures import peer_failures
 from autopar.runtime.launch import report_progress
 from autopar.runtime.pipeline import PipelineRunner, build_pipeline, forward_through_stages
+from autopar.runtime.precision import DynamicLossScale
 from autopar.solver.forcing import Force
 from autopar.trace.random_ops import random_ops
 from autopar.runtime.world import DEFAULT_TIMEOUT_S
@@ -105,6 +106,8 @@ class ParallelModel:
         self._train_graph = parts.train_graph
         self._fused = parts.fused
         self._loss_scale = parts.loss_scale
+        self.precision = parts.precision
+        self.loss_scaler = DynamicLossScale() if parts.precision.loss_scaling else None
         self._forwards: dict[bool, tuple] = {}        # module.training -> (graph, executor)
         self._made: list[GraphExecutor] = []          # every executor, training's first
         self._stage_executors: dict = {}              # forward-only pipeline parts, by (graph, part)
@@ -120,7 +123,8 @@ class ParallelModel:
                 plan=self.plan, cut=parts.cut, graph=self._train_graph, program=self.program,
                 device_mesh=whole, stage_mesh=mesh, store=self.store,
                 make_executor=lambda part, want: self._executor(self._train_graph, self.program, part, want),
-                loss_scale=self._loss_scale, device=self.device, log=self._log, timeout_s=self.timeout_s)
+                loss_scale=lambda: self._loss_scale * self._grad_scale(), device=self.device, log=self._log,
+                timeout_s=self.timeout_s)
         self._pp_group = whole.get_group(PIPELINE) if PIPELINE in whole.mesh_dim_names else None
         self.steps_done = 0                           # optimizer steps taken (restored by load)
         self.resumed: Optional[CheckpointInfo] = None
@@ -202,18 +206,33 @@ class ParallelModel:
         self.reducer.begin_step()
         self.optimizer.zero_grad(set_to_none=True)
         inputs = as_tuple(inputs)
-        if self._pipeline is not None:
-            self.reducer.arm(False)                   # reduce() launches every bucket after the schedule
-            self._log.phase = "pipeline"
-            with self._recording():
-                loss = self._pipeline.step(inputs, targets)
-        else:
-            loss = self._micro_batches(inputs, targets)
+        with self.precision.autocast(self.device.type):
+            if self._pipeline is not None:
+                self.reducer.arm(False)                   # reduce() launches every bucket after the schedule
+                self._log.phase = "pipeline"
+                with self._recording():
+                    loss = self._pipeline.step(inputs, targets)
+            else:
+                loss = self._micro_batches(inputs, targets)
         self._log.phase = "step"
         self.reducer.reduce()
-        self.optimizer.step()
+        scale = self._grad_scale()
+        if self.loss_scaler is None or self._unscaled():
+            self.optimizer.step()
         self.reducer.gather_params()
-        return float(loss)
+        return float(loss) / scale
+
+    def _grad_scale(self) -> float:
+        """fp16's loss scale this step (1 otherwise)."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def _unscaled(self) -> bool:
+        """fp16: unscale this rank's gradients; whether every rank found them finite (else the step
+        is skipped everywhere and the scale lowered, ``runtime/precision.py``)."""
+        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        stepped = self.loss_scaler.unscale_(grads)
+        self.loss_scaler.update(stepped)
+        return stepped
 
     def _micro_batches(self, inputs: tuple, targets) -> torch.Tensor:
         """Forward and backward of the plan's micro-batches in turn (gradients accumulate; the
@@ -232,7 +251,7 @@ class ParallelModel:
             with self._recording():
                 outs = self._train.run(x, y)
                 loss = self._user_output(self._train_graph, outs)
-                loss_local = edge(loss, _replicate(loss)).to_local() * self._loss_scale
+                loss_local = edge(loss, _replicate(loss)).to_local() * (self._loss_scale * self._grad_scale())
                 self._log.phase = "backward"
                 loss_local.backward()
             total = total + loss_local.detach().to(total.dtype)
@@ -313,6 +332,8 @@ class ParallelModel:
         buffers = self._buffers
         if self._pipeline is not None:
             buffers = self._over_pipeline(buffers, owners=self._pipeline.buffer_owner)
+        if self.loss_scaler is not None:                 # fp16: the scale goes on with the weights
+            extra = {**(extra or {}), _LOSS_SCALE_KEY: self.loss_scaler}
         with peer_failures("saving a checkpoint", self.timeout_s):
             return self._checkpoints.save(directory, self._checkpoint_parts(buffers), step=self.steps_done,
                                           plan=self.plan, extra=extra, keep=keep, asynchronous=asynchronous)
@@ -328,6 +349,9 @@ class ParallelModel:
         resharded to this plan; ``info.extra`` holds what ``save(extra=...)`` stored. Collective."""
         with peer_failures("loading a checkpoint", self.timeout_s):
             info = self._checkpoints.load(directory, self._checkpoint_parts(self._buffers))
+        scale = info.extra.pop(_LOSS_SCALE_KEY, None)
+        if scale is not None and self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(scale)
         self.steps_done = info.step
         self.resumed = info
         log.info("%s", info.change_line(self.plan))
@@ -410,6 +434,9 @@ class ParallelModel:
         return user[0]
 
 
+_LOSS_SCALE_KEY = "autopar.loss_scale"       # pm.save's entry of fp16's loss scale in ``extra``
+
+
 def _replicate(t) -> tuple:
     return tuple(Replicate() for _ in t.placements)
 
@@ -429,7 +456,8 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
                     dp_mode: str = "auto",
                     kernels: str = "off",
                     resume: Optional[str] = None,
-                    heartbeat_timeout_s: Optional[float] = 30.0) -> ParallelModel:
+                    heartbeat_timeout_s: Optional[float] = 30.0,
+                    dtype: Union[str, torch.dtype, None] = None) -> ParallelModel:
     """Plan (or take ``plan``) and compile ``model`` for the running world; see the module docstring.
 
     example_inputs / example_target: one GLOBAL batch (shapes fix the plan's batch and sequence).
@@ -461,13 +489,18 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
         (parameters, optimizer state, buffers, step count, RNG), resharded from whatever plan and
         world size saved it; ``pm.resumed`` says what was restored and ``pm.resumed.extra`` holds
         the saved ``extra``.
+    dtype: the compute dtype, "bf16", "fp16" or "fp32" (default: the plan's, else the parameters').
+        Lower than fp32 parameters it is mixed precision (``runtime/precision.py``): forward and
+        backward under ``torch.autocast``, fp32 master weights, gradients reduced in ``dtype``, and
+        for fp16 a dynamic loss scale common to every rank (an overflow anywhere skips the step
+        everywhere; ``pm.loss_scaler``). ``pm.precision`` says what runs.
     record_collectives: log DTensor's collectives into ``pm.collectives`` (a dispatch mode around
         forward and backward: a few microseconds per op; autopar's own reducer/ZeRO collectives are
         always logged).
     """
     with peer_failures("autoparallelize (setup)", timeout_s):
         checked = setup(model, example_inputs, loss_fn, optimizer, cluster, force, plan, seed, timeout_s,
-                        bucket_bytes, model_name, dp_mode, kernels, heartbeat_timeout_s)
+                        bucket_bytes, model_name, dp_mode, kernels, heartbeat_timeout_s, dtype)
         return ParallelModel(functools.partial(build, checked), timeout_s=timeout_s,
                              example_target=example_target, record_collectives=record_collectives,
                              resume=resume)

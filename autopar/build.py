@@ -22,6 +22,7 @@ from autopar.runtime.collectives import CollectiveLog
 from autopar.runtime.init import init_rules
 from autopar.runtime.params import ParamStore
 from autopar.runtime.pipeline import local_stages
+from autopar.runtime.precision import Precision, dtype_name, parse_dtype, precision_for
 from autopar.runtime.reducer import GradReducer
 from autopar.runtime.world import (PlanMismatchError, build_mesh, check_agreement, init_world, runtime_mesh,
                                    start_watchdog, world_size_message)
@@ -76,15 +77,17 @@ class Setup:
     rank: int
     world: int
     watchdog: Any = None          # runtime/watchdog.Watchdog, under torchrun
+    dtype: Optional[torch.dtype] = None   # the compute dtype asked for (None: the plan's / the parameters')
 
 
 def setup(model, example_inputs, loss_fn, optimizer, cluster, force, plan, seed, timeout_s, bucket_bytes,
-           model_name, dp_mode, kernels, heartbeat_timeout_s: Optional[float] = None) -> Setup:
+           model_name, dp_mode, kernels, heartbeat_timeout_s: Optional[float] = None, dtype=None) -> Setup:
     """Steps 1-2 of the module docstring: check the arguments, join the world, check --force."""
     if dp_mode not in ("auto", "dtensor"):
         raise ValueError(f"dp_mode={dp_mode!r}: choose 'auto' or 'dtensor'")
     if kernels not in ("auto", "on", "off"):
         raise ValueError(f"kernels={kernels!r}: choose 'auto', 'on' or 'off'")
+    dtype = parse_dtype(dtype) if dtype is not None else None
     meta = is_meta(model)
     device_type = "cuda" if torch.cuda.is_available() and (meta or next(model.parameters()).is_cuda) else "cpu"
     if heartbeat_timeout_s is not None and not heartbeat_timeout_s > 0:
@@ -98,7 +101,7 @@ def setup(model, example_inputs, loss_fn, optimizer, cluster, force, plan, seed,
     return Setup(model, as_tuple(example_inputs), loss_fn,
                   optimizer or (lambda params: torch.optim.AdamW(params, lr=3e-4)), cluster, force_, plan,
                   seed, timeout_s, bucket_bytes, model_name, dp_mode, kernels, fused, device_type, device, rank,
-                  world, watchdog)
+                  world, watchdog, dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +122,7 @@ class Built:
     device_mesh: Any = None            # the whole mesh (pipeline axis included); ``mesh`` is a stage's
     cut: Optional[PipelineCut] = None  # pp > 1: which nodes each stage runs
     loss_scale: float = 1.0            # each micro-batch's loss times this (1/m for a mean loss)
+    precision: Precision = Precision(torch.float32, torch.float32)
 
 
 def build(s: Setup, example_target: torch.Tensor) -> Built:
@@ -132,9 +136,13 @@ def build(s: Setup, example_target: torch.Tensor) -> Built:
                         collapse_repeats=False, model_name=model_name)
     if s.plan is None:
         plan_ = solve_on_rank0(model, inputs, loss_fn, example_target, s.cluster, s.force, s.device_type,
-                                model_name)
+                                model_name, dtype_name(s.dtype) if s.dtype is not None else None)
     else:
         plan_ = Plan.load(s.plan) if isinstance(s.plan, str) else s.plan
+        if s.dtype is not None and parse_dtype(plan_.dtype) != s.dtype:
+            raise PlanMismatchError(f"the plan was made for {plan_.dtype} compute, but dtype={dtype_name(s.dtype)} "
+                                    "was asked for: re-plan with that dtype, or leave dtype out to run the plan's")
+    precision = precision_for(plan_.dtype, next(model.parameters()).dtype)
     whole = runtime_mesh(plan_)
     if whole.size != s.world:
         raise PlanMismatchError(world_size_message(whole, s.world))
@@ -176,7 +184,7 @@ def build(s: Setup, example_target: torch.Tensor) -> Built:
     opt = s.optimizer(store.optimizer_params())
     if hasattr(opt, "set_shard_groups"):          # per-tensor norms over shards (optim.LAMB)
         opt.set_shard_groups(store.shard_groups())
-    reducer = GradReducer(store, s.bucket_bytes)
+    reducer = GradReducer(store, s.bucket_bytes, reduce_dtype=precision.reduce_dtype)
     if s.rank == 0:
         from autopar.report import idle_axis_notes
 
@@ -186,5 +194,6 @@ def build(s: Setup, example_target: torch.Tensor) -> Built:
              plan_.zero_stage, plan_.recompute, plan_.sequence_parallel)
     return Built(model=model, plan=plan_, train_graph=graph, mesh=mesh, program=program, store=store,
                   optimizer=opt, reducer=reducer, buffers=buffers, collective_log=clog, device=s.device,
-                  fused=s.fused, device_mesh=device_mesh, cut=cut, loss_scale=loss_scale)
+                  fused=s.fused, device_mesh=device_mesh, cut=cut, loss_scale=loss_scale,
+                  precision=precision)
 

@@ -2,6 +2,8 @@
 every rank receives the plan as JSON (or rank 0's error, raised on every rank alike)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -20,8 +22,9 @@ def _default_cluster(device_type: str, world: int):
 
 
 def solve_on_rank0(model, inputs, loss_fn, target, cluster, force: Force, device_type: str,
-                    model_name: str) -> Plan:
-    """Rank 0 plans; every rank receives the plan JSON (or rank 0's error, raised everywhere)."""
+                    model_name: str, dtype: Optional[str] = None) -> Plan:
+    """Rank 0 plans (for compute ``dtype``, default the parameters'); every rank receives the plan
+    JSON (or rank 0's error, raised everywhere)."""
     payload: list = [None]
     if dist.get_rank() == 0:
         try:
@@ -35,7 +38,7 @@ def solve_on_rank0(model, inputs, loss_fn, target, cluster, force: Force, device
                     else cluster)
             g = trace_model(model, inputs, loss_fn=loss_fn, example_target=target, model_name=model_name)
             seq = inputs[0].shape[1] if inputs[0].dim() >= 2 else None
-            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+            dtype = dtype or str(next(model.parameters()).dtype).removeprefix("torch.")
             p = plan_model(g, spec, global_batch=inputs[0].shape[0], seq_len=seq, dtype=dtype, force=force)
             payload = [("plan", p.to_json())]
         except Exception as e:  # sent to every rank and re-raised there, not swallowed

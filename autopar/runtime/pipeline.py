@@ -69,6 +69,8 @@ class Wire:
     def send(self, v) -> torch.Tensor:
         """This rank's piece of ``v``, contiguous (a point-to-point send takes only a contiguous
         buffer; a stage may end in a view such as ``movedim``)."""
+        if v.dtype != self.example.dtype:      # autocast: a low-precision value sent at the traced dtype
+            v = v.to(self.example.dtype)
         if self.plain and not isinstance(v, DTensor):
             return v.contiguous()
         if not isinstance(v, DTensor):
@@ -211,10 +213,11 @@ class PipelineRunner:
 
 
 def build_pipeline(*, plan, cut, graph, program, device_mesh, stage_mesh, store, make_executor,
-                   loss_scale: float, device, log, timeout_s: float) -> PipelineRunner:
+                   loss_scale: Callable[[], float], device, log, timeout_s: float) -> PipelineRunner:
     """The stages of ``cut`` this rank runs (``plan.pipeline_schedule``'s layout) as
     ``PipelineStage``s under the schedule; ``make_executor(part, want)`` runs a part of
-    ``graph``; ``loss_scale`` multiplies each micro-batch's loss (1/m for a mean)."""
+    ``graph``; ``loss_scale()`` multiplies each micro-batch's loss (1/m for a mean, times fp16's
+    loss scale)."""
     import datetime
 
     import torch.distributed as dist
@@ -263,7 +266,7 @@ def build_pipeline(*, plan, cut, graph, program, device_mesh, stage_mesh, store,
         (loss,) = loss_ex.run((), target, seed)
         if isinstance(loss, DTensor):
             loss = loss.redistribute(loss.device_mesh, tuple(TReplicate() for _ in loss.placements)).to_local()
-        return loss * loss_scale
+        return loss * loss_scale()
 
     sched = make_schedule(schedule, stages, plan.num_micro_batches, loss_fn)
     # tied parameters: one group per set of pipeline ranks holding a parameter, made by every rank

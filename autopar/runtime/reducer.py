@@ -10,6 +10,9 @@ After backward every rank holds, per parameter, its tp-local gradient SUMMAND ov
                                 parameter][rank 1's ...]), output = this rank's rows
     after the optimizer step, ZeRO 1, 2: all_gather of the updated rows, same layout
 
+Mixed precision (``runtime/precision.py``): with ``reduce_dtype`` a bucket is cast to it before
+its collective and back to the parameters' dtype after (the bytes the plan priced).
+
 Micro-batches: the hooks are ``arm``ed only for the last micro-batch of a step, so the earlier
 ones accumulate into ``.grad`` and each bucket is reduced once per step.
 
@@ -22,6 +25,7 @@ backward.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -32,8 +36,10 @@ from autopar.runtime.params import ParamSlot, ParamStore
 
 
 class GradReducer:
-    def __init__(self, store: ParamStore, bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True) -> None:
+    def __init__(self, store: ParamStore, bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True,
+                 reduce_dtype: Optional[torch.dtype] = None) -> None:
         self.store = store
+        self.reduce_dtype = reduce_dtype          # mixed precision: buckets cross dp in this dtype
         self.slots = store.slots
         self.buckets = plan_buckets([s.layout for s in self.slots], bucket_bytes)
         ctx = store.ctx
@@ -68,13 +74,20 @@ class GradReducer:
     def _launch(self, b: int) -> None:
         slots = [self.slots[i] for i in self.buckets[b]]
         if self.stage in (0, 1):
-            flat = torch.cat([self._summand(s).reshape(-1) for s in slots])
+            flat = self._down(torch.cat([self._summand(s).reshape(-1) for s in slots]))
             self._inflight[b] = ("all_reduce", flat, None, dist.all_reduce(flat, group=self.group, async_op=True))
         else:
-            send = self._interleave(slots)
+            send = self._down(self._interleave(slots))
             out = send.new_empty(send.numel() // self.dp)
             self._inflight[b] = ("reduce_scatter", send, out,
                                  dist.reduce_scatter_single(out, send, group=self.group, async_op=True))
+
+    def _down(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat if self.reduce_dtype is None else flat.to(self.reduce_dtype)
+
+    def _up(self, flat: torch.Tensor) -> torch.Tensor:
+        """A reduced bucket back in the parameters' dtype."""
+        return flat if self.reduce_dtype is None else flat.to(self.slots[0].local.dtype)
 
     def _summand(self, s: ParamSlot) -> torch.Tensor:
         g = s.full_grad if self.stage == 3 else s.local.grad
@@ -98,9 +111,9 @@ class GradReducer:
             self.log.add(kind, DATA, buf.numel() * buf.element_size(), "reducer")
             slots = [self.slots[i] for i in bucket]
             if kind == "all_reduce":
-                self._finish_all_reduce(slots, buf)
+                self._finish_all_reduce(slots, self._up(buf))
             else:
-                self._finish_reduce_scatter(slots, out)
+                self._finish_reduce_scatter(slots, self._up(out))
         self.begin_step()
 
     def _finish_all_reduce(self, slots: list[ParamSlot], flat: torch.Tensor) -> None:
