@@ -12,7 +12,7 @@ the mul/chunk/neg/cat/mul/add of rotate-half RoPE), which ``autopar/codegen/patt
 arguments and users included, before substituting (it also knows the variants: slices instead of
 chunk, LLaMA's hand-written RMSNorm for rms_norm, GPT-2's hand-written tanh GeLU for gelu). Argument conventions differ from aten's in places (rms_norm's eps defaults to
 1e-6, not finfo.eps; attention also returns lse): the caller maps them. Kernels with no aten
-counterpart (LAMB) have an empty pattern and are reached by name only. The Triton and reference
+counterpart (LAMB, LARS) have an empty pattern and are reached by name only. The Triton and reference
 callables of an entry take the same arguments; the Triton one may take extra keyword-only tuning
 arguments. The kernel modules import triton, so they load on first use (triton is the ``kernels``
 extra).
@@ -77,6 +77,8 @@ def _entries() -> dict[str, KernelEntry]:
                     ("aten._fused_adamw_.default",), "AdamW step over flat fp32 buffers"),
         KernelEntry("lamb", optimizers.lamb_step, optimizers.lamb_step_ref, (),
                     "LAMB step over flat fp32 buffers with per-tensor trust ratios"),
+        KernelEntry("lars", optimizers.lars_step, optimizers.lars_step_ref, (),
+                    "LARS step (momentum SGD) over flat fp32 buffers with per-tensor local rates"),
     ]
     return {e.name: e for e in table}
 

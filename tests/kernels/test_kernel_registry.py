@@ -65,6 +65,7 @@ def _small_calls():
         "gelu": ((x,), {}), "bias_gelu": ((x, b), {}), "swiglu": ((x, r(5, 24)), {}),
         "attention": ((q, k, v, True), {}), "rope": ((q, cos, sin), {}),
         "adamw": (flat, dict(step=2, lr=1e-2)), "lamb": (flat, dict(step=2, lr=1e-2)),
+        "lars": (lambda: [r(50), r(50), torch.zeros(50)], dict(lr=0.5, weight_decay=1e-2)),
     }
 
 
@@ -75,7 +76,7 @@ def test_triton_and_reference_agree(name):
     if callable(args):  # optimizers update buffers in place: give each its own copy
         bufs = args()
         a, e = [t.clone() for t in bufs], [t.clone() for t in bufs]
-        extra = ([0, 20, 50],) if name == "lamb" else ()
+        extra = ([0, 20, 50],) if name in ("lamb", "lars") else ()
         entry.triton(*a, *extra, **kwargs)
         entry.reference(*e, *extra, **kwargs)
         got, expected = a, e
