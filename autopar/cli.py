@@ -4,6 +4,8 @@
     autopar inspect plan.json
     autopar run gpt-tiny --nproc 4 --steps 3 --force tp=2,dp=2
     autopar sweep --models gpt3-1.3b,llama3-8b --gpus 8,64,512 --gpu h100 --compare-force tp=8 --out sweep
+    autopar calibrate --nproc 4 --out cluster.toml
+    autopar profile gpt-tiny --nproc 4 --steps 3 --cluster cluster.toml --trace-dir traces
     autopar models
 """
 from __future__ import annotations
@@ -89,8 +91,9 @@ def _parser() -> argparse.ArgumentParser:
                    "may go without any rank finishing a step (default 300; a run that keeps stepping "
                    "is never cut short). A dead rank ends the run at once, a stuck one after 30 s "
                    "without heartbeat")
-    p.add_argument("--optimizer", choices=("adamw", "lamb"), default="adamw",
-                   help="AdamW, or autopar.optim.LAMB (per-tensor trust ratio exact under shards)")
+    p.add_argument("--optimizer", choices=("adamw", "lamb", "lars"), default="adamw",
+                   help="AdamW, autopar.optim.LAMB or autopar.optim.LARS (per-tensor trust ratio / local "
+                   "rate exact under tp and ZeRO shards)")
     p.add_argument("--checkpoint-dir", default=None,
                    help="save a checkpoint here at the end (and every --checkpoint-every steps); any plan "
                    "and world size can resume from it")
@@ -98,6 +101,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue from the last checkpoint in --checkpoint-dir up to --steps (re-planned "
                    "for this world; resharded on load)")
+    p.add_argument("--memory", action="store_true",
+                   help="measure the last step's peak memory per rank by category (parameters, gradients, "
+                   "optimizer state, activations, temporaries) next to the plan's prediction; with --json "
+                   "also as \"memory\"")
+    p.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"),
+                   help="compute dtype (default fp32): bf16/fp16 run mixed precision (autocast, fp32 master "
+                   "weights, gradients reduced in that dtype; fp16 with a dynamic loss scale); the reference "
+                   "is one process under torch.autocast (and GradScaler)")
 
     p = sub.add_parser("sweep", help="plan models at several GPU counts -> DIR/sweep.csv and PNG plots")
     p.add_argument("--models", required=True,
@@ -121,6 +132,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="keep the rows already in DIR/sweep.csv (same model, "
                    "GPUs and config) and plan only the missing ones")
 
+    p = sub.add_parser("profile", help="run a plan on N CPU ranks under torch.profiler: measured vs predicted "
+                       "step time, categories, collectives; Chrome traces")
+    _add_problem_args(p)
+    p.add_argument("--nproc", type=_positive_int, default=2)
+    p.add_argument("--steps", type=_positive_int, default=3, help="profiled steps (after --warmup)")
+    p.add_argument("--warmup", type=int, default=1, help="steps run before profiling (default 1)")
+    p.add_argument("--cluster", default=None, help="cluster TOML to plan and predict with (e.g. from `autopar "
+                   "calibrate`; default the built-in 'cpu' pseudo-GPU)")
+    p.add_argument("--plan", dest="plan_file", default=None, help="a plan JSON to run instead of planning")
+    p.add_argument("--optimizer", choices=("adamw", "lamb"), default="adamw")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=_positive_float, default=300.0, metavar="SECONDS",
+                   help="every collective's timeout and the launcher's progress deadline (as `autopar run`)")
+    p.add_argument("--trace-dir", default=None, help="write rankR.trace.json (Chrome/Perfetto/TensorBoard) here")
+
+    from autopar.calibrate import add_parser as add_calibrate
+
+    add_calibrate(sub)
     sub.add_parser("models", help="list the built-in models")
     return ap
 
@@ -223,7 +252,7 @@ def cmd_run(args, console: Console) -> int:
                     force=args.force or None, json_path=args.json_path, batch=args.batch,
                     seq_len=args.seq_len, seed=args.seed, optimizer=args.optimizer, timeout_s=args.timeout,
                     checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                    resume=args.resume)
+                    resume=args.resume, memory=args.memory, dtype=args.dtype)
     except RankFailure:
         return 1  # run_command printed every rank's first error lines
     except KeyboardInterrupt:
@@ -247,6 +276,27 @@ def cmd_sweep(args, console: Console) -> int:
     return 0
 
 
+def cmd_profile(args, console: Console) -> int:
+    from autopar.profile import profile_command
+    from autopar.runtime.launch import RankFailure
+
+    try:
+        profile_command(args.model, args.nproc, args.steps, warmup=args.warmup, cluster=args.cluster,
+                        plan_path=args.plan_file, force=args.force or None, batch=args.batch, seq_len=args.seq_len,
+                        seed=args.seed, timeout_s=args.timeout, optimizer=args.optimizer,
+                        json_path=args.json_path, trace_dir=args.trace_dir, console=console)
+    except RankFailure as e:
+        _say(make_console(stderr=True), "error:", "bold red", f"autopar profile failed; every rank was stopped.\n{e.summary()}")
+        return 1
+    return 0
+
+
+def cmd_calibrate(args, console: Console) -> int:
+    from autopar.calibrate import cmd_calibrate as run
+
+    return run(args, console)
+
+
 def cmd_models(args, console: Console) -> int:
     from autopar.models import list_models
 
@@ -259,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = make_console()
     handler = {"plan": cmd_plan, "inspect": cmd_inspect, "run": cmd_run, "sweep": cmd_sweep,
-               "models": cmd_models}[args.command]
+               "models": cmd_models, "profile": cmd_profile, "calibrate": cmd_calibrate}[args.command]
     try:
         return handler(args, console)
     except (ValueError, NotImplementedError, FileNotFoundError) as e:

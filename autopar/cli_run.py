@@ -18,11 +18,12 @@ from typing import Callable, Optional
 
 from autopar.runtime.launch import DEFAULT_RUN_TIMEOUT_S, RankFailure, spawn_ranks
 
-OPTIMIZERS = ("adamw", "lamb")
+OPTIMIZERS = ("adamw", "lamb", "lars")
 
 
 def make_optimizer(name: str, params):
-    """``autopar run``'s optimizers: AdamW (lr 3e-4) or autopar's LAMB (lr 2e-3)."""
+    """``autopar run``'s optimizers: AdamW (lr 3e-4), autopar's LAMB (lr 2e-3) or autopar's LARS
+    (lr 1.0, momentum 0.9, weight decay 1e-4, trust coefficient 1e-3: its defaults)."""
     import torch
 
     if name == "adamw":
@@ -31,12 +32,17 @@ def make_optimizer(name: str, params):
         from autopar.optim import LAMB
 
         return LAMB(params, lr=2e-3)
+    if name == "lars":
+        from autopar.optim import LARS
+
+        return LARS(params, lr=1.0)
     raise ValueError(f"optimizer {name!r}: choose one of {OPTIMIZERS}")
 
 
 def _train_rank(rank: int, world: int, model: str, steps: int, plan_json: Optional[str], force,
                 batch: Optional[int], seq_len: Optional[int], seed: int, timeout_s: float,
-                optimizer: str, checkpoint: Optional["CheckpointArgs"] = None) -> dict:
+                optimizer: str, checkpoint: Optional["CheckpointArgs"] = None, memory: bool = False,
+                dtype: Optional[str] = None) -> dict:
     from autopar.api import autoparallelize
     from autopar.models import build_model
     from autopar.plan import Plan
@@ -47,9 +53,24 @@ def _train_rank(rank: int, world: int, model: str, steps: int, plan_json: Option
                          example_target=b.example_target, plan=plan, force=force, seed=seed,
                          timeout_s=timeout_s, model_name=model,
                          optimizer=lambda params: make_optimizer(optimizer, params),
-                         resume=checkpoint.directory if checkpoint is not None and checkpoint.resume else None)
-    losses = train_steps(pm, b, steps, seed, checkpoint)      # pm.step reports progress to the launcher
+                         resume=checkpoint.directory if checkpoint is not None and checkpoint.resume else None,
+                         dtype=dtype)
+    measured: list = []
+    step = None
+    if memory:                    # the last step runs measured (``runtime/memory_measure.py``)
+        from autopar.runtime.memory_measure import measure_step
+
+        def step(inputs, target):
+            if pm.steps_done + 1 < steps:
+                return pm.step(inputs, target)
+            loss, m = measure_step(pm, inputs, target)
+            measured.append(dataclasses.asdict(m))
+            return loss
+
+    losses = train_steps(pm, b, steps, seed, checkpoint, step=step)    # pm.step reports progress
     out = {"losses": losses, "first_step": pm.steps_done - len(losses) + 1}
+    if measured:
+        out["memory"] = measured[-1]
     if pm.resumed is not None:
         out["resumed"] = pm.resumed.change_line(pm.plan)
     if rank:
@@ -69,13 +90,14 @@ class CheckpointArgs:
 
 
 def train_steps(pm, b, steps: int, seed: int, checkpoint: Optional[CheckpointArgs] = None,
-                after_step: Optional[Callable[[int], None]] = None, scheduler=None) -> list[float]:
+                after_step: Optional[Callable[[int], None]] = None, scheduler=None,
+                step: Optional[Callable] = None) -> list[float]:
     """Train ``pm`` on ``b``'s generated batches up to step ``steps`` (from ``pm.steps_done``, the
     step a resumed checkpoint ended at, with the batch generator where it was); save into
     ``checkpoint`` every K steps and at the end (written in the background while the next steps
     run; the last one waited for); ``after_step(step)`` after each step (and its
     save); ``scheduler``: an LR scheduler stepped after each step, saved and restored with the
-    checkpoint. The losses of the steps run."""
+    checkpoint; ``step(inputs, target) -> loss`` in place of ``pm.step``. The losses of the steps run."""
     import torch
 
     from autopar.runtime.checkpoint import record_progress
@@ -89,7 +111,7 @@ def train_steps(pm, b, steps: int, seed: int, checkpoint: Optional[CheckpointArg
     losses = []
     while pm.steps_done < steps:
         inputs, target = b.make_batch(b.example_inputs[0].shape[0], gen)
-        losses.append(pm.step(inputs, target))
+        losses.append(pm.step(inputs, target) if step is None else step(inputs, target))
         if scheduler is not None:
             scheduler.step()
         if checkpoint is not None:
@@ -107,25 +129,38 @@ def train_steps(pm, b, steps: int, seed: int, checkpoint: Optional[CheckpointArg
 
 
 def reference_losses(model: str, steps: int, *, batch: Optional[int], seq_len: Optional[int],
-                     seed: int, optimizer: str = "adamw") -> list[float]:
+                     seed: int, optimizer: str = "adamw", dtype: Optional[str] = None) -> list[float]:
     """The same training on one process: autopar's init (``materialize``), same batches, same
-    optimizer."""
+    optimizer; ``dtype`` bf16/fp16: under ``torch.autocast`` (fp16 with ``torch.amp.GradScaler``),
+    the policy ``runtime/precision.py`` runs."""
+    import contextlib
+
     import torch
 
     from autopar.models import build_model
     from autopar.runtime.init import materialize
+    from autopar.runtime.precision import parse_dtype
 
     b = build_model(model, batch=batch, seq_len=seq_len, device="meta")
     m = materialize(b.module, seed)
     opt = make_optimizer(optimizer, m.parameters())
+    low = parse_dtype(dtype) if dtype else torch.float32
+    mixed = low != torch.float32
+    scaler = torch.amp.GradScaler("cpu") if low == torch.float16 else None
     gen = torch.Generator().manual_seed(seed)
     losses = []
     for _ in range(steps):
         inputs, target = b.make_batch(b.example_inputs[0].shape[0], gen)
         opt.zero_grad(set_to_none=True)
-        loss = b.loss_fn(m(*inputs), target)
-        loss.backward()
-        opt.step()
+        with torch.autocast("cpu", dtype=low) if mixed else contextlib.nullcontext():
+            loss = b.loss_fn(m(*inputs), target)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
         losses.append(float(loss.detach()))
     return losses
 
@@ -136,6 +171,25 @@ def _print_plan(plan) -> None:
     console = make_console()
     console.print(degrees_table(plan))
     console.print(strategies_table(plan))
+
+
+def _memory_report(plan, model: str, batch: Optional[int], seq_len: Optional[int], optimizer: str, outs):
+    """Print each rank's measured peak by category next to the plan's prediction (for the dtype
+    the parameters have); the rows."""
+    from autopar.models import build_model
+    from autopar.report import make_console
+    from autopar.runtime.memory_measure import compare_ranks, memory_table
+    from autopar.trace import trace_model
+
+    b = build_model(model, batch=batch, seq_len=seq_len, device="meta")
+    graph = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
+                        model_name=model)
+    dtype = str(next(b.module.parameters()).dtype).removeprefix("torch.")
+    rows = compare_ranks(plan, graph, [o["memory"] for o in outs], dtype, optimizer)
+    console = make_console()
+    for row in rows:
+        console.print(memory_table(row))
+    return rows
 
 
 def _checkpoint_args(directory: Optional[str], every: Optional[int], resume: bool, steps: int):
@@ -171,17 +225,21 @@ def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = N
                 seq_len: Optional[int] = None, seed: int = 0,
                 timeout_s: float = DEFAULT_RUN_TIMEOUT_S, optimizer: str = "adamw",
                 checkpoint_dir: Optional[str] = None, checkpoint_every: Optional[int] = None,
-                resume: bool = False) -> dict:
+                resume: bool = False, memory: bool = False, dtype: Optional[str] = None) -> dict:
     """``autopar run MODEL --nproc N --steps K``: train on N CPU ranks (planned by the solver for a
     "cpu" cluster of N, or ``plan_path``), then on one process; print and return the losses.
-    ``optimizer``: "adamw" or "lamb" (``autopar.optim.LAMB``, exact under tp and ZeRO shards).
+    ``optimizer``: "adamw", "lamb" or "lars" (``autopar.optim.LAMB`` / ``LARS``, per-tensor norms
+    exact under tp and ZeRO shards).
     ``timeout_s`` (``--timeout``): every collective's timeout; the ranks report each step, and the
     run is stopped when no rank finishes one for ``timeout_s`` + 30 s (``runtime/launch.py``: a
     dead rank stops it at once, a stuck one after 30 s without heartbeat).
     ``checkpoint_dir``: save there at the end and every ``checkpoint_every`` steps; ``resume``:
     continue from its last checkpoint up to step ``steps`` (the losses are those of the steps run,
     ``"first_step"`` the first one's number; the reference trains from step 1 and is compared on
-    the same steps)."""
+    the same steps). ``memory`` (``--memory``): the last step runs measured; each rank's peak by
+    category is printed next to the plan's prediction and returned as ``"memory"``
+    (``runtime/memory_measure.py``). ``dtype`` (``--dtype``): "bf16"/"fp16" plan and run mixed
+    precision (``runtime/precision.py``), the reference under ``torch.autocast``."""
     from autopar.plan import Plan
 
     if optimizer not in OPTIMIZERS:
@@ -192,7 +250,7 @@ def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = N
     t0 = time.monotonic()
     try:
         outs = spawn_ranks(_train_rank, nproc, (model, steps, plan_json, force, batch, seq_len, seed,
-                                               timeout_s, optimizer, checkpoint), timeout_s=timeout_s)
+                                               timeout_s, optimizer, checkpoint, memory, dtype), timeout_s=timeout_s)
     except RankFailure as e:
         print(f"autopar run {model} on {nproc} ranks failed; every rank was stopped.\n" + e.summary(),
               file=sys.stderr)
@@ -205,7 +263,8 @@ def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = N
         print(outs[0]["resumed"])
     for i, l in enumerate(losses):
         print(f"step {first + i}: loss {l:.6f}")
-    ref = reference_losses(model, steps, batch=batch, seq_len=seq_len, seed=seed, optimizer=optimizer)[first - 1:]
+    ref = reference_losses(model, steps, batch=batch, seq_len=seq_len, seed=seed, optimizer=optimizer,
+                           dtype=dtype)[first - 1:]
     diff = max((abs(a - b) for a, b in zip(losses, ref)), default=0.0)
     print("reference (1 process): " + ", ".join(f"{l:.6f}" for l in ref))
     print(f"max |loss - reference| = {diff:.3e}   ({nproc} ranks, {wall:.1f} s)")
@@ -218,6 +277,8 @@ def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = N
         print(f"note: {note}")
     result = {"losses": losses, "first_step": first, "reference_losses": ref, "max_abs_diff": diff, "summary": plan.summary(),
               "collectives": traffic, "plan": plan.to_dict()}
+    if memory:
+        result["memory"] = [r.to_json() for r in _memory_report(plan, model, batch, seq_len, optimizer, outs)]
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=1)

@@ -18,6 +18,8 @@ Measures, each fail-soft (an error is printed and recorded; the old value is kep
    forward-only efficiency and the measured bwd/fwd time ratio are recorded.
 4. Memory-bound ops: c = a + b (3 tensors of 1 GiB) and layer_norm over h=4096 (read + write).
 
+The measuring functions are shared with ``autopar calibrate`` (``autopar/calibrate_bench.py``).
+
 Writes the calibration JSON (same format as autopar/cost/calibration.json: the input file with
 this GPU family's entry replaced) to --out, and prints a table. Timing: CUDA events around a
 batch of repetitions after warm-up. Peaks are the datasheet figures from autopar.cost.hardware
@@ -31,40 +33,17 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from autopar.calibrate_bench import (SDPA_TRAIN_FACTOR, copy_Bps, family_of, gemm_shapes,  # noqa: E402
+                                     gpu_name_for, sdpa_fwd_flops, summarize_gemms, time_gemm, time_per_call,
+                                     time_sdpa)
 from autopar.cost.hardware import DEFAULT_CALIBRATION_PATH, get_gpu  # noqa: E402
 
 BUDGET_S = 100.0  # stop starting new GEMM shapes after this much wall time
-
-
-def family_of(device_name: str) -> str:
-    """'NVIDIA H200' -> 'h200'; 'NVIDIA H100 80GB HBM3' -> 'h100'; 'NVIDIA A100-SXM4-40GB' -> 'a100'."""
-    n = device_name.lower()
-    for fam in ("h200", "h100", "a100", "v100"):
-        if fam in n:
-            return fam
-    raise SystemExit(f"calibrate.py: unknown GPU family for device {device_name!r}; "
-                     f"known: h200, h100, a100, v100 (add its datasheet to autopar/cost/hardware.py)")
-
-
-def gpu_name_for(family: str, total_bytes: int) -> str:
-    if family == "a100":
-        return "a100-80g" if total_bytes > 50e9 else "a100-40g"
-    return family
-
-
-def bench_s(fn: Callable[[], Any], sync: Callable[[], None], timer: Callable[[], Any],
-            min_time_s: float = 0.03, max_reps: int = 100) -> float:
-    """Mean seconds per call: 2 warm-up calls, an estimate, then a timed batch of >= 3 calls."""
-    fn(); fn(); sync()
-    t0 = time.perf_counter(); fn(); sync()
-    est = max(time.perf_counter() - t0, 1e-6)
-    reps = int(min(max_reps, max(3, min_time_s / est)))
-    return timer(fn, reps)
 
 
 def main() -> int:
@@ -95,30 +74,16 @@ def main() -> int:
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
         device_name, total_bytes = props.name, props.total_memory
-        fam = family_of(device_name)
+        try:
+            fam = family_of(device_name)
+        except ValueError as e:
+            print(f"calibrate.py: {e}", file=sys.stderr)
+            return 2
     else:
         device_name, total_bytes, fam = "cpu (smoke)", 0, "h200"
     spec = get_gpu(gpu_name_for(fam, total_bytes), calibration=args.base)
     peak = spec.peak_flops_for("bfloat16")
     bf16 = torch.bfloat16
-
-    def sync() -> None:
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-
-    def timer(fn: Callable[[], Any], reps: int) -> float:
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(reps):
-                fn()
-            b.record()
-            b.synchronize()
-            return a.elapsed_time(b) / 1e3 / reps
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t0) / reps
 
     measured: dict[str, Any] = {"device": device_name, "torch": torch.__version__,
                                 "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -136,68 +101,39 @@ def main() -> int:
     # 1. HBM copy -------------------------------------------------------------------------------
     copy_eff = None
     try:
-        n = (2**32 if not smoke else 2**22) // 2           # 4 GiB of bf16
-        src = torch.empty(n, dtype=bf16, device=dev).fill_(1)
-        dst = torch.empty_like(src)
-        t = bench_s(lambda: dst.copy_(src), sync, timer)
-        bps = 2 * src.numel() * src.element_size() / t      # read + write
+        bps = copy_Bps(2**32 if not smoke else 2**22, bf16, dev)   # 4 GiB of bf16, read + write
         copy_eff = bps / spec.hbm_Bps
         measured["copy_Bps"] = bps
         rows.append(("HBM copy 4 GiB (r+w)", f"{bps / 1e9:8.0f} GB/s", f"{copy_eff:.3f}"))
-        del src, dst
     except Exception as e:  # fail-soft: recorded in the JSON and printed
         fail("hbm_copy", e)
 
     # 2. GEMMs -----------------------------------------------------------------------------------
-    gemm_flops = gemm_time = weighted = 0.0
-    per_pass: dict[str, list[float]] = {"fwd": [0.0, 0.0], "dgrad": [0.0, 0.0], "wgrad": [0.0, 0.0]}
-    per_h: dict[int, list[float]] = {}
-    worst = (2.0, "")
-    skipped = 0
     try:
-        tokens_list = (4096, 8192) if not smoke else (64,)
-        hiddens = (2048, 4096, 8192, 12288) if not smoke else (64, 128)
-        for h in hiddens:
-            ns = sorted({h} | {3 * h // t for t in (1, 2, 8)} | {4 * h // t for t in (1, 2, 8)})
-            for m in tokens_list:
-                for nn_ in ns:
-                    if time.perf_counter() - start > BUDGET_S:
-                        skipped += 1
-                        continue
-                    x = torch.randn(m, h, dtype=bf16, device=dev)
-                    w = torch.randn(nn_, h, dtype=bf16, device=dev)
-                    dy = torch.randn(m, nn_, dtype=bf16, device=dev)
-                    flops = 2.0 * m * nn_ * h
-                    for name, fn in (("fwd", lambda: torch.mm(x, w.t())),
-                                     ("dgrad", lambda: torch.mm(dy, w)),
-                                     ("wgrad", lambda: torch.mm(dy.t(), x))):
-                        t = bench_s(fn, sync, timer, min_time_s=0.01, max_reps=50)
-                        eff = flops / t / peak
-                        gemm_flops += flops; gemm_time += t; weighted += flops * eff
-                        per_pass[name][0] += flops; per_pass[name][1] += t
-                        ph = per_h.setdefault(h, [0.0, 0.0]); ph[0] += flops; ph[1] += t
-                        if eff < worst[0]:
-                            worst = (eff, f"{name} M={m} K={h} N={nn_}")
-                    del x, w, dy
-        if gemm_time == 0:
-            raise RuntimeError("no GEMM measured within the time budget")
-        mm_eff = gemm_flops / gemm_time / peak
+        timed, skipped = [], 0
+        for shape in gemm_shapes((4096, 8192) if not smoke else (64,),
+                                 (2048, 4096, 8192, 12288) if not smoke else (64, 128)):
+            if time.perf_counter() - start > BUDGET_S:
+                skipped += 1
+                continue
+            timed.append((shape, time_gemm(shape, bf16, dev)))
+        g = summarize_gemms(timed)
+        mm_eff = g.rate / peak
         measured["gemm"] = {
             "efficiency_flop_weighted_harmonic": mm_eff,
-            "efficiency_flop_weighted_mean": weighted / gemm_flops,
-            "per_pass_efficiency": {k: v[0] / v[1] / peak for k, v in per_pass.items() if v[1]},
-            "per_hidden_efficiency": {str(k): v[0] / v[1] / peak for k, v in per_h.items()},
-            "worst": {"efficiency": worst[0], "shape": worst[1]},
+            "efficiency_flop_weighted_mean": g.mean_rate / peak,
+            "per_pass_efficiency": {k: v / peak for k, v in g.per_pass},
+            "per_hidden_efficiency": {str(k): v / peak for k, v in g.per_hidden},
+            "worst": {"efficiency": g.worst[0] / peak, "shape": g.worst[1]},
             "shapes_skipped_for_time": skipped,
         }
-        rows.append(("GEMM bf16 (all shapes)", f"{gemm_flops / gemm_time / 1e12:8.1f} TF/s", f"{mm_eff:.3f}"))
-        rows.append(("  FLOP-weighted mean eff", "", f"{weighted / gemm_flops:.3f}"))
-        for k, v in per_pass.items():
-            if v[1]:
-                rows.append((f"  {k}", f"{v[0] / v[1] / 1e12:8.1f} TF/s", f"{v[0] / v[1] / peak:.3f}"))
-        for k, v in per_h.items():
-            rows.append((f"  h={k}", f"{v[0] / v[1] / 1e12:8.1f} TF/s", f"{v[0] / v[1] / peak:.3f}"))
-        rows.append((f"  worst: {worst[1]}", "", f"{worst[0]:.3f}"))
+        rows.append(("GEMM bf16 (all shapes)", f"{g.rate / 1e12:8.1f} TF/s", f"{mm_eff:.3f}"))
+        rows.append(("  FLOP-weighted mean eff", "", f"{g.mean_rate / peak:.3f}"))
+        for k, v in g.per_pass:
+            rows.append((f"  {k}", f"{v / 1e12:8.1f} TF/s", f"{v / peak:.3f}"))
+        for k, v in g.per_hidden:
+            rows.append((f"  h={k}", f"{v / 1e12:8.1f} TF/s", f"{v / peak:.3f}"))
+        rows.append((f"  worst: {g.worst[1]}", "", f"{g.worst[0] / peak:.3f}"))
     except Exception as e:  # fail-soft
         mm_eff = None
         fail("gemm", e)
@@ -209,37 +145,16 @@ def main() -> int:
         fwd_f = fb_f = fwd_t = fb_t = 0.0
         per_heads = {}
         for H in ((16, 32, 64) if not smoke else (2,)):
-            q, k, v = (torch.randn(1, H, T, D, dtype=bf16, device=dev, requires_grad=True) for _ in range(3))
-            go = torch.randn(1, H, T, D, dtype=bf16, device=dev)
-            flops = 4.0 * H * T * T * D  # FULL count (not halved for causal)
-
-            def fwd():
-                with torch.no_grad():
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-            def fwdbwd():
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                torch.autograd.grad(o, (q, k, v), go)
-
-            tf = bench_s(fwd, sync, timer, min_time_s=0.02)
-            tb = bench_s(fwdbwd, sync, timer, min_time_s=0.02)
-            fwd_f += flops; fwd_t += tf; fb_f += 3.5 * flops; fb_t += tb
+            flops = sdpa_fwd_flops(1, H, T, D)  # FULL count (not halved for causal)
+            tf, tb = time_sdpa(1, H, T, D, bf16, dev, causal=True)
+            fwd_f += flops; fwd_t += tf; fb_f += SDPA_TRAIN_FACTOR * flops; fb_t += tb
             per_heads[str(H)] = {"fwd_s": tf, "fwdbwd_s": tb, "fwd_eff": flops / tf / peak,
-                                 "fwdbwd_eff": 3.5 * flops / tb / peak, "bwd_over_fwd": (tb - tf) / tf}
-            del q, k, v, go
+                                 "fwdbwd_eff": SDPA_TRAIN_FACTOR * flops / tb / peak, "bwd_over_fwd": (tb - tf) / tf}
         attn_eff = fb_f / fb_t / peak
         # For reference only (not used in the JSON value): non-causal fwd+bwd at H=32.
         H = 32 if not smoke else 2
-        q, k, v = (torch.randn(1, H, T, D, dtype=bf16, device=dev, requires_grad=True) for _ in range(3))
-        go = torch.randn(1, H, T, D, dtype=bf16, device=dev)
-
-        def fwdbwd_full():
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=False)
-            torch.autograd.grad(o, (q, k, v), go)
-
-        t_nc = bench_s(fwdbwd_full, sync, timer, min_time_s=0.02)
-        noncausal_eff = 3.5 * 4.0 * H * T * T * D / t_nc / peak
-        del q, k, v, go
+        t_nc = time_sdpa(1, H, T, D, bf16, dev, causal=False, forward=False)[1]
+        noncausal_eff = SDPA_TRAIN_FACTOR * sdpa_fwd_flops(1, H, T, D) / t_nc / peak
         measured["sdpa"] = {"noncausal_fwdbwd_efficiency_H32": noncausal_eff,"B": 1, "T": T, "D": D, "causal": True, "flop_convention": "FULL 4*B*H*T*T*D fwd",
                             "fwd_efficiency": fwd_f / fwd_t / peak, "fwdbwd_efficiency": attn_eff,
                             "bwd_over_fwd_time": (fb_t - fwd_t) / fwd_t, "per_heads": per_heads}
@@ -254,13 +169,13 @@ def main() -> int:
     try:
         n = (2**30 if not smoke else 2**20) // 2             # 1 GiB bf16 each
         a = torch.randn(n, dtype=bf16, device=dev); b = torch.randn_like(a); c = torch.empty_like(a)
-        t = bench_s(lambda: torch.add(a, b, out=c), sync, timer)
+        t = time_per_call(lambda: torch.add(a, b, out=c), dev)
         add_bps = 3 * a.numel() * 2 / t
         del a, b, c
         hl = 4096
         x = torch.randn(n // hl, hl, dtype=bf16, device=dev)
         wln = torch.ones(hl, dtype=bf16, device=dev); bln = torch.zeros(hl, dtype=bf16, device=dev)
-        t = bench_s(lambda: F.layer_norm(x, (hl,), wln, bln), sync, timer)
+        t = time_per_call(lambda: F.layer_norm(x, (hl,), wln, bln), dev)
         ln_bps = 2 * x.numel() * 2 / t
         del x
         measured["elementwise"] = {"add_Bps": add_bps, "layer_norm_Bps": ln_bps,

@@ -46,7 +46,21 @@ Cluster TOML (``load_cluster``)::
     matmul_efficiency = 0.7
     attention_efficiency = 0.5
     memory_efficiency = 0.85
+    peak_TFLOPs = { float32 = 0.05, bfloat16 = 0.03, vector = 0.002 }   # per-dtype peaks replaced
     source = "..."
+
+    [measured]                    # optional, any content; read and ignored (``autopar calibrate``
+    device = "..."                # records its raw figures, date, torch version and device here)
+
+``peak_TFLOPs`` replaces the peak FLOP/s (TFLOP/s, 1e12) of the dtypes it lists (keys: bfloat16,
+float16, float32, float8_e4m3fn, vector, or the short aliases bf16, fp16, fp32, fp8); the others
+keep the GPU's. ``autopar calibrate`` (``autopar/calibrate.py``) writes such files: on the "cpu"
+pseudo-GPU, which has no datasheet, the peaks are the MEASURED achieved GEMM rates per dtype (and
+``vector`` the measured elementwise rate) with ``matmul_efficiency = 1.0``, ``hbm_GBps`` the
+measured copy rate with ``memory_efficiency = 1.0``; on a GPU the bf16 peak stays the datasheet
+figure, the efficiencies are measured against it, and other dtypes whose measured rate differs
+get an effective peak (measured rate / matmul_efficiency). Either way peak x efficiency is the
+measured rate, which is what ``compute.op_time_s`` divides by.
 
 Errors name the bad key and the allowed ones. ``cluster_to_toml`` writes this format back
 (``load_cluster(cluster_to_toml(c))`` round-trips).
@@ -341,10 +355,12 @@ def make_cluster(gpu: str, nodes: int, gpus_per_node: int = 8, name: Optional[st
 # TOML
 # ---------------------------------------------------------------------------------------------
 
-_TOP_KEYS = ("name", "gpu", "nodes", "gpus_per_node", "pcie_GBps", "intra", "inter", "gpu_overrides")
+_TOP_KEYS = ("name", "gpu", "nodes", "gpus_per_node", "pcie_GBps", "intra", "inter", "gpu_overrides",
+             "measured")
 _LINK_KEYS = ("busbw_GBps", "latency_us", "name", "source")
 _OVERRIDE_KEYS = ("memory_GB", "hbm_GBps", "matmul_efficiency", "attention_efficiency",
-                  "memory_efficiency", "source")
+                  "memory_efficiency", "peak_TFLOPs", "source")
+_PEAK_DTYPES = TRAINING_DTYPES + ("float8_e4m3fn", "vector")
 
 
 def _check_keys(where: str, table: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
@@ -367,6 +383,8 @@ def _link_from_table(where: str, t: Any, default: LinkSpec) -> LinkSpec:
 def cluster_from_dict(d: Mapping[str, Any], where: str = "cluster") -> ClusterSpec:
     """Build a ClusterSpec from the parsed TOML mapping (format in the module docstring)."""
     _check_keys(where, d, _TOP_KEYS)
+    if "measured" in d and not isinstance(d["measured"], dict):
+        raise ValueError(f"{where}: 'measured' must be a table ([measured]); it is read and ignored")
     for req in ("gpu", "nodes"):
         if req not in d:
             raise ValueError(f"{where}: missing required key {req!r}")
@@ -384,6 +402,8 @@ def cluster_from_dict(d: Mapping[str, Any], where: str = "cluster") -> ClusterSp
         for k in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
             if k in o:
                 changes[k] = float(o[k])
+        if "peak_TFLOPs" in o:
+            changes["peak_flops"] = _peaks_with(gpu.peak_flops, o["peak_TFLOPs"], f"{where} [gpu_overrides]")
         changed = [k for k in o if k != "source"]
         changes["source"] = str(o.get("source", f"{gpu.source}; overridden by {where}: {', '.join(changed)}"))
         gpu = replace(gpu, **changes)
@@ -391,6 +411,26 @@ def cluster_from_dict(d: Mapping[str, Any], where: str = "cluster") -> ClusterSp
     inter = _link_from_table(f"{where} [inter]", d["inter"], base.inter) if "inter" in d else base.inter
     pcie = float(d["pcie_GBps"]) * GB if "pcie_GBps" in d else base.pcie_Bps
     return replace(base, gpu=gpu, intra=intra, inter=inter, pcie_Bps=pcie)
+
+
+def _peaks_with(peaks: tuple[tuple[str, float], ...], table: Any, where: str) -> tuple[tuple[str, float], ...]:
+    """``peaks`` with the dtypes of ``table`` ({dtype: TFLOP/s}) replaced (new ones appended)."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: peak_TFLOPs must be a table like {{ float32 = 0.05, bfloat16 = 0.03 }}")
+    new: dict[str, float] = {}
+    for k, v in table.items():
+        key = _canonical_dtype(k)
+        if key not in _PEAK_DTYPES:
+            raise ValueError(f"{where}: peak_TFLOPs has unknown dtype {k!r}; allowed: {list(_PEAK_DTYPES)}")
+        try:
+            tflops = float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: peak_TFLOPs.{k} = {v!r} is not a number") from None
+        if not 0.0 < tflops < float("inf"):
+            raise ValueError(f"{where}: peak_TFLOPs.{k} = {v!r} must be a positive finite TFLOP/s figure")
+        new[key] = tflops * _T
+    out = tuple((d, new.pop(d, f)) for d, f in peaks)
+    return out + tuple(new.items())
 
 
 def _read_toml(path: Union[str, Path]) -> dict[str, Any]:
@@ -410,7 +450,10 @@ def load_cluster(path: Union[str, Path]) -> ClusterSpec:
     return cluster_from_dict(_read_toml(path), where=str(path))
 
 
-def _fmt(x: Any) -> str:
+def toml_value(x: Any) -> str:
+    """A string, bool, int or float as a TOML value."""
+    if isinstance(x, bool):
+        return "true" if x else "false"
     if isinstance(x, str):
         return json.dumps(x)  # TOML basic strings use JSON-compatible escapes
     return repr(x)
@@ -419,21 +462,24 @@ def _fmt(x: Any) -> str:
 def cluster_to_toml(c: ClusterSpec) -> str:
     """Write ``c`` in the TOML format ``load_cluster`` reads; everything is written explicitly."""
     base = get_gpu(c.gpu.name)
-    lines = [f"name = {_fmt(c.name)}", f"gpu = {_fmt(c.gpu.name)}", f"nodes = {c.nodes}",
-             f"gpus_per_node = {c.gpus_per_node}", f"pcie_GBps = {_fmt(c.pcie_Bps / GB)}", ""]
+    lines = [f"name = {toml_value(c.name)}", f"gpu = {toml_value(c.gpu.name)}", f"nodes = {c.nodes}",
+             f"gpus_per_node = {c.gpus_per_node}", f"pcie_GBps = {toml_value(c.pcie_Bps / GB)}", ""]
     for tname, link in (("intra", c.intra), ("inter", c.inter)):
-        lines += [f"[{tname}]", f"name = {_fmt(link.name)}", f"busbw_GBps = {_fmt(link.busbw_Bps / GB)}",
-                  f"latency_us = {_fmt(link.latency_s / _US)}", f"source = {_fmt(link.source)}", ""]
+        lines += [f"[{tname}]", f"name = {toml_value(link.name)}", f"busbw_GBps = {toml_value(link.busbw_Bps / GB)}",
+                  f"latency_us = {toml_value(link.latency_s / _US)}", f"source = {toml_value(link.source)}", ""]
     over = []
     if c.gpu.hbm_bytes != base.hbm_bytes:
-        over.append(f"memory_GB = {_fmt(c.gpu.hbm_bytes / GB)}")
+        over.append(f"memory_GB = {toml_value(c.gpu.hbm_bytes / GB)}")
     if c.gpu.hbm_Bps != base.hbm_Bps:
-        over.append(f"hbm_GBps = {_fmt(c.gpu.hbm_Bps / GB)}")
+        over.append(f"hbm_GBps = {toml_value(c.gpu.hbm_Bps / GB)}")
     for k in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
         if getattr(c.gpu, k) != getattr(base, k):
-            over.append(f"{k} = {_fmt(getattr(c.gpu, k))}")
+            over.append(f"{k} = {toml_value(getattr(c.gpu, k))}")
+    if c.gpu.peak_flops != base.peak_flops:
+        changed = [(d, f) for d, f in c.gpu.peak_flops if (d, f) not in base.peak_flops]
+        over.append("peak_TFLOPs = { " + ", ".join(f"{d} = {toml_value(f / _T)}" for d, f in changed) + " }")
     if over or c.gpu.source != base.source:
-        lines += ["[gpu_overrides]", *over, f"source = {_fmt(c.gpu.source)}", ""]
+        lines += ["[gpu_overrides]", *over, f"source = {toml_value(c.gpu.source)}", ""]
     return "\n".join(lines)
 
 

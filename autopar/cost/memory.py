@@ -21,6 +21,12 @@ t = tensor-parallel degree):
     full recompute        2sbh: only the layer input (2sbh/t with SP: the input is sequence-sharded)
 
 Pipeline in-flight micro-batches per schedule: ``pipeline_inflight_microbatches``.
+
+One step's peak (checked against measured CPU runs, ``runtime/memory_measure.py``): model states
+by the dtype and optimizer actually run (``state_bytes_per_param``: fp32 AdamW is 4 + 4 + 8, not
+2 + 2 + 12), the backward's workspace of two largest-output tensors (``backward_workspace_bytes``),
+and gradients that replace activations during the backward rather than adding to all of them
+(``step_peak_bytes``).
 """
 from __future__ import annotations
 
@@ -112,3 +118,69 @@ def pipeline_inflight_microbatches(pp: int, stage: int, num_micro_batches: int, 
     if schedule == "dualpipev":
         return min(2 * p + 1, 2 * m) / 2.0
     raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
+
+
+# Bytes per parameter of the model states by the parameters' dtype and the optimizer, as the
+# runtime keeps them. 16-bit: the mixed-precision recipe of the module docstring (16-bit params
+# and grads, fp32 master + Adam moments: K = 12). fp32 (autopar's CPU runs): fp32 params and
+# grads, and AdamW's / LAMB's two moments in the parameters' dtype (torch.optim keeps
+# exp_avg / exp_avg_sq like the parameter; no master copy), K = 8. SGD with momentum and LARS:
+# one buffer.
+_OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "lamb": 2, "lars": 1, "sgd": 1}
+
+
+def state_bytes_per_param(param_dtype: str, optimizer: str = "adamw") -> dict[str, float]:
+    """``{"params", "grads", "optimizer"}`` bytes per parameter for ``model_state_bytes``."""
+    from autopar.ir import DTYPE_BYTES
+
+    if param_dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"param dtype {param_dtype!r}: expected float32, bfloat16 or float16")
+    if optimizer not in _OPTIMIZER_MOMENTS:
+        raise ValueError(f"optimizer {optimizer!r}: expected one of {tuple(_OPTIMIZER_MOMENTS)}")
+    b = DTYPE_BYTES[param_dtype]
+    moments = _OPTIMIZER_MOMENTS[optimizer]
+    if b == 2:
+        return {"params": 2.0, "grads": 2.0, "optimizer": 4.0 * (moments + 1)}
+    return {"params": 4.0, "grads": 4.0, "optimizer": 4.0 * moments}
+
+
+def backward_workspace_bytes(largest_output_bytes: float) -> float:
+    """Transient bytes beside the states and the stored activations: the backward of the op with
+    the largest output holds that output's gradient while it writes its input's gradient, two
+    tensors of that size at once (the loss at the logits: ``nll_loss_backward``'s gradient of the
+    log-probabilities and ``_log_softmax_backward_data``'s gradient of the logits)."""
+    return 2.0 * largest_output_bytes
+
+
+def step_peak_bytes(states_without_grads: float, backward_parts, inflight: float, workspace: float,
+                    grads_during_forward: bool) -> float:
+    """Peak bytes of one training step on one rank.
+
+    ``backward_parts``: (activation bytes of one micro-batch, gradient bytes) of each piece of
+    the rank's model (a layer, the embedding, the head), in backward order; ``inflight``:
+    micro-batches whose activations the rank holds at its peak (``pipeline_inflight_microbatches``,
+    1 without a pipeline). Gradients start each step unallocated (``zero_grad(set_to_none=True)``).
+
+    When no forward runs after a backward on this rank in the step (one micro-batch, or a pipeline
+    rank that holds all its micro-batches, GPipe), gradients and activations trade places during
+    the first backward, counted at the pieces' boundaries: before piece k the later pieces' (in
+    backward order) activations and the earlier pieces' gradients are alive, so the peak is
+    ``(inflight - 1) A_mb + max_k (sum_{j >= k} a_j + sum_{j < k} g_j)`` (k up to the end: all
+    gradients). Inside a piece its ops free their saved inputs as they create their weight
+    gradients, one op at a time, so the boundaries miss at most one op's weight gradient. Otherwise
+    (``grads_during_forward``: gradient accumulation, 1F1B steady state) the full gradients are
+    alive while the stash is refilled to ``inflight`` micro-batches: ``G + inflight A_mb``. The
+    workspace (``backward_workspace_bytes``) is added to either."""
+    acts = [float(a) for a, _ in backward_parts]
+    grads = [float(g) for _, g in backward_parts]
+    a_mb = sum(acts)
+    if grads_during_forward:
+        moving = sum(grads) + inflight * a_mb
+    else:
+        best, left, done = 0.0, a_mb, 0.0
+        for a, g in zip(acts, grads):
+            best = max(best, left + done)
+            left -= a
+            done += g
+        moving = (inflight - 1) * a_mb + max(best, done)
+    return states_without_grads + moving + workspace

@@ -183,7 +183,9 @@ class PipelineRunner:
 
         losses: list = []
         kwargs = {"target": targets, "losses": losses} if self.holds_last else {}
-        self.schedule.step(*(inputs if self.holds_first else ()), **kwargs)
+        # the losses are collected by loss_fn; torch would otherwise keep every micro-batch's output
+        # (the logits) until the step ends, memory the plan does not have
+        self.schedule.step(*(inputs if self.holds_first else ()), **kwargs, return_outputs=False)
         loss = (torch.stack([x.detach() for x in losses]).sum() if self.holds_last
                 else torch.zeros((), dtype=torch.float32))
         loss = loss.to(torch.float32).reshape(())

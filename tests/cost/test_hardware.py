@@ -188,3 +188,25 @@ def test_fastest_dtype_skips_dtypes_without_tensor_cores():
     assert "no bfloat16 tensor cores" in warning and "--dtype fp16" in warning and "\n" not in warning
     assert v100.dtype_warning("fp16") is None and v100.dtype_warning("fp32") is None
     assert get_gpu("h100").dtype_warning("bf16") is None
+
+
+def test_toml_peak_overrides_and_measured_table(tmp_path):
+    # `autopar calibrate` writes measured per-dtype peaks and a [measured] table the loader ignores
+    p = tmp_path / "cal.toml"
+    p.write_text('gpu = "cpu"\nnodes = 1\ngpus_per_node = 4\n[gpu_overrides]\n'
+                 'peak_TFLOPs = { fp32 = 0.0234, bfloat16 = 0.0363, vector = 0.003 }\nmatmul_efficiency = 1.0\n'
+                 '[measured]\ndevice = "cpu"\n[measured.gemm.float32]\nTFLOPs = 0.0234\n')
+    c = load_cluster(p)
+    assert c.gpu.peak_flops_for("float32") == 0.0234e12 and c.gpu.peak_flops_for("bf16") == 0.0363e12
+    assert c.gpu.peak_flops_for("fp16") == get_gpu("cpu").peak_flops_for("fp16")      # not listed: kept
+    assert c.gpu.peak_flops_for("vector") == 0.003e12 and c.gpu.fastest_dtype() == "float16"
+    p.write_text(cluster_to_toml(c))
+    assert "peak_TFLOPs = { " in p.read_text() and load_cluster(p) == c
+    for bad, words in (("{ fp64 = 1.0 }", r"unknown dtype 'fp64'"), ("{ fp32 = -1.0 }", "positive finite"),
+                       ("3.0", "must be a table")):
+        p.write_text(f'gpu = "cpu"\nnodes = 1\n[gpu_overrides]\npeak_TFLOPs = {bad}\n')
+        with pytest.raises(ValueError, match=words):
+            load_cluster(p)
+    p.write_text('gpu = "cpu"\nnodes = 1\nmeasured = 3\n')
+    with pytest.raises(ValueError, match="'measured' must be a table"):
+        load_cluster(p)

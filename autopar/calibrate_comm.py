@@ -1,0 +1,135 @@
+"""Collectives timed over a real process group, and the fit of the link the cost model uses.
+
+``collective_op(kind, nbytes, ...)`` builds one collective of ``autopar.cost.collectives``'
+``COLLECTIVE_KINDS`` on float32 buffers, with ``nbytes`` meaning what that module says (all_reduce
+the tensor, all_gather the OUTPUT, reduce_scatter the INPUT, all_to_all each rank's send buffer,
+p2p the message), through the calls autopar's runtime makes (``dist.all_reduce``,
+``all_gather_single`` / ``reduce_scatter_single`` where torch has them, ``all_to_all_single``,
+``send``/``recv``). p2p is a ping-pong between ranks 0 and 1: half a round trip is one message.
+``time_collective`` times batches after barriers; a batch's time is its slowest rank's, and the
+median batch is the collective's time.
+
+``fit_link(points)`` fits one latency and one bus bandwidth to the measured times, with the cost
+model's own formula (``collectives.collective_s``): for each point the prediction is
+``steps(kind, n) * latency + bus_factor(kind, n) * nbytes / busbw``, linear in (latency, 1/busbw).
+The fit minimises the RELATIVE error (each point weighted by 1/time), so 1 KB messages (latency)
+and 256 MB ones (bandwidth) count alike; latency is kept >= 0.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from autopar.cost.collectives import COLLECTIVE_KINDS, collective_s
+from autopar.cost.hardware import LinkSpec
+
+_FLOAT_BYTES = 4
+
+
+@dataclass(frozen=True)
+class CollectivePoint:
+    kind: str          # one of COLLECTIVE_KINDS
+    ranks: int
+    nbytes: int        # as autopar.cost.collectives means it for ``kind``
+    seconds: float     # one collective, the slowest rank
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    latency_s: float   # per ring step, as LinkSpec.latency_s
+    busbw_Bps: float   # as LinkSpec.busbw_Bps
+    rel_rms: float     # root-mean-square relative error of the fitted times
+    max_rel: float     # largest relative error
+    points: int
+
+    def link(self, name: str, source: str) -> LinkSpec:
+        return LinkSpec(name=name, busbw_Bps=self.busbw_Bps, latency_s=self.latency_s, source=source)
+
+
+def collective_op(kind: str, nbytes: int, rank: int, world: int, device: torch.device,
+                  group=None) -> tuple[Callable[[], None], int, float]:
+    """(fn, actual nbytes, seconds-per-call factor) of one ``kind`` on ``world`` ranks; the factor
+    turns the time of ``fn`` into the time of one collective (p2p: a round trip is two messages)."""
+    if kind not in COLLECTIVE_KINDS:
+        raise ValueError(f"unknown collective kind {kind!r}; expected one of {COLLECTIVE_KINDS}")
+    numel = max(world, nbytes // _FLOAT_BYTES // world * world)
+    full = torch.ones(numel, device=device)
+    if kind == "all_reduce":
+        return (lambda: dist.all_reduce(full, group=group)), numel * _FLOAT_BYTES, 1.0
+    shard = torch.ones(numel // world, device=device)
+    if kind == "all_gather":
+        gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+        return (lambda: gather(full, shard, group=group)), numel * _FLOAT_BYTES, 1.0
+    if kind == "reduce_scatter":
+        scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+        return (lambda: scatter(shard, full, group=group)), numel * _FLOAT_BYTES, 1.0
+    if kind == "all_to_all":
+        out = torch.empty_like(full)
+        return (lambda: dist.all_to_all_single(out, full, group=group)), numel * _FLOAT_BYTES, 1.0
+    if world < 2:
+        raise ValueError("p2p needs at least 2 ranks")
+
+    def ping_pong() -> None:
+        if rank == 0:
+            dist.send(full, dst=1, group=group)
+            dist.recv(full, src=1, group=group)
+        elif rank == 1:
+            dist.recv(full, src=0, group=group)
+            dist.send(full, dst=0, group=group)
+    return ping_pong, numel * _FLOAT_BYTES, 0.5
+
+
+def time_collective(fn: Callable[[], None], reps: int, device: torch.device, batches: int = 1) -> float:
+    """Seconds per call of ``fn``: ``batches`` batches of ``reps`` calls, each started after a
+    barrier and timed as its slowest rank's; the median batch (a shared, busy machine preempts
+    ranks now and then: the median is the typical time, the mean would carry the outliers). The
+    default group (gloo, CPU tensors) carries barriers and times."""
+    per_batch = []
+    for _ in range(batches):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        per_batch.append((time.perf_counter() - t0) / reps)
+    t = torch.tensor(per_batch, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.median().item()) if batches % 2 else float(t.sort().values[batches // 2 - 1: batches // 2 + 1].mean())
+
+
+def _design(p: CollectivePoint) -> tuple[float, float]:
+    """(latency coefficient, 1/busbw coefficient) of ``p``'s predicted time, read off the cost model."""
+    steps = collective_s(p.kind, p.nbytes, p.ranks, LinkSpec("", math.inf, 1.0, ""))
+    bus_bytes = collective_s(p.kind, p.nbytes, p.ranks, LinkSpec("", 1.0, 0.0, ""))
+    return steps, bus_bytes
+
+
+def fit_link(points: Iterable[CollectivePoint]) -> LinkFit:
+    """Latency and busbw minimising the relative error of ``collective_s`` over ``points``."""
+    pts = [p for p in points if p.ranks > 1]
+    if len(pts) < 2:
+        raise ValueError(f"fitting a link needs at least 2 timed collectives on >= 2 ranks, got {len(pts)}")
+    for p in pts:
+        if not (p.seconds > 0 and math.isfinite(p.seconds)):
+            raise ValueError(f"{p.kind} of {p.nbytes} bytes took {p.seconds} s: not a positive finite time")
+    rows = [(s / p.seconds, x / p.seconds) for p, (s, x) in ((p, _design(p)) for p in pts)]
+    suu = sum(u * u for u, _ in rows); svv = sum(v * v for _, v in rows); suv = sum(u * v for u, v in rows)
+    su = sum(u for u, _ in rows); sv = sum(v for _, v in rows)
+    det = suu * svv - suv * suv
+    lat, inv_bw = ((su * svv - sv * suv) / det, (suu * sv - suv * su) / det) if det > 1e-12 * suu * svv else (-1.0, 0.0)
+    if lat < 0:                                   # no latency visible in the data: bandwidth only
+        lat, inv_bw = 0.0, sv / svv
+    if not inv_bw > 0:
+        sizes = sorted({p.nbytes for p in pts})
+        raise ValueError(f"the times do not grow with the message size (sizes {sizes[0]}..{sizes[-1]} bytes), "
+                         f"so no bandwidth can be fitted; measure larger messages (raise --budget-s)")
+    errs = [lat * u + inv_bw * v - 1.0 for u, v in rows]
+    return LinkFit(latency_s=lat, busbw_Bps=1.0 / inv_bw,
+                   rel_rms=math.sqrt(sum(e * e for e in errs) / len(errs)), max_rel=max(abs(e) for e in errs),
+                   points=len(pts))

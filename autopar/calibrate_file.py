@@ -1,0 +1,134 @@
+"""The cluster TOML ``autopar calibrate`` writes: how measured figures become the peaks, efficiencies
+and link of ``autopar/cost/hardware.py``'s format (the rules are in ``autopar/calibrate.py``'s
+docstring), and the ``[measured]`` table of raw figures.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from autopar.cost.hardware import GB, TRAINING_DTYPES, ClusterSpec, cluster_to_toml, get_gpu, short_dtype, toml_value
+
+if TYPE_CHECKING:
+    from autopar.calibrate import Calibration
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    """``x`` rounded to ``digits`` significant digits (the file's figures are not more precise)."""
+    return float(f"{x:.{digits - 1}e}")
+
+
+def cluster_dict(cal: Calibration, nodes: int = 1) -> dict[str, Any]:
+    """The cluster TOML mapping (``hardware.cluster_from_dict``'s input) of ``cal``: the module
+    docstring says how the measured figures map to peaks and efficiencies."""
+    if nodes < 1:
+        raise ValueError(f"--nodes {nodes}: need at least 1")
+    base = get_gpu(cal.gpu)
+    rates = {d: s.rate for d, s, _ in cal.gemm}
+    where = f"{cal.device_name}, {cal.nproc} rank(s) x {cal.threads_per_rank} thread(s), torch {cal.torch_version}, {cal.date}"
+    notes = []
+    if cal.device_kind == "cpu":
+        if not rates:
+            raise ValueError("no GEMM was measured within the time budget; raise --budget-s")
+        ref_peak, matmul_eff = None, 1.0
+        peaks = {d: _sig(r / 1e12) for d, r in rates.items()}
+        slowest = min(rates, key=rates.get)
+        for d in TRAINING_DTYPES:
+            if d not in peaks:
+                peaks[d] = peaks[slowest]
+                notes.append(f"{short_dtype(d)} not measured: priced as {short_dtype(slowest)}")
+        if cal.vector_flops:
+            peaks["vector"] = _sig(cal.vector_flops / 1e12)
+        over = {"hbm_GBps": _sig(cal.copy_Bps / GB), "memory_efficiency": 1.0, "matmul_efficiency": matmul_eff}
+    else:
+        if "bfloat16" not in rates:
+            raise ValueError("no bf16 GEMM was measured within the time budget; raise --budget-s")
+        ref_peak = base.peak_flops_for("bfloat16")
+        matmul_eff = _sig(rates["bfloat16"] / ref_peak)
+        peaks = {d: _sig(r / matmul_eff / 1e12) for d, r in rates.items()
+                 if d != "bfloat16" and abs(r / base.peak_flops_for(d) / matmul_eff - 1) > 0.02}
+        over = {"memory_efficiency": _sig(cal.copy_Bps / base.hbm_Bps), "matmul_efficiency": matmul_eff}
+    if cal.sdpa is not None:
+        sdpa_peak = ref_peak if ref_peak is not None else peaks[cal.sdpa.dtype] * 1e12
+        over["attention_efficiency"] = _sig(cal.sdpa.train_rate / sdpa_peak)
+    else:
+        notes.append("attention not measured: datasheet/default attention_efficiency kept")
+    if cal.link is None:
+        notes.append(f"[intra] link not measured: {cal.link_note}")
+    if peaks:
+        over["peak_TFLOPs"] = peaks
+    over["source"] = f"measured by autopar calibrate on {where}" + "".join(f"; {n}" for n in notes)
+    d: dict[str, Any] = {"name": f"calibrated-{cal.gpu}x{cal.nproc}", "gpu": cal.gpu, "nodes": nodes,
+                         "gpus_per_node": cal.nproc, "gpu_overrides": over}
+    if cal.link is not None:
+        kinds = [p for p in cal.points if cal.link_kind == "all kinds" or p.kind == cal.link_kind]
+        others = ", ".join(f"{k} {f.busbw_Bps / cal.link.busbw_Bps:.2g}x" for k, f in cal.fits if k != cal.link_kind)
+        d["intra"] = {"name": f"measured-{'nccl' if cal.device_kind == 'cuda' else 'gloo'}",
+                      "busbw_GBps": _sig(cal.link.busbw_Bps / GB), "latency_us": _sig(cal.link.latency_s * 1e6),
+                      "source": (f"measured by autopar calibrate: latency + busbw fitted to {cal.link_kind} on "
+                                 f"{cal.nproc} ranks, {min(p.nbytes for p in kinds)} .. {max(p.nbytes for p in kinds)}"
+                                 f" B (relative RMS error {100 * cal.link.rel_rms:.0f}%)"
+                                 + (f"; the other collectives' own busbw, relative: {others}" if others else "")
+                                 + f"; {where}")}
+    return d
+
+
+def measured_dict(cal: Calibration, budget_s: float, wall_s: float) -> dict[str, Any]:
+    """The raw figures for the file's ``[measured]`` table."""
+    m: dict[str, Any] = {"device": cal.device_name, "device_kind": cal.device_kind, "torch": cal.torch_version,
+                         "date": cal.date, "nproc": cal.nproc, "threads_per_rank": cal.threads_per_rank,
+                         "budget_s": budget_s, "wall_s": round(wall_s, 2), "op_overhead_us": cal.overhead_s * 1e6,
+                         "copy_GBps": cal.copy_Bps / GB}
+    if cal.vector_flops:
+        m["vector_GFLOPs"] = cal.vector_flops / 1e9
+    m["gemm"] = {d: {"TFLOPs": s.rate / 1e12, "mean_TFLOPs": s.mean_rate / 1e12, "shapes": s.shapes,
+                     "skipped_for_time": skipped, "per_pass_TFLOPs": {k: v / 1e12 for k, v in s.per_pass},
+                     "per_hidden_TFLOPs": {str(k): v / 1e12 for k, v in s.per_hidden},
+                     "worst": f"{s.worst[0] / 1e12:.4g} TFLOP/s {s.worst[1]}"} for d, s, skipped in cal.gemm}
+    if cal.sdpa is not None:
+        m["sdpa"] = {"dtype": cal.sdpa.dtype, "shape": cal.sdpa.shape, "causal_train_TFLOPs": cal.sdpa.train_rate / 1e12,
+                     "causal_fwd_TFLOPs": cal.sdpa.fwd_rate / 1e12, "bwd_over_fwd": cal.sdpa.bwd_over_fwd,
+                     "flop_convention": "FULL 4*B*H*T*T*D forward, x3.5 forward+backward"}
+        if cal.sdpa.noncausal_train_rate:
+            m["sdpa"]["noncausal_train_TFLOPs"] = cal.sdpa.noncausal_train_rate / 1e12
+    fits = dict(cal.fits)
+    if cal.points:
+        m["collectives"] = {}
+        for k in dict.fromkeys(p.kind for p in cal.points):
+            mine = [p for p in cal.points if p.kind == k]
+            entry: dict[str, Any] = {"ranks": mine[0].ranks, "bytes": [p.nbytes for p in mine],
+                                     "seconds": [p.seconds for p in mine]}
+            if k in fits:
+                entry.update(busbw_GBps=fits[k].busbw_Bps / GB, latency_us=fits[k].latency_s * 1e6,
+                             rel_rms=fits[k].rel_rms)
+            m["collectives"][k] = entry
+    for key, f, kind in (("link_fit", cal.link, cal.link_kind), ("all_kinds_fit", cal.joint, "all kinds")):
+        if f is not None:
+            m[key] = {"from": kind, "busbw_GBps": f.busbw_Bps / GB, "latency_us": f.latency_s * 1e6,
+                      "rel_rms": f.rel_rms, "max_rel": f.max_rel, "points": f.points}
+    if cal.link_note:
+        m["link_note"] = cal.link_note
+    return m
+
+
+def _toml_inline(v: Any) -> str:
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_inline(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_inline(x)}" for k, x in v.items()) + " }"
+    return toml_value(v)
+
+
+def _toml_table(name: str, table: dict[str, Any]) -> list[str]:
+    """``[name]`` with the scalars and lists of ``table``, then its sub-tables as ``[name.key]`` (a
+    table of sub-tables only gets no header of its own)."""
+    scalars = [f"{k} = {_toml_inline(v)}" for k, v in table.items() if not isinstance(v, dict)]
+    lines = [f"[{name}]", *scalars, ""] if scalars else []
+    for k, v in table.items():
+        if isinstance(v, dict):
+            lines += _toml_table(f"{name}.{k}", v)
+    return lines
+
+
+def calibration_toml(cluster: ClusterSpec, measured: dict[str, Any]) -> str:
+    """``cluster_to_toml(cluster)`` and a ``[measured]`` table of the raw figures."""
+    return cluster_to_toml(cluster) + "\n" + "\n".join(_toml_table("measured", measured))

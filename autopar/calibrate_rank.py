@@ -1,0 +1,175 @@
+"""What each rank of ``autopar calibrate`` runs (started by ``autopar.runtime.launch.spawn_ranks``).
+
+Every rank measures at the same time, as training ranks compute at the same time (on a CPU they
+share its cores and memory bandwidth, each with the one thread ``spawn_ranks`` gives a rank), then
+all take part in the collectives. Rank 0 alone decides whether the next measurement still fits the
+time budget and broadcasts the decision over the default (gloo) group, so every rank runs the same
+measurements; rank 0 also writes the progress file the launcher's progress bar reads.
+
+Order: per-op overhead, memory copy, elementwise rate (CPU), GEMMs per dtype, SDPA, collectives.
+Each phase has a deadline, cumulative shares of the budget (``PHASE_SHARES``), so time a phase
+leaves unused goes to the next; the collectives, last, take whatever remains, smallest size first.
+The first GEMM of each dtype and the first SDPA run whatever the budget says.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from autopar.calibrate_bench import (CALLS_PER_MEASUREMENT, GEMM_PASSES, SDPA_TRAIN_FACTOR, copy_Bps, elementwise_flops,
+                                     gemm_shapes, op_overhead_s, sdpa_fwd_flops, time_gemm, time_sdpa)
+from autopar.calibrate_comm import collective_op, time_collective
+from autopar.runtime.launch import report_progress
+
+PHASE_SHARES = {"gemm": 0.35, "sdpa": 0.45}   # cumulative fractions of the budget left when ranks start
+RESERVE_S = 1.0                               # kept for gathering results and writing the file
+COLLECTIVE_BATCHES = 5           # timed batches per collective and size; their median is the time
+COLLECTIVE_BATCH_S = 0.01        # a batch's length (at least one call)
+COLLECTIVE_MAX_REPS = 50
+
+
+class _Gate:
+    """Rank 0's budget decisions, broadcast to every rank, and the progress file."""
+
+    def __init__(self, rank: int, cfg: dict, total: int) -> None:
+        self.rank, self.path, self.total, self.done = rank, cfg["progress_path"], total, 0
+        now = time.monotonic()
+        self.end = cfg["start"] + cfg["budget_s"] - RESERVE_S
+        left = max(0.0, self.end - now)
+        self.deadline = {k: now + share * left for k, share in PHASE_SHARES.items()}
+        self.deadline["collectives"] = self.end
+
+    def go(self, predicted_s: float, deadline: float, first: bool = False) -> bool:
+        """Whether every rank runs the next measurement: rank 0's clock says it ends by ``deadline``.
+        The ``first`` of a phase always runs (the same on every rank: nothing to broadcast), so the
+        file gets every figure however small the budget."""
+        if first:
+            return True
+        flag = torch.tensor([1 if time.monotonic() + predicted_s <= deadline else 0], dtype=torch.int32)
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        report_progress()
+        if self.rank == 0 and self.path:
+            tmp = f"{self.path}.tmp"
+            with open(tmp, "w") as f:
+                json.dump({"done": self.done, "total": self.total, "label": label}, f)
+            os.replace(tmp, self.path)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _gemms(gate: _Gate, cfg: dict, device: torch.device, deadline: float, out: dict) -> None:
+    start = time.monotonic()
+    shapes = gemm_shapes(cfg["gemm_tokens"], cfg["gemm_hiddens"], cfg["gemm_splits"])
+    dtypes = cfg["dtypes"]
+    for i, name in enumerate(dtypes):
+        # each dtype gets an equal slice of the GEMM phase; what one leaves goes to the next
+        dt_deadline = start + (deadline - start) * (i + 1) / len(dtypes)
+        rate: Optional[float] = None
+        rows, skipped = [], 0
+        for shape in shapes:
+            predicted = 0.0 if rate is None else len(GEMM_PASSES) * CALLS_PER_MEASUREMENT * shape.flops / rate
+            if gate.go(predicted, dt_deadline, first=rate is None and not skipped):
+                times = time_gemm(shape, _dtype(name), device)
+                rows.append([shape.m, shape.k, shape.n] + [times[p] for p in GEMM_PASSES])
+                rate = len(GEMM_PASSES) * shape.flops / sum(times.values())
+            else:
+                skipped += 1
+            gate.step(f"GEMM {name} {shape.label()}")
+        out["gemm"][name] = rows
+        out["gemm_skipped"][name] = skipped
+
+
+def _sdpa(gate: _Gate, cfg: dict, device: torch.device, out: dict) -> None:
+    s = cfg["sdpa"]
+    b, t, d, dtype = s["batch"], s["seq"], s["head_dim"], _dtype(s["dtype"])
+    rate: Optional[float] = None
+    for h in s["heads"]:
+        flops = SDPA_TRAIN_FACTOR * sdpa_fwd_flops(b, h, t, d)
+        if gate.go(0.0 if rate is None else 2 * CALLS_PER_MEASUREMENT * flops / rate, gate.deadline["sdpa"],
+                   first=rate is None):
+            fwd, fwdbwd = time_sdpa(b, h, t, d, dtype, device, causal=True)
+            out["sdpa"].append([h, fwd, fwdbwd])
+            rate = flops / fwdbwd
+        gate.step(f"SDPA causal H={h}")
+    h = s["heads"][len(s["heads"]) // 2]
+    flops = SDPA_TRAIN_FACTOR * sdpa_fwd_flops(b, h, t, d)
+    if gate.go(0.0 if rate is None else 2 * CALLS_PER_MEASUREMENT * flops / rate, gate.deadline["sdpa"]):
+        out["sdpa_noncausal"] = [h, time_sdpa(b, h, t, d, dtype, device, causal=False, forward=False)[1]]
+    gate.step(f"SDPA non-causal H={h}")
+
+
+def _collectives(gate: _Gate, cfg: dict, rank: int, world: int, device: torch.device, group, out: dict) -> None:
+    last: dict[str, float] = {}        # kind -> seconds per call at the previous size
+    stopped: set[str] = set()
+    for size in cfg["sizes"]:
+        for kind in cfg["kinds"]:
+            label = f"{kind} {size >> 10} KiB" if size < 1 << 20 else f"{kind} {size >> 20} MiB"
+            if kind in stopped:
+                gate.step(label)
+                continue
+            # the next size is 4x: warm-up, estimate and the timed calls, each ~4x the last call
+            predicted = 0.0 if kind not in last else 4 * last[kind] * (2 + COLLECTIVE_BATCHES)
+            if not gate.go(predicted, gate.deadline["collectives"]):
+                stopped.add(kind)
+                gate.step(label)
+                continue
+            fn, nbytes, factor = collective_op(kind, size, rank, world, device, group)
+            fn()
+            est = time_collective(fn, 1, device)
+            reps = int(min(COLLECTIVE_MAX_REPS, max(1, COLLECTIVE_BATCH_S / max(est, 1e-9))))
+            per_call = time_collective(fn, reps, device, batches=COLLECTIVE_BATCHES)
+            last[kind] = per_call
+            out["collectives"].append([kind, world, nbytes, per_call * factor])
+            del fn
+            gate.step(label)
+
+
+def total_steps(cfg: dict, world: int) -> int:
+    """How many progress steps a rank makes (what the launcher's bar counts to)."""
+    shapes = gemm_shapes(cfg["gemm_tokens"], cfg["gemm_hiddens"], cfg["gemm_splits"])
+    basics = 3 if cfg["vector_numel"] else 2
+    comm = len(cfg["sizes"]) * len(cfg["kinds"]) if world > 1 else 0
+    return basics + len(shapes) * len(cfg["dtypes"]) + len(cfg["sdpa"]["heads"]) + 1 + comm
+
+
+def rank_main(rank: int, world: int, cfg: dict) -> dict[str, Any]:
+    """One rank's measurements (``cfg`` is built by ``autopar.calibrate``); plain numbers, lists
+    and strings, as ``spawn_ranks`` carries results."""
+    if cfg["device"] == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        group = dist.new_group(backend="nccl") if world > 1 else None
+        props = torch.cuda.get_device_properties(device)
+        name, memory = props.name, props.total_memory
+    else:
+        device, group, name, memory = torch.device("cpu"), None, "cpu", 0
+    out: dict[str, Any] = {"device_name": name, "total_memory": memory, "threads": torch.get_num_threads(), "gemm": {},
+                           "gemm_skipped": {}, "sdpa": [], "sdpa_noncausal": [], "collectives": []}
+    gate = _Gate(rank, cfg, total_steps(cfg, world))
+    if group is not None:                       # the first NCCL call makes the communicator: not timed
+        dist.all_reduce(torch.ones(1, device=device), group=group)
+        torch.cuda.synchronize(device)
+    out["overhead_s"] = op_overhead_s(device)
+    gate.step("per-op overhead")
+    out["copy_Bps"] = copy_Bps(cfg["copy_bytes"], _dtype(cfg["copy_dtype"]), device)
+    gate.step("memory copy")
+    if cfg["vector_numel"]:
+        out["vector_flops"] = elementwise_flops(cfg["vector_numel"], device)
+        gate.step("elementwise")
+    _gemms(gate, cfg, device, gate.deadline["gemm"], out)
+    _sdpa(gate, cfg, device, out)
+    if world > 1:
+        _collectives(gate, cfg, rank, world, device, group, out)
+    dist.barrier()
+    return out

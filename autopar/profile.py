@@ -1,0 +1,180 @@
+"""``autopar profile``: run a plan on N ranks under ``torch.profiler`` and put what it measured next to
+what the planner predicted.
+
+    autopar profile gpt-tiny --nproc 4 --steps 3 --cluster cluster.toml --force tp=2,dp=2 --json p.json
+
+Each rank runs ``--warmup`` steps, then ``--steps`` profiled ones (``runtime/profiling.py``) and writes
+a Chrome/TensorBoard trace (``--trace-dir``, one file per rank; chrome://tracing or Perfetto). The
+report compares:
+
+- the step time: measured (per step, the slowest rank's wall time, averaged over the steps) against
+  the plan's ``step_time.total_s`` for the cluster it was planned for (``--cluster``: a file from
+  ``autopar calibrate`` makes that the machine it runs on);
+- the step by category: compute (matmul, attention, memory-bound ops) and optimizer against the
+  plan's compute + recompute and optimizer times; each collective kind's in-situ time against the
+  plan's exposed time for it; what the planner does not model (Python dispatch, autograd
+  bookkeeping: ``runtime``) is shown as such;
+- every collective issued (kind, mesh axis, bytes, calls per step) with the cost model's time for it
+  on its link (``cost/collectives.py``; all of it, overlapped or not);
+- per rank: step time and busy time by class (with pp > 1 each rank is a pipeline stage).
+"""
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from typing import Optional
+
+from autopar.runtime.world import DEFAULT_TIMEOUT_S
+
+COMPUTE_CLASSES = ("matmul", "attention", "memory", "free")
+_P2P = {"send": "p2p", "recv": "p2p"}
+
+
+def _profile_rank(rank: int, world: int, model: str, plan_json: Optional[str], force, cluster: Optional[str],
+                  batch: Optional[int], seq_len: Optional[int], seed: int, timeout_s: float, warmup: int,
+                  steps: int, trace_dir: Optional[str], optimizer: str) -> dict:
+    import torch
+
+    from autopar.api import autoparallelize
+    from autopar.cli_run import make_optimizer
+    from autopar.models import build_model
+    from autopar.plan import Plan
+    from autopar.runtime.profiling import profile_steps
+
+    b = build_model(model, batch=batch, seq_len=seq_len, device="meta")
+    pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
+                         plan=Plan.from_json(plan_json) if plan_json else None, force=force, cluster=cluster,
+                         seed=seed, timeout_s=timeout_s, model_name=model,
+                         optimizer=lambda params: make_optimizer(optimizer, params))
+    gen = torch.Generator().manual_seed(seed)
+    rows = b.example_inputs[0].shape[0]
+    batches = (b.make_batch(rows, gen) for _ in range(warmup + steps))
+    trace = os.path.join(trace_dir, f"rank{rank}.trace.json") if trace_dir else None
+    prof = profile_steps(pm, batches, warmup=warmup, steps=steps, trace_path=trace)
+    out = {"profile": prof.to_json()}
+    if rank == 0:
+        out["plan"] = pm.plan.to_json()
+    return out
+
+
+def predicted_collective_s(plan, cluster, kind: str, axis: str, nbytes: int) -> float:
+    """The cost model's time of one collective of ``kind`` on mesh ``axis`` (``cost/collectives``)."""
+    from autopar.cost.collectives import axis_link, collective_s, stage_link
+    from autopar.mesh import PIPELINE
+
+    kind = _P2P.get(kind, kind)
+    if axis == PIPELINE:
+        return collective_s("p2p", nbytes, 2, stage_link(cluster, plan.dp * plan.tp))
+    stage = plan.stage_mesh
+    if axis not in stage.axes or kind not in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
+        return float("nan")
+    i = stage.axes.index(axis)
+    return collective_s(kind, nbytes, stage.shape[i], axis_link(cluster, tuple(stage.shape), i))
+
+
+def summarize(plan, cluster, profiles: list[dict]) -> dict:
+    """The measured-vs-predicted report of ``autopar profile`` as plain data (module docstring)."""
+    steps = profiles[0]["steps"]
+    slowest = [max(p["step_times_s"][i] for p in profiles) for i in range(steps)]
+    measured_step = sum(slowest) / steps
+    st = plan.step_time
+    mean = defaultdict(float)
+    for p in profiles:
+        for k, v in p["by_class_s"].items():
+            mean[k] += v / len(profiles)
+    comm_pred = dict(st.comm_s)
+    categories = [("compute", sum(mean[c] for c in COMPUTE_CLASSES), st.compute_s + st.recompute_s),
+                  ("optimizer", mean["optimizer"], st.optimizer_s)]
+    kinds = sorted({k.split(":", 1)[1] for k in mean if k.startswith("collective:")}
+                   | {k.split(":", 1)[-1] for k in comm_pred})
+    for kind in kinds:
+        pred = sum(v for k, v in comm_pred.items() if k.split(":", 1)[-1] == kind)
+        categories.append((f"comm {kind}", mean.get(f"collective:{kind}", 0.0), pred))
+    categories += [("pipeline bubble", None, st.bubble_s), ("runtime (not modelled)", mean["runtime"], None)]
+    seen = {}
+    for p in profiles:
+        for kind, axis, nbytes, calls in p["collectives"]:
+            key = (kind, axis, nbytes)
+            seen[key] = max(seen.get(key, 0), calls)
+    collectives = [{"kind": k, "axis": a, "bytes": n, "calls_per_step": c,
+                    "predicted_s_per_step": c * predicted_collective_s(plan, cluster, k, a, n)}
+                   for (k, a, n), c in sorted(seen.items())]
+    ranks = [{"rank": p["rank"], "coordinates": p["coordinates"],
+              "step_time_s": sum(p["step_times_s"]) / steps,
+              "compute_s": sum(p["by_class_s"].get(c, 0.0) for c in COMPUTE_CLASSES),
+              "by_class_s": p["by_class_s"], "trace": p.get("trace_path")} for p in profiles]
+    return {"measured_step_time_s": measured_step, "predicted_step_time_s": st.total_s,
+            "step_time_error": measured_step / st.total_s - 1 if st.total_s > 0 else None,
+            "categories": [{"category": c, "measured_s": m, "predicted_s": p} for c, m, p in categories],
+            "collectives": collectives, "ranks": ranks, "cluster": cluster.name, "plan": plan.summary()}
+
+
+def render(report: dict, console) -> None:
+    from rich.table import Table
+
+    def s(x) -> str:
+        return "-" if x is None or x != x else f"{x * 1e3:.2f} ms"
+
+    def err(m, p) -> str:
+        return "" if m is None or p is None or not p > 0 else f"{(m / p - 1) * 100:+.0f}%"
+
+    console.print(f"plan: {report['plan']} on cluster {report['cluster']}", markup=False, highlight=False)
+    t = Table(title="step, by category (per step; measured: mean over ranks of profiler self time)")
+    for col in ("category", "measured", "predicted", "measured / predicted - 1"):
+        t.add_column(col, justify="left" if col == "category" else "right")
+    for row in report["categories"]:
+        t.add_row(row["category"], s(row["measured_s"]), s(row["predicted_s"]), err(row["measured_s"], row["predicted_s"]))
+    t.add_row("step (wall, slowest rank)", s(report["measured_step_time_s"]), s(report["predicted_step_time_s"]),
+              err(report["measured_step_time_s"], report["predicted_step_time_s"]), style="bold")
+    console.print(t)
+    if report["collectives"]:
+        c = Table(title="collectives issued (cost model time on the axis' link, per step, overlap not subtracted)")
+        for col in ("kind", "axis", "bytes", "calls / step", "predicted"):
+            c.add_column(col, justify="left" if col in ("kind", "axis") else "right")
+        for row in report["collectives"]:
+            c.add_row(row["kind"], row["axis"], f"{row['bytes']:,}", str(row["calls_per_step"]),
+                      s(row["predicted_s_per_step"]))
+        console.print(c)
+    r = Table(title="ranks")
+    for col in ("rank", "mesh coordinates", "step", "compute", "trace"):
+        r.add_column(col, justify="right" if col in ("step", "compute") else "left")
+    for row in report["ranks"]:
+        coords = ",".join(f"{k}={v}" for k, v in row["coordinates"].items())
+        r.add_row(str(row["rank"]), coords, s(row["step_time_s"]), s(row["compute_s"]), row["trace"] or "")
+    console.print(r)
+
+
+def profile_command(model: str, nproc: int, steps: int, *, warmup: int = 1, cluster: Optional[str] = None,
+                    plan_path: Optional[str] = None, force=None, batch: Optional[int] = None,
+                    seq_len: Optional[int] = None, seed: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S,
+                    optimizer: str = "adamw", json_path: Optional[str] = None,
+                    trace_dir: Optional[str] = None, console=None) -> dict:
+    """``autopar profile`` (module docstring); returns the report (``summarize``)."""
+    import json
+
+    from autopar.cli_run import _check_trainable
+    from autopar.cost.hardware import resolve_cluster
+    from autopar.plan import Plan
+    from autopar.report import make_console
+    from autopar.runtime.launch import spawn_ranks
+
+    if nproc < 1 or steps < 1 or warmup < 0:
+        raise ValueError(f"profile: need --nproc >= 1, --steps >= 1 and --warmup >= 0 (got {nproc}, {steps}, {warmup})")
+    if plan_path and (force or cluster):
+        raise ValueError("--plan runs that plan as it is: drop --force/--cluster (or drop --plan to plan here)")
+    _check_trainable(model, batch, seq_len)
+    plan_json = Plan.load(plan_path).to_json() if plan_path else None
+    spec = resolve_cluster(cluster or "cpu", nodes=1, gpus_per_node=nproc)
+    if trace_dir:
+        os.makedirs(trace_dir, exist_ok=True)
+    outs = spawn_ranks(_profile_rank, nproc, (model, plan_json, force, cluster, batch, seq_len, seed, timeout_s,
+                                              warmup, steps, trace_dir, optimizer), timeout_s=timeout_s)
+    plan = Plan.from_json(outs[0]["plan"])
+    if plan_path:
+        spec = resolve_cluster(plan.cluster.gpu, nodes=plan.cluster.nodes, gpus_per_node=plan.cluster.gpus_per_node)
+    report = summarize(plan, spec, [o["profile"] for o in outs])
+    render(report, console or make_console())
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1)
+    return report

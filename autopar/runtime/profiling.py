@@ -1,0 +1,92 @@
+"""One rank's training steps measured under ``torch.profiler`` (``autopar profile``'s rank side).
+
+``profile_steps`` runs warm-up steps, then K steps inside ``torch.profiler.profile`` (CPU activity,
+plus CUDA on GPUs), and returns a ``RankProfile``: the wall time of each profiled step, the
+profiler's self time per operator class (``op_class``) averaged per step, the collectives autopar
+logged in those steps (kind, mesh axis, bytes) and, optionally, a Chrome/TensorBoard trace file.
+
+Operator classes of profiler events (self time, so nested events are not counted twice):
+``matmul``, ``attention``, ``memory`` (elementwise, norms, reductions) and ``free`` (views) as the
+cost model classifies aten ops (``cost/compute.op_kind``); ``collective:<kind>`` for c10d's
+collectives (on gloo their self time includes waiting for the slowest rank); ``optimizer`` for the
+optimizer step's own code; ``runtime`` for everything else (Python dispatch of DTensor and
+autopar's executor, autograd bookkeeping).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from autopar.cost.compute import op_kind
+
+_C10D = {"allreduce": "all_reduce", "allgather": "all_gather", "_allgather_base": "all_gather",
+         "allgather_into_tensor_coalesced": "all_gather", "reduce_scatter": "reduce_scatter",
+         "_reduce_scatter_base": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+         "alltoall": "all_to_all", "alltoall_base": "all_to_all", "broadcast": "broadcast",
+         "send": "p2p", "recv": "p2p", "recv_any_source": "p2p", "barrier": "barrier"}
+
+
+def op_class(event_name: str) -> str:
+    """The class a profiler event's self time counts under (module docstring)."""
+    if event_name.startswith("c10d::"):
+        base = event_name[len("c10d::"):].rstrip("_")
+        return "collective:" + _C10D.get(base, base)
+    if event_name.startswith("Optimizer.step#"):
+        return "optimizer"
+    if event_name.startswith("aten::"):
+        return op_kind(event_name)
+    return "runtime"
+
+
+@dataclasses.dataclass(frozen=True)
+class RankProfile:
+    """What one rank measured over ``steps`` profiled steps (times in seconds)."""
+    rank: int
+    coordinates: dict              # mesh axis -> this rank's index
+    steps: int
+    step_times_s: tuple[float, ...]
+    by_class_s: dict               # op class -> self time per step
+    collectives: tuple[tuple[str, str, int, int], ...]   # (kind, axis, bytes per call, calls per step)
+    trace_path: Optional[str] = None
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def profile_steps(pm, batches: Iterable, *, warmup: int, steps: int, trace_path: Optional[str] = None,
+                  step: Optional[Callable] = None) -> RankProfile:
+    """Run ``warmup`` steps, then ``steps`` under the profiler, of ``pm`` on ``batches`` (an
+    iterator of (inputs, target)); ``step(inputs, target)`` in place of ``pm.step``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if warmup < 0 or steps < 1:
+        raise ValueError(f"profile: need warmup >= 0 and steps >= 1, got {warmup} and {steps}")
+    run = step or pm.step
+    batches = iter(batches)
+    for _ in range(warmup):
+        run(*next(batches))
+    pm.reset_collectives()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if pm.device.type == "cuda" else [])
+    times = []
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            inputs, target = next(batches)
+            t0 = time.perf_counter()
+            run(inputs, target)
+            if pm.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    by_class: Counter = Counter()
+    for e in prof.key_averages():
+        by_class[op_class(e.key)] += e.self_cpu_time_total * 1e-6 / steps
+    calls = Counter((c.kind, c.axis, c.nbytes) for c in pm.collectives if c.phase != "setup")
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
+    return RankProfile(rank=torch.distributed.get_rank(), coordinates=pm.coordinates, steps=steps,
+                       step_times_s=tuple(times), by_class_s=dict(by_class),
+                       collectives=tuple(sorted((k, a, b, n // steps) for (k, a, b), n in calls.items())),
+                       trace_path=trace_path)

@@ -1,0 +1,195 @@
+"""Measured vs predicted peak memory (``runtime/memory_measure.py``), per plan family on 2 gloo
+ranks with gpt-tiny (fp32, AdamW), per rank and per category; and the storage classifier on a
+hand-built step.
+
+Bounds:
+- params, optimizer, and grads where the runtime keeps one copy: 1 %. They are sizes of tensors
+  the plan counts exactly; the only untracked difference is AdamW's per-tensor ``step`` scalars
+  (4 bytes x ~30 tensors, < 0.1 % of the state).
+- activations and the step's peak: 10 % (the issue's goal). Sources of the remaining error: the
+  plan counts activations per traced node at its local size, the runtime frees some earlier
+  (observed -4 %..-10 %); the peak model (``cost.memory.step_peak_bytes``) counts the backward's
+  trade of activations for gradients at layer boundaries, missing up to one op's weight gradient.
+
+Known places where the runtime keeps more than the plan promises are strict xfails (a fix to the
+runtime turns them into failures that ask for the mark to go):
+- ZeRO-0/1 gradients: the all-reduce bucket is a ``torch.cat`` copy of the gradients, and the
+  per-parameter gradients are freed only when the bucket's all-reduce is finished
+  (``GradReducer._finish_all_reduce``): 2x the gradients after the backward.
+- ZeRO-3: every gathered weight is saved by autograd (``_UseParam`` -> matmul) from its forward to
+  its backward, i.e. the whole tp-local model is resident, where the plan counts
+  ``ZERO3_PREFETCH_LAYERS`` gathered layers; and the full (unsharded) gradient summands are all
+  kept until the reduce-scatter after the backward, where the plan counts grads / dp.
+- pp, last stage: the logits are the last stage's output, held by torch's ``fwd_cache`` until
+  that micro-batch's backward (the plan has them as a transient of the loss): activations over
+  (the peak is within bounds since ``PipelineRunner.step`` runs ``schedule.step`` with
+  ``return_outputs=False``; before, every micro-batch's logits stayed until the step ended: +13.1%).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.runtime.memory_measure import CATEGORIES, StorageTracker
+
+FAMILIES = {"dp": "dp=2", "tp": "tp=2", "dp_zero3": "dp=2,zero=3", "pp": "pp=2"}
+STATE_TOL = 0.01
+PEAK_TOL = 0.10
+
+
+def measure_families(rank: int, world: int, families: dict) -> dict:
+    """On each rank: per family, one ordinary step (the optimizer state appears) then one measured."""
+    import dataclasses
+
+    from autopar.api import autoparallelize
+    from autopar.models import build_model
+    from autopar.runtime.memory_measure import measure_step
+
+    out = {}
+    for name, force in families.items():
+        b = build_model("gpt-tiny", device="meta")
+        pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
+                             force=force, seed=0, model_name="gpt-tiny", record_collectives=False)
+        x, y = b.make_batch(b.example_inputs[0].shape[0], torch.Generator().manual_seed(0))
+        pm.step(x, y)
+        _, m = measure_step(pm, x, y)
+        out[name] = {"plan": pm.plan.to_json(), "memory": dataclasses.asdict(m)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def families():
+    from autopar.models import build_model
+    from autopar.plan import Plan
+    from autopar.runtime.launch import spawn_ranks
+    from autopar.runtime.memory_measure import compare_ranks
+    from autopar.trace import trace_model
+
+    per_rank = spawn_ranks(measure_families, 2, (FAMILIES,), timeout_s=120)
+    b = build_model("gpt-tiny", device="meta")
+    graph = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
+                        model_name="gpt-tiny")
+    rows = {}
+    for name in FAMILIES:
+        plan = Plan.from_json(per_rank[0][name]["plan"])
+        rows[name] = compare_ranks(plan, graph, [r[name]["memory"] for r in per_rank], "float32", "adamw")
+    return rows
+
+
+def _rel(measured: float, predicted: float) -> float:
+    return abs(measured - predicted) / predicted
+
+
+def _xfail(reason: str):
+    return pytest.mark.xfail(strict=True, reason=reason)
+
+
+ZERO3 = "ZeRO-3 keeps every gathered weight (saved by autograd) and every full gradient summand"
+BUCKET = "ZeRO-0/1 all-reduce bucket is a copy: gradients peak at 2x"
+LAST_STAGE = "the last pipeline stage keeps the in-flight micro-batch's logits in torch's fwd_cache"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("category", ["params", "optimizer"])
+def test_model_states_exact(families, family, category):
+    for row in families[family]:
+        m, p = getattr(row.measured.category_peaks, category), getattr(row.predicted.by_category, category)
+        assert p > 0 and _rel(m, p) <= STATE_TOL, (family, row.rank, category, m, p)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["tp", "pp", pytest.param("dp", marks=_xfail(BUCKET)),
+                                    pytest.param("dp_zero3", marks=_xfail(ZERO3))])
+def test_gradients(families, family):
+    for row in families[family]:
+        m, p = row.measured.category_peaks.grads, row.predicted.by_category.grads
+        assert _rel(m, p) <= STATE_TOL, (family, row.rank, m, p)
+
+
+def _ranks(*xfails):
+    """(family, rank) of every measured rank, the given (family, rank, reason) as strict xfails."""
+    marks = {(f, r): reason for f, r, reason in xfails}
+    return [pytest.param(f, r, marks=_xfail(marks[(f, r)])) if (f, r) in marks else (f, r)
+            for f in FAMILIES for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, rank", _ranks(("dp_zero3", 0, ZERO3), ("dp_zero3", 1, ZERO3),
+                                                ("pp", 1, LAST_STAGE)))
+def test_activations(families, family, rank):
+    row = families[family][rank]
+    m, p = row.measured.category_peaks.activations, row.predicted.by_category.activations
+    assert _rel(m, p) <= PEAK_TOL, (family, rank, m, p)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, rank", _ranks(("dp_zero3", 0, ZERO3), ("dp_zero3", 1, ZERO3)))
+def test_peak(families, family, rank):
+    row = families[family][rank]
+    m, p = row.measured.peak_bytes, row.predicted.peak_bytes
+    assert _rel(m, p) <= PEAK_TOL, (family, rank, m, p)
+
+
+@pytest.mark.slow
+def test_json_rows(families):
+    js = families["dp"][1].to_json()
+    assert js["rank"] == 1 and set(js["by_category"]) == set(CATEGORIES)
+    assert js["measured_peak_bytes"] > 0 and js["predicted_peak_bytes"] > 0
+
+
+def test_classifier_hand_built():
+    """w (params) and a state tensor (optimizer) exist before; h = tanh(x @ w) is saved for
+    backward (activations); w.grad (grads); the mm output and tanh's input gradient are
+    temporaries. At the peak (w's gradient being written) every one is alive but the mm output."""
+    x = torch.randn(64, 256)                         # the batch: not tracked
+    w = torch.randn(256, 128, requires_grad=True)    # 128 KiB
+    state = torch.zeros(256, 128)                    # 128 KiB
+    tracker = StorageTracker()
+    tracker.register(w, "params")
+    tracker.register(w.view(-1), "params")           # a view: the same storage, counted once
+    tracker.register(state, "optimizer")
+    with tracker.saved_tensors(), tracker:
+        h = torch.tanh(x @ w)                        # mm output 32 KiB (temporary), h 32 KiB (saved)
+        h.sum().backward()                           # tanh_backward 32 KiB, w.grad 128 KiB
+    tracker.mark(w.grad, "grads")
+    tracker.mark(state, "optimizer")
+    tracker.close()
+    peak, at, tops = tracker.peak()
+    kib = 1024
+    assert (at.params, at.optimizer, at.grads, at.activations) == (128 * kib, 128 * kib, 128 * kib, 32 * kib)
+    assert 32 * kib <= at.temporaries <= 32 * kib + 16      # tanh's input gradient (+ 4-byte scalars)
+    assert peak == at.total
+    assert tops.temporaries >= 32 * kib and tops.activations == 32 * kib
+    assert [c for c, _, _ in tracker.live_at_peak()].count("params") == 1
+
+
+@pytest.mark.slow
+def test_run_command_memory_json(tmp_path, capsys):
+    """``autopar run --memory --json``: a table per rank and the ``"memory"`` list."""
+    import json
+
+    from autopar.cli_run import run_command
+
+    path = tmp_path / "run.json"
+    run_command("gpt-tiny", nproc=2, steps=2, force="tp=2", memory=True, json_path=str(path))
+    assert "rank 1: peak memory of the measured step" in capsys.readouterr().out
+    rows = json.loads(path.read_text())["memory"]
+    assert [r["rank"] for r in rows] == [0, 1]
+    for r in rows:
+        assert set(r["by_category"]) == set(CATEGORIES)
+        assert _rel(r["measured_peak_bytes"], r["predicted_peak_bytes"]) <= PEAK_TOL, r
+
+
+def test_step_peak_and_state_bytes():
+    """``cost.memory``: the backward trades activations for gradients at piece boundaries; fp32
+    AdamW states are 4 + 4 + 8 bytes per parameter, 16-bit mixed precision 2 + 2 + 12."""
+    from autopar.cost.memory import state_bytes_per_param, step_peak_bytes
+
+    pieces = [(10.0, 3.0), (10.0, 3.0)]          # (activations of one micro-batch, gradients)
+    assert step_peak_bytes(100.0, pieces, 1, 5.0, grads_during_forward=False) == 100 + 20 + 5
+    assert step_peak_bytes(100.0, pieces, 2, 5.0, grads_during_forward=False) == 100 + 20 + 20 + 5
+    assert step_peak_bytes(100.0, pieces, 1, 5.0, grads_during_forward=True) == 100 + 6 + 20 + 5
+    assert step_peak_bytes(0.0, [(1.0, 30.0), (1.0, 30.0)], 1, 0.0, grads_during_forward=False) == 60
+    assert state_bytes_per_param("float32", "adamw") == {"params": 4.0, "grads": 4.0, "optimizer": 8.0}
+    assert state_bytes_per_param("bfloat16", "adamw") == {"params": 2.0, "grads": 2.0, "optimizer": 12.0}

@@ -1,0 +1,147 @@
+"""`autopar calibrate`: the link fit on synthetic timings, the cluster file it writes (synthetic and
+from a real, short run on 2 CPU ranks), and its errors."""
+from __future__ import annotations
+
+import argparse
+import math
+import tomllib
+from dataclasses import replace
+
+import pytest
+from rich.console import Console
+
+from autopar.calibrate import SIZES, Calibration, SdpaFigures, add_parser, check_nproc, cmd_calibrate, measure
+from autopar.calibrate_file import calibration_toml, cluster_dict, measured_dict
+from autopar.calibrate_bench import GemmShape, summarize_gemms
+from autopar.calibrate_comm import CollectivePoint, fit_link
+from autopar.cost.collectives import COLLECTIVE_KINDS, collective_s
+from autopar.cost.compute import op_time_s
+from autopar.cost.hardware import LinkSpec, cluster_from_dict, cluster_to_toml, get_gpu, load_cluster, resolve_cluster
+
+
+def _points(link: LinkSpec, n: int, noise=lambda i: 1.0) -> list[CollectivePoint]:
+    pts = [CollectivePoint(k, n, size, collective_s(k, size, n, link)) for k in COLLECTIVE_KINDS for size in SIZES]
+    return [replace(p, seconds=p.seconds * noise(i)) for i, p in enumerate(pts)]
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_fit_recovers_latency_and_busbw(n):
+    truth = LinkSpec("t", busbw_Bps=3.2e9, latency_s=45e-6, source="")
+    fit = fit_link(_points(truth, n))
+    assert fit.busbw_Bps == pytest.approx(3.2e9, rel=1e-9) and fit.latency_s == pytest.approx(45e-6, rel=1e-9)
+    assert fit.rel_rms < 1e-9 and fit.points == len(COLLECTIVE_KINDS) * len(SIZES)
+    # +-5% deterministic jitter: still within a few percent
+    noisy = fit_link(_points(truth, n, noise=lambda i: 1.0 + 0.05 * math.sin(7.0 * i)))
+    assert noisy.busbw_Bps == pytest.approx(3.2e9, rel=0.05) and noisy.latency_s == pytest.approx(45e-6, rel=0.1)
+    assert 0.0 < noisy.rel_rms < 0.05
+
+
+def test_fit_one_kind_and_bandwidth_only():
+    truth = LinkSpec("t", busbw_Bps=1e9, latency_s=0.0, source="")
+    pts = [p for p in _points(truth, 4) if p.kind == "all_reduce"]
+    fit = fit_link(pts)
+    assert fit.latency_s == 0.0 and fit.busbw_Bps == pytest.approx(1e9, rel=1e-9)
+
+
+def test_fit_errors():
+    flat = [CollectivePoint("all_reduce", 2, s, 1e-3) for s in SIZES]
+    with pytest.raises(ValueError, match="do not grow with the message size"):
+        fit_link(flat)
+    with pytest.raises(ValueError, match="at least 2"):
+        fit_link(flat[:1])
+    with pytest.raises(ValueError, match="positive finite"):
+        fit_link([CollectivePoint("p2p", 2, 1024, 0.0), CollectivePoint("p2p", 2, 4096, 1e-3)])
+
+
+def _calibration(kind: str, rates: dict[str, float], copy: float, sdpa_rate: float, points=()) -> Calibration:
+    shape = GemmShape(1024, 1024, 1024)
+    gemm = tuple((d, summarize_gemms([(shape, {"fwd": shape.flops / r})]), 0) for d, r in rates.items())
+    return Calibration(device_kind=kind, device_name="NVIDIA H200" if kind == "cuda" else "cpu",
+                       gpu="h200" if kind == "cuda" else "cpu", nproc=4, threads_per_rank=1, torch_version="x",
+                       date="2026-01-01", gemm=gemm,
+                       sdpa=SdpaFigures("bfloat16" if kind == "cuda" else "float32", "B=1", sdpa_rate, sdpa_rate, 2.5, None),
+                       copy_Bps=copy, vector_flops=2e9 if kind == "cpu" else None, overhead_s=2e-6, points=tuple(points),
+                       fits=tuple((k, fit_link([p for p in points if p.kind == k])) for k in COLLECTIVE_KINDS if points),
+                       link=fit_link([p for p in points if p.kind == "all_reduce"]) if points else None,
+                       link_kind="all_reduce" if points else "", joint=fit_link(points) if points else None,
+                       link_note="" if points else "1 rank",
+                       measure_s=1.0)
+
+
+def _rate(gpu, dtype: str, kind: str = "matmul") -> float:
+    """What the cost model predicts for a big op of ``kind``: FLOP/s."""
+    return 1e12 / op_time_s(1e12, 0.0, dtype, gpu, kind)
+
+
+def test_cpu_file_prices_what_was_measured(tmp_path):
+    points = _points(LinkSpec("t", 1.5e9, 80e-6, ""), 4)
+    cal = _calibration("cpu", {"float32": 41.3e9, "bfloat16": 77.7e9}, copy=12.5e9, sdpa_rate=20e9, points=points)
+    d = cluster_dict(cal, nodes=2)
+    c = cluster_from_dict(d)
+    assert (c.nodes, c.gpus_per_node, c.gpu.name) == (2, 4, "cpu")
+    assert _rate(c.gpu, "float32") == pytest.approx(41.3e9) and _rate(c.gpu, "bf16") == pytest.approx(77.7e9)
+    assert _rate(c.gpu, "fp16") == pytest.approx(41.3e9)                  # not measured: the slowest measured
+    assert "fp16 not measured" in c.gpu.source
+    assert _rate(c.gpu, "float32", "attention") == pytest.approx(20e9, rel=1e-3)
+    assert c.gpu.hbm_Bps * c.gpu.memory_efficiency == pytest.approx(12.5e9)
+    assert c.gpu.peak_flops_for("vector") == pytest.approx(2e9)
+    assert c.intra.busbw_Bps == pytest.approx(1.5e9) and c.intra.latency_s == pytest.approx(80e-6)
+    p = tmp_path / "c.toml"
+    p.write_text(calibration_toml(c, measured_dict(cal, 10.0, 12.0)))
+    assert load_cluster(p) == c
+    assert tomllib.loads(p.read_text())["measured"]["gemm"]["float32"]["TFLOPs"] == pytest.approx(0.0413)
+    p.write_text(cluster_to_toml(c))
+    assert load_cluster(p) == c
+
+
+def test_gpu_file_keeps_datasheet_peaks_and_measures_efficiencies():
+    h200 = get_gpu("h200")
+    bf16 = 0.7 * h200.peak_flops_for("bf16")
+    cal = _calibration("cuda", {"bfloat16": bf16, "float16": bf16, "float32": 60e12}, copy=4.2e12,
+                       sdpa_rate=0.9 * h200.peak_flops_for("bf16"))
+    c = cluster_from_dict(cluster_dict(cal))
+    assert c.gpu.peak_flops_for("bf16") == h200.peak_flops_for("bf16") and c.gpu.matmul_efficiency == 0.7
+    assert c.gpu.peak_flops_for("fp16") == h200.peak_flops_for("fp16")     # same rate as bf16: no override
+    assert _rate(c.gpu, "fp32") == pytest.approx(60e12, rel=1e-3)          # fp32 without TF32: effective peak
+    assert c.gpu.attention_efficiency == pytest.approx(0.9) and c.gpu.memory_efficiency == pytest.approx(4.2 / 4.8)
+    assert c.intra.name == "nvlink4-nvswitch"                              # no collectives: the default link
+
+
+def test_errors(tmp_path):
+    with pytest.raises(ValueError, match="at least 1"):
+        check_nproc(0)
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        measure(2, budget_s=0.0)
+    ap = argparse.ArgumentParser()
+    add_parser(ap.add_subparsers(dest="command"))
+    args = ap.parse_args(["calibrate", "--out", str(tmp_path / "no" / "such" / "c.toml")])
+    with pytest.raises(ValueError, match="no such directory"):
+        cmd_calibrate(args, Console(quiet=True))
+    with pytest.raises(SystemExit):
+        ap.parse_args(["calibrate", "--nproc", "0"])
+
+
+def test_real_run_writes_a_cluster_the_planner_uses(tmp_path):
+    from autopar.models import build_model
+    from autopar.solver import plan_model
+    from autopar.trace import trace_model
+
+    ap = argparse.ArgumentParser()
+    add_parser(ap.add_subparsers(dest="command"))
+    out = tmp_path / "cluster.toml"
+    args = ap.parse_args(["calibrate", "--nproc", "2", "--budget-s", "8", "--out", str(out)])
+    assert cmd_calibrate(args, Console(quiet=True)) == 0
+    c = load_cluster(out)
+    assert c == resolve_cluster(out) and c.gpus_per_node == 2 and c.gpu.name == "cpu"
+    m = tomllib.loads(out.read_text())["measured"]
+    figures = [c.gpu.peak_flops_for(d) for d in ("float32", "bfloat16", "float16", "vector")] + [
+        c.gpu.hbm_Bps, c.gpu.attention_efficiency, c.intra.busbw_Bps, c.intra.latency_s + 1e-12,
+        m["copy_GBps"], m["op_overhead_us"], m["gemm"]["float32"]["TFLOPs"]]
+    assert all(math.isfinite(x) and x > 0 for x in figures), figures
+    assert c.intra.name == "measured-gloo" and set(m["collectives"]) == set(COLLECTIVE_KINDS)
+    assert all(t > 0 for k in m["collectives"].values() for t in k["seconds"])
+
+    b = build_model("gpt-tiny", device="meta")
+    g = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target, model_name="t")
+    plan = plan_model(g, resolve_cluster(out), global_batch=8, seq_len=b.seq_len, dtype="float32")
+    assert plan.summary()["estimated_step_time_s"] > 0

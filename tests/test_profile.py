@@ -1,0 +1,84 @@
+"""``autopar profile``: profiler events classed as the cost model classes ops; the report's arithmetic
+on hand-made rank profiles; one real run on two gloo ranks (JSON keys the issue names, the
+collectives the reducer issued, a Chrome trace per rank)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autopar.cost.collectives import collective_s
+from autopar.cost.hardware import resolve_cluster
+from autopar.profile import predicted_collective_s, summarize
+from autopar.runtime.profiling import op_class
+
+
+def test_profiler_events_are_classed_as_the_cost_model_classes_ops():
+    assert op_class("aten::addmm") == "matmul"
+    assert op_class("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert op_class("aten::gelu") == "memory"
+    assert op_class("aten::view") == "free"
+    assert op_class("c10d::allreduce_") == "collective:all_reduce"
+    assert op_class("c10d::_reduce_scatter_base_") == "collective:reduce_scatter"
+    assert op_class("c10d::send") == "collective:p2p"
+    assert op_class("Optimizer.step#AdamW.step") == "optimizer"
+    assert op_class("autograd::engine::evaluate_function: AddmmBackward0") == "runtime"
+
+
+@pytest.fixture(scope="module")
+def dp2_plan():
+    from autopar.models import build_model
+    from autopar.solver import plan_model
+    from autopar.solver.forcing import parse_force
+    from autopar.trace import trace_model
+
+    b = build_model("gpt-tiny", device="meta")
+    g = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target)
+    cluster = resolve_cluster("cpu", nodes=1, gpus_per_node=2)
+    return plan_model(g, cluster, global_batch=int(b.example_inputs[0].shape[0]), seq_len=b.seq_len,
+                      dtype="float32", force=parse_force("dp=2,zero=0")), cluster
+
+
+def test_report_arithmetic_on_hand_made_profiles(dp2_plan):
+    plan, cluster = dp2_plan
+    mesh = {"dp": 0, "tp": 0}
+    ranks = [{"rank": r, "coordinates": mesh, "steps": 2, "step_times_s": times, "trace_path": None,
+              "by_class_s": {"matmul": 0.010 + r * 0.002, "memory": 0.004, "collective:all_reduce": 0.003,
+                             "optimizer": 0.001, "runtime": 0.020},
+              "collectives": [["all_reduce", "dp", 1000, 1]]}
+             for r, times in enumerate(((0.05, 0.07), (0.06, 0.05)))]
+    rep = summarize(plan, cluster, ranks)
+    assert rep["measured_step_time_s"] == pytest.approx((0.06 + 0.07) / 2)      # slowest rank per step
+    assert rep["predicted_step_time_s"] == plan.step_time.total_s
+    cat = {c["category"]: c for c in rep["categories"]}
+    assert cat["compute"]["measured_s"] == pytest.approx(0.011 + 0.004)         # mean over ranks
+    assert cat["compute"]["predicted_s"] == pytest.approx(plan.step_time.compute_s + plan.step_time.recompute_s)
+    assert cat["comm all_reduce"]["measured_s"] == pytest.approx(0.003)
+    assert cat["runtime (not modelled)"]["predicted_s"] is None
+    (row,) = rep["collectives"]
+    assert row["predicted_s_per_step"] == pytest.approx(collective_s("all_reduce", 1000, 2, cluster.intra))
+
+
+def test_predicted_collective_time_on_the_axis_link(dp2_plan):
+    plan, cluster = dp2_plan
+    # ring all-reduce of 1 MB over 2 ranks: 2 (n-1)/n bytes at busbw plus 2 (n-1) latency steps
+    want = 1e6 / cluster.intra.busbw_Bps + 2 * cluster.intra.latency_s
+    assert predicted_collective_s(plan, cluster, "all_reduce", "dp", 10 ** 6) == pytest.approx(want)
+    assert predicted_collective_s(plan, cluster, "all_reduce", "nope", 10) != predicted_collective_s(
+        plan, cluster, "all_reduce", "nope", 10)                                  # NaN: not an axis of the plan
+
+
+@pytest.mark.slow
+def test_profile_runs_two_ranks_and_writes_json_and_traces(tmp_path):
+    from autopar.cli import main
+
+    out = tmp_path / "p.json"
+    assert main(["profile", "gpt-tiny", "--nproc", "2", "--steps", "1", "--force", "dp=2,zero=2",
+                 "--json", str(out), "--trace-dir", str(tmp_path / "traces")]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["measured_step_time_s"] > 0 and rep["predicted_step_time_s"] > 0
+    kinds = {(c["kind"], c["axis"]) for c in rep["collectives"]}
+    assert ("reduce_scatter", "dp") in kinds and ("all_gather", "dp") in kinds, kinds
+    for r in rep["ranks"]:
+        trace = json.loads(open(r["trace"]).read())
+        assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
