@@ -206,7 +206,7 @@ class ParallelModel:
         self.reducer.begin_step()
         self.optimizer.zero_grad(set_to_none=True)
         inputs = as_tuple(inputs)
-        with self.precision.autocast(self.device.type):
+        with self.precision.autocast(self.device.type), self.store.reshard_hooks():
             if self._pipeline is not None:
                 self.reducer.arm(False)                   # reduce() launches every bucket after the schedule
                 self._log.phase = "pipeline"

@@ -50,11 +50,13 @@ from typing import Collection, Optional, Sequence
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES, ParamLayout, bucket_comm_bytes, plan_buckets
 from autopar.codegen.program import RankProgram, axis_index, compile_program, local_dp_nodes
 from autopar.codegen.shards import chunk_range
+from autopar.cost.compute import op_kind
 from autopar import placements
 from autopar.ir import DTYPE_BYTES, GraphIR, NodeInfo, TensorMeta
 from autopar.mesh import DATA, TENSOR
 from autopar.placements import Partial, Placement, Replicate, Shard
 from autopar.plan import Plan
+from autopar.solver.saved import saves_operand
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,28 @@ def _needs_grad(graph: GraphIR) -> dict[str, bool]:
         else:
             need[n.key] = False
     return need
+
+
+def _saved_params(graph: GraphIR, by_key: dict, region_of: dict) -> set:
+    """Parameters that an op outside recompute regions keeps for backward (directly or through
+    views): ZeRO-3 gathers each of them once more in backward (``runtime/reshard.py``)."""
+    users: dict = {}
+    for n in graph.nodes:
+        if n.kind == "op" and region_of.get(n.key) is None:
+            for i, r in enumerate(n.inputs):
+                users.setdefault(r.key, []).append((n, i))
+
+    def kept(key: str, seen: set) -> bool:
+        for n, i in users.get(key, ()):
+            if op_kind(n.target) == "free" and n.key not in seen:
+                seen.add(n.key)
+                if kept(n.key, seen):
+                    return True
+            elif saves_operand(n.target, i):
+                return True
+        return False
+
+    return {n.param_name or n.key for n in graph.nodes if n.kind == "param" and kept(n.key, set())}
 
 
 def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -256,10 +280,11 @@ def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFA
                     u = by_key[r.key]
                     if u.kind == "param":
                         scopes.add((u.param_name or u.key, region_of.get(n.key)))
+            saved = _saved_params(graph, by_key, region_of)
             for name, region in scopes:
                 nb = lay[name].padded_numel(dp) * DTYPE_BYTES[lay[name].dtype]
                 per_run.append(Collective("all_gather", axes[di], int(nb), "forward", "zero"))
-                if region is not None:
+                if region is not None or name in saved:        # replayed / re-gathered (reshard.py)
                     per_run.append(Collective("all_gather", axes[di], int(nb), "backward", "zero"))
         for bucket in plan_buckets(layouts, bucket_bytes):
             if program.zero_stage in (0, 1):

@@ -300,6 +300,8 @@ def measure_step(pm, inputs, targets) -> tuple[float, StepMemory]:
         with contextlib.ExitStack() as stack:
             for spy in _spies(tracker, pm):
                 stack.enter_context(spy)
+            if pm.store.ctx.reshard is not None:     # ZeRO-3's hooks shadow the tracker's: observe through them
+                stack.enter_context(pm.store.ctx.reshard.observing(tracker._pack))
             with tracker.saved_tensors(), tracker:
                 loss = pm.step(inputs, targets)
         _mark_state(tracker, pm)

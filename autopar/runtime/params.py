@@ -24,7 +24,7 @@ How data parallelism and ZeRO are realized (the design in one place):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -74,6 +74,7 @@ class ParamContext:
     tensor_axis: Optional[int] = None
     tp: int = 1                    # the TENSOR axis' size
     tp_group: object = None        # its group, when tp > 1
+    reshard: Any = None            # ZeRO-3 with dp > 1: runtime/reshard.Reshard (gathered weights not kept)
 
     def placements(self, name: str, on_dp=None) -> tuple:
         """Torch placements of parameter ``name`` per mesh axis: its storage placement on tp,
@@ -118,6 +119,8 @@ class _UseParam(torch.autograd.Function):
 
         ctx.slot, ctx.pctx = slot, pctx
         full = gather_rows(slot, local, pctx) if pctx.zero_stage == 3 and pctx.dp > 1 else local.view_as(local)
+        if pctx.reshard is not None:
+            pctx.reshard.register(slot, full)
         return DTensor.from_local(full, pctx.mesh, pctx.placements(slot.name),
                                   run_check=False, shape=torch.Size(slot.plan.shape),
                                   stride=contiguous_stride(slot.plan.shape))
@@ -137,6 +140,7 @@ class _UseParam(torch.autograd.Function):
             g = g / pctx.dp          # the reducer sums over dp
         g = g.contiguous()
         if pctx.zero_stage == 3 and pctx.dp > 1:
+            pctx.reshard.release(slot)
             slot.full_grad = g if slot.full_grad is None else slot.full_grad + g
             return None, None, None
         return g, None, None
@@ -150,7 +154,9 @@ class _UseParamLocal(torch.autograd.Function):
     def forward(ctx, local, slot: ParamSlot, pctx: ParamContext):
         ctx.slot, ctx.pctx = slot, pctx
         if pctx.zero_stage == 3 and pctx.dp > 1:
-            return gather_rows(slot, local, pctx)
+            full = gather_rows(slot, local, pctx)
+            pctx.reshard.register(slot, full)
+            return full
         return local.view_as(local)
 
     @staticmethod
@@ -158,6 +164,7 @@ class _UseParamLocal(torch.autograd.Function):
         slot, pctx = ctx.slot, ctx.pctx
         g = g.contiguous()
         if pctx.zero_stage == 3 and pctx.dp > 1:
+            pctx.reshard.release(slot)
             slot.full_grad = g if slot.full_grad is None else slot.full_grad + g
             return None, None, None
         return g, None, None
@@ -187,6 +194,10 @@ class ParamStore:
                            dp_group=mesh.get_group(DATA) if di is not None else None, local_dp=local_dp,
                            data_axis=di, tensor_axis=ti, tp=tp,
                            tp_group=mesh.get_group(TENSOR) if tp > 1 else None)
+        if zero_stage == 3 and dp > 1:
+            from autopar.runtime.reshard import Reshard
+
+            ctx.reshard = Reshard(lambda slot: gather_rows(slot, slot.local, ctx))
         slots = []
         for p in plans:
             ctx.tp_placements[p.name] = to_torch(p.tp)
@@ -262,6 +273,13 @@ class ParamStore:
                 groups.append(ctx.dp_group)
             out[s.opt_param] = tuple(groups)
         return out
+
+    def reshard_hooks(self):
+        """The context a step's forward and backward run in: ZeRO-3's reshard after forward
+        (``runtime/reshard.py``), else nothing."""
+        import contextlib
+
+        return self.ctx.reshard.hooks() if self.ctx.reshard is not None else contextlib.nullcontext()
 
     def zero_grad(self) -> None:
         for s in self.slots:

@@ -46,6 +46,30 @@ def saves_output(target: str) -> bool:
     return op_kind(target) == "attention" or base_name(target) in SAVES_OUTPUT
 
 
+# operand positions (tensor inputs, in order) a matmul saves: the matrices, not an added bias
+_MATMUL_SAVED = {"addmm": (1, 2), "addbmm": (1, 2), "baddbmm": (1, 2), "addmv": (1, 2), "linear": (0, 1),
+                 "convolution": (0, 1), "_convolution": (0, 1), "conv1d": (0, 1), "conv2d": (0, 1), "conv3d": (0, 1)}
+
+
+def saves_operand(target: str, position: int) -> bool:
+    """Whether an op of ``target`` keeps its tensor input at ``position`` for backward (all of them
+    requiring grad): what ZeRO-3 re-gathers in backward for a parameter operand
+    (``runtime/reshard.py``). Matmuls keep the matrices (not an added bias), attention q, k, v,
+    layer/RMS norms their weight and bias, batch/group norms their weight (not the bias), an
+    embedding its indices (not the table); the rest as ``saves_input``."""
+    name = base_name(target)
+    kind = op_kind(target)
+    if kind == "matmul":
+        return position in _MATMUL_SAVED.get(name, (position,))
+    if kind == "attention":
+        return position < 3
+    if name == "embedding":
+        return position != 0
+    if "batch_norm" in name or "group_norm" in name:
+        return position != 2
+    return saves_input(target)
+
+
 def is_dropout(node) -> bool:
     if base_name(node.target) not in DROPOUT:
         return False

@@ -16,10 +16,10 @@ runtime turns them into failures that ask for the mark to go):
 - ZeRO-0/1 gradients: the all-reduce bucket is a ``torch.cat`` copy of the gradients, and the
   per-parameter gradients are freed only when the bucket's all-reduce is finished
   (``GradReducer._finish_all_reduce``): 2x the gradients after the backward.
-- ZeRO-3: every gathered weight is saved by autograd (``_UseParam`` -> matmul) from its forward to
-  its backward, i.e. the whole tp-local model is resident, where the plan counts
-  ``ZERO3_PREFETCH_LAYERS`` gathered layers; and the full (unsharded) gradient summands are all
-  kept until the reduce-scatter after the backward, where the plan counts grads / dp.
+- ZeRO-3: the full (unsharded) gradient summands are all kept until the reduce-scatter after the
+  backward, where the plan counts grads / dp; and a gathered weight saved by an op is counted as an
+  activation while the forward still holds it (since ``runtime/reshard.py`` autograd no longer
+  keeps gathered weights to the backward: the peak is within bounds, it was +10.9%).
 - pp, last stage: the logits are the last stage's output, held by torch's ``fwd_cache`` until
   that micro-batch's backward (the plan has them as a transient of the loss): activations over
   (the peak is within bounds since ``PipelineRunner.step`` runs ``schedule.step`` with
@@ -84,7 +84,7 @@ def _xfail(reason: str):
     return pytest.mark.xfail(strict=True, reason=reason)
 
 
-ZERO3 = "ZeRO-3 keeps every gathered weight (saved by autograd) and every full gradient summand"
+ZERO3 = "ZeRO-3 keeps every full gradient summand; gathered weights count as activations in forward"
 BUCKET = "ZeRO-0/1 all-reduce bucket is a copy: gradients peak at 2x"
 LAST_STAGE = "the last pipeline stage keeps the in-flight micro-batch's logits in torch's fwd_cache"
 
@@ -124,7 +124,7 @@ def test_activations(families, family, rank):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, rank", _ranks(("dp_zero3", 0, ZERO3), ("dp_zero3", 1, ZERO3)))
+@pytest.mark.parametrize("family, rank", _ranks())
 def test_peak(families, family, rank):
     row = families[family][rank]
     m, p = row.measured.peak_bytes, row.predicted.peak_bytes

@@ -1,0 +1,117 @@
+"""ZeRO-3's reshard after forward: a gathered parameter is not kept from its forward to its backward.
+
+Under ZeRO-3 each scope that reads a parameter all-gathers its dp rows (``params._UseParam``). The
+ops that use it save it for their backward (a matmul saves its weight), so without care autograd
+holds every gathered weight of the model from the forward to the backward: the memory of ZeRO-0,
+where the plan (``solver/timing.py``) counts a couple of gathered layers. As FSDP does
+(``reshard_after_forward``), a ``saved_tensors_hooks`` pair run around the step replaces a saved
+tensor that is (a view of) a gathered parameter by a small record (which parameter, which view);
+when the backward first needs it, the rows are all-gathered again and the view rebuilt. The
+re-gathered tensor is held until that parameter's own backward (``release``: after every
+consumer's backward has run) and is shared by all its saved views, so each parameter read in a
+scope is gathered once more in backward if, and only if, a consumer saved it
+(``codegen/expected.py`` predicts exactly these gathers: ``solver/saved.saves_param_operand``).
+
+Deterministic on every rank: records are found by storage address (DTensor's local views, made
+below autograd, have no ``_base``), confirmed by a weak reference to the gathered buffer whose
+storage it must still be (a freed buffer's reused address is never taken for a parameter), and the
+re-gathers happen in the backward's order, the same on every rank. Recompute regions are left to
+``torch.utils.checkpoint`` (its own hooks are innermost there; a region re-gathers in its replay).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from typing import Any, Optional
+
+import torch
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor ``t`` is a view of (itself when it is none): the gathered buffer, which its views
+    made above autograd keep alive."""
+    return t._base if t._base is not None else t
+
+
+@dataclasses.dataclass(frozen=True)
+class _Resharded:
+    """A saved view of a gathered parameter, without its data."""
+    slot: Any                          # params.ParamSlot
+    size: tuple
+    stride: tuple
+    offset: int
+    dtensor: Optional[tuple]           # (mesh, placements, shape, stride) when it was a DTensor
+
+
+class Reshard:
+    """The hooks of one ``ParamStore`` (module docstring); ``gather(slot)`` all-gathers a slot's rows."""
+
+    def __init__(self, gather) -> None:
+        self._gather = gather
+        self._gathered: dict[int, tuple] = {}      # storage address -> (slot, weakref to the gathered buffer)
+        self._held: dict[str, torch.Tensor] = {}   # re-gathered in this backward, until the slot's backward
+        self._observers: list = []                  # see ``observing``
+
+    def register(self, slot, full: torch.Tensor) -> None:
+        """``full`` is ``slot``'s gathered tensor (called by ``_UseParam`` on every forward gather)."""
+        address = full.untyped_storage().data_ptr()
+        if address:
+            self._gathered[address] = (slot, weakref.ref(_root(full)))
+
+    def release(self, slot) -> None:
+        """``slot``'s backward ran: no saved view of it is unpacked any more."""
+        self._held.pop(slot.name, None)
+
+    @contextlib.contextmanager
+    def hooks(self):
+        """Around a step's forward and backward."""
+        self._gathered.clear()
+        self._held.clear()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._gathered.clear()
+            self._held.clear()
+
+    @contextlib.contextmanager
+    def observing(self, fn):
+        """``fn(t)`` sees every tensor saved for backward inside (an outer ``saved_tensors_hooks``,
+        such as ``memory_measure``'s, is shadowed by this one)."""
+        self._observers.append(fn)
+        try:
+            yield
+        finally:
+            self._observers.remove(fn)
+
+    def _pack(self, t: torch.Tensor):
+        from torch.distributed.tensor import DTensor
+
+        for fn in self._observers:
+            fn(t)
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        if local.device.type == "meta" or not self._gathered:
+            return t
+        address = local.untyped_storage().data_ptr()
+        entry = self._gathered.get(address) if address else None
+        root = entry[1]() if entry is not None else None
+        if root is None or root.untyped_storage().data_ptr() != address:
+            return t
+        slot = entry[0]
+        spec = (t.device_mesh, tuple(t.placements), t.shape, t.stride()) if isinstance(t, DTensor) else None
+        return _Resharded(slot, tuple(local.size()), tuple(local.stride()), local.storage_offset(), spec)
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _Resharded):
+            return saved
+        from torch.distributed.tensor import DTensor
+
+        full = self._held.get(saved.slot.name)
+        if full is None:
+            full = self._held[saved.slot.name] = self._gather(saved.slot)
+        local = full.as_strided(saved.size, saved.stride, saved.offset)
+        if saved.dtensor is None:
+            return local
+        mesh, placements, shape, stride = saved.dtensor
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
