@@ -101,6 +101,7 @@ class Calibration:
     joint: Optional[LinkFit]        # one latency + busbw fitted to every collective together
     link_note: str                  # why there is no link ("" when there is one)
     measure_s: float                # wall time of ``measure``
+    runtime_overhead: Optional[tuple[float, float]] = None   # (plain, DTensor) s per graph node per step (CPU)
 
 
 def _setup(device_kind: str) -> dict:
@@ -185,7 +186,10 @@ def _aggregate(results: list[dict], cfg: dict, kind: str, nproc: int, start: flo
         copy_Bps=len(results) / sum(1.0 / r["copy_Bps"] for r in results),
         vector_flops=(len(results) / sum(1.0 / r["vector_flops"] for r in results)) if cfg["vector_numel"] else None,
         overhead_s=_mean([r["overhead_s"] for r in results]), points=points, fits=tuple(fits), link=link,
-        link_kind=link_kind, joint=joint, link_note=note, measure_s=time.monotonic() - start)
+        link_kind=link_kind, joint=joint, link_note=note, measure_s=time.monotonic() - start,
+        runtime_overhead=(_mean([r["runtime_overhead"]["plain"] for r in results]),
+                          _mean([r["runtime_overhead"]["dtensor"] for r in results]))
+        if "runtime_overhead" in results[0] else None)
 
 
 def measure(nproc: Optional[int] = None, budget_s: float = DEFAULT_BUDGET_S, console: Optional[Console] = None,
@@ -302,6 +306,10 @@ def figures_table(cal: Calibration, cluster: ClusterSpec) -> Table:
     if cal.vector_flops:
         t.add_row("elementwise fp32", f"{cal.vector_flops / 1e9:.4g} GFLOP/s", "peak vector")
     t.add_row("per-op overhead (1-element add)", f"{cal.overhead_s * 1e6:.3g} us", "(recorded)")
+    if cal.runtime_overhead:
+        t.add_row("autopar step, per graph node (plain / DTensor)",
+                  f"{cal.runtime_overhead[0] * 1e6:.3g} / {cal.runtime_overhead[1] * 1e6:.3g} us",
+                  "op_overhead_us / dtensor_op_overhead_us")
     for k, f in cal.fits + ((("all kinds", cal.joint),) if cal.joint else ()):
         top = max(p.nbytes for p in cal.points if k == "all kinds" or p.kind == k)
         role = ("\\[intra] link" if k == cal.link_kind else

@@ -39,6 +39,9 @@ def cluster_dict(cal: Calibration, nodes: int = 1) -> dict[str, Any]:
         if cal.vector_flops:
             peaks["vector"] = _sig(cal.vector_flops / 1e12)
         over = {"hbm_GBps": _sig(cal.copy_Bps / GB), "memory_efficiency": 1.0, "matmul_efficiency": matmul_eff}
+        if cal.runtime_overhead is not None:
+            over["op_overhead_us"] = _sig(cal.runtime_overhead[0] * 1e6)
+            over["dtensor_op_overhead_us"] = _sig(cal.runtime_overhead[1] * 1e6)
     else:
         if "bfloat16" not in rates:
             raise ValueError("no bf16 GEMM was measured within the time budget; raise --budget-s")

@@ -6,7 +6,8 @@ all take part in the collectives. Rank 0 alone decides whether the next measurem
 time budget and broadcasts the decision over the default (gloo) group, so every rank runs the same
 measurements; rank 0 also writes the progress file the launcher's progress bar reads.
 
-Order: per-op overhead, memory copy, elementwise rate (CPU), GEMMs per dtype, SDPA, collectives.
+Order: per-op overhead, memory copy, elementwise rate (CPU), GEMMs per dtype, SDPA, collectives,
+then (CPU) autopar's per-node step overhead (``calibrate_runtime.py``, outside the budget: ~10 s).
 Each phase has a deadline, cumulative shares of the budget (``PHASE_SHARES``), so time a phase
 leaves unused goes to the next; the collectives, last, take whatever remains, smallest size first.
 The first GEMM of each dtype and the first SDPA run whatever the budget says.
@@ -140,7 +141,8 @@ def total_steps(cfg: dict, world: int) -> int:
     shapes = gemm_shapes(cfg["gemm_tokens"], cfg["gemm_hiddens"], cfg["gemm_splits"])
     basics = 3 if cfg["vector_numel"] else 2
     comm = len(cfg["sizes"]) * len(cfg["kinds"]) if world > 1 else 0
-    return basics + len(shapes) * len(cfg["dtypes"]) + len(cfg["sdpa"]["heads"]) + 1 + comm
+    runtime = 1 if cfg["device"] == "cpu" else 0
+    return basics + len(shapes) * len(cfg["dtypes"]) + len(cfg["sdpa"]["heads"]) + 1 + comm + runtime
 
 
 def rank_main(rank: int, world: int, cfg: dict) -> dict[str, Any]:
@@ -171,5 +173,10 @@ def rank_main(rank: int, world: int, cfg: dict) -> dict[str, Any]:
     _sdpa(gate, cfg, device, out)
     if world > 1:
         _collectives(gate, cfg, rank, world, device, group, out)
+    if device.type == "cpu":                   # host per-node cost of a step (serial with CPU compute)
+        from autopar.calibrate_runtime import runtime_overheads
+
+        out["runtime_overhead"] = runtime_overheads(world)
+        gate.step("runtime overhead")
     dist.barrier()
     return out

@@ -12,8 +12,10 @@ report compares:
   ``autopar calibrate`` makes that the machine it runs on);
 - the step by category: compute (matmul, attention, memory-bound ops) and optimizer against the
   plan's compute + recompute and optimizer times; each collective kind's in-situ time against the
-  plan's exposed time for it; what the planner does not model (Python dispatch, autograd
-  bookkeeping: ``runtime``) is shown as such;
+  plan's exposed time for it; the host overhead (the step's wall time less all of those: autopar's
+  executor, DTensor dispatch, autograd, Python between ops) against the per-node overhead the
+  cluster file gives (``autopar calibrate`` measures it; 0, not modelled, otherwise), which the
+  plan's compute time includes and the compute row leaves out;
 - every collective issued (kind, mesh axis, bytes, calls per step) with the cost model's time for it
   on its link (``cost/collectives.py``; all of it, overlapped or not);
 - per rank: step time and busy time by class (with pp > 1 each rank is a pipeline stage).
@@ -51,7 +53,10 @@ def _profile_rank(rank: int, world: int, model: str, plan_json: Optional[str], f
     batches = (b.make_batch(rows, gen) for _ in range(warmup + steps))
     trace = os.path.join(trace_dir, f"rank{rank}.trace.json") if trace_dir else None
     prof = profile_steps(pm, batches, warmup=warmup, steps=steps, trace_path=trace)
-    out = {"profile": prof.to_json()}
+    # graph nodes this rank runs per micro-batch (its executors: all of them, or its pipeline stages')
+    nodes = sum(1 for ex in pm._made for n in pm._train_graph.nodes
+                if n.kind == "op" and n.outputs and (ex.part is None or n.name in ex.part))
+    out = {"profile": prof.to_json(), "nodes": nodes * pm.plan.num_micro_batches}
     if rank == 0:
         out["plan"] = pm.plan.to_json()
     return out
@@ -72,8 +77,9 @@ def predicted_collective_s(plan, cluster, kind: str, axis: str, nbytes: int) -> 
     return collective_s(kind, nbytes, stage.shape[i], axis_link(cluster, tuple(stage.shape), i))
 
 
-def summarize(plan, cluster, profiles: list[dict]) -> dict:
-    """The measured-vs-predicted report of ``autopar profile`` as plain data (module docstring)."""
+def summarize(plan, cluster, profiles: list[dict], nodes: Optional[list[int]] = None) -> dict:
+    """The measured-vs-predicted report of ``autopar profile`` as plain data (module docstring).
+    ``nodes``: per rank, the graph nodes it runs per step (for the host overhead)."""
     steps = profiles[0]["steps"]
     slowest = [max(p["step_times_s"][i] for p in profiles) for i in range(steps)]
     measured_step = sum(slowest) / steps
@@ -83,14 +89,23 @@ def summarize(plan, cluster, profiles: list[dict]) -> dict:
         for k, v in p["by_class_s"].items():
             mean[k] += v / len(profiles)
     comm_pred = dict(st.comm_s)
-    categories = [("compute", sum(mean[c] for c in COMPUTE_CLASSES), st.compute_s + st.recompute_s),
+    per_node = cluster.gpu.dtensor_op_overhead_s if plan.tp > 1 else cluster.gpu.op_overhead_s
+    host_pred = per_node * max(nodes) if nodes else 0.0      # inside the plan's compute (solver/problem.py)
+    measured_compute = sum(mean[c] for c in COMPUTE_CLASSES)
+    profiled = sum(mean.values())
+    categories = [("compute", measured_compute, st.compute_s + st.recompute_s - host_pred),
                   ("optimizer", mean["optimizer"], st.optimizer_s)]
     kinds = sorted({k.split(":", 1)[1] for k in mean if k.startswith("collective:")}
                    | {k.split(":", 1)[-1] for k in comm_pred})
     for kind in kinds:
         pred = sum(v for k, v in comm_pred.items() if k.split(":", 1)[-1] == kind)
         categories.append((f"comm {kind}", mean.get(f"collective:{kind}", 0.0), pred))
-    categories += [("pipeline bubble", None, st.bubble_s), ("runtime (not modelled)", mean["runtime"], None)]
+    # host: what no aten op or collective accounts for (executor, dispatch, autograd, Python between
+    # ops): the step's wall time less the profiled compute, collectives and optimizer
+    other = profiled - mean["runtime"]
+    categories += [("pipeline bubble", None, st.bubble_s),
+                   ("host overhead (executor, dispatch, autograd)", measured_step - other,
+                    host_pred if per_node > 0 else None)]
     seen = {}
     for p in profiles:
         for kind, axis, nbytes, calls in p["collectives"]:
@@ -172,7 +187,7 @@ def profile_command(model: str, nproc: int, steps: int, *, warmup: int = 1, clus
     plan = Plan.from_json(outs[0]["plan"])
     if plan_path:
         spec = resolve_cluster(plan.cluster.gpu, nodes=plan.cluster.nodes, gpus_per_node=plan.cluster.gpus_per_node)
-    report = summarize(plan, spec, [o["profile"] for o in outs])
+    report = summarize(plan, spec, [o["profile"] for o in outs], [o["nodes"] for o in outs])
     render(report, console or make_console())
     if json_path:
         with open(json_path, "w") as f:

@@ -54,9 +54,24 @@ def test_report_arithmetic_on_hand_made_profiles(dp2_plan):
     assert cat["compute"]["measured_s"] == pytest.approx(0.011 + 0.004)         # mean over ranks
     assert cat["compute"]["predicted_s"] == pytest.approx(plan.step_time.compute_s + plan.step_time.recompute_s)
     assert cat["comm all_reduce"]["measured_s"] == pytest.approx(0.003)
-    assert cat["runtime (not modelled)"]["predicted_s"] is None
+    host = cat["host overhead (executor, dispatch, autograd)"]
+    assert host["predicted_s"] is None                      # the built-in cpu cluster has no overhead figure
+    # the wall time less the profiled compute, collectives and optimizer (mean over ranks)
+    assert host["measured_s"] == pytest.approx(0.065 - (0.011 + 0.004 + 0.003 + 0.001))
     (row,) = rep["collectives"]
     assert row["predicted_s_per_step"] == pytest.approx(collective_s("all_reduce", 1000, 2, cluster.intra))
+
+
+def test_host_overhead_is_predicted_per_node_when_the_cluster_has_it(dp2_plan):
+    from dataclasses import replace
+
+    plan, cluster = dp2_plan
+    measured = replace(cluster, gpu=replace(cluster.gpu, op_overhead_s=1e-4, dtensor_op_overhead_s=5e-4))
+    ranks = [{"rank": 0, "coordinates": {"dp": 0}, "steps": 1, "step_times_s": [0.05], "trace_path": None,
+              "by_class_s": {"matmul": 0.01}, "collectives": []}]
+    cat = {c["category"]: c for c in summarize(plan, measured, ranks, nodes=[120])["categories"]}
+    assert cat["host overhead (executor, dispatch, autograd)"]["predicted_s"] == pytest.approx(120 * 1e-4)   # tp == 1
+    assert cat["compute"]["predicted_s"] == pytest.approx(plan.step_time.compute_s - 120 * 1e-4)
 
 
 def test_predicted_collective_time_on_the_axis_link(dp2_plan):

@@ -47,6 +47,8 @@ Cluster TOML (``load_cluster``)::
     attention_efficiency = 0.5
     memory_efficiency = 0.85
     peak_TFLOPs = { float32 = 0.05, bfloat16 = 0.03, vector = 0.002 }   # per-dtype peaks replaced
+    op_overhead_us = 60.0         # host time per graph node per step, plain tensors (default 0)
+    dtensor_op_overhead_us = 250.0   # the same under DTensor (tp > 1) (default 0)
     source = "..."
 
     [measured]                    # optional, any content; read and ignored (``autopar calibrate``
@@ -108,6 +110,11 @@ class GPUSpec:
     memory_efficiency: float                   # empirical: measured copy B/s / hbm_Bps
     source: str                                # where the numbers come from
     emulated: tuple[str, ...] = ()             # dtypes priced at a fallback (CUDA-core) rate: no tensor cores
+    # host time per graph node per training step (autopar's executor, autograd, Python dispatch),
+    # serial with the compute; plain-tensor (tp == 1) and DTensor execution. 0 unless measured
+    # (``autopar calibrate``): on GPUs it runs ahead of the device and hides behind large kernels.
+    op_overhead_s: float = 0.0
+    dtensor_op_overhead_s: float = 0.0
 
     def peak_flops_for(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype`` ("bfloat16", "float16", "float32" (=TF32), "float8_e4m3fn",
@@ -359,7 +366,8 @@ _TOP_KEYS = ("name", "gpu", "nodes", "gpus_per_node", "pcie_GBps", "intra", "int
              "measured")
 _LINK_KEYS = ("busbw_GBps", "latency_us", "name", "source")
 _OVERRIDE_KEYS = ("memory_GB", "hbm_GBps", "matmul_efficiency", "attention_efficiency",
-                  "memory_efficiency", "peak_TFLOPs", "source")
+                  "memory_efficiency", "peak_TFLOPs", "op_overhead_us", "dtensor_op_overhead_us", "source")
+_OVERHEADS = (("op_overhead_us", "op_overhead_s"), ("dtensor_op_overhead_us", "dtensor_op_overhead_s"))
 _PEAK_DTYPES = TRAINING_DTYPES + ("float8_e4m3fn", "vector")
 
 
@@ -404,6 +412,12 @@ def cluster_from_dict(d: Mapping[str, Any], where: str = "cluster") -> ClusterSp
                 changes[k] = float(o[k])
         if "peak_TFLOPs" in o:
             changes["peak_flops"] = _peaks_with(gpu.peak_flops, o["peak_TFLOPs"], f"{where} [gpu_overrides]")
+        for key, field_ in _OVERHEADS:
+            if key in o:
+                us = float(o[key])
+                if not 0.0 <= us < float("inf"):
+                    raise ValueError(f"{where} [gpu_overrides] {key} = {o[key]!r}: give microseconds >= 0")
+                changes[field_] = us * _US
         changed = [k for k in o if k != "source"]
         changes["source"] = str(o.get("source", f"{gpu.source}; overridden by {where}: {', '.join(changed)}"))
         gpu = replace(gpu, **changes)
@@ -475,6 +489,9 @@ def cluster_to_toml(c: ClusterSpec) -> str:
     for k in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
         if getattr(c.gpu, k) != getattr(base, k):
             over.append(f"{k} = {toml_value(getattr(c.gpu, k))}")
+    for key, field_ in _OVERHEADS:
+        if getattr(c.gpu, field_) != getattr(base, field_):
+            over.append(f"{key} = {toml_value(getattr(c.gpu, field_) / _US)}")
     if c.gpu.peak_flops != base.peak_flops:
         changed = [(d, f) for d, f in c.gpu.peak_flops if (d, f) not in base.peak_flops]
         over.append("peak_TFLOPs = { " + ", ".join(f"{d} = {toml_value(f / _T)}" for d, f in changed) + " }")

@@ -159,6 +159,9 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
     metas = cache["metas"]
     kept = cache["kept"]
     carried, block_out, count = _block_info(facts)
+    # the host's per-node cost of a step (measured by ``autopar calibrate``; 0 by default): DTensor
+    # dispatch when tp > 1, plain tensors otherwise (the runtime's local data-parallel mode)
+    overhead = gpu.dtensor_op_overhead_s if t > 1 else gpu.op_overhead_s
     g = facts.graph
     keys, strategies, costs, weight, kinds = [], {}, {}, {}, {}
     for n in tensor_nodes(g):
@@ -186,8 +189,9 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
         mask = is_dropout(n) and grad
         row = []
         for s in strats:
-            fwd = op_time_s(flops * s.compute_scale, nbytes * s.compute_scale, dtype, gpu, kind)
-            bwd = fwd * backward_factor(kind) if grad else 0.0
+            compute = op_time_s(flops * s.compute_scale, nbytes * s.compute_scale, dtype, gpu, kind)
+            fwd = compute + overhead          # the node's whole host cost of a step, counted once
+            bwd = compute * backward_factor(kind) if grad else 0.0
             cf = tuple((c.kind, collective_s(c.kind, c.nbytes, t, link)) for c in s.comms if c.phase == "fwd")
             cb = tuple((c.kind, collective_s(c.kind, c.nbytes, t, link)) for c in s.comms if c.phase == "bwd" and grad)
             saved = s.out_bytes_local if saves else 0

@@ -23,3 +23,25 @@ def test_layer_activations_match_korthikanti(t, sp):
     mine = r.solution.summary.parts["block"].saved_bytes
     ref = transformer_layer_activation_bytes(S, 1, H, A, t, sp=sp, recompute="selective")
     assert mine == pytest.approx(ref, rel=0.01)
+
+
+@pytest.mark.parametrize("t, field", [(1, "op_overhead_s"), (2, "dtensor_op_overhead_s")])
+def test_host_overhead_per_node_enters_every_op_once(t, field):
+    """``autopar calibrate``'s per-node host cost: each op node of the tables (weighted by how
+    often it runs) gains it in its forward, whatever its strategy; plain tensors at tp == 1,
+    DTensor's figure at tp > 1."""
+    from dataclasses import replace
+
+    from autopar.solver.problem import build_tables
+    from autopar.solver.strategies import graph_facts
+
+    g, _ = traced("gpt:hidden=64,layers=2,heads=4,vocab=128,seq=16")
+    cluster = make_cluster("h100", 1, 8)
+    slow = replace(cluster, gpu=replace(cluster.gpu, **{field: 1e-3}))
+    facts = graph_facts(g, 16)
+    base, more = (build_tables(facts, c, t, False, 2, "bfloat16", MEGATRON_RUNTIME) for c in (cluster, slow))
+    ops = [k for k in base.keys if base.kinds[k] not in ("param", "input", "buffer")]
+    assert ops
+    for k in ops:
+        for a, b in zip(base.costs[k], more.costs[k]):
+            assert b.fwd_s == pytest.approx(a.fwd_s + 1e-3) and b.bwd_s == a.bwd_s
