@@ -18,10 +18,13 @@ report compares:
   plan's compute time includes and the compute row leaves out;
 - every collective issued (kind, mesh axis, bytes, calls per step) with the cost model's time for it
   on its link (``cost/collectives.py``; all of it, overlapped or not);
-- per rank: step time and busy time by class (with pp > 1 each rank is a pipeline stage).
+- per rank: step time and busy time by class (with pp > 1 each rank is a pipeline stage), and the
+  peak memory of one more step, measured by category, against the plan's memory model
+  (``runtime/memory_measure.py``; ``--json``: ``"memory"``).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import defaultdict
 from typing import Optional
@@ -41,6 +44,7 @@ def _profile_rank(rank: int, world: int, model: str, plan_json: Optional[str], f
     from autopar.cli_run import make_optimizer
     from autopar.models import build_model
     from autopar.plan import Plan
+    from autopar.runtime.memory_measure import measure_step
     from autopar.runtime.profiling import profile_steps
 
     b = build_model(model, batch=batch, seq_len=seq_len, device="meta")
@@ -53,10 +57,12 @@ def _profile_rank(rank: int, world: int, model: str, plan_json: Optional[str], f
     batches = (b.make_batch(rows, gen) for _ in range(warmup + steps))
     trace = os.path.join(trace_dir, f"rank{rank}.trace.json") if trace_dir else None
     prof = profile_steps(pm, batches, warmup=warmup, steps=steps, trace_path=trace)
+    _, memory = measure_step(pm, *b.make_batch(rows, gen))      # one more step, its peak by category
     # graph nodes this rank runs per micro-batch (its executors: all of them, or its pipeline stages')
     nodes = sum(1 for ex in pm._made for n in pm._train_graph.nodes
                 if n.kind == "op" and n.outputs and (ex.part is None or n.name in ex.part))
-    out = {"profile": prof.to_json(), "nodes": nodes * pm.plan.num_micro_batches}
+    out = {"profile": prof.to_json(), "nodes": nodes * pm.plan.num_micro_batches,
+           "memory": dataclasses.asdict(memory)}
     if rank == 0:
         out["plan"] = pm.plan.to_json()
     return out
@@ -150,13 +156,30 @@ def render(report: dict, console) -> None:
             c.add_row(row["kind"], row["axis"], f"{row['bytes']:,}", str(row["calls_per_step"]),
                       s(row["predicted_s_per_step"]))
         console.print(c)
-    r = Table(title="ranks")
-    for col in ("rank", "mesh coordinates", "step", "compute", "trace"):
-        r.add_column(col, justify="right" if col in ("step", "compute") else "left")
+    r = Table(title="ranks (peak memory: one more step, measured by category; runtime/memory_measure.py)")
+    for col in ("rank", "mesh coordinates", "step", "compute", "peak memory", "predicted", "error", "trace"):
+        r.add_column(col, justify="left" if col in ("rank", "mesh coordinates", "trace") else "right")
+    memory = {m["rank"]: m for m in report.get("memory", [])}
     for row in report["ranks"]:
         coords = ",".join(f"{k}={v}" for k, v in row["coordinates"].items())
-        r.add_row(str(row["rank"]), coords, s(row["step_time_s"]), s(row["compute_s"]), row["trace"] or "")
+        m = memory.get(row["rank"])
+        mem = ((f"{m['measured_peak_bytes'] / 2**20:.2f} MiB", f"{m['predicted_peak_bytes'] / 2**20:.2f} MiB",
+                err(m["measured_peak_bytes"], m["predicted_peak_bytes"])) if m else ("", "", ""))
+        r.add_row(str(row["rank"]), coords, s(row["step_time_s"]), s(row["compute_s"]), *mem, row["trace"] or "")
     console.print(r)
+
+
+def _memory(plan, model: str, batch, seq_len, optimizer: str, measured: list[dict]) -> list[dict]:
+    """Per rank, the measured peak next to the plan's memory model (``runtime/memory_measure.py``)."""
+    from autopar.models import build_model
+    from autopar.runtime.memory_measure import compare_ranks
+    from autopar.trace import trace_model
+
+    b = build_model(model, batch=batch, seq_len=seq_len, device="meta")
+    graph = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
+                        model_name=model)
+    dtype = str(next(b.module.parameters()).dtype).removeprefix("torch.")
+    return [r.to_json() for r in compare_ranks(plan, graph, measured, dtype, optimizer)]
 
 
 def profile_command(model: str, nproc: int, steps: int, *, warmup: int = 1, cluster: Optional[str] = None,
@@ -188,6 +211,7 @@ def profile_command(model: str, nproc: int, steps: int, *, warmup: int = 1, clus
     if plan_path:
         spec = resolve_cluster(plan.cluster.gpu, nodes=plan.cluster.nodes, gpus_per_node=plan.cluster.gpus_per_node)
     report = summarize(plan, spec, [o["profile"] for o in outs], [o["nodes"] for o in outs])
+    report["memory"] = _memory(plan, model, batch, seq_len, optimizer, [o["memory"] for o in outs])
     render(report, console or make_console())
     if json_path:
         with open(json_path, "w") as f:

@@ -94,6 +94,8 @@ def test_profile_runs_two_ranks_and_writes_json_and_traces(tmp_path):
     assert rep["measured_step_time_s"] > 0 and rep["predicted_step_time_s"] > 0
     kinds = {(c["kind"], c["axis"]) for c in rep["collectives"]}
     assert ("reduce_scatter", "dp") in kinds and ("all_gather", "dp") in kinds, kinds
+    assert [m["rank"] for m in rep["memory"]] == [0, 1]
+    assert all(m["measured_peak_bytes"] > 0 and m["predicted_peak_bytes"] > 0 for m in rep["memory"])
     for r in rep["ranks"]:
         trace = json.loads(open(r["trace"]).read())
         assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])

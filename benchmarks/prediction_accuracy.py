@@ -1,0 +1,71 @@
+"""Predicted vs measured step time and peak memory on this machine, four plan families side by side.
+
+    python benchmarks/prediction_accuracy.py [--cluster FILE.toml] [--nproc 4] [--steps 3]
+
+Without ``--cluster`` it first runs ``autopar calibrate --nproc N`` (about 1.5 minutes) and plans
+with the file it writes, so the predictions are for this machine. Then a CPU-sized GPT
+(``MODEL``) is profiled (``autopar profile``) under four forced plan families: data parallel,
+tensor x data parallel, pipeline x data parallel, and ZeRO-3. Prints, per family, the step time
+(measured: per step the slowest rank's wall time, mean over ``--steps``) and the peak memory (the
+largest rank's, measured by category) next to the predictions, and the ratios. Goals from issue
+12: step time within 25%, peak memory within 10%. Figures swing with the machine's load: run it
+on a quiet machine, and calibrate under the same load it runs under.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+MODEL = "gpt:hidden=256,layers=4,heads=4,vocab=2048,seq=128"
+BATCH = 8
+FAMILIES = {"dp": "dp=4", "tp x dp": "tp=2,dp=2", "pp x dp": "pp=2,dp=2,mbs=2", "dp ZeRO-3": "dp=4,zero=3"}
+
+
+def main() -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from autopar.profile import profile_command
+    from autopar.report import make_console
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cluster", default=None, help="a cluster TOML from `autopar calibrate` (default: calibrate now)")
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--families", default=",".join(FAMILIES), help="which of: " + ", ".join(FAMILIES))
+    args = ap.parse_args()
+    console = make_console()
+    cluster = args.cluster
+    if cluster is None:
+        from autopar.cli import main as cli
+
+        cluster = os.path.join(tempfile.mkdtemp(prefix="autopar-calibrate-"), "cluster.toml")
+        if cli(["calibrate", "--nproc", str(args.nproc), "--out", cluster]) != 0:
+            return 1
+    quiet = Console(file=open(os.devnull, "w"))
+    t = Table(title=f"{MODEL}, batch {BATCH}, {args.nproc} CPU ranks, cluster {cluster}")
+    for col in ("family", "plan", "step measured", "step predicted", "ratio", "peak measured", "peak predicted", "ratio"):
+        t.add_column(col, justify="left" if col in ("family", "plan") else "right")
+    worst_t = worst_m = 0.0
+    for name in args.families.split(","):
+        force = FAMILIES[name.strip()]
+        rep = profile_command(MODEL, args.nproc, args.steps, warmup=1, cluster=cluster, force=force, batch=BATCH,
+                              console=quiet)
+        mt, pt = rep["measured_step_time_s"], rep["predicted_step_time_s"]
+        top = max(rep["memory"], key=lambda m: m["measured_peak_bytes"])
+        mm, pm = top["measured_peak_bytes"], top["predicted_peak_bytes"]
+        worst_t, worst_m = max(worst_t, abs(mt / pt - 1)), max(worst_m, abs(mm / pm - 1))
+        t.add_row(name, force, f"{mt * 1e3:.0f} ms", f"{pt * 1e3:.0f} ms", f"{mt / pt:.2f}",
+                  f"{mm / 2**20:.2f} MiB", f"{pm / 2**20:.2f} MiB", f"{mm / pm:.3f}")
+    console.print(t)
+    console.print(f"worst |measured / predicted - 1|: step time {worst_t:.0%} (goal 25%), peak memory {worst_m:.0%} (goal 10%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
