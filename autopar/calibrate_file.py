@@ -53,6 +53,8 @@ def cluster_dict(cal: Calibration, nodes: int = 1) -> dict[str, Any]:
     if cal.sdpa is not None:
         sdpa_peak = ref_peak if ref_peak is not None else peaks[cal.sdpa.dtype] * 1e12
         over["attention_efficiency"] = _sig(cal.sdpa.train_rate / sdpa_peak)
+        if cal.sdpa.noncausal_train_rate:
+            over["attention_noncausal_efficiency"] = _sig(cal.sdpa.noncausal_train_rate / sdpa_peak)
     else:
         notes.append("attention not measured: datasheet/default attention_efficiency kept")
     if cal.link is None:

@@ -4,7 +4,8 @@
 
 ``kind`` (from ``op_kind``) picks the compute ceiling: "matmul" -> tensor-core peak x
 ``matmul_efficiency``; "attention" -> tensor-core peak x ``attention_efficiency`` (FULL FLOP
-count, 4*B*H*T*T*D forward for causal too, as autopar/trace counts them); "memory" ->
+count, 4*B*H*T*T*D forward for causal too, as autopar/trace counts them; a non-causal attention
+(BERT, ViT) gets ``attention_noncausal_efficiency``, see ``GPUSpec.attention_eff``); "memory" ->
 CUDA-core FP32 rate ("vector" entry of peak_flops), efficiency 1 (elementwise FLOPs almost never
 bind); "free" (views) -> 0. Efficiencies are empirical (calibration.json).
 
@@ -68,13 +69,14 @@ def op_kind(target: str) -> str:
     return "memory"
 
 
-def _efficiency(gpu: GPUSpec, kind: str) -> float:
-    return gpu.matmul_efficiency if kind == "matmul" else gpu.attention_efficiency
+def _efficiency(gpu: GPUSpec, kind: str, causal: bool) -> float:
+    return gpu.matmul_efficiency if kind == "matmul" else gpu.attention_eff(causal)
 
 
-def op_time_s(flops: float, bytes_moved: float, dtype: str, gpu: GPUSpec, kind: str) -> float:
+def op_time_s(flops: float, bytes_moved: float, dtype: str, gpu: GPUSpec, kind: str, causal: bool = True) -> float:
     """Roofline forward time in seconds (module docstring). ``dtype`` is the compute dtype of the op
-    (its output's); for "memory"/"free" ops it is not used."""
+    (its output's); for "memory"/"free" ops it is not used. ``causal``: for attention, whether the
+    kernel is causal (``GPUSpec.attention_eff``; non-causal kernels do all the counted work)."""
     if kind not in OP_KINDS:
         raise ValueError(f"unknown op kind {kind!r}; expected one of {OP_KINDS}")
     if kind == "free":
@@ -82,7 +84,7 @@ def op_time_s(flops: float, bytes_moved: float, dtype: str, gpu: GPUSpec, kind: 
     if kind == "memory":
         compute_s = flops / gpu.peak_flops_for("vector") if flops else 0.0
     else:
-        compute_s = flops / (gpu.peak_flops_for(dtype) * _efficiency(gpu, kind)) if flops else 0.0
+        compute_s = flops / (gpu.peak_flops_for(dtype) * _efficiency(gpu, kind, causal)) if flops else 0.0
     memory_s = bytes_moved / (gpu.hbm_Bps * gpu.memory_efficiency)
     return max(compute_s, memory_s)
 

@@ -45,6 +45,7 @@ Cluster TOML (``load_cluster``)::
     hbm_GBps = 3000.0
     matmul_efficiency = 0.7
     attention_efficiency = 0.5
+    attention_noncausal_efficiency = 0.3   # BERT/ViT attention (default: attention_efficiency / 2)
     memory_efficiency = 0.85
     peak_TFLOPs = { float32 = 0.05, bfloat16 = 0.03, vector = 0.002 }   # per-dtype peaks replaced
     op_overhead_us = 60.0         # host time per graph node per step, plain tensors (default 0)
@@ -115,6 +116,19 @@ class GPUSpec:
     # (``autopar calibrate``): on GPUs it runs ahead of the device and hides behind large kernels.
     op_overhead_s: float = 0.0
     dtensor_op_overhead_s: float = 0.0
+    # non-causal attention (BERT, ViT): achieved FLOP/s / peak, FULL count; None: not measured
+    attention_noncausal_efficiency: Optional[float] = None
+
+    def attention_eff(self, causal: bool) -> float:
+        """The attention efficiency of a causal or a non-causal kernel (FULL FLOP count, as
+        ``attention_efficiency``). A causal kernel skips the masked half of the counted work, so
+        one that runs at the same true utilisation either way scores twice the non-causal figure:
+        without a measured non-causal efficiency, it is ``attention_efficiency / 2``."""
+        if causal:
+            return self.attention_efficiency
+        if self.attention_noncausal_efficiency is not None:
+            return self.attention_noncausal_efficiency
+        return self.attention_efficiency / 2
 
     def peak_flops_for(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype`` ("bfloat16", "float16", "float32" (=TF32), "float8_e4m3fn",
@@ -225,10 +239,11 @@ class Efficiency:
     attention: float
     memory: float
     source: str
+    attention_noncausal: Optional[float] = None     # None: not measured (GPUSpec.attention_eff)
 
 
-_EFF_KEYS = ("matmul_efficiency", "attention_efficiency", "memory_efficiency", "source",
-             "compute_from", "measured")
+_EFF_KEYS = ("matmul_efficiency", "attention_efficiency", "attention_noncausal_efficiency", "memory_efficiency",
+             "source", "compute_from", "measured")
 
 
 @functools.lru_cache(maxsize=8)
@@ -252,13 +267,16 @@ def _parse_calibration(path: str, text: str) -> Mapping[str, Efficiency]:
             base = fams[other]
             src = f"{src}; matmul/attention from {other}: {base.get('source', '')}"
         try:
+            noncausal = base.get("attention_noncausal_efficiency")
             eff = Efficiency(float(base["matmul_efficiency"]), float(base["attention_efficiency"]),
-                             float(entry["memory_efficiency"]), src)
+                             float(entry["memory_efficiency"]), src,
+                             float(noncausal) if noncausal is not None else None)
         except (KeyError, TypeError) as e:
             raise ValueError(f"{path}: family {fam!r} lacks a number for {e.args[0]!r}") from None
         # attention may exceed 1: its FLOPs are counted FULL, so causal kernels (half the work) can
         # reach up to 2x their true utilisation.
         for what, val, hi in (("matmul_efficiency", eff.matmul, 1.0), ("attention_efficiency", eff.attention, 2.0),
+                              ("attention_noncausal_efficiency", eff.attention_noncausal or 1.0, 1.0),
                               ("memory_efficiency", eff.memory, 1.0)):
             if not 0.0 < val <= hi:
                 raise ValueError(f"{path}: family {fam!r} {what}={val} is outside (0, {hi}]; "
@@ -288,7 +306,7 @@ def get_gpu(name: str, calibration: Union[str, Path, None] = None) -> GPUSpec:
     eff = cal[ds.family]
     return GPUSpec(name=key, peak_flops=ds.peak_flops, hbm_bytes=ds.hbm_bytes, hbm_Bps=ds.hbm_Bps,
                    matmul_efficiency=eff.matmul, attention_efficiency=eff.attention,
-                   memory_efficiency=eff.memory,
+                   attention_noncausal_efficiency=eff.attention_noncausal, memory_efficiency=eff.memory,
                    source=f"peaks/HBM: {ds.source}; efficiencies (empirical): {eff.source}", emulated=ds.emulated)
 
 
@@ -365,7 +383,7 @@ def make_cluster(gpu: str, nodes: int, gpus_per_node: int = 8, name: Optional[st
 _TOP_KEYS = ("name", "gpu", "nodes", "gpus_per_node", "pcie_GBps", "intra", "inter", "gpu_overrides",
              "measured")
 _LINK_KEYS = ("busbw_GBps", "latency_us", "name", "source")
-_OVERRIDE_KEYS = ("memory_GB", "hbm_GBps", "matmul_efficiency", "attention_efficiency",
+_OVERRIDE_KEYS = ("memory_GB", "hbm_GBps", "matmul_efficiency", "attention_efficiency", "attention_noncausal_efficiency",
                   "memory_efficiency", "peak_TFLOPs", "op_overhead_us", "dtensor_op_overhead_us", "source")
 _OVERHEADS = (("op_overhead_us", "op_overhead_s"), ("dtensor_op_overhead_us", "dtensor_op_overhead_s"))
 _PEAK_DTYPES = TRAINING_DTYPES + ("float8_e4m3fn", "vector")
@@ -407,7 +425,7 @@ def cluster_from_dict(d: Mapping[str, Any], where: str = "cluster") -> ClusterSp
             changes["hbm_bytes"] = int(round(float(o["memory_GB"]) * GB))
         if "hbm_GBps" in o:
             changes["hbm_Bps"] = float(o["hbm_GBps"]) * GB
-        for k in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
+        for k in ("matmul_efficiency", "attention_efficiency", "attention_noncausal_efficiency", "memory_efficiency"):
             if k in o:
                 changes[k] = float(o[k])
         if "peak_TFLOPs" in o:
@@ -486,8 +504,8 @@ def cluster_to_toml(c: ClusterSpec) -> str:
         over.append(f"memory_GB = {toml_value(c.gpu.hbm_bytes / GB)}")
     if c.gpu.hbm_Bps != base.hbm_Bps:
         over.append(f"hbm_GBps = {toml_value(c.gpu.hbm_Bps / GB)}")
-    for k in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
-        if getattr(c.gpu, k) != getattr(base, k):
+    for k in ("matmul_efficiency", "attention_efficiency", "attention_noncausal_efficiency", "memory_efficiency"):
+        if getattr(c.gpu, k) != getattr(base, k) and getattr(c.gpu, k) is not None:
             over.append(f"{k} = {toml_value(getattr(c.gpu, k))}")
     for key, field_ in _OVERHEADS:
         if getattr(c.gpu, field_) != getattr(base, field_):

@@ -27,6 +27,7 @@ from autopar.ir import DTYPE_BYTES, TensorMeta
 from autopar.placements import Shard
 from autopar.solver.ilp import IlpEdge, IlpProblem, LinearConstraint
 from autopar.solver.reshard import grad_target, reshard_kind, reshard_s
+from autopar.solver.rules import arg, base_name
 from autopar.solver.runtime_profile import RuntimeProfile
 from autopar.solver.saved import DROPOUT_MASK_BYTES_PER_ELEM, is_dropout, kept_tensors, saves_input
 from autopar.solver.strategies import (GraphFacts, batch_scale, enumerate_strategies, ref_index,
@@ -145,6 +146,16 @@ def _core_nodes(facts: GraphFacts) -> frozenset:
     return frozenset(core)
 
 
+def causal_attention(n) -> bool:
+    """Whether attention node ``n`` runs a causal kernel: SDPA with ``is_causal=True`` (a causal
+    mask folded by ``trace/causal_masks.py`` included); SDPA without it, or with an explicit mask,
+    runs the full score matrix (BERT, ViT). Other attention targets count as causal (the LLM
+    kernels ``attention_efficiency`` was measured on)."""
+    if base_name(n.target) != "scaled_dot_product_attention":
+        return True
+    return bool(arg(n, 5, "is_causal", False)) and len(n.inputs) <= 3
+
+
 def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs: int, dtype: str,
                  profile: RuntimeProfile, cache: Optional[dict] = None) -> AxisTables:
     """``cache``: a dict the caller keeps per (mbs, dtype) to share metas and rule proposals
@@ -187,9 +198,10 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
         grad = facts.needs_grad.get(n.key, False)
         saves = n.key in kept
         mask = is_dropout(n) and grad
+        causal = kind != "attention" or causal_attention(n)
         row = []
         for s in strats:
-            compute = op_time_s(flops * s.compute_scale, nbytes * s.compute_scale, dtype, gpu, kind)
+            compute = op_time_s(flops * s.compute_scale, nbytes * s.compute_scale, dtype, gpu, kind, causal)
             fwd = compute + overhead          # the node's whole host cost of a step, counted once
             bwd = compute * backward_factor(kind) if grad else 0.0
             cf = tuple((c.kind, collective_s(c.kind, c.nbytes, t, link)) for c in s.comms if c.phase == "fwd")

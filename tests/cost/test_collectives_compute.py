@@ -110,3 +110,38 @@ def test_roofline_hand_cases():
     assert backward_factor("memory") == 2.0 and backward_factor("free") == 0.0
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         op_time_s(1, 1, "float8_e4m3fn", get_gpu("a100-80g"), "matmul")
+
+
+def test_noncausal_attention_is_priced_at_its_measured_efficiency():
+    """BERT/ViT attention: calibration.json's H200 entry holds the measured non-causal SDPA
+    efficiency (benchmarks/calibrate.py, FULL FLOP count: ~0.60 against 0.98 for causal kernels,
+    which skip half the counted work). A family without the figure prices a non-causal kernel at
+    half the causal figure (the same true utilisation)."""
+    import json
+
+    from autopar.cost.compute import op_time_s
+    from autopar.cost.hardware import DEFAULT_CALIBRATION_PATH, get_gpu
+
+    measured = json.loads(open(DEFAULT_CALIBRATION_PATH).read())["families"]["h200"]["measured"]["sdpa"]
+    h200, a100 = get_gpu("h200"), get_gpu("a100-80g")
+    assert h200.attention_noncausal_efficiency == pytest.approx(measured["noncausal_fwdbwd_efficiency_H32"], rel=1e-3)
+    assert get_gpu("h100").attention_noncausal_efficiency == h200.attention_noncausal_efficiency   # compute_from
+    flops = 1e12
+    peak = h200.peak_flops_for("bfloat16")
+    assert op_time_s(flops, 0, "bfloat16", h200, "attention", causal=False) == pytest.approx(
+        flops / (peak * h200.attention_noncausal_efficiency))
+    assert op_time_s(flops, 0, "bfloat16", h200, "attention") == pytest.approx(flops / (peak * h200.attention_efficiency))
+    assert a100.attention_noncausal_efficiency is None
+    assert a100.attention_eff(False) == a100.attention_efficiency / 2
+
+
+def test_sdpa_nodes_know_whether_they_are_causal():
+    from autopar.models import build_model
+    from autopar.solver.problem import causal_attention
+    from autopar.trace import trace_model
+
+    for spec, causal in (("gpt-tiny", True), ("bert-large", False)):
+        b = build_model(spec, device="meta", batch=1, seq_len=16)
+        g = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target)
+        sdpa = [n for n in g.nodes if "scaled_dot_product" in n.target]
+        assert sdpa and all(causal_attention(n) == causal for n in sdpa), spec
