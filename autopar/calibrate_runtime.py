@@ -4,8 +4,9 @@ A step runs each node of the traced graph through autopar's executor (forward), 
 (backward) and the bookkeeping around them; on a CPU that host time is serial with the compute
 and, for small models, larger than it. It is measured as a slope, so that what does not grow with
 the graph (the loss all-reduce, the gradient bucket's collective, the optimizer's launch) cancels:
-the same narrow MLP (``mlp:width=8``: its arithmetic is negligible) is trained at two depths under
-the running world's data parallelism, and
+the same narrow GPT (hidden 16, 2 heads, vocabulary 64, 8 tokens: its arithmetic is negligible,
+its op mix a transformer's) is trained at two depths under the running world's data parallelism,
+and
 
     overhead per node = (step time(deep) - step time(shallow)) / (graph nodes(deep) - graph nodes(shallow))
 
@@ -18,7 +19,8 @@ from __future__ import annotations
 import statistics
 import time
 
-SHALLOW, DEEP = 4, 28           # MLP depths; each layer is a linear and a GeLU
+SHALLOW, DEEP = 1, 4            # transformer layers (about 23 graph nodes each)
+MODEL = "gpt:hidden=16,layers={layers},heads=2,vocab=64,seq=8"
 WARMUP, TIMED = 2, 5            # steps per model
 
 
@@ -28,10 +30,10 @@ def _step_s_and_nodes(depth: int, world: int, dp_mode: str) -> tuple[float, int]
     from autopar.api import autoparallelize
     from autopar.models import build_model
 
-    b = build_model(f"mlp:width=8,depth={depth}", batch=2 * world, device="meta")
+    b = build_model(MODEL.format(layers=depth), batch=2 * world, device="meta")
     pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
                          force=f"dp={world}", dp_mode=dp_mode, record_collectives=False, timeout_s=120,
-                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0), model_name=f"calibrate-mlp{depth}")
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0), model_name=f"calibrate-gpt{depth}")
     x, y = b.make_batch(2 * world, torch.Generator().manual_seed(0))
     for _ in range(WARMUP):
         pm.step(x, y)

@@ -3,7 +3,8 @@ what the planner predicted.
 
     autopar profile gpt-tiny --nproc 4 --steps 3 --cluster cluster.toml --force tp=2,dp=2 --json p.json
 
-Each rank runs ``--warmup`` steps, then ``--steps`` profiled ones (``runtime/profiling.py``) and writes
+Each rank runs ``--warmup`` steps, ``--steps`` timed ones, then ``--steps`` profiled ones
+(``runtime/profiling.py``) and writes
 a Chrome/TensorBoard trace (``--trace-dir``, one file per rank; chrome://tracing or Perfetto). The
 report compares:
 
@@ -54,7 +55,7 @@ def _profile_rank(rank: int, world: int, model: str, plan_json: Optional[str], f
                          optimizer=lambda params: make_optimizer(optimizer, params))
     gen = torch.Generator().manual_seed(seed)
     rows = b.example_inputs[0].shape[0]
-    batches = (b.make_batch(rows, gen) for _ in range(warmup + steps))
+    batches = (b.make_batch(rows, gen) for _ in range(warmup + 2 * steps))
     trace = os.path.join(trace_dir, f"rank{rank}.trace.json") if trace_dir else None
     prof = profile_steps(pm, batches, warmup=warmup, steps=steps, trace_path=trace)
     _, memory = measure_step(pm, *b.make_batch(rows, gen))      # one more step, its peak by category

@@ -1,9 +1,10 @@
 """One rank's training steps measured under ``torch.profiler`` (``autopar profile``'s rank side).
 
-``profile_steps`` runs warm-up steps, then K steps inside ``torch.profiler.profile`` (CPU activity,
-plus CUDA on GPUs), and returns a ``RankProfile``: the wall time of each profiled step, the
-profiler's self time per operator class (``op_class``) averaged per step, the collectives autopar
-logged in those steps (kind, mesh axis, bytes) and, optionally, a Chrome/TensorBoard trace file.
+``profile_steps`` runs warm-up steps, then K timed steps (wall time, no profiler: its per-op records
+cost host time of their own), then K steps inside ``torch.profiler.profile`` (CPU activity, plus
+CUDA on GPUs), and returns a ``RankProfile``: the wall time of each timed step, the profiler's
+self time per operator class (``op_class``) averaged per step, the collectives autopar logged in
+the profiled steps (kind, mesh axis, bytes) and, optionally, a Chrome/TensorBoard trace file.
 
 Operator classes of profiler events (self time, so nested events are not counted twice):
 ``matmul``, ``attention``, ``memory`` (elementwise, norms, reductions) and ``free`` (views) as the
@@ -59,8 +60,8 @@ class RankProfile:
 
 def profile_steps(pm, batches: Iterable, *, warmup: int, steps: int, trace_path: Optional[str] = None,
                   step: Optional[Callable] = None) -> RankProfile:
-    """Run ``warmup`` steps, then ``steps`` under the profiler, of ``pm`` on ``batches`` (an
-    iterator of (inputs, target)); ``step(inputs, target)`` in place of ``pm.step``."""
+    """Run ``warmup`` steps, ``steps`` timed ones, then ``steps`` under the profiler, of ``pm`` on
+    ``batches`` (an iterator of (inputs, target)); ``step(inputs, target)`` in place of ``pm.step``."""
     from torch.profiler import ProfilerActivity, profile
 
     if warmup < 0 or steps < 1:
@@ -69,17 +70,21 @@ def profile_steps(pm, batches: Iterable, *, warmup: int, steps: int, trace_path:
     batches = iter(batches)
     for _ in range(warmup):
         run(*next(batches))
+    times = []                    # timed without the profiler, whose per-op records cost host time
+    for _ in range(steps):
+        inputs, target = next(batches)
+        if pm.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run(inputs, target)
+        if pm.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
     pm.reset_collectives()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if pm.device.type == "cuda" else [])
-    times = []
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            inputs, target = next(batches)
-            t0 = time.perf_counter()
-            run(inputs, target)
-            if pm.device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+            run(*next(batches))
     by_class: Counter = Counter()
     for e in prof.key_averages():
         by_class[op_class(e.key)] += e.self_cpu_time_total * 1e-6 / steps

@@ -34,10 +34,14 @@ class RuntimeProfile:
     schedule: str = "1f1b"                # pipeline schedule (memory: in-flight micro-batches)
 
 
-# autopar's own runtime: DDP/FSDP2 bucketed gradient reduction and prefetched parameter gathers;
-# tensor-parallel collectives are issued synchronously by the generated code; bf16 gradients.
+# autopar's own runtime (runtime/reducer.py, runtime/params.py), as it runs: ZeRO 0-2 gradient
+# buckets are reduced asynchronously during the last backward; parameter all-gathers are issued
+# when needed and waited for (ZeRO-1/2 after the optimizer step, ZeRO-3 at each use, no prefetch),
+# so they are not overlapped, and nor is ZeRO-3's reduce-scatter (after the backward: timing.py
+# hides ZeRO-3's backward traffic only when both flags hold); tensor-parallel collectives are
+# issued synchronously by the executor; bf16 gradients.
 AUTOPAR_RUNTIME = RuntimeProfile(
-    name="autopar", tp_overlap_kinds=(), grad_reduce_overlap=True, param_gather_overlap=True,
+    name="autopar", tp_overlap_kinds=(), grad_reduce_overlap=True, param_gather_overlap=False,
     grad_bytes=2)
 
 # Megatron-Core with --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap (the flags of
