@@ -42,7 +42,7 @@ SUMMARY_KEYS = (
     "data_parallel", "tensor_parallel", "pipeline_parallel", "sequence_parallel", "zero_stage",
     "micro_batch_size", "num_micro_batches", "recompute", "offload", "estimated_step_time_s",
     "estimated_tflops_per_gpu", "peak_memory_bytes_per_gpu", "solve_time_s", "pipeline_schedule",
-    "virtual_stages",
+    "virtual_stages", "recompute_layers",
 )
 
 
@@ -156,6 +156,9 @@ class Plan:
     # pipeline). Defaults so that plan files written before these fields load unchanged.
     pipeline_schedule: str = "1f1b"
     virtual_stages: int = 1
+    # recompute "full" on the first ``recompute_layers`` layers of each pipeline rank only (None:
+    # on all of them); the solver's "partial" recompute (the fewest layers that fit)
+    recompute_layers: Optional[int] = None
     forced: tuple[tuple[str, str], ...] = ()
     notes: tuple[str, ...] = ()
     schema_version: int = SCHEMA_VERSION
@@ -219,7 +222,20 @@ class Plan:
             "solve_time_s": self.solve_time_s,
             "pipeline_schedule": self.pipeline_schedule,
             "virtual_stages": self.virtual_stages,
+            "recompute_layers": self.recompute_layers,
         }
+
+    def recomputed_layers(self) -> Optional[frozenset[int]]:
+        """The repeated block's layers that recompute in full: None when the plan's recompute is
+        not "full" per layer (all layers under "full", none otherwise); else the first
+        ``recompute_layers`` layers of each pipeline rank (``stage_rank`` of each stage)."""
+        if self.recompute != "full" or self.recompute_layers is None:
+            return None
+        per_rank: dict[int, list[int]] = {}
+        for st in self.stages:
+            per_rank.setdefault(stage_rank(self.pipeline_schedule, self.pp, st.index), []).extend(
+                range(st.first_layer, st.last_layer))
+        return frozenset(l for layers in per_rank.values() for l in sorted(layers)[:self.recompute_layers])
 
     # ---- JSON -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -393,6 +409,9 @@ def plan_problems(p: Plan) -> list[str]:
         out.append(f"zero_stage={p.zero_stage!r} is not 0, 1, 2 or 3")
     if p.recompute not in RECOMPUTE_CHOICES:
         out.append(f"recompute={p.recompute!r} is not one of {', '.join(RECOMPUTE_CHOICES)}")
+    if p.recompute_layers is not None and (p.recompute != "full" or not _is_int(p.recompute_layers)
+                                           or p.recompute_layers < 1):
+        out.append(f"recompute_layers={p.recompute_layers!r} needs recompute 'full' and a positive integer")
     if p.offload not in OFFLOAD_CHOICES:
         out.append(f"offload={p.offload!r} is not one of {', '.join(OFFLOAD_CHOICES)}")
     if p.dtype not in _DTYPE_NAMES:

@@ -228,9 +228,10 @@ def plan_schema(summary_keys: tuple[str, ...]) -> Obj:
         "strategies": ListOf(STRATEGY, 1, "lists no node (the solver writes one strategy per node)"),
         "stages": ListOf(STAGE), "step_time": STEP_TIME, "memory": MEMORY,
         "model_flops_per_step": SECONDS, "solve_time_s": SECONDS,
-        "pipeline_schedule": STR, "virtual_stages": DEGREE, "forced": MapOf(STR), "notes": ListOf(STR),
+        "pipeline_schedule": STR, "virtual_stages": DEGREE, "recompute_layers": OPT_INT,
+        "forced": MapOf(STR), "notes": ListOf(STR),
         "summary": Obj({k: ANY for k in summary_keys}, optional=frozenset(summary_keys)),
-    }, optional=frozenset({"pipeline_schedule", "virtual_stages", "forced", "notes", "summary"}))
+    }, optional=frozenset({"pipeline_schedule", "virtual_stages", "recompute_layers", "forced", "notes", "summary"}))
 
 
 def schema_problems(d: Any, summary_keys: tuple[str, ...]) -> list[str]:

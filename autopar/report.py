@@ -68,6 +68,13 @@ def throughput_line(plan: Plan) -> str:
     return f"{tflops:.1f} model TFLOP/s per GPU{mfu_text}; solved in {plan.solve_time_s:.2f} s"
 
 
+def recompute_text(plan) -> str:
+    """"full", or "full: first 3 layers/rank" for a per-layer choice."""
+    if plan.recompute_layers is None:
+        return plan.recompute
+    return f"{plan.recompute}: first {plan.recompute_layers} layers/rank"
+
+
 def degrees_table(plan: Plan) -> Table:
     c = plan.cluster
     # plan strings (model and cluster names, mesh axes, node keys) are text, not rich markup: escaped
@@ -83,7 +90,7 @@ def degrees_table(plan: Plan) -> Table:
     schedule = plan.pipeline_schedule if plan.pp > 1 else "-"
     t.add_row(str(plan.dp), str(plan.tp), str(plan.pp), schedule, str(plan.virtual_stages),
               "on" if plan.sequence_parallel else "off",
-              str(plan.zero_stage), str(plan.micro_batch_size), str(plan.num_micro_batches), plan.recompute,
+              str(plan.zero_stage), str(plan.micro_batch_size), str(plan.num_micro_batches), recompute_text(plan),
               plan.offload, escape(mesh))
     return t
 

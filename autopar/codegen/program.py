@@ -27,7 +27,8 @@ EVERY chunk. The column-parallel linear that produces the split input then store
 local tensor. Any other producer is an error.
 
 Recompute regions: ``plan.recompute == "full"`` puts each layer's op nodes (same block and layer
-id, in graph order) in one ``torch.utils.checkpoint`` region; ``"selective"`` wraps each attention
+id, in graph order) in one ``torch.utils.checkpoint`` region (with ``plan.recompute_layers``: the
+layers ``Plan.recomputed_layers`` names only); ``"selective"`` wraps each attention
 core (``ATTENTION_CORE`` targets) alone.
 """
 from __future__ import annotations
@@ -157,7 +158,8 @@ def _batch_default(n: NodeInfo, graph: GraphIR, mesh: Mesh) -> Placements:
     return tuple(Shard(0) if carries and a == DATA else Replicate() for a in mesh.axes)
 
 
-def _regions(graph: GraphIR, recompute: str) -> tuple[tuple[Region, ...], dict[str, int]]:
+def _regions(graph: GraphIR, recompute: str, layers: Optional[frozenset] = None) -> tuple[tuple[Region, ...], dict[str, int]]:
+    """``layers``: under "full", only these layer ids recompute (``Plan.recomputed_layers``)."""
     regions: list[Region] = []
     of: dict[str, int] = {}
     if recompute == "full":
@@ -165,6 +167,8 @@ def _regions(graph: GraphIR, recompute: str) -> tuple[tuple[Region, ...], dict[s
         layer = None
         for n in graph.nodes:
             here = (n.block, n.layer_id) if n.kind == "op" and n.layer_id is not None else None
+            if here is not None and layers is not None and n.layer_id not in layers:
+                here = None
             if here != layer and current:
                 regions.append(Region(len(regions), "layer", tuple(current)))
                 current = []
@@ -363,7 +367,7 @@ def compile_program(graph: GraphIR, plan: Plan, *, local_dp: Optional[frozenset[
                          "full trace (trace_model(..., collapse_repeats=False))")
     strategies = _strategies(plan)
     used = _used_keys(graph)
-    regions, region_of = _regions(graph, plan.recompute)
+    regions, region_of = _regions(graph, plan.recompute, plan.recomputed_layers())
     nodes: list[NodePlan] = []
     unplanned: list[str] = []
     param_tp: dict[str, Placement] = {}

@@ -14,7 +14,7 @@ from autopar.solver.timing import OuterConfig
 # Largest stages per rank the search tries unless vpp is forced: each doubling halves the
 # interleaved bubble but doubles the stage-to-stage traffic, and each v tried adds configurations.
 MAX_FREE_VPP = 4
-RECOMPUTES = ("none", "selective", "full")
+RECOMPUTES = ("none", "selective", "full", "partial")    # partial: full on the first K layers per rank
 
 
 def _divisors(n: int) -> list[int]:

@@ -64,8 +64,9 @@ def parse_force(spec: "str | dict | Force | None") -> Force:
                 raise ValueError(f"--force {k}={iv}: out of range" + (" (zero is 0..3)" if k == "zero" else " (must be >= 1)"))
             out[_INT_KEYS[k]] = iv
         elif k == "recompute":
-            if v not in RECOMPUTE_CHOICES:
-                raise ValueError(f"--force recompute={v!r}: choose one of {', '.join(RECOMPUTE_CHOICES)}")
+            choices = RECOMPUTE_CHOICES + ("partial",)      # partial: the solver picks the layers
+            if v not in choices:
+                raise ValueError(f"--force recompute={v!r}: choose one of {', '.join(choices)}")
             out["recompute"] = v
         elif k == "schedule":
             if v not in PIPELINE_SCHEDULES:

@@ -298,6 +298,8 @@ class _Searcher:
                 if not ev.fits:
                     if smallest_exact is None or ev.memory.total_bytes < smallest_exact.memory.total_bytes:
                         smallest_exact = ev
+                    if cfg.recompute == "partial":      # every layer recomputed did not fit: that is
+                        continue                        # the "full" configuration, searched on its own
                     heapq.heappush(heap, (max(bound, self._constrained_bound(cfg, sol, lb_ev)), tie, cfg, 1, ev))
                     continue
             else:
@@ -323,7 +325,7 @@ class _Searcher:
     def _constrained_bound(self, cfg: OuterConfig, sol: AxisSolution, lb_ev: Evaluation) -> float:
         lb = self._lb[(cfg.tp, cfg.sp, cfg.mbs)]
         blk = lb.parts["block"]
-        rc = {"none": 0.0, "selective": blk.core_fwd_s, "full": blk.fwd_compute_s}[cfg.recompute]
+        rc = {"none": 0.0, "partial": 0.0, "selective": blk.core_fwd_s, "full": blk.fwd_compute_s}[cfg.recompute]
         t_stage = (sol.summary.objective_s + sol.summary.count * rc) / cfg.pp
         lb_stage = max(st.time_per_microbatch_s for st in lb_ev.stages)
         span = cfg.m + pipeline_bubble_units(cfg.pp, cfg.m, cfg.schedule, cfg.v)
@@ -422,10 +424,24 @@ def _build_plan(s: _Searcher, ev: Evaluation, sol: AxisSolution, seq_len, solve_
         dtype=s.dtype, global_batch=s.global_batch, seq_len=seq_len,
         dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, sequence_parallel=cfg.sp, zero_stage=cfg.zero,
         pipeline_schedule=cfg.schedule, virtual_stages=cfg.v,
-        micro_batch_size=cfg.mbs, num_micro_batches=cfg.m, recompute=cfg.recompute, offload="none",
+        micro_batch_size=cfg.mbs, num_micro_batches=cfg.m, offload="none", **_recompute_fields(full),
         mesh_axes=("dp", "tp"), mesh_shape=(cfg.dp, cfg.tp), strategies=tuple(strategies), stages=stages,
         step_time=full.step, memory=full.memory, model_flops_per_step=model_flops(s.graph, s.global_batch),
         solve_time_s=solve_time_s, forced=s.force.items(), notes=tuple(notes))
+
+
+def _recompute_fields(ev: Evaluation) -> dict:
+    """The plan's ``recompute`` and ``recompute_layers``: "partial" becomes "full" on the first K
+    layers of each pipeline rank (all of a rank's layers: plain "full"; none: "none")."""
+    cfg = ev.config
+    if cfg.recompute != "partial":
+        return {"recompute": cfg.recompute}
+    k = cfg.recompute_layers or 0
+    if k == 0:
+        return {"recompute": "none"}
+    if k >= max(st.layers for st in ev.stages):
+        return {"recompute": "full"}
+    return {"recompute": "full", "recompute_layers": k}
 
 
 def plan_stages(ev: Evaluation, summary) -> tuple[Stage, ...]:

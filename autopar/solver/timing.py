@@ -42,7 +42,7 @@ minus the attention core's intermediates); other = a workspace of the largest si
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from autopar.cost.collectives import axis_link, collective_s, stage_link
@@ -68,16 +68,20 @@ class OuterConfig:
     dp: int
     mbs: int
     m: int                 # micro-batches per step
-    recompute: str         # "none" | "selective" | "full"
+    recompute: str         # "none" | "selective" | "full" | "partial" (full on some layers: below)
     zero: int              # 0..3
     sp: bool
     schedule: str = "1f1b"     # pipeline schedule (plan.PIPELINE_SCHEDULES); "1f1b" when pp == 1
     v: int = 1                 # stages per pp rank (virtual stages)
+    # "partial": the first ``recompute_layers`` layers of each pipeline rank recompute in full, the
+    # others keep their activations; None: not chosen yet (``evaluate`` picks the fewest that fit)
+    recompute_layers: Optional[int] = None
 
     def short(self) -> str:
         pipe = f", schedule={self.schedule}" + (f", vpp={self.v}" if self.v > 1 else "") if self.pp > 1 else ""
+        rc = self.recompute + (f":{self.recompute_layers}" if self.recompute_layers is not None else "")
         return (f"tp={self.tp}, pp={self.pp}, dp={self.dp}, mbs={self.mbs}, zero={self.zero}, "
-                f"recompute={self.recompute}, sp={'on' if self.sp else 'off'}{pipe}")
+                f"recompute={rc}, sp={'on' if self.sp else 'off'}{pipe}")
 
 
 @dataclass(frozen=True)
@@ -370,7 +374,11 @@ def evaluate(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profi
              budget_bytes: float, all_stages: bool = False) -> Evaluation:
     """Step time and memory of ``cfg`` with the cut ``choose_cuts`` picks. Ranks evaluated in full:
     all with ``all_stages``, else the first, the last and the slowest and heaviest by the affine
-    model (the others can bind neither)."""
+    model (the others can bind neither). A "partial" configuration without ``recompute_layers``
+    gets the fewest recomputed layers per rank that fit (``fit_partial``); on a lower-bound
+    summary it stays unset (time without recompute, memory with all of it: both lower bounds)."""
+    if cfg.recompute == "partial" and cfg.recompute_layers is None and not summary.is_lower_bound:
+        return fit_partial(summary, cfg, cluster, profile, budget_bytes, all_stages)
     p = cfg.pp
     # the affine terms are computed once here and shared with choose_cuts and memory_lower_bound
     # (the same pure functions of (summary, cfg) they would compute themselves)
@@ -423,9 +431,10 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
     for p, c, _ in parts:
         _merge(comm, p.comm_fwd, c)
         _merge(comm, p.comm_bwd, c)
-    if cfg.recompute == "full":
-        recompute = lps * blk.fwd_compute_s
-        _merge(comm, blk.comm_fwd, lps)          # the re-run forward repeats its TP comm
+    if cfg.recompute in ("full", "partial"):
+        k = recomputed_layers(cfg, lps, for_memory=False)
+        recompute = k * blk.fwd_compute_s
+        _merge(comm, blk.comm_fwd, k)            # the re-run forward repeats its TP comm
     elif cfg.recompute == "selective":
         recompute = lps * blk.core_fwd_s
     else:
@@ -466,20 +475,62 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
     return StageEval(r, t_stage, compute, recompute, comm, dp_sync, opt, mem, numel, lps, first, last, inflight)
 
 
+def fit_partial(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profile: RuntimeProfile,
+                budget_bytes: float, all_stages: bool = False) -> Evaluation:
+    """``cfg`` ("partial") with the fewest recomputed layers per pipeline rank that fit the budget:
+    below every layer, memory falls and time grows with each layer recomputed, so the fewest that
+    fit is the fastest: bisection over 0 .. count - 1. (Every layer, count, adds the workspace of a
+    re-materialized layer, ``_other_bytes``: that is "full", returned when nothing less fits.)"""
+    def at(k: int) -> Evaluation:
+        return evaluate(summary, replace(cfg, recompute_layers=k), cluster, profile, budget_bytes, all_stages)
+
+    lo, hi = 0, max(0, summary.count - 1)
+    best = at(hi)
+    if not best.fits:
+        return at(summary.count)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        ev = at(mid)
+        if ev.fits:
+            hi, best = mid, ev
+        else:
+            lo = mid + 1
+    return best
+
+
+def recomputed_layers(cfg: OuterConfig, lps: float, for_memory: bool) -> float:
+    """Layers of a rank's ``lps`` that recompute in full. "partial" with ``recompute_layers`` unset
+    (a configuration not yet fitted): all of them for memory, none for time, so that both stay
+    lower bounds of any choice."""
+    if cfg.recompute == "full":
+        return lps
+    if cfg.recompute != "partial":
+        return 0.0
+    if cfg.recompute_layers is None:
+        return lps if for_memory else 0.0
+    return min(float(cfg.recompute_layers), lps)
+
+
 def activation_bytes_per_layer(blk: PartCost, summary: AxisSummary, recompute: str) -> float:
-    if recompute == "full":
+    """Saved bytes of one layer per micro-batch (``recompute`` "partial": the recomputed layers'
+    figure, the least; ``_rank_memory`` mixes them)."""
+    if recompute in ("full", "partial"):
         return summary.layer_input_bytes
     if recompute == "selective":
         return blk.saved_bytes - blk.core_saved_bytes
     return blk.saved_bytes
 
 
-def _other_bytes(summary: AxisSummary, cfg: OuterConfig) -> float:
+def _other_bytes(summary: AxisSummary, cfg: OuterConfig, lps: Optional[float] = None) -> float:
     """Workspace besides the largest single output: one layer re-materialized under recompute, the
-    prefetched gathered layers under ZeRO-3."""
+    prefetched gathered layers under ZeRO-3. "partial" recomputes a rank's FIRST layers, whose
+    backward comes last, when the later layers' activations are freed: a re-materialized layer adds
+    to the peak only when every layer recomputes (``lps`` unknown: as "full", the least memory)."""
     blk = summary.parts["block"]
     other = 0.0
-    if cfg.recompute == "full":
+    partial_all = cfg.recompute == "partial" and (
+        cfg.recompute_layers is None or lps is None or cfg.recompute_layers >= lps)
+    if cfg.recompute == "full" or partial_all:
         other += blk.saved_bytes
     elif cfg.recompute == "selective":
         other += blk.core_saved_bytes
@@ -493,10 +544,12 @@ def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile
     states = model_state_bytes(int(numel), cfg.dp, cfg.zero, param_bytes=PARAM_BYTES, grad_bytes=profile.grad_bytes)
     inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
     blk = summary.parts["block"]
-    per_mb = lps * activation_bytes_per_layer(blk, summary, cfg.recompute)
+    k = recomputed_layers(cfg, lps, for_memory=True)
+    per_mb = k * activation_bytes_per_layer(blk, summary, cfg.recompute) \
+        + (lps - k) * activation_bytes_per_layer(blk, summary, "none" if cfg.recompute == "partial" else cfg.recompute)
     per_mb += sum(p.saved_bytes for p, _, name in parts if name != "block")
     activations = inflight * per_mb
-    other = max(p.max_out_bytes for p, _, _ in parts) + _other_bytes(summary, cfg)
+    other = max(p.max_out_bytes for p, _, _ in parts) + _other_bytes(summary, cfg, lps)
     params, grads, optim = (int(states["params"]), int(states["grads"]), int(states["optimizer"]))
     total = params + grads + optim + int(activations) + int(other)
     return MemoryUse(params, grads, optim, int(activations), int(other), total)

@@ -7,6 +7,7 @@ collectives the plan predicts (kind, axis, bytes, phase, count).
 One launch per world size runs all its families in the same ranks (start-up is the cost)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -28,6 +29,8 @@ FAMILIES_2 = {
     "tp": dict(plan=dict(dp=1, tp=2, family="megatron"), forward=True),
     "tp_sp_recompute_full": dict(plan=dict(dp=1, tp=2, family="megatron_sp", recompute="full")),
     "tp_vocab_parallel_loss": dict(plan=dict(dp=1, tp=2, family="megatron_vocab"), forward=True),
+    # per-layer recompute (the solver's "partial"): layer 0 of 2 recomputes, layer 1 keeps its activations
+    "tp_recompute_first_layer": dict(plan=dict(dp=1, tp=2, family="megatron", recompute="full"), recompute_layers=1),
     # several micro-batches per step: gradients accumulate, the reducer runs once
     "dp_micro_batches_zero2": dict(plan=dict(dp=2, tp=1, zero=2, mbs=1), forward=True),
     "tp_sp_micro_batches_zero0": dict(plan=dict(dp=1, tp=2, family="megatron_sp", mbs=2)),
@@ -45,8 +48,10 @@ def _jobs(graph, families):
     jobs, plans = [], {}
     for name, spec in families.items():
         plan = hand_plan(graph, **spec["plan"])
+        if "recompute_layers" in spec:
+            plan = dataclasses.replace(plan, recompute_layers=spec["recompute_layers"])
         plans[name] = plan
-        job = {k: v for k, v in spec.items() if k != "plan"}
+        job = {k: v for k, v in spec.items() if k not in ("plan", "recompute_layers")}
         job["plan"] = plan.to_json()
         jobs.append(job)
     return jobs, plans
@@ -77,6 +82,13 @@ def _reference(meta: bool, seed: int):
 def _check(name, graph, results, plan, spec):
     check_against_reference(results, _reference(spec.get("meta", False), spec.get("seed", 0)))
     kw = {k: spec[k] for k in ("bucket_bytes", "dp_mode") if k in spec}
+    if "recompute_layers" in spec:            # exactly the named layers became recompute regions
+        from autopar.codegen.program import compile_program
+
+        regions = compile_program(graph, plan).regions
+        by_name = {n.name: n for n in graph.nodes}
+        layers = {by_name[m].layer_id for r in regions for m in r.nodes}
+        assert layers == set(range(spec["recompute_layers"])), layers
     assert (plan.num_micro_batches > 1) == ("micro_batches" in name), (name, plan.num_micro_batches)
     if plan.num_micro_batches > 1:                 # predicted from one micro-batch's trace
         graph = full_trace(plan.global_batch // plan.num_micro_batches)
