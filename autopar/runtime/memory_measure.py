@@ -337,8 +337,12 @@ def plan_evaluation(plan, graph, cluster=None):
                   virtual_stages=plan.virtual_stages if plan.pp > 1 else None)
     res = solve(graph, cluster, global_batch=plan.global_batch, seq_len=plan.seq_len, dtype=plan.dtype,
                 memory_budget_bytes=plan.cluster.memory_budget_bytes, force=force)
-    ev = evaluate(res.solution.summary, res.evaluation.config, res.cluster, res.profile, res.budget_bytes,
-                  all_stages=True)
+    cfg = res.evaluation.config
+    if plan.recompute_layers is not None:       # per-layer recompute: the plan's layers, not every one
+        from dataclasses import replace
+
+        cfg = replace(cfg, recompute="partial", recompute_layers=plan.recompute_layers)
+    ev = evaluate(res.solution.summary, cfg, res.cluster, res.profile, res.budget_bytes, all_stages=True)
     return ev, res.solution.summary
 
 
@@ -374,7 +378,13 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
         pieces.append((post.saved_bytes, states(post.param_numel + shared)["grads"]))
         shared = 0.0
     blk = summary.parts["block"]
-    pieces += [(activation_bytes_per_layer(blk, summary, cfg.recompute), states(blk.param_numel)["grads"])] * st.layers
+    grads = states(blk.param_numel)["grads"]
+    if cfg.recompute == "partial":            # backward order: the later layers keep theirs, the first k recompute
+        k = int(min(cfg.recompute_layers or 0, st.layers))
+        pieces += [(activation_bytes_per_layer(blk, summary, "none"), grads)] * (st.layers - k)
+        pieces += [(activation_bytes_per_layer(blk, summary, "full"), grads)] * k
+    else:
+        pieces += [(activation_bytes_per_layer(blk, summary, cfg.recompute), grads)] * st.layers
     if st.has_pre:
         pre = summary.parts["pre"]
         pieces.append((pre.saved_bytes, states(pre.param_numel + shared)["grads"]))
