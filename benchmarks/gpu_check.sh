@@ -6,7 +6,9 @@
 #             that passed (host when both did);
 #   bench: 3. the kernel benchmark (Triton vs eager vs torch.compile, % of measured ceilings, the
 #             config the autotuner picked per kernel);
-#          4. fused-kernel substitution in a training step, GPT and LLaMA (fused_step_gpu.py).
+#          4. fused-kernel substitution in a training step, GPT and LLaMA (fused_step_gpu.py);
+#          5. `autopar calibrate` on the GPU (CUDA GEMM/attention/copy efficiencies, the NCCL path with
+#             one rank per visible GPU) -> $OUT/cluster.toml: not yet run on a GPU.
 # Usage: bash benchmarks/gpu_check.sh [all|tests|bench]   (default all; the device tool allows 10
 # minutes a command: run "tests" and "bench" as two calls there). Logs and JSON go under $OUT
 # (default ./out); "bench" reads the descriptor mode "tests" chose from $OUT/attention_desc.txt.
@@ -55,4 +57,7 @@ if [[ "$STAGE" != tests ]]; then
   # not yet run on a GPU: the first lent GPU confirms it before kernels="auto" becomes the default
   timeout "${FUSED_TIMEOUT:-200}" python3 benchmarks/fused_step_gpu.py "${SCRIPT_DRY[@]}" 2>&1 | tee "$OUT/fused_step.log"
   echo "fused step exit: ${PIPESTATUS[0]}"
+  if [[ "${DRY_RUN:-0}" == 1 ]]; then CALIBRATE=(--help); else CALIBRATE=(--budget-s "${CAL_BUDGET:-90}" --out "$OUT/cluster.toml"); fi
+  timeout "${CAL_TIMEOUT:-150}" python3 -m autopar.cli calibrate "${CALIBRATE[@]}" 2>&1 | tee "$OUT/calibrate.log"
+  echo "calibrate exit: ${PIPESTATUS[0]}"
 fi
