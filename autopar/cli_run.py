@@ -247,6 +247,14 @@ def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = N
     _check_trainable(model, batch, seq_len)
     checkpoint = _checkpoint_args(checkpoint_dir, checkpoint_every, resume, steps)
     plan_json = Plan.load(plan_path).to_json() if plan_path else None
+    if plan_path and dtype is not None:
+        from autopar.runtime.precision import dtype_name, parse_dtype
+
+        planned = Plan.from_json(plan_json).dtype
+        if parse_dtype(planned) != parse_dtype(dtype):
+            raise ValueError(f"--dtype {dtype}: the plan {plan_path} was made for {planned} compute; re-plan with "
+                             f"`autopar plan ... --dtype {dtype}`, or drop --dtype to run the plan's "
+                             f"({dtype_name(parse_dtype(planned))})")
     t0 = time.monotonic()
     try:
         outs = spawn_ranks(_train_rank, nproc, (model, steps, plan_json, force, batch, seq_len, seed,

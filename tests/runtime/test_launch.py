@@ -62,6 +62,21 @@ def test_run_command_with_lamb_under_tensor_parallelism(tiny_full, tmp_path):
         run_command("gpt-tiny", nproc=2, steps=1, optimizer="sgd")
 
 
+def test_run_command_in_bf16_against_one_process_under_autocast(tiny_full, tmp_path):
+    """``autopar run --dtype bf16 --plan FILE``: the plan's dtype is bf16, the ranks run it under
+    autocast and the reference is one process under autocast. Losses within 8 bf16 roundings of
+    their size (tests/runtime/test_precision.py derives the bound; AdamW here, 3 steps)."""
+    import dataclasses
+
+    plan_file = tmp_path / "megatron_bf16.json"
+    dataclasses.replace(hand_plan(tiny_full, dp=1, tp=2, family="megatron"), dtype="bfloat16").save(str(plan_file))
+    res = run_command("gpt-tiny", nproc=2, steps=3, plan_path=str(plan_file), batch=4, dtype="bf16")
+    assert res["plan"]["dtype"] == "bfloat16" and res["collectives"]["tp"]["count"] > 0
+    assert all(abs(a - b) <= 8 * 2 ** -8 * abs(b) for a, b in zip(res["losses"], res["reference_losses"])), res
+    with pytest.raises(ValueError, match="was made for bfloat16 compute"):
+        run_command("gpt-tiny", nproc=2, steps=1, plan_path=str(plan_file), batch=4, dtype="fp16", timeout_s=30)
+
+
 # ---- failing fast and clearly, leaving nothing behind (runtime/launch.py) ----------------------
 
 def _gone(pid: int) -> bool:
