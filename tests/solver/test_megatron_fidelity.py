@@ -38,3 +38,62 @@ def test_predicted_throughput_within_15_percent(i, monkeypatch):
     assert abs(r.rel_error) <= mf.TOLERANCE, (
         f"{r.model_size_b}B tp={r.tp} pp={r.pp} dp={r.dp}: predicted {r.predicted_tflops:.1f} TFLOP/s/GPU, "
         f"measured {r.measured_tflops:.1f} ({r.rel_error:+.1%}); plan {r.plan_summary}")
+
+
+# ---- Narayanan et al. 2021 (SC'21, arXiv 2104.04473) Table 1 on A100-80GB --------------------------
+# reference/megatron_a100_table1.csv (sources in its header: NVIDIA/Megatron-LM images/cases_april2021.png
+# @50a4b5fa02, heads @152aab304d, tp/pp split from the paper's Table 1). benchmarks/megatron_fidelity.py
+# --table a100 prints the table. The published TFLOP/s count the paper's eq. (3) (hardware FLOPs with
+# full recompute); the runs' software: Megatron-LM of April 2021 (unfused attention, fp16 gradients
+# all-reduced after the backward, no TP overlap, no distributed optimizer, interleaved schedule).
+
+A100_ROWS = mf.a100_rows()
+
+# Bound on every row: 15%, the H100 table's. What the model still ignores, all making it optimistic
+# on the tp=8 rows (18B..310B: +6%..+12% today): TP all-reduces of 25-80 MB priced at the NVSwitch
+# large-message bus bandwidth (230 GB/s, "at 512M still rising": NVIDIA/nccl-tests#149) instead of the
+# lower mid-size figure; one GEMM efficiency for all shapes (230/312 from n=8192 square matmuls, while
+# tp=8 splits the GEMMs 8 ways); the stages per rank and micro-batch size, not stated for Table 1
+# (mbs=1, the release's example; the planner's fastest v).
+A100_TOLERANCE = 0.15
+# The rows without a pipeline and with tp <= 4 (1.7B, 3.6B, 7.5B: the issue's worst, +25..+32% before
+# the unfused attention was modelled): no inter-node TP, no bubble; left out are the hidden dropout
+# and the fp32 master-weight copies / gradient clipping of the fp16 optimizer (each ~1% of the step):
+# 5%.
+A100_SMALL_TOLERANCE = 0.05
+
+
+def test_a100_table_is_consistent():
+    """The transcription checks itself: tp*pp*dp = GPUs, % of peak = TFLOP/s / 312 (the paper's peak)
+    and aggregate PFLOP/s = TFLOP/s x GPUs, to the table's rounding; model sizes match the paper's
+    eq. (2) to the table's one decimal, P = 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h))."""
+    assert len(A100_ROWS) == 10
+    for r in A100_ROWS:
+        tp, pp, dp, n = (int(r[k]) for k in ("tp", "pp", "dp", "n_gpus"))
+        t, h, l, V, s = float(r["tflops_per_gpu"]), int(r["hidden"]), int(r["layers"]), int(r["vocab"]), int(r["seq_len"])
+        assert tp * pp * dp == n and int(r["global_batch"]) % dp == 0
+        assert abs(100 * t / 312 - float(r["pct_peak"])) < 1.0
+        assert float(r["agg_pflops"]) == pytest.approx(t * n / 1000, rel=0.005)   # t rounded to 1 TFLOP/s
+        params = 12 * l * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * l * h))
+        assert round(params / 1e9, 1) == pytest.approx(float(r["model_size_b"]), abs=0.051)   # 1.65 -> "1.7"
+        assert h % int(r["heads"]) == 0 and l % pp == 0
+
+
+@pytest.mark.parametrize("i", range(len(A100_ROWS)), ids=[f"{r['model_size_b']}B" for r in A100_ROWS])
+def test_a100_predicted_throughput_within_bound(i):
+    r = mf.predict_a100_row(A100_ROWS[i])
+    assert r.planner_flops_ratio == pytest.approx(1.0, rel=0.02)
+    bound = A100_SMALL_TOLERANCE if (r.pp == 1 and r.tp <= 4) else A100_TOLERANCE
+    assert abs(r.rel_error) <= bound, (
+        f"{r.model_size_b}B tp={r.tp} pp={r.pp} dp={r.dp}: predicted {r.predicted_tflops:.1f} TFLOP/s/GPU, "
+        f"published {r.measured_tflops:.1f} ({r.rel_error:+.1%}, bound {bound:.0%}); plan {r.plan_summary}")
+
+
+def test_a100_fused_attention_is_what_made_the_small_rows_optimistic():
+    """The 1.7B row (tp=1, pp=1) priced with a fused FlashAttention-style kernel (sdpa), which the 2021
+    runs did not have, comes out > 20% optimistic; with the unfused attention they ran (the s x s
+    scores through HBM: baddbmm, fused masked softmax, dropout, bmm) it is within 5%."""
+    fused = mf.predict_a100_row(A100_ROWS[0], attention="sdpa")
+    unfused = mf.predict_a100_row(A100_ROWS[0])
+    assert fused.rel_error > 0.20
+    assert abs(unfused.rel_error) <= A100_SMALL_TOLERANCE
