@@ -40,6 +40,9 @@ ZeRO (dp > 1), per parameter read per scope (main graph or region): ZeRO-3 all_g
 by its shard counts on the other axes. Not predicted: ops DTensor has no rule for that must gather
 (``ParallelModel.fallbacks`` names them), and reshardings DTensor inserts inside an op whose
 planned input placements it does not accept -- both show up as differences, which is the point.
+
+Pipelined plans (pp > 1): ``expected_pipeline.py`` applies these rules to each stage a rank holds
+(``part_collectives``) and adds the pipeline's own traffic.
 """
 from __future__ import annotations
 
@@ -114,10 +117,14 @@ def _grad_placement(b: Placement, out: Placement) -> Placement:
     return b
 
 
-def _needs_grad(graph: GraphIR) -> dict[str, bool]:
+def _needs_grad(graph: GraphIR, received: Collection[str] = ()) -> dict[str, bool]:
+    """Whether each node's value needs a gradient; ``received``: values a pipeline stage receives
+    (they require a gradient when floating point)."""
     need: dict[str, bool] = {}
     for n in graph.nodes:
-        if n.kind == "param":
+        if n.key in received:
+            need[n.key] = bool(n.outputs) and n.out.dtype in FLOAT
+        elif n.kind == "param":
             need[n.key] = True
         elif n.kind == "op":
             need[n.key] = bool(n.outputs) and n.outputs[0].dtype in FLOAT and any(
@@ -127,12 +134,13 @@ def _needs_grad(graph: GraphIR) -> dict[str, bool]:
     return need
 
 
-def _saved_params(graph: GraphIR, by_key: dict, region_of: dict) -> set:
+def _saved_params(graph: GraphIR, region_of: dict, runs=lambda key: True) -> set:
     """Parameters that an op outside recompute regions keeps for backward (directly or through
-    views): ZeRO-3 gathers each of them once more in backward (``runtime/reshard.py``)."""
+    views): ZeRO-3 gathers each of them once more in backward (``runtime/reshard.py``). ``runs``:
+    whether a node runs (a pipeline stage's part)."""
     users: dict = {}
     for n in graph.nodes:
-        if n.kind == "op" and region_of.get(n.key) is None:
+        if n.kind == "op" and region_of.get(n.key) is None and runs(n.key):
             for i, r in enumerate(n.inputs):
                 users.setdefault(r.key, []).append((n, i))
 
@@ -157,30 +165,51 @@ def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFA
     ``autoparallelize``'s: in local-dp mode only the nodes that reduce over the batch run on
     DTensors, so only their edges communicate. ``fused``: keys of the nodes that ran through a fused
     kernel (``ParallelModel.fused_kernels``). With ``plan.num_micro_batches`` m > 1 what the graph
-    issues (its edges, the loss, ZeRO-3's gathers) happens m times, the reducer's once."""
+    issues (its edges, the loss, ZeRO-3's gathers) happens m times, the reducer's once. Pipelined
+    plans (pp > 1): ``expected_pipeline.expected_pipeline_collectives``."""
     if program is None:
         program = compile_program(graph, plan, local_dp=local_dp_nodes(graph, plan) if dp_mode == "auto" else None)
+    by_key = {n.key: n for n in graph.nodes}
+    loss = next((by_key[r.key] for r in by_key["|output|0"].inputs), None) if "|output|0" in by_key else None
+    per_run = part_collectives(graph, program, backend=backend, tp_rank=tp_rank, fused=fused,
+                               loss_key=loss.key if loss is not None else None)
+    return per_run * plan.num_micro_batches + reducer_collectives(program, bucket_bytes, tp_rank)
+
+
+def part_collectives(graph: GraphIR, program: RankProgram, *, backend: str = "gloo", tp_rank: int = 0,
+                     fused: Collection[str] = (), loss_key: Optional[str] = None,
+                     part: Optional[Collection[str]] = None, received: Optional[dict] = None,
+                     phases: tuple[str, str] = ("forward", "backward")) -> list[Collective]:
+    """What one forward and backward of (a part of) ``graph`` issues: DTensor edges, vocab-parallel
+    cross-entropy, the loss ``loss_key``'s all-reduces and ZeRO-3's gathers (module docstring).
+    ``part``: keys of the nodes that run (all of them when None); ``received``: key -> placements of
+    the values a pipeline stage receives instead of computing (``stages.wire_placements``): they need
+    a gradient when floating point. ``phases``: the (forward, backward) phase names the log uses."""
+    fwd, bwd = phases
     mesh = program.mesh
     axes, sizes = tuple(mesh.axes), tuple(mesh.shape)
     di, ti = axis_index(mesh, DATA), axis_index(mesh, TENSOR)
     by_key = {n.key: n for n in graph.nodes}
     nplan = {n.key: n for n in program.nodes}
     params = {p.name: p for p in program.params}
-    need = _needs_grad(graph)
+    received = received or {}
+    need = _needs_grad(graph, received)
     region_of = {n.key: n.region for n in program.nodes}
+    runs = (lambda key: True) if part is None else frozenset(part).__contains__
     out: list[Collective] = []
 
     def add(kind, axis, nbytes, phase, source="dtensor"):
         out.append(Collective(kind, axes[axis], int(nbytes), phase, source))
 
     def out_placement(n: NodeInfo) -> Optional[tuple]:
+        if n.key in received:
+            return received[n.key]
         if n.kind == "param":
             tp = params[n.param_name or n.key].tp
             return tuple(tp if a == ti else Replicate() for a in range(len(axes)))
-        p = nplan[n.key].output
-        return p
+        return nplan[n.key].output
 
-    def edge(u: NodeInfo, meta: TensorMeta, a_pl, b_pl, consumer_out, phases, grad: bool, is_param: bool):
+    def edge(meta: TensorMeta, a_pl, b_pl, consumer_out, ph, grad: bool, is_param: bool):
         if a_pl is None or b_pl is None:
             return
         nd = len(meta.shape)
@@ -191,8 +220,8 @@ def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFA
                 continue
             k = reshard_kind(a_pl[ax], b_pl[ax], backend)
             if k is not None:
-                for ph in phases:
-                    add(k, ax, _piece_bytes(meta, a_pl, sizes, ax, k), ph)
+                for phase in ph:
+                    add(k, ax, _piece_bytes(meta, a_pl, sizes, ax, k), phase)
             if not grad or consumer_out is None or consumer_out[ax] is None:
                 continue
             g = _grad_placement(b_pl[ax], _norm(consumer_out[ax], nd) if consumer_out[ax] else consumer_out[ax])
@@ -202,20 +231,19 @@ def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFA
             kb = reshard_kind(g, t, backend)
             if kb is not None:
                 tgt = tuple(Replicate() if isinstance(x, Partial) else x for x in a_pl)
-                add(kb, ax, _piece_bytes(meta, tgt, sizes, ax, kb), "backward")
+                add(kb, ax, _piece_bytes(meta, tgt, sizes, ax, kb), bwd)
 
     # ---- DTensor edges ----
     for n in graph.nodes:
-        if n.kind != "op":
+        if n.kind != "op" or not runs(n.key) or n.key in received:
             continue
         np_ = nplan[n.key]
         if program.local_dp and not np_.dtensor:
             continue                                       # plain local tensors: no DTensor edges
-        phases = ("forward", "backward") if np_.region is not None else ("forward",)
+        ph = (fwd, bwd) if np_.region is not None else (fwd,)
         if n.target == "getitem":
             u = by_key[n.inputs[0].key]
-            edge(u, n.out, out_placement(u), np_.output, np_.output, phases,
-                 need[n.key], False)
+            edge(n.out, out_placement(u), np_.output, np_.output, ph, need[n.key], False)
             continue
         if not np_.inputs:
             continue
@@ -226,74 +254,91 @@ def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFA
             meta = u.outputs[r.index or 0] if r.index is not None else u.out
             if u.target in ("aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default"):
                 continue                                   # consumed through getitem
-            edge(u, meta, out_placement(u), b_pl, np_.output, phases, need[u.key], u.kind == "param")
+            edge(meta, out_placement(u), b_pl, np_.output, ph, need[u.key], u.kind == "param")
 
     # ---- vocab-parallel cross-entropy ----
     vocab_ce = set()
     for n in graph.nodes:
         np_ = nplan.get(n.key)
-        if n.kind != "op" or np_ is None or not n.inputs or (program.local_dp and not np_.dtensor):
+        if n.kind != "op" or np_ is None or not n.inputs or not runs(n.key) or (program.local_dp and not np_.dtensor):
             continue
         x = by_key[n.inputs[0].key].outputs[n.inputs[0].index or 0]
         nd = len(x.shape)
         if not vocab_parallel_ce(n, np_, mesh, nd):
             continue
         vocab_ce.add(n.key)
-        phases = ("forward", "backward") if np_.region is not None else ("forward",)
+        ph = (fwd, bwd) if np_.region is not None else (fwd,)
         pl = tuple(Replicate() if a == ti else _norm(q, nd) for a, q in enumerate(np_.inputs[0]))
         rows32 = TensorMeta(tuple(1 if d == 1 else s for d, s in enumerate(x.shape)), "float32")
         rows_x = TensorMeta(rows32.shape, x.dtype)
-        for ph in phases:
+        for phase in ph:
             for meta in (rows32, rows32, rows_x):          # row max, row sum-exp, target logit
-                add("all_reduce", ti, _piece_bytes(meta, pl, sizes, ti, "all_reduce"), ph)
+                add("all_reduce", ti, _piece_bytes(meta, pl, sizes, ti, "all_reduce"), phase)
             if _ce_reduction(n) == 1:
                 for ax in range(len(axes)):
                     if ax != ti and sizes[ax] > 1 and isinstance(pl[ax], Shard):
-                        add("all_reduce", ax, 4, ph)       # the global target count
+                        add("all_reduce", ax, 4, phase)       # the global target count
 
     # ---- the loss ----
-    loss = next((by_key[r.key] for r in by_key["|output|0"].inputs), None) if "|output|0" in by_key else None
+    loss = by_key.get(loss_key) if loss_key is not None and runs(loss_key) else None
     if loss is not None and nplan[loss.key].output is not None:
         for ax in range(len(axes)):
             if sizes[ax] > 1 and isinstance(nplan[loss.key].output[ax], Partial):
-                add("all_reduce", ax, DTYPE_BYTES[loss.out.dtype], "forward")
+                add("all_reduce", ax, DTYPE_BYTES[loss.out.dtype], fwd)
                 if loss.key in fused and loss.target == VOCAB_CE_TARGET:
                     if _ce_reduction(loss) == 1:
-                        add("all_reduce", ax, 4, "forward")        # the kernel's global target count
+                        add("all_reduce", ax, 4, fwd)        # the kernel's global target count
                 elif loss.target in LOSS_TARGETS and loss.key not in vocab_ce:
-                    add("all_reduce", ax, DTYPE_BYTES[loss.out.dtype], "backward")
+                    add("all_reduce", ax, DTYPE_BYTES[loss.out.dtype], bwd)
 
-    # ---- ZeRO and the reducer ----
-    per_run = out                                  # issued by every micro-batch's forward and backward
-    out = []
+    # ---- ZeRO-3: each scope gathers the parameters it reads ----
     dp = mesh.size_of(DATA)
-    if dp > 1:
-        tp = mesh.size_of(TENSOR)
-        layouts = [ParamLayout(p.name, _tp_local_shape(p, tp, tp_rank), p.dtype) for p in program.params]
-        lay = {l.name: l for l in layouts}
-        if program.zero_stage == 3:
-            scopes = set()
-            for n in graph.nodes:
-                if n.kind != "op":
-                    continue
-                for r in n.inputs:
-                    u = by_key[r.key]
-                    if u.kind == "param":
-                        scopes.add((u.param_name or u.key, region_of.get(n.key)))
-            saved = _saved_params(graph, by_key, region_of)
-            for name, region in scopes:
-                nb = lay[name].padded_numel(dp) * DTYPE_BYTES[lay[name].dtype]
-                per_run.append(Collective("all_gather", axes[di], int(nb), "forward", "zero"))
-                if region is not None or name in saved:        # replayed / re-gathered (reshard.py)
-                    per_run.append(Collective("all_gather", axes[di], int(nb), "backward", "zero"))
-        for bucket in plan_buckets(layouts, bucket_bytes):
-            if program.zero_stage in (0, 1):
-                add("all_reduce", di, bucket_comm_bytes(layouts, bucket, dp, "all_reduce"), "step", "reducer")
-            else:
-                add("reduce_scatter", di, bucket_comm_bytes(layouts, bucket, dp, "reduce_scatter"), "step", "reducer")
-            if program.zero_stage in (1, 2):
-                add("all_gather", di, bucket_comm_bytes(layouts, bucket, dp, "all_gather"), "step", "zero")
-    return per_run * plan.num_micro_batches + out
+    if dp > 1 and program.zero_stage == 3:
+        lay = {l.name: l for l in param_layouts(program, tp_rank)}
+        scopes = set()
+        for n in graph.nodes:
+            if n.kind != "op" or not runs(n.key):
+                continue
+            for r in n.inputs:
+                u = by_key[r.key]
+                if u.kind == "param":
+                    scopes.add((u.param_name or u.key, region_of.get(n.key)))
+        saved = _saved_params(graph, region_of, runs)
+        for name, region in sorted(scopes, key=lambda s: (s[0], -1 if s[1] is None else s[1])):
+            nb = lay[name].padded_numel(dp) * DTYPE_BYTES[lay[name].dtype]
+            out.append(Collective("all_gather", axes[di], int(nb), fwd, "zero"))
+            if region is not None or name in saved:        # replayed / re-gathered (reshard.py)
+                out.append(Collective("all_gather", axes[di], int(nb), bwd, "zero"))
+    return out
+
+
+def param_layouts(program: RankProgram, tp_rank: int) -> list[ParamLayout]:
+    """The ``ParamLayout`` of each of ``program``'s parameters on TENSOR-axis coordinate ``tp_rank``."""
+    tp = program.mesh.size_of(TENSOR)
+    return [ParamLayout(p.name, _tp_local_shape(p, tp, tp_rank), p.dtype) for p in program.params]
+
+
+def reducer_collectives(program: RankProgram, bucket_bytes: int, tp_rank: int) -> list[Collective]:
+    """The gradient reducer's collectives after the step's backward (ZeRO 0/1: all_reduce, 2/3:
+    reduce_scatter per bucket) and ZeRO 1/2's all_gather of the updated rows, over ``program.params``."""
+    mesh = program.mesh
+    dp = mesh.size_of(DATA)
+    if dp == 1:
+        return []
+    axis = mesh.axes[axis_index(mesh, DATA)]
+    layouts = param_layouts(program, tp_rank)
+    out = []
+    for bucket in plan_buckets(layouts, bucket_bytes):
+        if program.zero_stage in (0, 1):
+            out.append(Collective("all_reduce", axis, bucket_comm_bytes(layouts, bucket, dp, "all_reduce"),
+                                  "step", "reducer"))
+        else:
+            out.append(Collective("reduce_scatter", axis, bucket_comm_bytes(layouts, bucket, dp, "reduce_scatter"),
+                                  "step", "reducer"))
+        if program.zero_stage in (1, 2):
+            out.append(Collective("all_gather", axis, bucket_comm_bytes(layouts, bucket, dp, "all_gather"),
+                                  "step", "zero"))
+    return out
 
 
 def _ce_reduction(n: NodeInfo) -> int:

@@ -190,6 +190,7 @@ class PipelineRunner:
                 else torch.zeros((), dtype=torch.float32))
         loss = loss.to(torch.float32).reshape(())
         dist.broadcast(loss, src=self.last_pp_rank, group=self.pp_group)
+        self.log.add("broadcast", "pp", loss.numel() * loss.element_size(), "pipeline")
         self._sum_tied_grads()
         return loss
 

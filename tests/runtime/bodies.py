@@ -297,3 +297,15 @@ def fused_jobs(rank: int, world: int, jobs: list) -> list:
             res.update(sd=sd, grads=grads)
         out.append(res)
     return out
+
+
+def check_collectives_per_rank(results: list, expected_for_rank, what: str = "") -> None:
+    """As ``check_collectives``, with the prediction made from each rank's whole result
+    (``expected_for_rank(res)``: its ``coord`` on the stage mesh and its ``pp_rank``)."""
+    for r, res in enumerate(results):
+        want = Counter()
+        for key, n in Counter(c.key() for c in expected_for_rank(res)).items():
+            want[key] = n * STEPS
+        got = Counter(res["issued"])
+        assert got == want, (f"{what}rank {r}: issued-but-not-predicted {dict(got - want)}, "
+                             f"predicted-but-not-issued {dict(want - got)}")

@@ -3,7 +3,8 @@
 micro-batches accumulate gradients over them; over 3 SGD-momentum steps the losses, each step's
 gradients and the final parameters equal one process on the whole batch within round-off (bounds
 in bodies.py), and each rank carried what the plan says: activations sent on the pp axis once per
-micro-batch and stage boundary, tied embeddings summed over pp, dp reductions.
+micro-batch and stage boundary, tied embeddings summed over pp, dp reductions -- exactly the
+collectives ``codegen/expected_pipeline.py`` predicts (pp > 1) or ``codegen/expected.py`` (pp = 1).
 
 One launch per world size runs all its plans in the same ranks."""
 from __future__ import annotations
@@ -13,12 +14,17 @@ from collections import Counter
 
 import pytest
 
+from autopar.codegen.expected import expected_collectives
+from autopar.codegen.expected_pipeline import expected_pipeline_collectives
+from autopar.codegen.program import axis_index
 from autopar.cost.hardware import resolve_cluster
+from autopar.mesh import TENSOR
 from autopar.models import build_model
 from autopar.runtime.launch import spawn_ranks
 from autopar.solver import plan_model
 from autopar.trace import trace_model
-from bodies import BATCH, LLAMA_TINY, full_trace, RTOL_OUT, STEPS, _amax, check_training, reference, train_jobs
+from bodies import (BATCH, LLAMA_TINY, full_trace, RTOL_OUT, STEPS, _amax, check_collectives_per_rank,
+                    check_training, reference, train_jobs)
 from handplans import hand_plan
 
 pytestmark = pytest.mark.slow
@@ -92,13 +98,11 @@ def _check(name: str, results: list, plans: dict, world: int) -> None:
     assert d <= bound, f"{name}: forward output differs by {d:.3e}, bound {bound:.3e}"
     for r, res in enumerate(results):                       # every rank returns the same loss
         assert res["losses"] == results[0]["losses"], (r, res["losses"], results[0]["losses"])
+    # every rank issued exactly the predicted collectives: its stages' DTensor edges, ZeRO and the
+    # reducer for the parameters they hold, point-to-point sends, tied-parameter sums
+    check_collectives_per_rank(results, functools.partial(_predicted, spec, plan), f"{name}: ")
     sent = Counter((k[0], k[1]) for k in results[0]["issued"])
     if pp > 1:
-        # every rank's point-to-point sends, forward and backward, equal the plan's prediction
-        for r, res in enumerate(results):
-            got = Counter(k for k in res["issued"] if k[0] == "send")
-            want = Counter(c.key() for c in _predicted_sends(spec, plan, res["coord"], res["pp_rank"]) * STEPS)
-            assert got == want, (name, r, got, want)
         assert sent[("send", "pp")] > 0
         if spec == "gpt-tiny":                              # tied wte / lm_head: summed over pp each step
             assert sent[("all_reduce", "pp")] == STEPS, sent
@@ -106,12 +110,13 @@ def _check(name: str, results: list, plans: dict, world: int) -> None:
         assert sent[("send", "pp")] == 0
 
 
-def _predicted_sends(spec: str, plan, coord: tuple, pp_rank: int) -> list:
-    from autopar.codegen.program import compile_program
-    from autopar.codegen.stages import cut_pipeline, expected_sends
-
-    graph = full_trace(BATCH // plan.num_micro_batches, spec)                     # one micro-batch
-    return expected_sends(graph, plan, cut_pipeline(graph, plan), compile_program(graph, plan), coord, pp_rank)
+def _predicted(spec: str, plan, res: dict) -> list:
+    """What the rank that returned ``res`` should issue per step (``graph``: one micro-batch's trace)."""
+    graph = full_trace(BATCH // plan.num_micro_batches, spec)
+    if plan.pp == 1:
+        ti = axis_index(plan.stage_mesh, TENSOR)
+        return expected_collectives(graph, plan, tp_rank=res["coord"][ti] if ti is not None else 0)
+    return expected_pipeline_collectives(graph, plan, pp_rank=res["pp_rank"], coord=res["coord"])
 
 
 @pytest.mark.parametrize("name", list(PLANS_2))
@@ -149,6 +154,7 @@ def test_megatron_inside_pipeline_stages(tiny_bundle, name):
     results = spawn_ranks(train_jobs, world, ([{"plan": plan.to_json()}],), timeout_s=120)
     results = [r[0] for r in results]
     check_training(results[0], _reference("gpt-tiny"), f"{name}: ")
+    check_collectives_per_rank(results, functools.partial(_predicted, "gpt-tiny", plan), f"{name}: ")
     sent = Counter(k[1] for k in results[0]["issued"])
     assert sent["pp"] > 0 and sent["tp"] > 0, sent
     if kw["dp"] > 1:
@@ -178,7 +184,8 @@ def _configs(draw):
 @given(st.lists(_configs(), min_size=4, max_size=4, unique_by=lambda c: tuple(sorted(c.items()))))
 def test_random_3d_plans(cs):
     """Drawn (pp, dp, tp, micro-batches, ZeRO, recompute, tp family, schedule) on 4 ranks, run in one
-    launch: each equals one process (bounds in bodies.py) and uses every axis of size > 1."""
+    launch: each equals one process (bounds in bodies.py), uses every axis of size > 1 and issues
+    exactly the predicted collectives."""
     import torch
 
     torch.manual_seed(0)
@@ -191,6 +198,7 @@ def test_random_3d_plans(cs):
         results = [per_rank[r][i] for r in range(4)]
         try:
             check_training(results[0], _reference("gpt-tiny"))
+            check_collectives_per_rank(results, functools.partial(_predicted, "gpt-tiny", plans[i]))
             used = Counter(k[1] for r in results for k in r["issued"])
             for axis in ("pp", "dp") + (("tp",) if c["family"] != "replicate" else ()):
                 if c[axis] > 1:
