@@ -49,6 +49,9 @@ class ParamSlot:
     local: nn.Parameter            # ZeRO 0-2: the tp-local tensor; ZeRO-3: its rows ``rows``
     opt_param: nn.Parameter        # what the optimizer updates
     full_grad: Optional[torch.Tensor] = None   # ZeRO-3: the tp-local gradient summand of this step
+    # ZeRO-3 (dp > 1): graph scopes that read this parameter in the current micro-batch's forward
+    # whose ``_UseParam.backward`` has not run yet; 0 after one did = its summand is complete
+    open_scopes: int = 0
 
     @property
     def name(self) -> str:
@@ -75,6 +78,8 @@ class ParamContext:
     tp: int = 1                    # the TENSOR axis' size
     tp_group: object = None        # its group, when tp > 1
     reshard: Any = None            # ZeRO-3 with dp > 1: runtime/reshard.Reshard (gathered weights not kept)
+    on_full_grad: Any = None       # ZeRO-3 with dp > 1: called with the slot after each scope's summand
+                                   # (the reducer's overlap: ``GradReducer._on_full_grad``)
 
     def placements(self, name: str, on_dp=None) -> tuple:
         """Torch placements of parameter ``name`` per mesh axis: its storage placement on tp,
@@ -140,10 +145,24 @@ class _UseParam(torch.autograd.Function):
             g = g / pctx.dp          # the reducer sums over dp
         g = g.contiguous()
         if pctx.zero_stage == 3 and pctx.dp > 1:
-            pctx.reshard.release(slot)
-            slot.full_grad = g if slot.full_grad is None else slot.full_grad + g
+            _add_summand(slot, pctx, g)
             return None, None, None
         return g, None, None
+
+
+def _add_summand(slot: ParamSlot, pctx: ParamContext, g: torch.Tensor) -> None:
+    """ZeRO-3 (dp > 1): one scope's gradient of ``slot`` is added to its summand of this step
+    (the reducer reduce-scatters it); the scope is closed and the reducer told."""
+    pctx.reshard.release(slot)
+    slot.full_grad = g if slot.full_grad is None else slot.full_grad + g
+    slot.open_scopes -= 1
+    if pctx.on_full_grad is not None:
+        pctx.on_full_grad(slot)
+
+
+def _in_backward() -> bool:
+    """Whether an autograd backward is running on this thread (a recompute region's replay)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class _UseParamLocal(torch.autograd.Function):
@@ -164,8 +183,7 @@ class _UseParamLocal(torch.autograd.Function):
         slot, pctx = ctx.slot, ctx.pctx
         g = g.contiguous()
         if pctx.zero_stage == 3 and pctx.dp > 1:
-            pctx.reshard.release(slot)
-            slot.full_grad = g if slot.full_grad is None else slot.full_grad + g
+            _add_summand(slot, pctx, g)
             return None, None, None
         return g, None, None
 
@@ -252,8 +270,14 @@ class ParamStore:
     # ---- training ----------------------------------------------------------------------------
     def use(self, name: str):
         slot = self.by_name[self.aliases.get(name, name)]
-        fn = _UseParamLocal if self.ctx.local_dp else _UseParam
-        return fn.apply(slot.local, slot, self.ctx)
+        ctx = self.ctx
+        if ctx.zero_stage == 3 and ctx.dp > 1 and torch.is_grad_enabled() and not _in_backward():
+            # a scope whose backward will add to the summand (``_add_summand``). A recompute
+            # region's replay runs inside the backward and is not one: non-reentrant checkpoint
+            # backpropagates through the forward's nodes, the replay only refills their saved tensors
+            slot.open_scopes += 1
+        fn = _UseParamLocal if ctx.local_dp else _UseParam
+        return fn.apply(slot.local, slot, ctx)
 
     def optimizer_params(self) -> list[nn.Parameter]:
         return [s.opt_param for s in self.slots]
@@ -282,10 +306,14 @@ class ParamStore:
         return self.ctx.reshard.hooks() if self.ctx.reshard is not None else contextlib.nullcontext()
 
     def zero_grad(self) -> None:
+        """Drop every gradient of the last step. ZeRO 0/1 with dp > 1: ``.grad`` is a view of a
+        bucket buffer of the reducer's, which dropping its last views frees (the next backward
+        allocates the step's own: gradients start each step unallocated, as the plan counts)."""
         for s in self.slots:
             s.local.grad = None
             s.opt_param.grad = None
             s.full_grad = None
+            s.open_scopes = 0
 
     # ---- full tensors (collective: every rank calls) -------------------------------------------
     def full_tensor(self, slot: ParamSlot, which: str = "param") -> torch.Tensor:

@@ -4,28 +4,53 @@ After backward every rank holds, per parameter, its tp-local gradient SUMMAND ov
 (``codegen/buckets.py``), one collective on the dp group (the DATA axis of the mesh,
 ``autopar.mesh.DATA``; its records carry that axis' name):
 
-    ZeRO 0, 1   all_reduce      flat concat of the bucket's gradients; ZeRO-1 then hands each
-                                rank's optimizer a view of its rows
+    ZeRO 0, 1   all_reduce      in place, on the bucket buffer the gradients live in (below);
+                                ZeRO-1 then hands each rank's optimizer a view of its rows
     ZeRO 2, 3   reduce_scatter  input laid out rank-major ([rank 0's padded rows of every
                                 parameter][rank 1's ...]), output = this rank's rows
     after the optimizer step, ZeRO 1, 2: all_gather of the updated rows, same layout
 
+Memory (what the plan's model, ``cost/memory.py``, counts: one copy of the gradients for ZeRO 0/1,
+grads / dp for ZeRO 2/3):
+
+- ZeRO 0/1 (dp > 1), DDP's ``gradient_as_bucket_view``: each bucket has one flat buffer and every
+  parameter's ``.grad`` is a view of its slice. A post-accumulate-grad hook moves a fresh ``.grad``
+  (the step's first: autograd made a new one) into its slice and replaces it by the view; later
+  micro-batches then accumulate in place (autograd adds into a defined ``.grad``). A parameter
+  without a gradient gets its slice zeroed when the bucket is launched. The buffer is allocated
+  when the bucket's first gradient of a step arrives; after the step only the gradients (its
+  views) hold it, so ``zero_grad`` (set to None) frees it. As in the plan's peak model
+  (``cost.memory.step_peak_bytes``), gradients then start each step unallocated: a buffer kept
+  from step to step would sit beside the forward's activations (gpt-tiny, dp=2: peak +14 %).
+- ZeRO 2/3: the send buffer is filled parameter by parameter and each full summand is dropped as
+  soon as it is copied in; the send buffer is dropped when its collective has finished.
+- A bucket's transient buffers (ZeRO 2/3's send buffer; ``reduce_dtype``'s cast) stay bounded:
+  launching bucket b first finishes every bucket before b - 1 (at most two in flight).
+
 Mixed precision (``runtime/precision.py``): with ``reduce_dtype`` a bucket is cast to it before
-its collective and back to the parameters' dtype after (the bytes the plan priced).
+its collective (a copy, one bucket at a time) and back to the parameters' dtype after (ZeRO 0/1:
+into the bucket buffer, in place).
 
 Micro-batches: the hooks are ``arm``ed only for the last micro-batch of a step, so the earlier
-ones accumulate into ``.grad`` and each bucket is reduced once per step.
+ones accumulate and each bucket is reduced once per step.
 
-Overlap (ZeRO 0-2): a post-accumulate-grad hook on every parameter counts its bucket down; full
-buckets are launched asynchronously in bucket order (the same order on every rank, whatever order
-the hooks fire in) while backward goes on; ``reduce`` launches what is left (unused parameters
-contribute zeros) and waits. ZeRO-3 gradients arrive through ``_UseParam`` and are reduced after
-backward.
+Overlap: full buckets are launched asynchronously in bucket order (the same order on every rank,
+whatever order gradients complete in) while backward goes on; ``reduce`` launches what is left
+(unused parameters contribute zeros), waits, and logs every bucket's collective in bucket order.
+A parameter's gradient is complete
+- ZeRO 0-2: at its post-accumulate-grad hook (autograd sums every use within one backward);
+- ZeRO-3: when the last of the graph scopes that read it in this micro-batch's forward ran its
+  ``_UseParam.backward`` (``ParamSlot.open_scopes`` back to 0: tied weights, a recompute region
+  and the main graph are several scopes). A scope that never runs backward (its output does not
+  reach the loss) keeps the bucket for ``reduce``. Backward runs in the same order on every rank,
+  so the launches, and the collectives around them on the dp group (ZeRO-3's re-gathers), keep
+  one order everywhere.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,6 +58,17 @@ import torch.distributed as dist
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from autopar.mesh import DATA
 from autopar.runtime.params import ParamSlot, ParamStore
+
+
+@dataclasses.dataclass
+class _Flight:
+    """A launched bucket collective."""
+    kind: str                          # "all_reduce" | "reduce_scatter"
+    nbytes: int                        # what it moves (logged by ``reduce``)
+    work: Any
+    send: Optional[torch.Tensor]       # its input (ZeRO 0/1: the bucket buffer or its cast)
+    out: Optional[torch.Tensor]        # reduce_scatter's output
+    done: bool = False
 
 
 class GradReducer:
@@ -44,56 +80,160 @@ class GradReducer:
         self.buckets = plan_buckets([s.layout for s in self.slots], bucket_bytes)
         ctx = store.ctx
         self.dp, self.stage, self.group, self.log = ctx.dp, ctx.zero_stage, ctx.dp_group, ctx.log
-        self.overlap = overlap and self.dp > 1 and self.stage in (0, 1, 2)
+        self.overlap = overlap and self.dp > 1
+        self.views = self.dp > 1 and self.stage in (0, 1)      # gradients live in the bucket buffers
         self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
+        self.index_of = {s.name: i for i, s in enumerate(self.slots)}
+        self._offset: dict[int, int] = {}         # slot index -> its first element in its bucket buffer
+        self._numel: list[int] = []
+        for bucket in self.buckets:
+            n = 0
+            for i in bucket:
+                self._offset[i] = n
+                n += self.slots[i].layout.numel
+            self._numel.append(n)
         self.begin_step()
-        if self.overlap:
+        if self.stage == 3:
+            if self.overlap:
+                ctx.on_full_grad = self._on_full_grad
+        elif self.views or self.overlap:
             for i, s in enumerate(self.slots):
                 s.local.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
 
     def arm(self, armed: bool) -> None:
-        """Whether gradients arriving now start their bucket's reduction (overlap). Off for all
+        """Whether gradients completed now start their bucket's reduction (overlap). Off for all
         but the last micro-batch of a step (earlier ones only accumulate, as DDP's ``no_sync``) and
-        for a pipeline schedule (``reduce`` then launches every bucket after it)."""
+        for a pipeline schedule (``reduce`` then launches every bucket after it). Called before
+        each micro-batch's forward: ZeRO-3 counts that forward's scopes afresh."""
         self._armed = armed
+        for s in self.slots:
+            s.open_scopes = 0
 
     def begin_step(self) -> None:
         self._armed = True
         self._pending = [len(b) for b in self.buckets]
-        self._inflight: list = [None] * len(self.buckets)
-        self._next = 0
+        self._inflight: list[Optional[_Flight]] = [None] * len(self.buckets)
+        self._next = 0                             # buckets launched: [0, _next)
+        self._finished = 0                         # buckets finished: [0, _finished)
+        # ZeRO 0/1 bucket buffers of this step (the last step's live on in its gradients' views)
+        self._flat: list[Optional[torch.Tensor]] = [None] * len(self.buckets)
 
+    # ---- gradients arriving (backward) -------------------------------------------------------
     def _on_grad(self, i: int, _param) -> None:
-        if not self._armed:
-            return
+        """ZeRO 0-2: parameter ``i``'s ``.grad`` was accumulated (post-accumulate-grad hook)."""
+        if self.views:
+            self._into_bucket(i)
+        if self.overlap and self._armed:
+            self._complete(i)
+
+    def _on_full_grad(self, slot: ParamSlot) -> None:
+        """ZeRO-3: one scope of ``slot`` added its gradient to ``slot.full_grad``."""
+        i = self.index_of[slot.name]
+        if self.bucket_of[i] < self._next:       # its send buffer is built: this summand would be lost
+            raise RuntimeError(
+                f"ZeRO-3: a gradient of {slot.name} arrived after its bucket's reduce-scatter was launched "
+                "(a graph scope read it without being counted by ParamStore.use)")
+        if self._armed and slot.open_scopes == 0:
+            self._complete(i)
+
+    def _complete(self, i: int) -> None:
+        """Parameter ``i``'s gradient of this step is complete: launch every full bucket, in order."""
         self._pending[self.bucket_of[i]] -= 1
         while self._next < len(self.buckets) and self._pending[self._next] == 0:
             self._launch(self._next)
             self._next += 1
 
+    def _view(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s slice of its bucket buffer (allocated on first use), shaped like it."""
+        b, s = self.bucket_of[i], self.slots[i]
+        if self._flat[b] is None:
+            self._flat[b] = torch.empty(self._numel[b], dtype=s.local.dtype, device=s.local.device)
+        a = self._offset[i]
+        return self._flat[b][a: a + s.layout.numel].view(s.layout.local_shape)
+
+    def _into_bucket(self, i: int) -> None:
+        """Make parameter ``i``'s ``.grad`` its bucket view: a gradient made elsewhere (the step's
+        first, or one a pipeline's tied-weight sum replaced) is copied in; none: zeros."""
+        s = self.slots[i]
+        view, g = self._view(i), s.local.grad
+        if g is not None and g.data_ptr() == view.data_ptr() and g.stride() == view.stride():
+            return
+        if g is None:
+            view.zero_()
+        else:
+            view.copy_(g)
+        s.local.grad = view
+
+    # ---- collectives -------------------------------------------------------------------------
     def _launch(self, b: int) -> None:
         slots = [self.slots[i] for i in self.buckets[b]]
         if self.stage in (0, 1):
-            flat = self._down(torch.cat([self._summand(s).reshape(-1) for s in slots]))
-            self._inflight[b] = ("all_reduce", flat, None, dist.all_reduce(flat, group=self.group, async_op=True))
+            for i in self.buckets[b]:
+                self._into_bucket(i)
+            flat = self._flat[b]
+            send = flat if self.reduce_dtype is None else flat.to(self.reduce_dtype)
+            work = dist.all_reduce(send, group=self.group, async_op=True)
+            self._inflight[b] = _Flight("all_reduce", send.numel() * send.element_size(), work, send, None)
         else:
-            send = self._down(self._interleave(slots))
+            send = self._interleave(slots)
             out = send.new_empty(send.numel() // self.dp)
-            self._inflight[b] = ("reduce_scatter", send, out,
-                                 dist.reduce_scatter_single(out, send, group=self.group, async_op=True))
+            work = dist.reduce_scatter_single(out, send, group=self.group, async_op=True)
+            self._inflight[b] = _Flight("reduce_scatter", send.numel() * send.element_size(), work, send, out)
+        self._finish_until(b - 1)
 
-    def _down(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat if self.reduce_dtype is None else flat.to(self.reduce_dtype)
+    def _interleave(self, slots: list[ParamSlot]) -> torch.Tensor:
+        """The send buffer in rank-major layout: [rank 0's padded rows of each parameter][rank 1's
+        ...], in ``reduce_dtype`` if set. Each full summand is dropped once copied in."""
+        dp, first = self.dp, slots[0].local
+        widths = [s.layout.chunk_rows(dp) * s.layout.row_numel for s in slots]
+        send = torch.empty(dp, sum(widths), dtype=self.reduce_dtype or first.dtype, device=first.device)
+        offset = 0
+        for s, w in zip(slots, widths):
+            lay = s.layout
+            c = lay.chunk_rows(dp)
+            dst = send[:, offset: offset + w].view(dp, c, lay.row_numel)
+            offset += w
+            g = s.full_grad if self.stage == 3 else s.local.grad
+            if g is None or not w:               # unused this step: contributes zeros (every rank alike)
+                dst.zero_()
+                continue
+            g = g.reshape(lay.rows, lay.row_numel)
+            full = lay.rows // c                 # ranks whose chunk is whole; then one partial, then empty
+            dst[:full].copy_(g[: full * c].view(full, c, lay.row_numel))
+            if full < dp:
+                rest = lay.rows - full * c
+                dst[full, :rest].copy_(g[full * c:])
+                dst[full, rest:].zero_()
+                dst[full + 1:].zero_()
+            if self.stage == 3:                  # the full summand is no longer needed
+                s.full_grad = None
+            else:
+                s.local.grad = None
+        return send.view(-1)
 
-    def _up(self, flat: torch.Tensor) -> torch.Tensor:
-        """A reduced bucket back in the parameters' dtype."""
-        return flat if self.reduce_dtype is None else flat.to(self.slots[0].local.dtype)
+    def _finish_until(self, b: int) -> None:
+        """Wait for and finish the buckets before ``b`` (launched, in order)."""
+        while self._finished < min(b, self._next):
+            self._finish(self._finished)
+            self._finished += 1
 
-    def _summand(self, s: ParamSlot) -> torch.Tensor:
-        g = s.full_grad if self.stage == 3 else s.local.grad
-        if g is None:                        # unused this step: contributes zeros (every rank alike)
-            g = torch.zeros(s.layout.local_shape, dtype=s.local.dtype, device=s.local.device)
-        return g
+    def _finish(self, b: int) -> None:
+        f = self._inflight[b]
+        f.work.wait()
+        slots = [self.slots[i] for i in self.buckets[b]]
+        if f.kind == "all_reduce":
+            flat = self._flat[b]
+            if f.send is not flat:               # reduce_dtype: back to the parameters' dtype
+                flat.copy_(f.send)
+            if self.stage == 1:
+                for s in slots:
+                    rows = s.local.grad.view(s.layout.rows, s.layout.row_numel)
+                    s.opt_param.grad = rows[s.rows[0]: s.rows[1]]
+        else:
+            out = f.out if self.reduce_dtype is None else f.out.to(slots[0].local.dtype)
+            self._finish_reduce_scatter(slots, out)
+        f.send = f.out = None
+        f.done = True
 
     def reduce(self) -> None:
         """Reduce this step's gradient summands over dp; leave each optimizer parameter's .grad."""
@@ -105,42 +245,10 @@ class GradReducer:
         while self._next < len(self.buckets):
             self._launch(self._next)
             self._next += 1
-        for b, bucket in enumerate(self.buckets):
-            kind, buf, out, work = self._inflight[b]
-            work.wait()
-            self.log.add(kind, DATA, buf.numel() * buf.element_size(), "reducer")
-            slots = [self.slots[i] for i in bucket]
-            if kind == "all_reduce":
-                self._finish_all_reduce(slots, self._up(buf))
-            else:
-                self._finish_reduce_scatter(slots, self._up(out))
+        self._finish_until(len(self.buckets))
+        for f in self._inflight:                 # in bucket order, as before any overlap
+            self.log.add(f.kind, DATA, f.nbytes, "reducer")
         self.begin_step()
-
-    def _finish_all_reduce(self, slots: list[ParamSlot], flat: torch.Tensor) -> None:
-        offset = 0
-        for s in slots:
-            n = s.layout.numel
-            s.local.grad = flat[offset: offset + n].view(s.layout.local_shape)
-            offset += n
-            if self.stage == 1:
-                rows = s.local.grad.view(s.layout.rows, s.layout.row_numel)
-                s.opt_param.grad = rows[s.rows[0]: s.rows[1]]
-
-    def _interleave(self, slots: list[ParamSlot]) -> torch.Tensor:
-        """Rank-major layout: [rank 0's padded rows of each parameter][rank 1's ...]."""
-        dp = self.dp
-        pieces = []
-        for s in slots:
-            lay = s.layout
-            c = lay.chunk_rows(dp)
-            g = self._summand(s).reshape(lay.rows, lay.row_numel)
-            if c * dp != lay.rows:
-                g = torch.cat([g, g.new_zeros(c * dp - lay.rows, lay.row_numel)])
-            pieces.append(g.view(dp, c * lay.row_numel))
-        send = torch.cat(pieces, dim=1).reshape(-1)
-        for s in slots:                      # the full summands are no longer needed
-            s.local.grad = None if self.stage == 2 else s.local.grad
-        return send
 
     def _finish_reduce_scatter(self, slots: list[ParamSlot], out: torch.Tensor) -> None:
         dp = self.dp

@@ -1,0 +1,125 @@
+"""The data-parallel gradient path (``runtime/reducer.py``) keeps what the plan's memory model says,
+with many buckets (small ``bucket_bytes``), so that buckets are launched during the backward.
+
+- Numerics: ZeRO-3 with full recompute (every layer's parameters are read in a recompute region,
+  which replays in the backward; the tied embedding / head is read twice) and ZeRO 0/1 with
+  several micro-batches equal the one-process run, and issue the predicted collectives.
+- Memory, measured by ``memory_measure.measure_step`` on 2 gloo ranks, ZeRO-3's full summands
+  counted as gradients from their first accumulation (``test_memory_measure._mark_summands``):
+  ZeRO-0/1 keep one copy of the gradients, every ``.grad`` a view of its bucket's buffer; ZeRO-3
+  launches its buckets in the backward and keeps near grads / dp.
+"""
+from __future__ import annotations
+
+import pytest
+
+from autopar.codegen.expected import expected_collectives
+from autopar.runtime.launch import spawn_ranks
+from bodies import batches, build, check_against_reference, check_collectives, full_trace, reference, sgd, train_jobs
+from handplans import hand_plan
+
+pytestmark = pytest.mark.slow
+
+SMALL = 16 * 1024                 # bytes per bucket: gpt-tiny's 0.45 MiB of gradients in ~30 buckets
+
+NUMERICS = {
+    "zero3_recompute_full": dict(plan=dict(dp=2, tp=1, zero=3, recompute="full")),
+    "zero0_micro_batches": dict(plan=dict(dp=2, tp=1, zero=0, mbs=1)),
+    "zero1_micro_batches_recompute": dict(plan=dict(dp=2, tp=1, zero=1, mbs=1, recompute="full"),
+                                          dp_mode="dtensor"),
+}
+MEMORY = {
+    "zero0": dict(dp=2, tp=1, zero=0),
+    "zero1_micro_batches": dict(dp=2, tp=1, zero=1, mbs=1),
+    "zero3_recompute_full": dict(dp=2, tp=1, zero=3, recompute="full"),
+}
+
+
+def measure_grads(pm, x, y) -> dict:
+    """``memory_measure.measure_step`` of one step, ZeRO-3's summands counted as gradients from
+    their first accumulation; the gradients' largest live total and how the reducer ran."""
+    from autopar.runtime.memory_measure import measure_step
+    from test_memory_measure import _mark_summands
+
+    reducer, slots = pm.reducer, pm.store.slots
+    launched = [0]                            # buckets launched while gradients still arrived
+
+    def seen(*_):
+        launched[0] = max(launched[0], reducer._next)
+
+    hooks = [s.local.register_post_accumulate_grad_hook(seen) for s in slots]
+    _mark_summands(pm, after=seen)
+    try:
+        _, m = measure_step(pm, x, y)
+    finally:
+        for h in hooks:
+            h.remove()
+    grads = [s.local.grad for s in slots if s.local.grad is not None]
+    return {"grads_peak": m.category_peaks.grads, "grad_bytes": sum(s.layout.nbytes for s in slots),
+            "largest": max(s.layout.nbytes for s in slots), "buckets": len(reducer.buckets),
+            "launched_in_backward": launched[0],
+            "grad_storages": len({g.untyped_storage().data_ptr() for g in grads})}
+
+
+def memory_jobs(rank: int, world: int, plans: dict) -> dict:
+    from autopar.api import autoparallelize
+    from autopar.plan import Plan
+
+    out = {}
+    for name, plan in plans.items():
+        b = build(False)
+        data = batches(b, 2)
+        pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
+                             optimizer=sgd, plan=Plan.from_json(plan), bucket_bytes=SMALL, timeout_s=30,
+                             record_collectives=False)
+        pm.step(*data[0])
+        out[name] = measure_grads(pm, *data[1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def numerics(tiny_full):
+    plans, jobs = {}, []
+    for name, spec in NUMERICS.items():
+        plans[name] = hand_plan(tiny_full, **spec["plan"])
+        jobs.append({**{k: v for k, v in spec.items() if k != "plan"}, "plan": plans[name].to_json(),
+                     "bucket_bytes": SMALL})
+    per_rank = spawn_ranks(train_jobs, 2, (jobs,), timeout_s=60)
+    return {name: ([per_rank[r][i] for r in range(2)], plans[name]) for i, name in enumerate(NUMERICS)}
+
+
+@pytest.fixture(scope="module")
+def memory(tiny_full):
+    plans = {name: hand_plan(tiny_full, **spec).to_json() for name, spec in MEMORY.items()}
+    return spawn_ranks(memory_jobs, 2, (plans,), timeout_s=60)
+
+
+@pytest.mark.parametrize("family", list(NUMERICS))
+def test_numerics_with_early_launches(family, numerics, tiny_full):
+    results, plan = numerics[family]
+    check_against_reference(results, reference(False, 0))
+    graph = tiny_full if plan.num_micro_batches == 1 else full_trace(plan.global_batch // plan.num_micro_batches)
+    kw = {"bucket_bytes": SMALL, **({"dp_mode": "dtensor"} if "dp_mode" in NUMERICS[family] else {})}
+    check_collectives(results, lambda tp_rank: expected_collectives(graph, plan, tp_rank=tp_rank, **kw))
+
+
+@pytest.mark.parametrize("family", ["zero0", "zero1_micro_batches"])
+def test_zero01_gradients_live_in_buckets(family, memory):
+    """One copy of the gradients: each bucket's buffer holds its parameters' ``.grad`` (views),
+    reduced in place; every bucket was launched during the (last) backward."""
+    for rank, m in enumerate(memory):
+        got = m[family]
+        assert got["grad_storages"] == got["buckets"] > 10, (rank, got)
+        assert got["launched_in_backward"] == got["buckets"], (rank, got)
+        assert got["grads_peak"] <= 1.01 * got["grad_bytes"], (rank, got)
+
+
+def test_zero3_reduces_during_backward(memory):
+    """ZeRO-3 reduce-scatters each bucket as its summands complete (every parameter of gpt-tiny is
+    complete before the backward ends, recompute regions and the tied embedding included): the
+    gradients stay near grads / dp, plus the summands of the buckets under way (measured: grads /
+    dp + 64 KiB, one embedding-sized parameter; before, grads / dp + every full summand)."""
+    for rank, m in enumerate(memory):
+        got = m["zero3_recompute_full"]
+        assert got["launched_in_backward"] == got["buckets"] > 10, (rank, got)
+        assert got["grads_peak"] <= got["grad_bytes"] / 2 + 2 * got["largest"], (rank, got)
