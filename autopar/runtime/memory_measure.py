@@ -293,6 +293,14 @@ def measure_step(pm, inputs, targets) -> tuple[float, StepMemory]:
     _register_existing(tracker, pm)
     hooks = [s.local.register_post_accumulate_grad_hook(lambda p: tracker.mark(p.grad, "grads"))
              for s in pm.store.slots if s.local.requires_grad]
+    ctx = pm.store.ctx
+    chained = ctx.on_full_grad                # ZeRO-3: each full summand is a gradient from its first
+    if ctx.zero_stage == 3 and ctx.dp > 1:    # accumulation (the reducer frees it once its bucket is sent)
+        def on_full_grad(slot):
+            tracker.mark(slot.full_grad, "grads")
+            if chained is not None:
+                chained(slot)
+        ctx.on_full_grad = on_full_grad
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -308,6 +316,7 @@ def measure_step(pm, inputs, targets) -> tuple[float, StepMemory]:
     finally:
         for h in hooks:
             h.remove()
+        ctx.on_full_grad = chained
         tracker.close()
     peak, split, tops = tracker.peak()
     if device.type == "cuda":

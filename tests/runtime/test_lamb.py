@@ -2,7 +2,7 @@
 ratio stays the whole tensor's when autoparallelize hands it shards (tensor parallel, ZeRO).
 
 One process: equal to ``lamb_step_ref`` applied to each tensor on its own. Two gloo ranks (tp=2,
-dp=2 + ZeRO-1, dp=2 + ZeRO-3): parameters after 3 steps equal the same training on one process
+dp=2 + ZeRO-3; ZeRO-1's row views are the same shard groups): parameters after 3 steps equal the same training on one process
 within what gradient round-off allows element by element (``_reference``); with the shard groups
 withheld (norms of shards) tp=2 does not, so the test can tell."""
 from __future__ import annotations
@@ -105,7 +105,6 @@ def _reference() -> tuple[dict, dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("plan,blind,same", [
     (dict(dp=1, tp=2, family="megatron"), False, True),
-    (dict(dp=2, tp=1, zero=1), False, True),
     (dict(dp=2, tp=1, zero=3), False, True),
     (dict(dp=1, tp=2, family="megatron"), True, False),
 ])

@@ -11,10 +11,9 @@ Bounds:
   (observed -4 %..-10 %); the peak model (``cost.memory.step_peak_bytes``) counts the backward's
   trade of activations for gradients at layer boundaries, missing up to one op's weight gradient.
 
-ZeRO-3's full gradient summands are gradients from their first accumulation: ``measure_families``
-marks each one as ``_UseParam.backward`` adds to it (``_mark_summands``); ``memory_measure`` alone
-sees them only around ``GradReducer.reduce``, and the reducer frees them earlier, at their bucket's
-reduce-scatter during the backward.
+ZeRO-3's full gradient summands are gradients from their first accumulation (``measure_step``
+marks each one as ``_UseParam.backward`` adds to it: the reducer frees them at their bucket's
+reduce-scatter during the backward).
 
 Known places where the runtime keeps more than the plan promises are strict xfails (a fix to the
 runtime turns them into failures that ask for the mark to go):
@@ -58,32 +57,9 @@ def measure_families(rank: int, world: int, families: dict) -> dict:
                              force=force, seed=0, model_name="gpt-tiny", record_collectives=False)
         x, y = b.make_batch(b.example_inputs[0].shape[0], torch.Generator().manual_seed(0))
         pm.step(x, y)
-        _mark_summands(pm)
         _, m = measure_step(pm, x, y)
         out[name] = {"plan": pm.plan.to_json(), "memory": dataclasses.asdict(m)}
     return out
-
-
-def _mark_summands(pm, after=None) -> None:
-    """ZeRO-3 (dp > 1): every full gradient summand, as it is accumulated, is marked a gradient by
-    the ``StorageTracker`` measuring the step (the dispatch mode active in the backward); then
-    ``after()``, if given."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    ctx = pm.store.ctx
-    chained = ctx.on_full_grad
-    if ctx.zero_stage != 3 or ctx.dp == 1:
-        return
-
-    def on_full_grad(slot):
-        for mode in _get_current_dispatch_mode_stack():
-            if isinstance(mode, StorageTracker):
-                mode.mark(slot.full_grad, "grads")
-        if chained is not None:
-            chained(slot)
-        if after is not None:
-            after()
-    ctx.on_full_grad = on_full_grad
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ with many buckets (small ``bucket_bytes``), so that buckets are launched during 
 - Numerics: ZeRO-3 with full recompute (every layer's parameters are read in a recompute region,
   which replays in the backward; the tied embedding / head is read twice) and ZeRO 0/1 with
   several micro-batches equal the one-process run, and issue the predicted collectives.
-- Memory, measured by ``memory_measure.measure_step`` on 2 gloo ranks, ZeRO-3's full summands
-  counted as gradients from their first accumulation (``test_memory_measure._mark_summands``):
+- Memory, measured by ``memory_measure.measure_step`` on 2 gloo ranks (ZeRO-3's full summands
+  count as gradients from their first accumulation):
   ZeRO-0/1 keep one copy of the gradients, every ``.grad`` a view of its bucket's buffer; ZeRO-3
   launches its buckets in the backward and keeps near grads / dp.
 """
@@ -39,7 +39,6 @@ def measure_grads(pm, x, y) -> dict:
     """``memory_measure.measure_step`` of one step, ZeRO-3's summands counted as gradients from
     their first accumulation; the gradients' largest live total and how the reducer ran."""
     from autopar.runtime.memory_measure import measure_step
-    from test_memory_measure import _mark_summands
 
     reducer, slots = pm.reducer, pm.store.slots
     launched = [0]                            # buckets launched while gradients still arrived
@@ -48,10 +47,14 @@ def measure_grads(pm, x, y) -> dict:
         launched[0] = max(launched[0], reducer._next)
 
     hooks = [s.local.register_post_accumulate_grad_hook(seen) for s in slots]
-    _mark_summands(pm, after=seen)
+    ctx = pm.store.ctx
+    chained = ctx.on_full_grad                # ZeRO-3: the reducer's, then ``seen``
+    if chained is not None:
+        ctx.on_full_grad = lambda slot: (chained(slot), seen())
     try:
         _, m = measure_step(pm, x, y)
     finally:
+        ctx.on_full_grad = chained
         for h in hooks:
             h.remove()
     grads = [s.local.grad for s in slots if s.local.grad is not None]
