@@ -484,7 +484,10 @@ def fit_partial(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pr
     def at(k: int) -> Evaluation:
         return evaluate(summary, replace(cfg, recompute_layers=k), cluster, profile, budget_bytes, all_stages)
 
-    lo, hi = 0, max(0, summary.count - 1)
+    none = at(0)
+    if none.fits:                        # nothing to recompute (the "none" configuration's evaluation)
+        return none
+    lo, hi = 1, max(1, summary.count - 1)
     best = at(hi)
     if not best.fits:
         return at(summary.count)
