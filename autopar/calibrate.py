@@ -129,6 +129,11 @@ def check_nproc(nproc: Optional[int]) -> tuple[str, int]:
     return kind, n
 
 
+def _hmean(xs: list[float]) -> float:
+    """Per-rank rates combined as the rate of the whole (harmonic mean)."""
+    return len(xs) / sum(1.0 / x for x in xs)
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
@@ -176,15 +181,16 @@ def _aggregate(results: list[dict], cfg: dict, kind: str, nproc: int, start: flo
             joint = fit_link(points)
         except ValueError as e:
             note = f"collectives not fitted ({e})"
-    link = dict(fits).get("all_reduce", joint)
-    link_kind = "all_reduce" if "all_reduce" in dict(fits) else "all kinds" if joint else ""
+    by_kind = dict(fits)
+    link = by_kind.get("all_reduce", joint)
+    link_kind = "all_reduce" if "all_reduce" in by_kind else "all kinds" if joint else ""
     return Calibration(
         device_kind=kind, device_name=results[0]["device_name"], gpu="cpu" if kind == "cpu" else gpu_name_for(
             family_of(results[0]["device_name"]), results[0]["total_memory"]),
         nproc=nproc, threads_per_rank=int(results[0]["threads"]), torch_version=torch.__version__,
         date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), gemm=tuple(gemm), sdpa=sdpa,
-        copy_Bps=len(results) / sum(1.0 / r["copy_Bps"] for r in results),
-        vector_flops=(len(results) / sum(1.0 / r["vector_flops"] for r in results)) if cfg["vector_numel"] else None,
+        copy_Bps=_hmean([r["copy_Bps"] for r in results]),
+        vector_flops=_hmean([r["vector_flops"] for r in results]) if cfg["vector_numel"] else None,
         overhead_s=_mean([r["overhead_s"] for r in results]), points=points, fits=tuple(fits), link=link,
         link_kind=link_kind, joint=joint, link_note=note, measure_s=time.monotonic() - start,
         runtime_overhead=(_mean([r["runtime_overhead"]["plain"] for r in results]),

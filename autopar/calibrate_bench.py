@@ -128,7 +128,8 @@ def summarize_gemms(timed: Iterable[tuple[GemmShape, dict[str, float]]]) -> Gemm
             if f / t < worst[0]:
                 worst = (f / t, f"{name} {shape.label()}")
     if not seconds:
-        raise RuntimeError("no GEMM was measured within the time budget; give more time")
+        raise RuntimeError("no GEMM was measured within the time budget; raise --budget-s (autopar calibrate) "
+                           "or BUDGET_S (benchmarks/calibrate.py)")
     return GemmSummary(flops, seconds, flops / seconds, weighted / flops,
                        tuple((k, v[0] / v[1]) for k, v in per_pass.items()),
                        tuple((k, v[0] / v[1]) for k, v in sorted(per_h.items())), worst, shapes)

@@ -26,6 +26,7 @@ from autopar.calibrate_bench import (CALLS_PER_MEASUREMENT, GEMM_PASSES, SDPA_TR
                                      gemm_shapes, op_overhead_s, sdpa_fwd_flops, time_gemm, time_sdpa)
 from autopar.calibrate_comm import collective_op, time_collective
 from autopar.runtime.launch import report_progress
+from autopar.runtime.precision import parse_dtype
 
 PHASE_SHARES = {"gemm": 0.35, "sdpa": 0.45}   # cumulative fractions of the budget left when ranks start
 RESERVE_S = 1.0                               # kept for gathering results and writing the file
@@ -65,10 +66,6 @@ class _Gate:
             os.replace(tmp, self.path)
 
 
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
-
-
 def _gemms(gate: _Gate, cfg: dict, device: torch.device, deadline: float, out: dict) -> None:
     start = time.monotonic()
     shapes = gemm_shapes(cfg["gemm_tokens"], cfg["gemm_hiddens"], cfg["gemm_splits"])
@@ -81,7 +78,7 @@ def _gemms(gate: _Gate, cfg: dict, device: torch.device, deadline: float, out: d
         for shape in shapes:
             predicted = 0.0 if rate is None else len(GEMM_PASSES) * CALLS_PER_MEASUREMENT * shape.flops / rate
             if gate.go(predicted, dt_deadline, first=rate is None and not skipped):
-                times = time_gemm(shape, _dtype(name), device)
+                times = time_gemm(shape, parse_dtype(name), device)
                 rows.append([shape.m, shape.k, shape.n] + [times[p] for p in GEMM_PASSES])
                 rate = len(GEMM_PASSES) * shape.flops / sum(times.values())
             else:
@@ -93,7 +90,7 @@ def _gemms(gate: _Gate, cfg: dict, device: torch.device, deadline: float, out: d
 
 def _sdpa(gate: _Gate, cfg: dict, device: torch.device, out: dict) -> None:
     s = cfg["sdpa"]
-    b, t, d, dtype = s["batch"], s["seq"], s["head_dim"], _dtype(s["dtype"])
+    b, t, d, dtype = s["batch"], s["seq"], s["head_dim"], parse_dtype(s["dtype"])
     rate: Optional[float] = None
     for h in s["heads"]:
         flops = SDPA_TRAIN_FACTOR * sdpa_fwd_flops(b, h, t, d)
@@ -164,7 +161,7 @@ def rank_main(rank: int, world: int, cfg: dict) -> dict[str, Any]:
         torch.cuda.synchronize(device)
     out["overhead_s"] = op_overhead_s(device)
     gate.step("per-op overhead")
-    out["copy_Bps"] = copy_Bps(cfg["copy_bytes"], _dtype(cfg["copy_dtype"]), device)
+    out["copy_Bps"] = copy_Bps(cfg["copy_bytes"], parse_dtype(cfg["copy_dtype"]), device)
     gate.step("memory copy")
     if cfg["vector_numel"]:
         out["vector_flops"] = elementwise_flops(cfg["vector_numel"], device)

@@ -176,16 +176,10 @@ def _print_plan(plan) -> None:
 def _memory_report(plan, model: str, batch: Optional[int], seq_len: Optional[int], optimizer: str, outs):
     """Print each rank's measured peak by category next to the plan's prediction (for the dtype
     the parameters have); the rows."""
-    from autopar.models import build_model
     from autopar.report import make_console
-    from autopar.runtime.memory_measure import compare_ranks, memory_table
-    from autopar.trace import trace_model
+    from autopar.runtime.memory_measure import compare_model, memory_table
 
-    b = build_model(model, batch=batch, seq_len=seq_len, device="meta")
-    graph = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
-                        model_name=model)
-    dtype = str(next(b.module.parameters()).dtype).removeprefix("torch.")
-    rows = compare_ranks(plan, graph, [o["memory"] for o in outs], dtype, optimizer)
+    rows = compare_model(plan, model, [o["memory"] for o in outs], optimizer, batch=batch, seq_len=seq_len)
     console = make_console()
     for row in rows:
         console.print(memory_table(row))

@@ -71,14 +71,14 @@ def _profile_rank(rank: int, world: int, model: str, plan_json: Optional[str], f
 
 def predicted_collective_s(plan, cluster, kind: str, axis: str, nbytes: int) -> float:
     """The cost model's time of one collective of ``kind`` on mesh ``axis`` (``cost/collectives``)."""
-    from autopar.cost.collectives import axis_link, collective_s, stage_link
+    from autopar.cost.collectives import COLLECTIVE_KINDS, axis_link, collective_s, stage_link
     from autopar.mesh import PIPELINE
 
     kind = _P2P.get(kind, kind)
     if axis == PIPELINE:
         return collective_s("p2p", nbytes, 2, stage_link(cluster, plan.dp * plan.tp))
     stage = plan.stage_mesh
-    if axis not in stage.axes or kind not in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
+    if axis not in stage.axes or kind not in COLLECTIVE_KINDS:
         return float("nan")
     i = stage.axes.index(axis)
     return collective_s(kind, nbytes, stage.shape[i], axis_link(cluster, tuple(stage.shape), i))
@@ -170,19 +170,6 @@ def render(report: dict, console) -> None:
     console.print(r)
 
 
-def _memory(plan, model: str, batch, seq_len, optimizer: str, measured: list[dict]) -> list[dict]:
-    """Per rank, the measured peak next to the plan's memory model (``runtime/memory_measure.py``)."""
-    from autopar.models import build_model
-    from autopar.runtime.memory_measure import compare_ranks
-    from autopar.trace import trace_model
-
-    b = build_model(model, batch=batch, seq_len=seq_len, device="meta")
-    graph = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
-                        model_name=model)
-    dtype = str(next(b.module.parameters()).dtype).removeprefix("torch.")
-    return [r.to_json() for r in compare_ranks(plan, graph, measured, dtype, optimizer)]
-
-
 def profile_command(model: str, nproc: int, steps: int, *, warmup: int = 1, cluster: Optional[str] = None,
                     plan_path: Optional[str] = None, force=None, batch: Optional[int] = None,
                     seq_len: Optional[int] = None, seed: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -196,6 +183,7 @@ def profile_command(model: str, nproc: int, steps: int, *, warmup: int = 1, clus
     from autopar.plan import Plan
     from autopar.report import make_console
     from autopar.runtime.launch import spawn_ranks
+    from autopar.runtime.memory_measure import compare_model
 
     if nproc < 1 or steps < 1 or warmup < 0:
         raise ValueError(f"profile: need --nproc >= 1, --steps >= 1 and --warmup >= 0 (got {nproc}, {steps}, {warmup})")
@@ -212,7 +200,8 @@ def profile_command(model: str, nproc: int, steps: int, *, warmup: int = 1, clus
     if plan_path:
         spec = resolve_cluster(plan.cluster.gpu, nodes=plan.cluster.nodes, gpus_per_node=plan.cluster.gpus_per_node)
     report = summarize(plan, spec, [o["profile"] for o in outs], [o["nodes"] for o in outs])
-    report["memory"] = _memory(plan, model, batch, seq_len, optimizer, [o["memory"] for o in outs])
+    report["memory"] = [r.to_json() for r in compare_model(plan, model, [o["memory"] for o in outs], optimizer,
+                                                           batch=batch, seq_len=seq_len)]
     render(report, console or make_console())
     if json_path:
         with open(json_path, "w") as f:

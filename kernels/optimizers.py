@@ -422,11 +422,12 @@ def lars_step(param, grad, momentum_buffer, offsets: Sequence[int], *, lr: float
     def grid(meta):
         return (triton.cdiv(n_chunks, meta["CHUNKS"]),)
 
-    ratio = torch.ones(n_tensors, dtype=torch.float32, device=param.device)
     if adapt:
         part = _launch.empty((n_chunks, 2), torch.float32, param.device)
         _LARS_NORMS.run(grid, param, grad, start, end, part, n_chunks, BLOCK=LAMB_BLOCK, config=config)
         ratio = _lars_ratio(_tensor_sq(n_tensors, param.device, reduce_sq, tid, part),
                             trust_coefficient, weight_decay, eps, lr, trust_clip)
+    else:
+        ratio = torch.ones(n_tensors, dtype=torch.float32, device=param.device)
     _LARS_APPLY.run(grid, param, grad, momentum_buffer, ratio, tid, start, end, n_chunks, lr,
                     momentum, weight_decay, NESTEROV=bool(nesterov), BLOCK=LAMB_BLOCK, config=config)

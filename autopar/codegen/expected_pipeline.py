@@ -29,15 +29,14 @@ Not in the log, so not predicted: torch's own receives.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Collection, Optional
 
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES
-from autopar.codegen.expected import (Collective, _norm, _piece_bytes, _tp_local_shape, part_collectives,
+from autopar.codegen.expected import (Collective, _norm, _piece_bytes, param_layouts, part_collectives,
                                       reducer_collectives)
 from autopar.codegen.program import RankProgram, axis_index, compile_program, local_dp_nodes
 from autopar.codegen.stages import PipelineCut, cut_pipeline, expected_sends, wire_placements
-from autopar.ir import DTYPE_BYTES, GraphIR
+from autopar.ir import GraphIR
 from autopar.mesh import PIPELINE, TENSOR
 from autopar.placements import Partial
 from autopar.plan import Plan, stage_rank
@@ -75,6 +74,7 @@ def expected_pipeline_collectives(graph: GraphIR, plan: Plan, *, pp_rank: int, c
     tp_rank = coord[ti] if ti is not None else 0
     key_of = {n.name: n.key for n in graph.nodes}
     nplan = {n.key: n for n in program.nodes}
+    by_key = {n.key: n for n in graph.nodes}
     mine = _stages_of(plan, cut, pp_rank)
     last = len(cut.stages) - 1
 
@@ -87,7 +87,7 @@ def expected_pipeline_collectives(graph: GraphIR, plan: Plan, *, pp_rank: int, c
         per_micro_batch += part_collectives(graph, program, backend=backend, tp_rank=tp_rank, fused=fused,
                                             part={key_of[x] for x in sc.nodes}, received=wire(sc.recv),
                                             phases=(PHASE, PHASE))
-        per_micro_batch += _send_redistributions(graph, program, sc.send, key_of)
+        per_micro_batch += _send_redistributions(program, sc.send, key_of, nplan, by_key)
     if last in mine:
         per_micro_batch += part_collectives(graph, program, backend=backend, tp_rank=tp_rank, fused=fused,
                                             loss_key=key_of[cut.loss_output], part={key_of[x] for x in cut.loss},
@@ -100,12 +100,11 @@ def expected_pipeline_collectives(graph: GraphIR, plan: Plan, *, pp_rank: int, c
     return out
 
 
-def _send_redistributions(graph: GraphIR, program: RankProgram, send, key_of: dict) -> list[Collective]:
-    """``Wire.send`` of each value in ``send``: Partial -> Replicate on each axis (forward)."""
+def _send_redistributions(program: RankProgram, send, key_of: dict, nplan: dict, by_key: dict) -> list[Collective]:
+    """``Wire.send`` of each value in ``send``: Partial -> Replicate on each axis (forward).
+    ``nplan`` / ``by_key``: the program's node plans and the graph's nodes by key."""
     mesh = program.mesh
     sizes = tuple(mesh.shape)
-    nplan = {n.key: n for n in program.nodes}
-    by_key = {n.key: n for n in graph.nodes}
     out = []
     for name in send:
         key = key_of[name]
@@ -129,11 +128,9 @@ def _tied(graph: GraphIR, plan: Plan, cut: PipelineCut, program: RankProgram, pp
     for sc in cut.stages:
         for name in cut.params_of(graph, [sc.index]):
             holders.setdefault(name, set()).add(stage_rank(plan.pipeline_schedule, plan.pp, sc.index))
-    tp = program.mesh.size_of(TENSOR)
     out = []
-    for p in program.params:
-        ranks = holders.get(p.name, set())
+    for lay in param_layouts(program, tp_rank):
+        ranks = holders.get(lay.name, set())
         if len(ranks) > 1 and pp_rank in ranks:
-            nbytes = math.prod(_tp_local_shape(p, tp, tp_rank)) * DTYPE_BYTES[p.dtype]
-            out.append(Collective("all_reduce", PIPELINE, nbytes, PHASE, "tied"))
+            out.append(Collective("all_reduce", PIPELINE, lay.nbytes, PHASE, "tied"))
     return out

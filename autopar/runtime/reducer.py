@@ -68,7 +68,6 @@ class _Flight:
     work: Any
     send: Optional[torch.Tensor]       # its input (ZeRO 0/1: the bucket buffer or its cast)
     out: Optional[torch.Tensor]        # reduce_scatter's output
-    done: bool = False
 
 
 class GradReducer:
@@ -132,7 +131,8 @@ class GradReducer:
         if self.bucket_of[i] < self._next:       # its send buffer is built: this summand would be lost
             raise RuntimeError(
                 f"ZeRO-3: a gradient of {slot.name} arrived after its bucket's reduce-scatter was launched "
-                "(a graph scope read it without being counted by ParamStore.use)")
+                "(a graph scope read it without being counted by ParamStore.use); read parameters only "
+                "through ParamStore.use(name) with grad enabled, or build the GradReducer with overlap=False")
         if self._armed and slot.open_scopes == 0:
             self._complete(i)
 
@@ -233,7 +233,6 @@ class GradReducer:
             out = f.out if self.reduce_dtype is None else f.out.to(slots[0].local.dtype)
             self._finish_reduce_scatter(slots, out)
         f.send = f.out = None
-        f.done = True
 
     def reduce(self) -> None:
         """Reduce this step's gradient summands over dp; leave each optimizer parameter's .grad."""

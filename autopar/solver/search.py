@@ -325,7 +325,7 @@ class _Searcher:
     def _constrained_bound(self, cfg: OuterConfig, sol: AxisSolution, lb_ev: Evaluation) -> float:
         lb = self._lb[(cfg.tp, cfg.sp, cfg.mbs)]
         blk = lb.parts["block"]
-        rc = {"none": 0.0, "partial": 0.0, "selective": blk.core_fwd_s, "full": blk.fwd_compute_s}[cfg.recompute]
+        rc = {"none": 0.0, "selective": blk.core_fwd_s, "full": blk.fwd_compute_s}[cfg.recompute]   # not "partial"
         t_stage = (sol.summary.objective_s + sol.summary.count * rc) / cfg.pp
         lb_stage = max(st.time_per_microbatch_s for st in lb_ev.stages)
         span = cfg.m + pipeline_bubble_units(cfg.pp, cfg.m, cfg.schedule, cfg.v)

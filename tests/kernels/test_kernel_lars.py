@@ -112,6 +112,10 @@ def test_lars_reduce_sq_sees_the_norms_and_only_when_adapting():
         plain = p0.clone()
         opt.lars_step_ref(plain, grad, torch.zeros(2600), offsets, lr=0.5, weight_decay=1e-2)
         assert_close(p, plain, TOL, fn.__name__)
+        q = p0.clone()                  # ||p|| doubled, ||g|| kept: the rate follows what reduce_sq returns
+        fn(q, grad, torch.zeros(2600), offsets, lr=0.5, weight_decay=1e-2,
+           reduce_sq=lambda sq: sq * torch.tensor([4.0, 1.0]))
+        assert (q - plain).abs().max() > 100 * TOL[0], fn.__name__
         seen.clear()
         fn(p, grad, torch.zeros(2600), offsets, lr=0.5, weight_decay=0.0, reduce_sq=doubled)
         assert not seen

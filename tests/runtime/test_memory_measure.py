@@ -163,7 +163,7 @@ def test_classifier_hand_built():
     kib = 1024
     assert (at.params, at.optimizer, at.grads, at.activations) == (128 * kib, 128 * kib, 128 * kib, 32 * kib)
     assert 32 * kib <= at.temporaries <= 32 * kib + 16      # tanh's input gradient (+ 4-byte scalars)
-    assert peak == at.total
+    assert 448 * kib <= peak <= 448 * kib + 16       # 3 x 128 KiB + h 32 KiB + tanh's gradient 32 KiB
     assert tops.temporaries >= 32 * kib and tops.activations == 32 * kib
     assert [c for c, _, _ in tracker.live_at_peak()].count("params") == 1
 
