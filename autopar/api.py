@@ -54,7 +54,7 @@ from autopar.codegen.executor import GraphExecutor
 from autopar.codegen.fused import FusedKernels
 from autopar.codegen.program import RankProgram, compile_program
 from autopar.codegen.stages import cut_pipeline
-from autopar.mesh import DATA, PIPELINE
+from autopar.mesh import CONTEXT, DATA, PIPELINE
 from autopar.plan import Plan
 from autopar.runtime.checkpoint import CheckpointInfo, Checkpoints, TrainingState
 from autopar.runtime.collectives import Collective, CollectiveRecorder
@@ -107,13 +107,15 @@ class ParallelModel:
         self._fused = parts.fused
         self._loss_scale = parts.loss_scale
         self.precision = parts.precision
+        self._context = parts.context                 # cp > 1 (``codegen/context_run.py``)
         self.loss_scaler = DynamicLossScale() if parts.precision.loss_scaling else None
         self._forwards: dict[bool, tuple] = {}        # module.training -> (graph, executor)
         self._made: list[GraphExecutor] = []          # every executor, training's first
         self._stage_executors: dict = {}              # forward-only pipeline parts, by (graph, part)
         self.device_mesh = whole = parts.device_mesh   # the whole mesh; ``mesh`` is this rank's stage's
         self._recorder = CollectiveRecorder(self._log, {
-            axis: tuple(dist.get_process_group_ranks(whole.get_group(axis))) for axis in whole.mesh_dim_names})
+            axis: tuple(dist.get_process_group_ranks(whole.get_group(axis))) for axis in whole.mesh_dim_names},
+            named={parts.context.group.group_name: CONTEXT} if parts.context is not None else None)
         self._pipeline: Optional[PipelineRunner] = None
         if parts.cut is None:
             self._train = self._executor(self._train_graph, self.program)
@@ -244,6 +246,9 @@ class ParallelModel:
                              f"batches of the example's {self.plan.global_batch} rows")
         xs = list(zip(*(x.chunk(m) for x in inputs))) if m > 1 else [inputs]
         ys = targets.chunk(m) if m > 1 else [targets]
+        if self._context is not None:              # each micro-batch's sequences in this rank's chunks
+            xs = [tuple(self._context.fold(x) for x in mb) for mb in xs]
+            ys = [self._context.fold(y) for y in ys]
         total = torch.zeros(())
         for i, (x, y) in enumerate(zip(xs, ys)):
             self.reducer.arm(i == m - 1)
@@ -268,7 +273,7 @@ class ParallelModel:
         if model.training not in self._forwards:
             from autopar.trace import trace_model
 
-            ex = tuple(x.to("cpu") if x.is_meta else x for x in as_tuple(inputs))
+            ex = tuple(x.to("cpu") if x.is_meta else x for x in self._folded(as_tuple(inputs)))
             if self.program.local_dp:
                 ex = tuple(x[: x.shape[0] // self.program.mesh.size_of(DATA)] for x in ex)
             g = trace_model(model, ex, collapse_repeats=False, model_name=self.plan.model_name)
@@ -277,12 +282,17 @@ class ParallelModel:
         graph, forward = self._forwards[model.training]
         self._log.phase = "forward"
         with self._recording():
-            outs = forward.run(as_tuple(inputs), None)
+            outs = forward.run(self._folded(as_tuple(inputs)), None)
             out = self._user_output(graph, outs)
             if not isinstance(out, DTensor):             # local-dp mode: this rank's batch rows
                 rows = tuple(Shard(0) if a == DATA else Replicate() for a in self.mesh.mesh_dim_names)
                 out = DTensor.from_local(out, self.mesh, rows, run_check=False)
-            return out.redistribute(out.device_mesh, _replicate(out)).to_local()
+            full = out.redistribute(out.device_mesh, _replicate(out)).to_local()
+            return full if self._context is None else self._context.unfold(full)
+
+    def _folded(self, inputs: tuple) -> tuple:
+        """cp > 1: the inputs' sequences in this rank's chunks (``codegen/context_run.py``)."""
+        return inputs if self._context is None else tuple(self._context.fold(x) for x in inputs)
 
     def _forward_pipeline(self, model: nn.Module, inputs: tuple) -> torch.Tensor:
         """``pm(inputs)`` with pp > 1: the forward graph cut into the plan's stages, run in order."""
@@ -396,7 +406,7 @@ class ParallelModel:
                      for n in graph.nodes if n.kind == "buffer" and n.param_name is None}
         fused = None if self._fused is None else FusedKernels(self._fused.implementation)
         ex = GraphExecutor(gm, program, self.mesh, self.store, self._buffers, constants, self._log.paused,
-                           fused, part=part, want=want)
+                           fused, part=part, want=want, context=self._context)
         self._made.append(ex)
         return ex
 

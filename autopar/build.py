@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
+from autopar.codegen.context_run import ContextRun
 from autopar.codegen.fused import FusedKernels, fused_kernels
 from autopar.codegen.program import RankProgram, compile_program, local_dp_nodes
 from autopar.codegen.stages import PipelineCut, cut_pipeline, loss_reduction
@@ -24,8 +25,8 @@ from autopar.runtime.params import ParamStore
 from autopar.runtime.pipeline import local_stages
 from autopar.runtime.precision import Precision, dtype_name, parse_dtype, precision_for
 from autopar.runtime.reducer import GradReducer
-from autopar.runtime.world import (PlanMismatchError, build_mesh, check_agreement, init_world, runtime_mesh,
-                                   start_watchdog, world_size_message)
+from autopar.runtime.world import (PlanMismatchError, build_mesh, check_agreement, context_group, init_world,
+                                   runtime_mesh, start_watchdog, world_size_message)
 from autopar.solver.forcing import Force, check_world, parse_force
 
 log = logging.getLogger("autopar.runtime")
@@ -123,6 +124,7 @@ class Built:
     cut: Optional[PipelineCut] = None  # pp > 1: which nodes each stage runs
     loss_scale: float = 1.0            # each micro-batch's loss times this (1/m for a mean loss)
     precision: Precision = Precision(torch.float32, torch.float32)
+    context: Optional[ContextRun] = None   # cp > 1: this rank's chunk of every sequence
 
 
 def build(s: Setup, example_target: torch.Tensor) -> Built:
@@ -148,6 +150,9 @@ def build(s: Setup, example_target: torch.Tensor) -> Built:
         raise PlanMismatchError(world_size_message(whole, s.world))
     check_agreement(plan_, graph.fingerprint)                 # raises on every rank alike
     device_mesh = build_mesh(whole, s.device_type, s.timeout_s)
+    context = _context(plan_, s)
+    if context is not None:                   # the graph runs on the folded batch (``context_run.py``)
+        inputs, example_target = tuple(context.fold(x) for x in inputs), context.fold(example_target)
     stage = plan_.stage_mesh
     mesh = device_mesh[tuple(stage.axes)] if plan_.pp > 1 else device_mesh
     dp, m = stage.size_of(DATA), plan_.num_micro_batches
@@ -158,7 +163,7 @@ def build(s: Setup, example_target: torch.Tensor) -> Built:
         loss_scale = 1.0 / m if loss_reduction(graph) == "mean" else 1.0
     rows = batch_rows(inputs, example_target)
     split = m * (dp if local_dp else 1)      # the traced graph's batch: a micro-batch (this rank's, local-dp)
-    if split > 1:
+    if split > 1 or context is not None:
         if rows % split:
             raise PlanMismatchError(f"the batch of {rows} rows does not split into {m} micro-batches"
                                     + (f" of {dp} data-parallel shards" if local_dp else "")
@@ -195,5 +200,17 @@ def build(s: Setup, example_target: torch.Tensor) -> Built:
     return Built(model=model, plan=plan_, train_graph=graph, mesh=mesh, program=program, store=store,
                   optimizer=opt, reducer=reducer, buffers=buffers, collective_log=clog, device=s.device,
                   fused=s.fused, device_mesh=device_mesh, cut=cut, loss_scale=loss_scale,
-                  precision=precision)
+                  precision=precision, context=context)
+
+
+def _context(plan: Plan, s: Setup) -> Optional[ContextRun]:
+    """cp > 1: this rank's cp group, coordinate and chunk positions (every rank creates the groups)."""
+    if plan.context_parallel == 1:
+        return None
+    if plan.pp > 1:
+        raise NotImplementedError(f"the plan has pp={plan.pp} and cp={plan.context_parallel}: pipelines do not "
+                                  "run context parallelism yet; re-plan with --force pp=1 or cp=1")
+    group, coord = context_group(plan, s.timeout_s)
+    return ContextRun.make(group, coord, plan.context_parallel, plan.context_parallel_mode, plan.seq_len,
+                           plan.dp, s.device)
 

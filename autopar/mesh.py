@@ -19,8 +19,9 @@ from typing import Optional
 
 PIPELINE = "pp"   # pipeline stages (outermost: a stage's ranks are contiguous)
 DATA = "dp"       # data parallel: the batch dim, gradient reduction, ZeRO shards
+CONTEXT = "cp"    # context parallel: the sequence split over ranks (ring attention, Ulysses)
 TENSOR = "tp"     # tensor parallel (Megatron 1-D; sequence parallel shares it)
-ROLES = (PIPELINE, DATA, TENSOR)
+ROLES = (PIPELINE, DATA, CONTEXT, TENSOR)
 
 
 def axis_position(axes, role: str) -> Optional[int]:
@@ -109,6 +110,19 @@ class Mesh:
         """The mesh without ``axes`` (their ranks fixed): e.g. one pipeline stage's mesh."""
         keep = [(a, n) for a, n in zip(self.axes, self.shape) if a not in axes]
         return Mesh(tuple(a for a, _ in keep), tuple(n for _, n in keep), self.ranks_per_node)
+
+    def fold(self, axis: str, into: str) -> "Mesh":
+        """The mesh with ``axis`` merged into ``into``, the axis just outside it (same ranks, one
+        axis of both sizes' product): e.g. a context-parallel mesh ("dp", "cp", "tp") read as the
+        ("dp", "tp") mesh its token-wise ops run on (a cp rank is a data rank over its tokens)."""
+        if axis not in self.axes:
+            return self
+        i = self.axes.index(axis)
+        if i == 0 or self.axes[i - 1] != into:
+            raise ValueError(f"cannot fold {axis} into {into}: {into} is not the axis just outside {axis} "
+                             f"in {self.describe()}")
+        shape = self.shape[:i - 1] + (self.shape[i - 1] * self.shape[i],) + self.shape[i + 1:]
+        return Mesh(self.axes[:i] + self.axes[i + 1:], shape, self.ranks_per_node)
 
     def describe(self) -> str:
         return " x ".join(f"{a}={n}" for a, n in zip(self.axes, self.shape)) or "(one rank)"

@@ -8,6 +8,13 @@ Mesh: ``mesh_axes``/``mesh_shape`` name the logical device mesh *within one pipe
 outermost axis first, e.g. ``("dp", "tp")`` and ``(16, 8)``; ranks are laid out row-major, so the
 last axis is the one whose ranks are adjacent (inside a node). Pipeline stages are outermost:
 global rank = stage * prod(mesh_shape) + mesh rank.
+
+Context parallelism (``context_parallel`` = cp > 1, ``context_parallel_mode`` ring or ulysses):
+the whole mesh (``Plan.mesh``) has a "cp" axis just inside "dp"; the strategies are placements
+on ``mesh_axes``, the mesh the graph's ops run on, whose "dp" axis holds dp x cp ranks: outside
+attention a cp rank is a data-parallel rank over its share of the tokens (``codegen/
+context_attention.py`` folds each sequence's chunks into the batch), and attention exchanges
+K/V (ring) or heads (Ulysses) over the cp ranks.
 """
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-from autopar.mesh import DATA, PIPELINE, TENSOR, Mesh
+from autopar.mesh import CONTEXT, DATA, PIPELINE, TENSOR, Mesh
 from autopar.placements import Placement, Replicate, format_placements, parse_placements
 from autopar.plan_schema import parse_plan_json, schema_message, schema_problems
 
@@ -35,6 +42,8 @@ V_SCHEDULES = ("zbv", "dualpipev")                   # exactly two stages per ra
 # schedule is forced. The zero-bubble ones are planned (costed) but not run yet: their split of the
 # backward into input and weight gradients needs the stage's parameters as ``submod.parameters()``.
 EXECUTED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+# Context parallelism: how attention crosses the cp ranks ("none": cp == 1)
+CONTEXT_MODES = ("ring", "ulysses")
 
 STAGE_AXES = (DATA, TENSOR)      # the axes a stage's mesh may name (``mesh_axes``), in any order
 
@@ -42,7 +51,7 @@ SUMMARY_KEYS = (
     "data_parallel", "tensor_parallel", "pipeline_parallel", "sequence_parallel", "zero_stage",
     "micro_batch_size", "num_micro_batches", "recompute", "offload", "estimated_step_time_s",
     "estimated_tflops_per_gpu", "peak_memory_bytes_per_gpu", "solve_time_s", "pipeline_schedule",
-    "virtual_stages", "recompute_layers",
+    "virtual_stages", "recompute_layers", "context_parallel", "context_parallel_mode",
 )
 
 
@@ -159,6 +168,8 @@ class Plan:
     # recompute "full" on the first ``recompute_layers`` layers of each pipeline rank only (None:
     # on all of them); the solver's "partial" recompute (the fewest layers that fit)
     recompute_layers: Optional[int] = None
+    context_parallel: int = 1               # cp ranks per sequence (see the module docstring)
+    context_parallel_mode: str = "none"     # "ring" | "ulysses" when cp > 1
     forced: tuple[tuple[str, str], ...] = ()
     notes: tuple[str, ...] = ()
     schema_version: int = SCHEMA_VERSION
@@ -171,17 +182,25 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.context_parallel
 
     @property
     def mesh(self) -> Mesh:
-        """The whole mesh: pipeline stages outermost (when pp > 1), then ``mesh_axes``."""
-        lead = ((PIPELINE,), (self.pp,)) if self.pp > 1 else ((), ())
-        return Mesh(lead[0] + tuple(self.mesh_axes), lead[1] + tuple(self.mesh_shape), self.cluster.gpus_per_node)
+        """The whole mesh: pipeline stages outermost (when pp > 1), then ``mesh_axes``, with the
+        "cp" axis just inside "dp" when cp > 1."""
+        axes, shape = ((PIPELINE,), (self.pp,)) if self.pp > 1 else ((), ())
+        cp = self.context_parallel
+        for a, n in zip(self.mesh_axes, self.mesh_shape):
+            if a == DATA and cp > 1:
+                axes, shape = axes + (DATA, CONTEXT), shape + (n // cp, cp)
+            else:
+                axes, shape = axes + (a,), shape + (n,)
+        return Mesh(axes, shape, self.cluster.gpus_per_node)
 
     @property
     def stage_mesh(self) -> Mesh:
-        """The mesh of one pipeline stage (every stage has the same)."""
+        """The mesh the graph's ops run on in one pipeline stage (every stage has the same): cp
+        folded into dp (see the module docstring)."""
         return Mesh(tuple(self.mesh_axes), tuple(self.mesh_shape), self.cluster.gpus_per_node)
 
     def idle_axes(self) -> tuple[str, ...]:
@@ -223,6 +242,8 @@ class Plan:
             "pipeline_schedule": self.pipeline_schedule,
             "virtual_stages": self.virtual_stages,
             "recompute_layers": self.recompute_layers,
+            "context_parallel": self.context_parallel,
+            "context_parallel_mode": self.context_parallel_mode,
         }
 
     def recomputed_layers(self) -> Optional[frozenset[int]]:
@@ -401,7 +422,8 @@ def plan_problems(p: Plan) -> list[str]:
     the model's layer count is checked against the graph when the plan is compiled.)"""
     out: list[str] = []
     ints = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "micro_batch_size": p.micro_batch_size,
-            "num_micro_batches": p.num_micro_batches, "global_batch": p.global_batch}
+            "num_micro_batches": p.num_micro_batches, "global_batch": p.global_batch,
+            "context_parallel": p.context_parallel}
     for name, v in ints.items():
         if not _is_int(v) or v < 1:
             out.append(f"{name}={v!r} is not a positive integer")
@@ -422,6 +444,10 @@ def plan_problems(p: Plan) -> list[str]:
         out.append(f"pipeline_schedule={p.pipeline_schedule!r} is not one of {', '.join(PIPELINE_SCHEDULES)}")
     if not _is_int(p.virtual_stages) or p.virtual_stages < 1:
         out.append(f"virtual_stages={p.virtual_stages!r} is not a positive integer")
+    cp_mode = p.context_parallel_mode
+    if not (cp_mode == "none" if p.context_parallel == 1 else cp_mode in CONTEXT_MODES):
+        out.append(f"context_parallel={p.context_parallel!r} with context_parallel_mode={cp_mode!r}: cp=1 has "
+                   f"mode 'none', cp > 1 one of {', '.join(CONTEXT_MODES)}")
     if out:                                  # the relations below need well-typed degrees
         return out
     if len(p.mesh_axes) != len(p.mesh_shape) or len(set(p.mesh_axes)) != len(p.mesh_axes):
@@ -432,20 +458,27 @@ def plan_problems(p: Plan) -> list[str]:
     elif not all(_is_int(n) and n >= 1 for n in p.mesh_shape):
         out.append(f"mesh_shape {list(p.mesh_shape)} has a size that is not a positive integer")
     else:
+        cp = p.context_parallel
         for axis, size in zip(p.mesh_axes, p.mesh_shape):
             degree = ints.get(axis)
-            if degree is not None and degree != size:
+            if degree is not None and axis == DATA and cp > 1:
+                if size != degree * cp:
+                    out.append(f"mesh axis {axis}={size} but dp * cp = {degree * cp} (the graph's data axis "
+                               "holds the context-parallel ranks too)")
+            elif degree is not None and degree != size:
                 out.append(f"mesh axis {axis}={size} but {axis}={degree}")
-        if math.prod(p.mesh_shape) != p.dp * p.tp:
+        if cp > 1 and DATA not in p.mesh_axes:
+            out.append(f"context_parallel={cp} needs a {DATA} axis in mesh_axes (of size dp * cp)")
+        if math.prod(p.mesh_shape) != p.dp * p.tp * cp:
             out.append(f"the mesh {list(p.mesh_shape)} holds {math.prod(p.mesh_shape)} ranks per stage, "
-                       f"not dp * tp = {p.dp * p.tp}")
+                       f"not dp * cp * tp = {p.dp * cp * p.tp}")
     out += _pipeline_problems(p)
     if p.dp * p.micro_batch_size * p.num_micro_batches != p.global_batch:
         out.append(f"dp({p.dp}) * micro_batch_size({p.micro_batch_size}) * num_micro_batches("
                    f"{p.num_micro_batches}) != global_batch({p.global_batch})")
     c = p.cluster
     if not (_is_int(c.nodes) and _is_int(c.gpus_per_node)) or c.nodes * c.gpus_per_node != p.world_size:
-        out.append(f"the cluster has {c.nodes} x {c.gpus_per_node} GPUs but dp * tp * pp = {p.world_size}")
+        out.append(f"the cluster has {c.nodes} x {c.gpus_per_node} GPUs but dp * cp * tp * pp = {p.world_size}")
     keys = [s.key for s in p.strategies]
     if len(set(keys)) != len(keys):
         dup = sorted({k for k in keys if keys.count(k) > 1})

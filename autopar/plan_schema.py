@@ -229,9 +229,11 @@ def plan_schema(summary_keys: tuple[str, ...]) -> Obj:
         "stages": ListOf(STAGE), "step_time": STEP_TIME, "memory": MEMORY,
         "model_flops_per_step": SECONDS, "solve_time_s": SECONDS,
         "pipeline_schedule": STR, "virtual_stages": DEGREE, "recompute_layers": OPT_INT,
+        "context_parallel": DEGREE, "context_parallel_mode": STR,
         "forced": MapOf(STR), "notes": ListOf(STR),
         "summary": Obj({k: ANY for k in summary_keys}, optional=frozenset(summary_keys)),
-    }, optional=frozenset({"pipeline_schedule", "virtual_stages", "recompute_layers", "forced", "notes", "summary"}))
+    }, optional=frozenset({"pipeline_schedule", "virtual_stages", "recompute_layers",
+                        "context_parallel", "context_parallel_mode", "forced", "notes", "summary"}))
 
 
 def schema_problems(d: Any, summary_keys: tuple[str, ...]) -> list[str]:

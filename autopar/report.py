@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from autopar.mesh import DATA
 from autopar.placements import Partial, Shard, format_placements
 from autopar.plan import NodeStrategy, Plan, stage_rank
 
@@ -81,14 +82,13 @@ def degrees_table(plan: Plan) -> Table:
     t = Table(title=escape(f"{plan.model_name} on {c.nodes} x {c.gpus_per_node} {c.gpu} ({c.name}), "
                            f"global batch {plan.global_batch}" + (f", seq {plan.seq_len}" if plan.seq_len else "")
                            + f", {plan.dtype}"), title_justify="left")
-    for col in ("dp", "tp", "pp", "schedule", "stages/rank", "sequence parallel", "ZeRO", "micro-batch",
+    for col in ("dp", "tp", "pp", "cp", "schedule", "stages/rank", "sequence parallel", "ZeRO", "micro-batch",
                 "micro-batches", "recompute", "offload", "mesh"):
         t.add_column(col, justify="right")
-    mesh = " x ".join(f"{a}={s}" for a, s in zip(plan.mesh_axes, plan.mesh_shape))
-    if plan.pp > 1:
-        mesh = f"pp={plan.pp} x {mesh}"
+    mesh = plan.mesh.describe()
     schedule = plan.pipeline_schedule if plan.pp > 1 else "-"
-    t.add_row(str(plan.dp), str(plan.tp), str(plan.pp), schedule, str(plan.virtual_stages),
+    cp = f"{plan.context_parallel} {plan.context_parallel_mode}" if plan.context_parallel > 1 else "1"
+    t.add_row(str(plan.dp), str(plan.tp), str(plan.pp), cp, schedule, str(plan.virtual_stages),
               "on" if plan.sequence_parallel else "off",
               str(plan.zero_stage), str(plan.micro_batch_size), str(plan.num_micro_batches), recompute_text(plan),
               plan.offload, escape(mesh))
@@ -120,7 +120,8 @@ def strategy_label(plan: Plan, s: NodeStrategy) -> str:
 def strategies_table(plan: Plan, verbose: bool = False) -> Table:
     """One row per operator; nodes of a repeated block are shown once, in a section of their own."""
     layers = plan.stages[-1].last_layer if plan.stages else 0
-    t = Table(title=escape("Per-operator strategies (placements per mesh axis " + ",".join(plan.mesh_axes) + ")"),
+    folded = f"; {DATA} holds the dp x cp ranks" if plan.context_parallel > 1 else ""
+    t = Table(title=escape("Per-operator strategies (placements per mesh axis " + ",".join(plan.mesh_axes) + folded + ")"),
               title_justify="left")
     t.add_column("module")
     t.add_column("operator")

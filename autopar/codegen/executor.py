@@ -57,6 +57,7 @@ from torch.distributed.tensor import DTensor, Replicate as TReplicate
 
 from autopar.codegen import fallback
 from autopar.codegen.causal_check import RuntimeCausalMasks
+from autopar.codegen.context_run import ContextRun
 from autopar.codegen.edges import edge, release_masks, resolve, resolve_placements
 from autopar.codegen.fused import FusedKernels
 from autopar.codegen.patterns import Match, find_fusions, node_inputs
@@ -69,6 +70,8 @@ from autopar.mesh import DATA, TENSOR
 from autopar.placements import Partial, Replicate, Shard, to_torch
 
 log = logging.getLogger("autopar.codegen")
+
+SDPA_TARGET = "aten.scaled_dot_product_attention.default"
 
 
 def _dtensors(args, kwargs) -> list:
@@ -95,8 +98,9 @@ class GraphExecutor:
     def __init__(self, gm: fx.GraphModule, program: RankProgram, mesh, params, buffers: dict,
                  constants: dict, log_paused=contextlib.nullcontext,
                  fused: Optional[FusedKernels] = None, part: Optional[frozenset[str]] = None,
-                 want: tuple[str, ...] = ()) -> None:
+                 want: tuple[str, ...] = (), context: Optional[ContextRun] = None) -> None:
         self.gm = gm
+        self.context = context                  # cp > 1: this rank's chunk (``context_run.py``)
         # part: run only these nodes (a pipeline stage, ``stages.py``); values read from outside it
         # come as ``run``'s seed, and ``run`` returns the values of ``want`` instead of the output
         self.part = part
@@ -113,6 +117,11 @@ class GraphExecutor:
         data = axis_index(program.mesh, DATA)
         # a parameter's gradient summand stays Partial on the DATA axis (the reducer sums it)
         self._param_keep = () if data is None else (data,)
+        # cp > 1: values computed from this rank's positions only (a position embedding) differ
+        # across the DATA axis' cp ranks, so their gradient summands stay Partial there too (edges
+        # out of them keep the axis), to be summed with the parameter's by the reducer: an
+        # all-reduce on the way would give each rank the sum over all ranks' positions
+        self._positional = frozenset(n.name for n in program.nodes if n.key in program.positional)
         self._tensor_axis = axis_index(program.mesh, TENSOR)
         self.device = (torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda"
                        else torch.device(mesh.device_type))
@@ -400,6 +409,8 @@ class GraphExecutor:
                                          ce_arg(args, kwargs, 4, "ignore_index", -100))
         elif p.target == fallback.ASSERT_METADATA and isinstance(args[0], DTensor):
             out = fallback.assert_global_metadata(*args, **kwargs)
+        elif self.context is not None and (p.key in self.program.positions or p.target == SDPA_TARGET):
+            out = self._context_node(node, p, args, kwargs)
         elif (fused := self._fused(p, args, kwargs)) is not None:
             out = fused
         else:
@@ -410,12 +421,12 @@ class GraphExecutor:
             out = self._call(node, p, args, kwargs)
         if node.name in self._writes:
             self._write_back(node, args)
-        return self._fix_output(out, p)
+        return self._fix_output(out, p, self._param_keep if node.name in self._positional else ())
 
     def _operand(self, p: NodePlan, n: fx.Node, i: int, env, scope) -> tuple:
         """(value, placements its edge gives it or None, is a parameter) of ``n``, the ``i``-th
         FX-node argument of the node planned by ``p``."""
-        is_param = isinstance(env[n.name], _ParamRef)
+        is_param = isinstance(env[n.name], _ParamRef) or n.name in self._positional
         v = self._value(n, env, scope)
         if self.program.local_dp and not p.dtensor:
             return v, None, is_param
@@ -434,13 +445,22 @@ class GraphExecutor:
         kwargs = fx.node.map_arg(node_kwargs, lambda n: self._value(n, env, scope))
         if node.target is operator.getitem:
             return args[0][args[1]]
-        fused = self._fused(self.plans[node.name], args, kwargs)
+        p = self.plans[node.name]
+        if self.context is not None and (p.key in self.program.positions or p.target == SDPA_TARGET):
+            return self._context_node(node, p, args, kwargs)
+        fused = self._fused(p, args, kwargs)
         if fused is not None:
             return fused
         out = node.target(*args, **kwargs)
         if node.name in self._writes:
             self._write_back(node, args)
         return out
+
+    def _context_node(self, node: fx.Node, p: NodePlan, args, kwargs):
+        """cp > 1: attention over the cp ranks, or a position source's values for this chunk."""
+        if p.target == SDPA_TARGET:
+            return self.context.attention(args, kwargs)
+        return self.context.position_value(p.target, node.target(*args, **kwargs), args)
 
     def _agree(self, flag: bool) -> bool:
         """True only if ``flag`` is True on every rank (one MIN all-reduce, not logged)."""
@@ -509,16 +529,16 @@ class GraphExecutor:
                                         shape=torch.Size(shape), stride=contiguous_stride(shape))
                      for c in torch.chunk(x.to_local(), k, dim=dim))
 
-    def _fix_output(self, out, p: NodePlan):
+    def _fix_output(self, out, p: NodePlan, keep: tuple[int, ...] = ()):
         if isinstance(out, torch.Tensor) and not isinstance(out, DTensor) and not self.program.local_dp:
             out = DTensor.from_local(out, self.mesh, tuple(TReplicate() for _ in range(self.mesh.ndim)),
                                      run_check=False)
         if p.output is None:
             return out
         if isinstance(out, DTensor):
-            return edge(out, resolve(out, p.output))
+            return edge(out, resolve(out, p.output), keep)
         if isinstance(out, (tuple, list)):
-            return type(out)(edge(o, resolve(o, p.output)) if isinstance(o, DTensor) else o for o in out)
+            return type(out)(edge(o, resolve(o, p.output), keep) if isinstance(o, DTensor) else o for o in out)
         return out
 
     def _placeholder(self, node: fx.Node, p: NodePlan, inputs, target):

@@ -14,7 +14,8 @@ forward, per tensor edge producer u -> consumer n (input i), per mesh axis a of 
 backward, per edge whose value needs a gradient: the consumer's gradient placement G
     (``input_grads``: R for a Partial input, Partial for a Replicate input of a node whose output
     is not Replicate on that axis, else the input placement) -> the producer's output placement
-    with Partial read as Replicate (a parameter keeps a Partial gradient on dp: the reducer's).
+    with Partial read as Replicate (a parameter keeps a Partial gradient on dp: the reducer's; so
+    does a value computed from a context-parallel rank's positions, ``RankProgram.positional``).
 the loss: Partial axes of the loss are all-reduced (4 bytes) to return one float; DTensor's
     nll_loss backward all-reduces its ``total_weight`` (4 bytes) on every axis where the loss is
     Partial (a DTensor implementation detail, listed here so the count is exact).
@@ -41,6 +42,9 @@ by its shard counts on the other axes. Not predicted: ops DTensor has no rule fo
 (``ParallelModel.fallbacks`` names them), and reshardings DTensor inserts inside an op whose
 planned input placements it does not accept -- both show up as differences, which is the point.
 
+Context parallelism (cp > 1): ``graph`` is the folded trace the runtime runs, and attention's
+own traffic on the "cp" axis is ``expected_context.py``'s.
+
 Pipelined plans (pp > 1): ``expected_pipeline.py`` applies these rules to each stage a rank holds
 (``part_collectives``) and adds the pipeline's own traffic.
 """
@@ -50,6 +54,7 @@ import math
 from dataclasses import dataclass
 from typing import Collection, Optional, Sequence
 
+from autopar.codegen.expected_context import context_collectives
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES, ParamLayout, bucket_comm_bytes, plan_buckets
 from autopar.codegen.program import RankProgram, axis_index, compile_program, local_dp_nodes
 from autopar.codegen.shards import chunk_range
@@ -173,6 +178,7 @@ def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFA
     loss = next((by_key[r.key] for r in by_key["|output|0"].inputs), None) if "|output|0" in by_key else None
     per_run = part_collectives(graph, program, backend=backend, tp_rank=tp_rank, fused=fused,
                                loss_key=loss.key if loss is not None else None)
+    per_run += context_collectives(graph, program, plan.context_parallel, plan.context_parallel_mode)
     return per_run * plan.num_micro_batches + reducer_collectives(program, bucket_bytes, tp_rank)
 
 
@@ -254,7 +260,8 @@ def part_collectives(graph: GraphIR, program: RankProgram, *, backend: str = "gl
             meta = u.outputs[r.index or 0] if r.index is not None else u.out
             if u.target in ("aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default"):
                 continue                                   # consumed through getitem
-            edge(meta, out_placement(u), b_pl, np_.output, ph, need[u.key], u.kind == "param")
+            edge(meta, out_placement(u), b_pl, np_.output, ph, need[u.key],
+                 u.kind == "param" or u.key in program.positional)
 
     # ---- vocab-parallel cross-entropy ----
     vocab_ce = set()

@@ -95,6 +95,13 @@ class RankProgram:
     regions: tuple[Region, ...]
     unplanned: tuple[str, ...]     # op keys the plan has no strategy for (DTensor decides)
     local_dp: bool = False         # the DATA axis as plain local batch shards (see ``local_dp_nodes``)
+    # cp > 1: the keys of the position sources the runtime replaces by its chunk's positions
+    # (``solver/context.position_sources`` of a graph traced at the chunk's length; ``context_run.py``)
+    positions: frozenset[str] = frozenset()
+    # ... and the keys of the nodes computed from them, parameters and buffers only (a position
+    # embedding): their values differ across the DATA axis' cp ranks, so their gradient summands
+    # stay Partial on DATA up to the reducer, as a parameter's do
+    positional: frozenset[str] = frozenset()
 
     def node(self, name: str) -> NodePlan:
         for n in self.nodes:
@@ -250,7 +257,8 @@ def local_dp_nodes(graph: GraphIR, plan: Plan, *, single: bool = False) -> Optio
     a pipeline stage) runs on plain tensors too, every node (nothing reduces across ranks)."""
     mesh = plan.stage_mesh
     dp = mesh.size_of(DATA)
-    if (dp == 1 and not single) or mesh.size != dp or graph.batch_size % dp:
+    # cp > 1: the DATA axis holds dp x cp ranks, and the batch it splits is folded (cp x the rows)
+    if (dp == 1 and not single) or mesh.size != dp or (graph.batch_size * plan.context_parallel) % dp:
         return None
     di = axis_index(mesh, DATA)
     strategies = _strategies(plan)
@@ -419,6 +427,24 @@ def compile_program(graph: GraphIR, plan: Plan, *, local_dp: Optional[frozenset[
     if unplanned:
         log.info("plan has no strategy for %d op nodes (DTensor propagates): %s", len(unplanned),
                  ", ".join(unplanned[:6]) + (" ..." if len(unplanned) > 6 else ""))
+    positions = positional = frozenset()
+    if plan.context_parallel > 1:
+        from autopar.solver.context import position_sources
+
+        positions = position_sources(graph, plan.seq_len // plan.context_parallel)
+        positional = _positional(graph, positions)
     return RankProgram(mesh=mesh, zero_stage=plan.zero_stage, recompute=plan.recompute,
                        nodes=tuple(nodes), params=params, regions=regions, unplanned=tuple(unplanned),
-                       local_dp=local_dp is not None)
+                       local_dp=local_dp is not None, positions=positions, positional=positional)
+
+
+def _positional(graph: GraphIR, positions: frozenset[str]) -> frozenset[str]:
+    """``positions`` and the op nodes computed from them, parameters and buffers only."""
+    kinds = {n.key: n.kind for n in graph.nodes}
+    out = set(positions)
+    for n in graph.nodes:
+        ins = [r.key for r in n.inputs]
+        if n.kind == "op" and any(k in out for k in ins) and all(k in out or kinds[k] in ("param", "buffer")
+                                                                 for k in ins):
+            out.add(n.key)
+    return frozenset(out)

@@ -70,11 +70,14 @@ class CollectiveRecorder(TorchDispatchMode):
     is named by its ranks, not its name: DTensor caches redistribution plans per mesh layout, so a
     second mesh of the same shape may run on the first mesh's (equal) groups."""
 
-    def __init__(self, log: CollectiveLog, axis_ranks: dict[str, tuple[int, ...]]) -> None:
+    def __init__(self, log: CollectiveLog, axis_ranks: dict[str, tuple[int, ...]],
+                 named: Optional[dict[str, str]] = None) -> None:
         super().__init__()
         self.log = log
         self.axis_ranks = {tuple(sorted(r)): a for a, r in axis_ranks.items() if len(r) > 1}
-        self._names: dict[str, str] = {}
+        # process-group name -> axis, before the ranks: a group autopar issues on itself (the cp
+        # group of context-parallel attention) may hold the same ranks as a mesh axis' group
+        self._names: dict[str, str] = dict(named or {})
 
     def _axis(self, group_name: str) -> str:
         if group_name not in self._names:

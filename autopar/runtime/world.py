@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from autopar.mesh import DATA, PIPELINE, TENSOR, Mesh
+from autopar.mesh import CONTEXT, DATA, PIPELINE, TENSOR, Mesh
 from autopar.plan import Plan
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -41,9 +41,28 @@ def check_runtime_mesh(mesh: Mesh) -> None:
 
 def runtime_mesh(plan: Plan) -> Mesh:
     """The mesh this runtime builds for ``plan``: ``Plan.mesh`` (pipeline stages outermost when
-    pp > 1), after checking the runtime runs every axis."""
-    check_runtime_mesh(plan.mesh)
-    return plan.mesh
+    pp > 1) with a context-parallel axis folded into the data axis (the mesh the graph's ops run
+    on, ``Plan``'s module docstring; attention's cp groups are ``context_group``'s), after
+    checking the runtime runs every axis."""
+    mesh = plan.mesh.fold(CONTEXT, DATA)
+    check_runtime_mesh(mesh)
+    return mesh
+
+
+def context_group(plan: Plan, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """(this rank's cp process group, its cp coordinate); every rank creates every cp group, in
+    the same order. None when the plan has no context parallelism."""
+    if plan.context_parallel == 1:
+        return None, 0
+    mesh = plan.mesh
+    rank = dist.get_rank()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    mine = None
+    for ranks in mesh.groups(CONTEXT):
+        g = dist.new_group(ranks=list(ranks), timeout=timeout)
+        if rank in ranks:
+            mine = g
+    return mine, mesh.coord(rank, CONTEXT)
 
 
 def init_world(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str = "cpu") -> tuple[int, int]:

@@ -93,10 +93,11 @@ def _check_degree_product(force: Force, world: int, layers: int, has_block: bool
     given = {n: v for n, v in (("dp", force.dp), ("tp", force.tp), ("pp", force.pp)) if v is not None}
     if len(given) < 2:
         return
-    prod = 1
+    cp = force.context_parallel or 1
+    prod = cp
     for v in given.values():
         prod *= v
-    shown = " * ".join(f"{n}({v})" for n, v in given.items())
+    shown = " * ".join(f"{n}({v})" for n, v in given.items()) + (f" * cp({cp})" if cp > 1 else "")
     if len(given) == 3:
         if prod != world:
             raise PlanningError(f"Invalid parallel dims: {shown} = {prod} != WORLD_SIZE({world}); "
@@ -181,7 +182,10 @@ def _schedules(force: Force, pp: int, layers: int) -> list[tuple[str, int]]:
 
 # ---- enumeration ----------------------------------------------------------------------------------
 
-def outer_configs(force: Force, world: int, layers: int, has_block: bool, global_batch: int) -> list[OuterConfig]:
+def outer_configs(force: Force, world: int, layers: int, has_block: bool, global_batch: int,
+                  cp_options=None) -> list[OuterConfig]:
+    """Every configuration the forced values allow. ``cp_options(rest, tp)``: the (cp, mode) pairs
+    for ``rest`` = dp x cp ranks (``context.cp_choices``; None: cp = 1 only)."""
     tps = [force.tp] if force.tp else _divisors(world)
     pps = [force.pp] if force.pp else [p for p in _divisors(world) if p <= layers and (has_block or p == 1)]
     out = []
@@ -189,37 +193,46 @@ def outer_configs(force: Force, world: int, layers: int, has_block: bool, global
         for pp in pps:
             if world % (tp * pp):
                 continue
-            dp = world // (tp * pp)
-            if (force.dp and dp != force.dp) or global_batch % dp:
+            rest = world // (tp * pp)
+            for cp, cp_mode in (cp_options(rest, tp) if cp_options else [(1, "none")]):
+                out += _configs_of(force, tp, pp, rest // cp, cp, cp_mode, layers, global_batch)
+    return out
+
+
+def _configs_of(force: Force, tp: int, pp: int, dp: int, cp: int, cp_mode: str, layers: int,
+                global_batch: int) -> list[OuterConfig]:
+    out: list[OuterConfig] = []
+    if (force.dp and dp != force.dp) or global_batch % dp:
+        return out
+    per_replica = global_batch // dp
+    if force.micro_batch_size:
+        mbss = [force.micro_batch_size]
+    elif force.num_micro_batches:
+        mbss = [per_replica // force.num_micro_batches] if per_replica % force.num_micro_batches == 0 else []
+    else:
+        mbss = _pow2_divisors(per_replica)
+    for mbs in mbss:
+        if per_replica % mbs:
+            continue
+        m = per_replica // mbs
+        if force.num_micro_batches and m != force.num_micro_batches:
+            continue
+        scheds = [sv for sv in _schedules(force, pp, layers)
+                  if pipeline_schedule_problem(sv[0], pp, sv[1], m, layers) is None]
+        if not scheds:
+            continue
+        sps = [force.sequence_parallel] if force.sequence_parallel is not None else \
+            ([False, True] if tp > 1 else [False])
+        zeros = [force.zero_stage] if force.zero_stage is not None else ([0, 1, 2, 3] if dp * cp > 1 else [0])
+        rcs = [force.recompute] if force.recompute else list(RECOMPUTES)
+        for sp in sps:
+            if sp and tp == 1:
                 continue
-            per_replica = global_batch // dp
-            if force.micro_batch_size:
-                mbss = [force.micro_batch_size]
-            elif force.num_micro_batches:
-                mbss = [per_replica // force.num_micro_batches] if per_replica % force.num_micro_batches == 0 else []
-            else:
-                mbss = _pow2_divisors(per_replica)
-            for mbs in mbss:
-                if per_replica % mbs:
-                    continue
-                m = per_replica // mbs
-                if force.num_micro_batches and m != force.num_micro_batches:
-                    continue
-                scheds = [sv for sv in _schedules(force, pp, layers)
-                          if pipeline_schedule_problem(sv[0], pp, sv[1], m, layers) is None]
-                if not scheds:
-                    continue
-                sps = [force.sequence_parallel] if force.sequence_parallel is not None else \
-                    ([False, True] if tp > 1 else [False])
-                zeros = [force.zero_stage] if force.zero_stage is not None else ([0, 1, 2, 3] if dp > 1 else [0])
-                rcs = [force.recompute] if force.recompute else list(RECOMPUTES)
-                for sp in sps:
-                    if sp and tp == 1:
-                        continue
-                    for z in zeros:
-                        for rc in rcs:
-                            for sched, v in scheds:
-                                out.append(OuterConfig(tp, pp, dp, mbs, m, rc, z, sp, sched, v))
+            for z in zeros:
+                for rc in rcs:
+                    for sched, v in scheds:
+                        out.append(OuterConfig(tp, pp, dp, mbs, m, rc, z, sp, sched, v,
+                                               cp=cp, cp_mode=cp_mode))
     return out
 
 

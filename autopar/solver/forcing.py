@@ -3,18 +3,21 @@
 ``schedule=NAME`` pins the pipeline schedule (``plan.PIPELINE_SCHEDULES``: gpipe, 1f1b,
 interleaved_1f1b, interleaved_zb, zbv, dualpipev) and ``vpp=K`` the stages per pipeline rank
 (virtual stages). Whether they fit the model and the other degrees is checked by the search
-(``configs.check_force``)."""
+(``configs.check_force``).
+
+``cp=N`` splits every sequence over N context-parallel ranks and ``cpmode=ring|ulysses`` pins how
+attention crosses them (``solver/context.py``)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from autopar.mesh import DATA, PIPELINE, TENSOR
-from autopar.plan import OFFLOAD_CHOICES, PIPELINE_SCHEDULES, RECOMPUTE_CHOICES
+from autopar.mesh import CONTEXT, DATA, PIPELINE, TENSOR
+from autopar.plan import CONTEXT_MODES, OFFLOAD_CHOICES, PIPELINE_SCHEDULES, RECOMPUTE_CHOICES
 
 _INT_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "mbs": "micro_batch_size", "zero": "zero_stage",
-             "microbatches": "num_micro_batches", "vpp": "virtual_stages"}
+             "microbatches": "num_micro_batches", "vpp": "virtual_stages", "cp": "context_parallel"}
 _BOOL_WORDS = {"on": True, "off": False, "true": True, "false": False, "1": True, "0": False}
 
 
@@ -32,6 +35,8 @@ class Force:
     offload: Optional[str] = None
     schedule: Optional[str] = None           # pipeline schedule (plan.PIPELINE_SCHEDULES)
     virtual_stages: Optional[int] = None     # stages per pipeline rank ("vpp")
+    context_parallel: Optional[int] = None   # cp ranks per sequence
+    context_parallel_mode: Optional[str] = None   # "ring" | "ulysses" ("cpmode")
 
     def items(self) -> tuple[tuple[str, str], ...]:
         return tuple((f.name, str(getattr(self, f.name))) for f in fields(self) if getattr(self, f.name) is not None)
@@ -72,6 +77,10 @@ def parse_force(spec: "str | dict | Force | None") -> Force:
             if v not in PIPELINE_SCHEDULES:
                 raise ValueError(f"--force schedule={v!r}: choose one of {', '.join(PIPELINE_SCHEDULES)}")
             out["schedule"] = v
+        elif k == "cpmode":
+            if v not in CONTEXT_MODES:
+                raise ValueError(f"--force cpmode={v!r}: choose one of {', '.join(CONTEXT_MODES)}")
+            out["context_parallel_mode"] = v
         elif k == "offload":
             if v not in OFFLOAD_CHOICES:
                 raise ValueError(f"--force offload={v!r}: choose one of {', '.join(OFFLOAD_CHOICES)}")
@@ -84,7 +93,7 @@ def parse_force(spec: "str | dict | Force | None") -> Force:
             else:
                 raise ValueError(f"--force sp={v!r}: use on or off")
         else:
-            known = sorted(list(_INT_KEYS) + ["recompute", "offload", "sp", "schedule"])
+            known = sorted(list(_INT_KEYS) + ["recompute", "offload", "sp", "schedule", "cpmode"])
             raise ValueError(f"--force: unknown key {k!r}; known keys: {', '.join(known)}")
     return Force(**out)
 
@@ -92,13 +101,14 @@ def parse_force(spec: "str | dict | Force | None") -> Force:
 def check_world(force: Force, world: int) -> None:
     """Forced degrees must divide the world (and multiply to it when all are given). The degrees
     are the mesh roles (``autopar.mesh``), which ``--force`` names as they are."""
-    roles = (DATA, TENSOR, PIPELINE)
+    roles = (DATA, TENSOR, PIPELINE, CONTEXT)
+    degree = {DATA: force.dp, TENSOR: force.tp, PIPELINE: force.pp, CONTEXT: force.context_parallel}
     for name in roles:
-        v = getattr(force, name)
+        v = degree[name]
         if v is not None and world % v:
             raise ValueError(f"--force {name}={v} does not divide the world size {world}; choose a "
                              f"divisor of {world}")
-    given = {name: getattr(force, name) for name in roles}
+    given = {name: degree[name] if name != CONTEXT else (degree[name] or 1) for name in roles}
     if all(v is not None for v in given.values()) and math.prod(given.values()) != world:
         product = " * ".join(f"{name}({v})" for name, v in given.items())
         raise ValueError(f"--force {product} != WORLD_SIZE({world})")

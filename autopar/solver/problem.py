@@ -30,6 +30,7 @@ from autopar.solver.reshard import grad_target, reshard_kind, reshard_s
 from autopar.solver.rules import arg, base_name
 from autopar.solver.runtime_profile import RuntimeProfile
 from autopar.solver.saved import DROPOUT_MASK_BYTES_PER_ELEM, is_dropout, kept_tensors, saves_input
+from autopar.solver.context import SDPA, attention_comm
 from autopar.solver.strategies import (GraphFacts, batch_scale, enumerate_strategies, ref_index,
                                        scaled_bytes_moved, scaled_metas, tensor_nodes)
 
@@ -157,14 +158,18 @@ def causal_attention(n) -> bool:
 
 
 def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs: int, dtype: str,
-                 profile: RuntimeProfile, cache: Optional[dict] = None) -> AxisTables:
-    """``cache``: a dict the caller keeps per (mbs, dtype) to share metas and rule proposals
-    between tables of different t / sp."""
+                 profile: RuntimeProfile, cache: Optional[dict] = None, cp: int = 1,
+                 cp_mode: str = "none") -> AxisTables:
+    """``cache``: a dict the caller keeps per (mbs, cp, dtype) to share metas and rule proposals
+    between tables of different t / sp. ``cp`` > 1: each rank holds 1/cp of every sequence's
+    tokens (token dims and FLOPs scaled), and attention adds its ``cp_mode`` exchange
+    (``solver/context.py``)."""
     gpu = cluster.gpu
     link = axis_link(cluster, (1, t), 1)
+    cp_link = axis_link(cluster, (1, cp, t), 1)
     cache = {} if cache is None else cache
     if "metas" not in cache:
-        cache["metas"] = scaled_metas(facts, mbs, dtype)
+        cache["metas"] = scaled_metas(facts, mbs, dtype, cp)
         cache["protos"] = {}
         cache["kept"] = kept_tensors(facts)
     metas = cache["metas"]
@@ -193,8 +198,8 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
             continue
         kind = op_kind(n.target)
         kinds[n.key] = kind
-        flops = n.flops * batch_scale(facts, n, mbs)
-        nbytes = scaled_bytes_moved(facts, n, mbs, dtype)
+        flops = n.flops * batch_scale(facts, n, mbs / cp)
+        nbytes = scaled_bytes_moved(facts, n, mbs / cp, dtype)
         grad = facts.needs_grad.get(n.key, False)
         saves = n.key in kept
         mask = is_dropout(n) and grad
@@ -206,6 +211,11 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
             bwd = compute * backward_factor(kind) if grad else 0.0
             cf = tuple((c.kind, collective_s(c.kind, c.nbytes, t, link)) for c in s.comms if c.phase == "fwd")
             cb = tuple((c.kind, collective_s(c.kind, c.nbytes, t, link)) for c in s.comms if c.phase == "bwd" and grad)
+            if cp > 1 and n.target == SDPA:
+                q, k, v = (metas[r.key][0].nbytes / (t if isinstance(p, Shard) else 1)
+                           for r, p in zip(facts.inputs[n.key][:3], s.inputs))
+                xf, xb = attention_comm(q, k + v, s.out_bytes_local, cp, cp_mode, compute, bwd, cp_link)
+                cf, cb = cf + xf, cb + (xb if grad else ())
             saved = s.out_bytes_local if saves else 0
             if mask:
                 saved += DROPOUT_MASK_BYTES_PER_ELEM * (s.out_bytes_local // max(1, DTYPE_BYTES[metas[n.key][0].dtype]))
@@ -365,9 +375,9 @@ def summarize(tab: AxisTables, choice: dict) -> AxisSummary:
         a["fwd"] += c.fwd_s
         a["bwd"] += c.bwd_s
         for kd, s in c.comm_fwd:
-            _add(a["cf"], "tp:" + kd, s)
+            _add(a["cf"], kd if ":" in kd else "tp:" + kd, s)
         for kd, s in c.comm_bwd:
-            _add(a["cb"], "tp:" + kd, s)
+            _add(a["cb"], kd if ":" in kd else "tp:" + kd, s)
         a["saved"] += c.saved_bytes
         a["mx"] = max(a["mx"], c.out_bytes)
         if k in tab.core:

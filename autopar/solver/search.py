@@ -56,7 +56,9 @@ from autopar.solver.forcing import Force, parse_force
 from autopar.ir import GraphIR
 from autopar.placements import Partial, Replicate, Shard
 from autopar.plan import V_SCHEDULES, ClusterRef, NodeStrategy, Plan, Stage
+from autopar.mesh import DATA, TENSOR
 from autopar.solver.configs import check_force, no_config_error, outer_configs
+from autopar.solver.context import check_context_force, context_problem, cp_choices
 from autopar.solver.errors import InfeasibleError, PlanningError
 from autopar.solver.ilp import IlpResult, LinearConstraint, solve_ilp
 from autopar.solver.problem import AxisSummary, AxisTables, PartCost, build_tables, ilp_problem, \
@@ -109,10 +111,15 @@ class SearchResult:
 
 # ---- bounds ---------------------------------------------------------------------------------------
 
+def _table_key(cfg: OuterConfig) -> tuple:
+    """What a configuration's tp-axis tables depend on: (tp, sp, mbs, cp, cp mode)."""
+    return (cfg.tp, cfg.sp, cfg.mbs, cfg.cp, cfg.cp_mode)
+
+
 def _quick_summary(base: AxisSummary, cfg: OuterConfig) -> AxisSummary:
     """Memory-only bound from the tp=1, mbs=1 tables (batch-dim tensors only): activations scale as
-    mbs / tp at best, parameters as 1 / tp."""
-    f = cfg.mbs / base.mbs / cfg.tp
+    mbs / (tp x cp) at best, parameters as 1 / tp."""
+    f = cfg.mbs / base.mbs / cfg.tp / cfg.cp
     parts = {}
     for k, p in base.parts.items():
         parts[k] = PartCost(0.0, 0.0, {}, {}, p.saved_bytes * f, 0.0, p.core_saved_bytes * f, p.max_out_bytes * f,
@@ -171,11 +178,12 @@ class _Searcher:
         self._lb: dict = {}
         self._caches: dict = {}
 
-    def table(self, tp: int, sp: bool, mbs: int) -> AxisTables:
-        key = (tp, sp, mbs)
+    def table(self, tp: int, sp: bool, mbs: int, cp: int = 1, cp_mode: str = "none") -> AxisTables:
+        key = (tp, sp, mbs, cp, cp_mode)
         if key not in self.tables:
-            cache = self._caches.setdefault(mbs, {})
-            self.tables[key] = build_tables(self.facts, self.cluster, tp, sp, mbs, self.dtype, self.profile, cache)
+            cache = self._caches.setdefault((mbs, cp), {})
+            self.tables[key] = build_tables(self.facts, self.cluster, tp, sp, mbs, self.dtype, self.profile, cache,
+                                            cp=cp, cp_mode=cp_mode)
             self.stats.tables_built += 1
         return self.tables[key]
 
@@ -186,10 +194,10 @@ class _Searcher:
         self.stats.ilp_max_constraints = max(self.stats.ilp_max_constraints, r.num_constraints)
         self.stats.solver = r.solver
 
-    def solution(self, tp: int, sp: bool, mbs: int) -> AxisSolution:
-        key = (tp, sp, mbs)
+    def solution(self, tp: int, sp: bool, mbs: int, cp: int = 1, cp_mode: str = "none") -> AxisSolution:
+        key = (tp, sp, mbs, cp, cp_mode)
         if key not in self.solutions:
-            tab = self.table(tp, sp, mbs)
+            tab = self.table(*key)
             if all(len(tab.strategies[k]) == 1 for k in tab.keys):
                 choice = {k: 0 for k in tab.keys}
                 ilp = None
@@ -216,7 +224,15 @@ class _Searcher:
     def run(self) -> tuple[Evaluation, AxisSolution]:
         world = self.cluster.num_gpus
         layers = self.graph.blocks[0].count if len(self.graph.blocks) == 1 else 1
-        configs = outer_configs(self.force, world, layers, len(self.graph.blocks) == 1, self.global_batch)
+        problem = context_problem(self.facts)
+        check_context_force(self.force, self.facts, problem)
+
+        def cp_options(rest: int, tp: int) -> list:
+            return cp_choices(self.facts, rest, tp, self.force.context_parallel, self.force.context_parallel_mode,
+                              problem)
+
+        configs = outer_configs(self.force, world, layers, len(self.graph.blocks) == 1, self.global_batch,
+                                cp_options)
         if not configs:
             raise no_config_error(self.force, world, self.global_batch, layers)
         self.stats.configs = len(configs)
@@ -228,7 +244,7 @@ class _Searcher:
         quick: dict = {}
         need_of: dict = {}
         for cfg in configs:
-            qkey = (cfg.tp, cfg.mbs)
+            qkey = (cfg.tp, cfg.mbs, cfg.cp)
             if qkey not in quick:
                 quick[qkey] = _quick_summary(base, cfg)
             # the quick summary and the memory model do not depend on sp (sp only changes the
@@ -242,7 +258,7 @@ class _Searcher:
             if need > self.budget:
                 self.stats.pruned_memory_quick += 1
                 continue
-            by_triple.setdefault((cfg.tp, cfg.sp, cfg.mbs), []).append(cfg)
+            by_triple.setdefault(_table_key(cfg), []).append(cfg)
 
         # bound 2: per-triple tables. Evaluating every configuration on its triple's lower-bound
         # tables (``evaluate`` with the fastest cut, a few ranks in full) is most of the search's
@@ -284,14 +300,14 @@ class _Searcher:
             if level == -1:
                 done += 1
                 self.progress("search", done, total)
-                ev = evaluate(self._lb[(cfg.tp, cfg.sp, cfg.mbs)], cfg, self.cluster, self.profile, self.budget)
+                ev = evaluate(self._lb[_table_key(cfg)], cfg, self.cluster, self.profile, self.budget)
                 lb_memory[cfg] = (tie, ev.memory.total_bytes)
                 if not ev.fits:
                     self.stats.pruned_memory += 1
                     continue
                 heapq.heappush(heap, (ev.step.total_s, tie, cfg, 0, ev))
                 continue
-            sol = self.solution(cfg.tp, cfg.sp, cfg.mbs)
+            sol = self.solution(*_table_key(cfg))
             if level == 0:
                 ev = evaluate(sol.summary, cfg, self.cluster, self.profile, self.budget)
                 self.stats.evaluated += 1
@@ -323,7 +339,7 @@ class _Searcher:
         return best
 
     def _constrained_bound(self, cfg: OuterConfig, sol: AxisSolution, lb_ev: Evaluation) -> float:
-        lb = self._lb[(cfg.tp, cfg.sp, cfg.mbs)]
+        lb = self._lb[_table_key(cfg)]
         blk = lb.parts["block"]
         rc = {"none": 0.0, "selective": blk.core_fwd_s, "full": blk.fwd_compute_s}[cfg.recompute]   # not "partial"
         t_stage = (sol.summary.objective_s + sol.summary.count * rc) / cfg.pp
@@ -423,9 +439,10 @@ def _build_plan(s: _Searcher, ev: Evaluation, sol: AxisSolution, seq_len, solve_
                            int(s.budget)),
         dtype=s.dtype, global_batch=s.global_batch, seq_len=seq_len,
         dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, sequence_parallel=cfg.sp, zero_stage=cfg.zero,
+        context_parallel=cfg.cp, context_parallel_mode=cfg.cp_mode,
         pipeline_schedule=cfg.schedule, virtual_stages=cfg.v,
         micro_batch_size=cfg.mbs, num_micro_batches=cfg.m, offload="none", **_recompute_fields(full),
-        mesh_axes=("dp", "tp"), mesh_shape=(cfg.dp, cfg.tp), strategies=tuple(strategies), stages=stages,
+        mesh_axes=(DATA, TENSOR), mesh_shape=(cfg.data, cfg.tp), strategies=tuple(strategies), stages=stages,
         step_time=full.step, memory=full.memory, model_flops_per_step=model_flops(s.graph, s.global_batch),
         solve_time_s=solve_time_s, forced=s.force.items(), notes=tuple(notes))
 

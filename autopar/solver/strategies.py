@@ -176,16 +176,28 @@ def elem_bytes(dtype: str, plan_dtype: str) -> int:
     return DTYPE_BYTES[plan_dtype] if dtype in FLOAT_DTYPES else DTYPE_BYTES[dtype]
 
 
-def scaled_metas(facts: GraphFacts, mbs: int, plan_dtype: str) -> dict[str, tuple[TensorMeta, ...]]:
-    """Output metas at micro-batch ``mbs``: batch-role dims scaled by mbs / traced batch; float
-    dtypes replaced by the plan dtype."""
+def token_dims(facts: GraphFacts, key: str, shape: tuple[int, ...]) -> frozenset[int]:
+    """Dims of a node's output that hold tokens, which context parallelism splits: its sequence
+    dims, and batch dims that flatten batch and sequence (size a multiple of batch x seq_len)."""
+    sd = facts.seq_dims.get(key, frozenset())
+    tokens = facts.graph.batch_size * (facts.seq_len or 0)
+    flat = frozenset(d for d in facts.batch_dims.get(key, ()) if tokens and d < len(shape)
+                     and shape[d] >= tokens and shape[d] % tokens == 0)
+    return sd | flat
+
+
+def scaled_metas(facts: GraphFacts, mbs: int, plan_dtype: str, cp: int = 1) -> dict[str, tuple[TensorMeta, ...]]:
+    """Output metas at micro-batch ``mbs``: batch-role dims scaled by mbs / traced batch; token
+    dims divided by the context-parallel degree ``cp``; float dtypes replaced by the plan dtype."""
     b0 = facts.graph.batch_size
     out = {}
     for n in tensor_nodes(facts.graph):
         bd = facts.batch_dims.get(n.key, frozenset())
         metas = []
         for m in n.outputs:
+            td = token_dims(facts, n.key, m.shape) if cp > 1 else frozenset()
             shape = tuple(max(1, (s * mbs) // b0) if d in bd else s for d, s in enumerate(m.shape))
+            shape = tuple(max(1, s // cp) if d in td else s for d, s in enumerate(shape))
             dtype = plan_dtype if m.dtype in FLOAT_DTYPES else m.dtype
             metas.append(TensorMeta(shape, dtype))
         out[n.key] = tuple(metas)

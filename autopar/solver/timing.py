@@ -76,11 +76,19 @@ class OuterConfig:
     # "partial": the first ``recompute_layers`` layers of each pipeline rank recompute in full, the
     # others keep their activations; None: not chosen yet (``evaluate`` picks the fewest that fit)
     recompute_layers: Optional[int] = None
+    cp: int = 1                # context-parallel ranks per sequence (``solver/context.py``)
+    cp_mode: str = "none"      # "ring" | "ulysses" when cp > 1
+
+    @property
+    def data(self) -> int:
+        """Ranks that hold the same parameters and split the tokens: dp x cp (gradient sync, ZeRO)."""
+        return self.dp * self.cp
 
     def short(self) -> str:
         pipe = f", schedule={self.schedule}" + (f", vpp={self.v}" if self.v > 1 else "") if self.pp > 1 else ""
         rc = self.recompute + (f":{self.recompute_layers}" if self.recompute_layers is not None else "")
-        return (f"tp={self.tp}, pp={self.pp}, dp={self.dp}, mbs={self.mbs}, zero={self.zero}, "
+        ctx = f", cp={self.cp} ({self.cp_mode})" if self.cp > 1 else ""
+        return (f"tp={self.tp}, pp={self.pp}, dp={self.dp}{ctx}, mbs={self.mbs}, zero={self.zero}, "
                 f"recompute={rc}, sp={'on' if self.sp else 'off'}{pipe}")
 
 
@@ -254,7 +262,7 @@ def _linear_terms(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfil
 
 def _state_bytes_per_param(cfg: OuterConfig, profile: RuntimeProfile) -> float:
     n = 1_000_000
-    return sum(model_state_bytes(n, cfg.dp, cfg.zero, param_bytes=PARAM_BYTES, grad_bytes=profile.grad_bytes).values()) / n
+    return sum(model_state_bytes(n, cfg.data, cfg.zero, param_bytes=PARAM_BYTES, grad_bytes=profile.grad_bytes).values()) / n
 
 
 def _memory_affine(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile, rate: float, act: float):
@@ -364,7 +372,7 @@ def step_time_lower_bound(summary: AxisSummary, cfg: OuterConfig, cluster: Clust
         else:
             ends = a * v + max(e_pre, e_post)
         t = max(mean, ends)
-        p2p = 2 * v * collective_s("p2p", summary.layer_input_bytes, 2, stage_link(cluster, cfg.dp * cfg.tp))
+        p2p = 2 * v * collective_s("p2p", summary.layer_input_bytes, 2, stage_link(cluster, cfg.data * cfg.tp))
     return max(0.0, (cfg.m + pipeline_bubble_units(p, cfg.m, cfg.schedule, v)) * (t + p2p) * (1.0 - 1e-9))
 
 
@@ -420,7 +428,7 @@ def evaluate(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profi
 def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profile: RuntimeProfile,
                r: int, lps: int) -> StageEval:
     gpu = cluster.gpu
-    dp_link = axis_link(cluster, (cfg.dp, cfg.tp), 0)
+    dp_link = axis_link(cluster, (cfg.data, cfg.tp), 0)     # dp x cp ranks sync gradients
     blk = summary.parts["block"]
     first, last = rank_holds(cfg, r)
     parts = rank_parts(summary, lps, first, last)
@@ -441,17 +449,17 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
         recompute = 0.0
     if cfg.pp > 1:
         # each of the rank's v stages receives its input and sends its output's gradient back
-        pp_link = stage_link(cluster, cfg.dp * cfg.tp)
+        pp_link = stage_link(cluster, cfg.data * cfg.tp)
         comm["pp:p2p"] = 2 * cfg.v * collective_s("p2p", summary.layer_input_bytes, 2, pp_link)
     numel = sum(c * p.param_numel for p, c, _ in parts) + (summary.shared_param_numel if (first or last) else 0.0)
     grad_b = numel * profile.grad_bytes
     param_b = numel * PARAM_BYTES
     dp_sync: dict = {}
-    if cfg.dp > 1:
-        rs = collective_s("reduce_scatter", grad_b, cfg.dp, dp_link)
-        ag = collective_s("all_gather", param_b, cfg.dp, dp_link)
+    if cfg.data > 1:
+        rs = collective_s("reduce_scatter", grad_b, cfg.data, dp_link)
+        ag = collective_s("all_gather", param_b, cfg.data, dp_link)
         if cfg.zero == 0:
-            dp_sync["dp:all_reduce"] = _exposed(collective_s("all_reduce", grad_b, cfg.dp, dp_link), win_b,
+            dp_sync["dp:all_reduce"] = _exposed(collective_s("all_reduce", grad_b, cfg.data, dp_link), win_b,
                                                 profile.grad_reduce_overlap)
         elif cfg.zero == 1:
             dp_sync["dp:reduce_scatter"] = _exposed(rs, win_b, profile.grad_reduce_overlap)
@@ -469,7 +477,7 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
     t_stage = compute + recompute + sum(comm.values())
     opt = numel * (OPTIMIZER_BYTES_PER_PARAM + profile.grad_bytes) / (gpu.hbm_Bps * gpu.memory_efficiency)
     if cfg.zero >= 1:
-        opt /= cfg.dp
+        opt /= cfg.data
     mem = _rank_memory(summary, cfg, profile, r, parts, numel, lps)
     inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
     return StageEval(r, t_stage, compute, recompute, comm, dp_sync, opt, mem, numel, lps, first, last, inflight)
@@ -537,14 +545,14 @@ def _other_bytes(summary: AxisSummary, cfg: OuterConfig, lps: Optional[float] = 
         other += blk.saved_bytes
     elif cfg.recompute == "selective":
         other += blk.core_saved_bytes
-    if cfg.zero == 3 and cfg.dp > 1:
-        other += ZERO3_PREFETCH_LAYERS * blk.param_numel * PARAM_BYTES * (1 - 1 / cfg.dp)
+    if cfg.zero == 3 and cfg.data > 1:
+        other += ZERO3_PREFETCH_LAYERS * blk.param_numel * PARAM_BYTES * (1 - 1 / cfg.data)
     return other
 
 
 def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile, r: int, parts, numel: float,
                  lps: float) -> MemoryUse:
-    states = model_state_bytes(int(numel), cfg.dp, cfg.zero, param_bytes=PARAM_BYTES, grad_bytes=profile.grad_bytes)
+    states = model_state_bytes(int(numel), cfg.data, cfg.zero, param_bytes=PARAM_BYTES, grad_bytes=profile.grad_bytes)
     inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
     blk = summary.parts["block"]
     k = recomputed_layers(cfg, lps, for_memory=True)

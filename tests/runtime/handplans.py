@@ -99,16 +99,19 @@ def _name(family: str, s: NodeStrategy, t) -> str:
 
 def hand_plan(graph: GraphIR, *, dp: int, tp: int, family: str = "megatron", zero: int = 0,
               recompute: str = "none", sp: Optional[bool] = None, pp: int = 1, mbs: Optional[int] = None,
-              schedule: Optional[str] = None) -> Plan:
-    """``mbs``: the micro-batch size (default: the whole per-replica batch, one micro-batch)."""
+              schedule: Optional[str] = None, cp: int = 1, cp_mode: str = "ring") -> Plan:
+    """``mbs``: the micro-batch size (default: the whole per-replica batch, one micro-batch);
+    ``cp`` > 1: each sequence (the input's dim 1) split over cp ranks, attention by ``cp_mode``."""
     from autopar.solver.search import plan_model
 
     sp = (family == "megatron_sp") if sp is None else sp
     force = Force(dp=dp, tp=tp, pp=pp, zero_stage=zero, recompute=recompute,
                   sequence_parallel=sp if tp > 1 else None,
-                  micro_batch_size=mbs if mbs is not None else graph.batch_size // dp, schedule=schedule)
-    base = plan_model(graph, resolve_cluster("cpu", nodes=1, gpus_per_node=dp * tp * pp),
-                      global_batch=graph.batch_size, seq_len=None, dtype="float32", force=force)
+                  micro_batch_size=mbs if mbs is not None else graph.batch_size // dp, schedule=schedule,
+                  context_parallel=cp if cp > 1 else None, context_parallel_mode=cp_mode if cp > 1 else None)
+    seq = next(n.out.shape[1] for n in graph.nodes if n.kind == "input") if cp > 1 else None
+    base = plan_model(graph, resolve_cluster("cpu", nodes=1, gpus_per_node=dp * tp * pp * cp),
+                      global_batch=graph.batch_size, seq_len=seq, dtype="float32", force=force)
     if tp == 1:
         return base
     strategies = []

@@ -1,0 +1,116 @@
+"""Context parallelism executed (``codegen/context_run.py``, ``codegen/context_attention.py``):
+plans that split every sequence over cp ranks train on gloo ranks as one process trains the same
+model -- losses, each step's gradients and the final parameters within the fp32 round-off bounds
+of ``bodies.py`` (3 SGD-momentum steps), the forward output reassembled -- and every rank issued
+exactly the predicted collectives, ring or Ulysses traffic on the "cp" axis included.
+
+Cases: ring cp=2 (gpt-tiny, causal, learned positions: ``arange`` replaced by each rank's
+zig-zag positions), ring cp=2 with every layer recomputed (the ring re-runs in the backward),
+Ulysses cp=2 (LLaMA: RoPE tables sliced by the rank's positions), ring cp=2 x Megatron tp=2 (the
+ring carries each rank's heads), and dp=2 x ring cp=2 with ZeRO-1 (gradients reduced over the
+four dp x cp ranks). One launch per world size."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from autopar.codegen.expected import expected_collectives
+from autopar.runtime.launch import spawn_ranks
+from bodies import (BATCH, LLAMA_TINY, build, check_against_reference, check_collectives, reference,
+                    train_jobs)
+from handplans import hand_plan
+
+pytestmark = pytest.mark.slow
+
+# name: (world, hand_plan kwargs, job extras)
+CASES_2 = {
+    "ring": dict(plan=dict(dp=1, tp=1, cp=2, cp_mode="ring"), forward=True),
+    "ring_recompute_full": dict(plan=dict(dp=1, tp=1, cp=2, cp_mode="ring", recompute="full")),
+    "ulysses_llama_rope": dict(plan=dict(dp=1, tp=1, cp=2, cp_mode="ulysses"), spec=LLAMA_TINY, forward=True),
+}
+CASES_4 = {
+    "ring_x_tp_megatron": dict(plan=dict(dp=1, tp=2, cp=2, cp_mode="ring", family="megatron"), forward=True),
+    "dp_x_ring_zero1": dict(plan=dict(dp=2, tp=1, cp=2, cp_mode="ring", zero=1)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _trace(spec: str, folded_by: tuple = ()):
+    """``spec`` traced with every layer at the test batch; ``folded_by`` (dp, cp): at the folded
+    batch the runtime runs (each sequence's zig-zag chunks as rows)."""
+    from autopar.codegen.context_attention import fold
+    from autopar.trace import trace_model
+
+    b = build(False, spec, BATCH)
+    xs, y = b.example_inputs, b.example_target
+    if folded_by:
+        dp, cp = folded_by
+        xs = tuple(fold(x, dp=dp, n=cp, seq_dim=1, order="zigzag") for x in xs)
+        y = fold(y, dp=dp, n=cp, seq_dim=1, order="zigzag")
+    return trace_model(b.module, xs, loss_fn=b.loss_fn, example_target=y, collapse_repeats=False, model_name=spec)
+
+
+def _launch(cases: dict, world: int) -> dict:
+    jobs, plans = [], {}
+    for name, spec in cases.items():
+        plans[name] = hand_plan(_trace(spec.get("spec", "gpt-tiny")), **spec["plan"])
+        job = {k: v for k, v in spec.items() if k != "plan"}
+        job["plan"] = plans[name].to_json()
+        jobs.append(job)
+    per_rank = spawn_ranks(train_jobs, world, (jobs,), timeout_s=90)
+    return {name: ([per_rank[r][i] for r in range(world)], plans[name], cases[name])
+            for i, name in enumerate(cases)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return _launch(CASES_2, 2)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return _launch(CASES_4, 4)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(spec: str):
+    return reference(False, 0, spec)
+
+
+def _check(results, plan, spec):
+    model = spec.get("spec", "gpt-tiny")
+    assert plan.context_parallel == 2 and plan.mesh.size_of("cp") == 2
+    check_against_reference(results, _reference(model))
+    folded = _trace(model, (plan.dp, plan.context_parallel))
+    check_collectives(results, lambda tp_rank: expected_collectives(folded, plan, tp_rank=tp_rank))
+    for res in results:                # the cp axis really carried attention's exchange
+        assert any(k[1] == "cp" and k[0] == "all_to_all" for k in res["issued"]), res["issued"][:5]
+
+
+@pytest.mark.parametrize("case", list(CASES_2))
+def test_two_ranks(case, two_ranks):
+    _check(*two_ranks[case])
+
+
+@pytest.mark.parametrize("case", list(CASES_4))
+def test_four_ranks(case, four_ranks):
+    _check(*four_ranks[case])
+
+
+def test_axes_carry_their_traffic(two_ranks, four_ranks):
+    """Ring sends K|V blocks (all_to_all, one per rotation); Ulysses trades heads (two
+    all_to_alls forward); tp all-reduces its row-parallel outputs; dp x cp reduces gradients."""
+    from bodies import STEPS
+
+    ring = [k for k in two_ranks["ring"][0][0]["issued"] if k[1] == "cp"]
+    layers = 2
+    # per layer and step: 1 rotation forward (cp - 1), 3 backward (K|V once, dK|dV twice)
+    assert sum(k[3] == "forward" for k in ring) == layers * STEPS
+    assert sum(k[3] == "backward" for k in ring) == 3 * layers * STEPS
+    uly = [k for k in two_ranks["ulysses_llama_rope"][0][0]["issued"] if k[1] == "cp"]
+    assert sum(k[3] == "forward" for k in uly) == 2 * layers * STEPS
+    axes = {k[1] for k in four_ranks["ring_x_tp_megatron"][0][0]["issued"]}
+    assert {"cp", "tp"} <= axes
+    dp = [k for k in four_ranks["dp_x_ring_zero1"][0][0]["issued"] if k[1] == "dp"]
+    assert {k[0] for k in dp if k[3] == "step"} == {"all_reduce", "all_gather"}      # ZeRO-1: buckets, then params
