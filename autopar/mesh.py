@@ -8,6 +8,8 @@ Plan, codegen and runtime share this vocabulary; nothing below the Plan spells a
     mesh.inside_node("tp")      # True: tp's groups span 2 adjacent ranks of a 4-rank node
     mesh.drop("pp")             # the mesh of one pipeline stage: ("dp", "tp"), (2, 2)
 
+    Mesh(("dp", "cp", "tp"), (2, 2, 2)).fold("cp", into="dp")   # ("dp", "tp"), (4, 2): the graph's mesh
+
 Axis roles: the names below are the roles the planner gives axes. Code that needs the axis that
 carries the batch asks for ``DATA`` by name, so a mesh that lacks it (a size-1 axis) still reads.
 """

@@ -51,7 +51,7 @@ SUMMARY_KEYS = (
     "data_parallel", "tensor_parallel", "pipeline_parallel", "sequence_parallel", "zero_stage",
     "micro_batch_size", "num_micro_batches", "recompute", "offload", "estimated_step_time_s",
     "estimated_tflops_per_gpu", "peak_memory_bytes_per_gpu", "solve_time_s", "pipeline_schedule",
-    "virtual_stages", "recompute_layers", "context_parallel", "context_parallel_mode",
+    "virtual_stages", "recompute_layers", "context_parallel", "context_parallel_mode", "tensor_parallel_mode",
 )
 
 
@@ -244,6 +244,9 @@ class Plan:
             "recompute_layers": self.recompute_layers,
             "context_parallel": self.context_parallel,
             "context_parallel_mode": self.context_parallel_mode,
+            # the tensor-parallel family: Megatron 1-D is the one the search has (2-D/2.5-D/3-D are
+            # costed in cost/tensor_parallel.py, not searched)
+            "tensor_parallel_mode": "1d",
         }
 
     def recomputed_layers(self) -> Optional[frozenset[int]]:

@@ -72,12 +72,13 @@ def _profile_rank(rank: int, world: int, model: str, plan_json: Optional[str], f
 def predicted_collective_s(plan, cluster, kind: str, axis: str, nbytes: int) -> float:
     """The cost model's time of one collective of ``kind`` on mesh ``axis`` (``cost/collectives``)."""
     from autopar.cost.collectives import COLLECTIVE_KINDS, axis_link, collective_s, stage_link
-    from autopar.mesh import PIPELINE
+    from autopar.mesh import CONTEXT, PIPELINE
 
     kind = _P2P.get(kind, kind)
     if axis == PIPELINE:
-        return collective_s("p2p", nbytes, 2, stage_link(cluster, plan.dp * plan.tp))
-    stage = plan.stage_mesh
+        return collective_s("p2p", nbytes, 2, stage_link(cluster, plan.stage_mesh.size))
+    # the cp axis is the whole mesh's; the DATA axis the graph's mesh (dp x cp ranks)
+    stage = plan.mesh.drop(PIPELINE) if axis == CONTEXT else plan.stage_mesh
     if axis not in stage.axes or kind not in COLLECTIVE_KINDS:
         return float("nan")
     i = stage.axes.index(axis)

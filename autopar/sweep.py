@@ -49,6 +49,8 @@ class SweepRow:
     dp: Optional[int] = None
     tp: Optional[int] = None
     pp: Optional[int] = None
+    cp: Optional[int] = None    # context parallel (cp_mode: "ring" / "ulysses" / "none")
+    cp_mode: Optional[str] = None
     zero: Optional[int] = None
     sp: Optional[str] = None    # "on" / "off"
     mbs: Optional[int] = None
@@ -79,7 +81,8 @@ class SweepRow:
         """"tp8 pp2 dp4" (" z3" with ZeRO), or "" for an error row."""
         if self.error or self.dp is None:
             return ""
-        return f"tp{self.tp} pp{self.pp} dp{self.dp}" + (f" z{self.zero}" if self.zero else "")
+        return (f"tp{self.tp} pp{self.pp} dp{self.dp}" + (f" cp{self.cp}" if self.cp and self.cp > 1 else "")
+                + (f" z{self.zero}" if self.zero else ""))
 
 
 COLUMNS = tuple(f.name for f in dataclasses.fields(SweepRow))
@@ -182,7 +185,7 @@ def row_from_plan(plan, model: str, config: str, gpus: int) -> SweepRow:
     return SweepRow(
         model=model, gpus=gpus, nodes=c.nodes, gpus_per_node=c.gpus_per_node, gpu=c.gpu, config=config,
         dtype=plan.dtype, global_batch=plan.global_batch, seq_len=plan.seq_len, dp=plan.dp, tp=plan.tp,
-        pp=plan.pp, zero=plan.zero_stage, sp="on" if plan.sequence_parallel else "off",
+        pp=plan.pp, cp=plan.context_parallel, cp_mode=plan.context_parallel_mode, zero=plan.zero_stage, sp="on" if plan.sequence_parallel else "off",
         mbs=plan.micro_batch_size, micro_batches=plan.num_micro_batches, recompute=plan.recompute,
         offload=plan.offload, schedule=plan.pipeline_schedule if plan.pp > 1 else "-",
         virtual_stages=plan.virtual_stages, step_time_s=s["estimated_step_time_s"],

@@ -414,6 +414,10 @@ def emit_plan(plan, stage: Optional[int] = None) -> list[tuple[str, fx.GraphModu
     from autopar.models import build_model
     from autopar.trace import trace_model
 
+    if plan.context_parallel > 1:
+        raise ValueError(f"the generated modules do not cover context parallelism yet (the plan has cp="
+                         f"{plan.context_parallel}); `autopar inspect` without --code shows the plan, and the "
+                         "runtime runs it")
     n = len(plan.stages) if plan.pp > 1 else 1
     if stage is not None and not 0 <= stage < n:
         raise ValueError(f"--stage {stage} is out of range: the plan has {n} stage{'s' if n > 1 else ''} (0..{n - 1})")

@@ -343,7 +343,9 @@ def plan_evaluation(plan, graph, cluster=None):
                   num_micro_batches=plan.num_micro_batches, zero_stage=plan.zero_stage,
                   recompute=plan.recompute, sequence_parallel=plan.sequence_parallel,
                   schedule=plan.pipeline_schedule if plan.pp > 1 else None,
-                  virtual_stages=plan.virtual_stages if plan.pp > 1 else None)
+                  virtual_stages=plan.virtual_stages if plan.pp > 1 else None,
+                  context_parallel=plan.context_parallel,
+                  context_parallel_mode=plan.context_parallel_mode if plan.context_parallel > 1 else None)
     res = solve(graph, cluster, global_batch=plan.global_batch, seq_len=plan.seq_len, dtype=plan.dtype,
                 memory_budget_bytes=plan.cluster.memory_budget_bytes, force=force)
     cfg = res.evaluation.config
@@ -408,7 +410,7 @@ def compare_ranks(plan, graph, measured: list[dict], param_dtype: str, optimizer
     """Measured (``measure_step``'s ``StepMemory`` as a dict, one per global rank) next to the
     prediction for that rank's pipeline rank (global rank = pp rank x ranks per stage)."""
     ev, summary = plan_evaluation(plan, graph)
-    per_stage = plan.dp * plan.tp
+    per_stage = plan.stage_mesh.size
     rows = []
     for rank, m in enumerate(measured):
         predicted = predict_memory(ev, summary, rank // per_stage, param_dtype, optimizer)

@@ -31,6 +31,8 @@ the node/edge runs per micro-batch in the whole model (the block's multiplicity)
         micro-batches x layers (0 for what recompute drops); B = budget - workspace.
 
     c[v,s]   forward + backward compute (roofline, compute split 1/t when sharded) + in-op comm
+             (under context parallelism cp: tokens and their compute split 1/cp, and attention's
+             exposed ring rotations or Ulysses all-to-alls, ``context.attention_comm``)
     r[e,a,b] forward reshard of u's output to v's input placement + backward reshard of v's input
              gradient to u's output-gradient placement (+ re-gather of a saved sharded input),
              after the runtime's overlap (problem.py, reshard.py)
@@ -42,7 +44,8 @@ nodes eliminated exactly (``ilp.eliminate``; replayed afterwards). Solver: HiGHS
 
 The outer search and the pipeline (``search``, ``timing``; formulas in ``cost.flops`` and ``cost.memory``)
 ----------------------------------------------------------------------------------------------------------
-For each (tp, pp, dp, mbs, ZeRO, recompute, sp) and, when pp > 1, each schedule s with its stages
+For each (tp, pp, dp, mbs, ZeRO, recompute, sp, cp with its kind: ``context.cp_choices``) and,
+when pp > 1, each schedule s with its stages
 per rank v -- gpipe, 1f1b (v = 1); interleaved_1f1b, interleaved_zb (v = 2, 4, ... with pp v <= L);
 zbv, dualpipev (v = 2) -- that torch can run with m micro-batches (m >= pp; interleaved
 m % max(1, m // pp) = 0; dualpipev m >= 2 pp), the rank cut n_0..n_{pp-1} (layers per rank,

@@ -227,9 +227,9 @@ class _Searcher:
         problem = context_problem(self.facts)
         check_context_force(self.force, self.facts, problem)
 
-        def cp_options(rest: int, tp: int) -> list:
-            return cp_choices(self.facts, rest, tp, self.force.context_parallel, self.force.context_parallel_mode,
-                              problem)
+        def cp_options(rest: int, tp: int, pp: int) -> list:
+            return cp_choices(self.facts, rest, tp, pp, self.force.context_parallel,
+                              self.force.context_parallel_mode, problem)
 
         configs = outer_configs(self.force, world, layers, len(self.graph.blocks) == 1, self.global_batch,
                                 cp_options)
@@ -505,6 +505,10 @@ def solve(graph: GraphIR, cluster: ClusterSpec, *, global_batch: int, seq_len: O
     t0 = time.perf_counter()
     if global_batch < 1:
         raise PlanningError(f"global_batch must be >= 1, got {global_batch}")
+    if graph.batch_size == 1 and global_batch > 1:
+        raise PlanningError(f"the graph was traced at a batch of 1 row, but the global batch is {global_batch}: a "
+                            "size-1 dim does not tell the batch apart, so nothing would scale with the micro-batch; "
+                            "trace the model at a batch of 2 or more rows")
     world = cluster.num_gpus
     force = parse_force(force)
     if any(b.traced > 1 for b in graph.blocks):

@@ -60,6 +60,7 @@ class GraphFacts:
     needs_grad: dict                          # key -> bool
     batch_dims: dict                          # key -> frozenset[int]
     seq_dims: dict                            # key -> frozenset[int]
+    token_dims: dict                          # key -> frozenset[int]: seq_dims, through attention too
     inputs: dict                              # key -> tuple[Ref] (NodeInfo.inputs, computed once)
     part: dict                                # op key -> "pre" | "block" | "post"
     param_parts: dict                         # param/buffer key -> frozenset of parts using it
@@ -127,12 +128,20 @@ def graph_facts(graph: GraphIR, seq_len: Optional[int]) -> GraphFacts:
             param_parts[n.key] = ps or frozenset({"pre"})
 
     facts = GraphFacts(graph, seq_len, nodes, {k: tuple(v) for k, v in consumers.items()}, needs_grad,
-                       {}, {}, inputs, part, param_parts, ())
+                       {}, {}, {}, inputs, part, param_parts, ())
     batch_dims, seq_dims, unknown = _propagate_roles(facts, tnodes)
-    return replace(facts, batch_dims=batch_dims, seq_dims=seq_dims, unknown_targets=tuple(sorted(unknown)))
+    _, token, _ = _propagate_roles(facts, tnodes, through_attention=True) if seq_len else (None, {}, None)
+    return replace(facts, batch_dims=batch_dims, seq_dims=seq_dims, token_dims=token,
+                   unknown_targets=tuple(sorted(unknown)))
 
 
-def _propagate_roles(facts: GraphFacts, tnodes: list[NodeInfo]):
+_SDPA = "aten.scaled_dot_product_attention.default"
+
+
+def _propagate_roles(facts: GraphFacts, tnodes: list[NodeInfo], through_attention: bool = False):
+    """Batch and sequence dims of every tensor node, by the rules' shardings. A causal attention's
+    rule does not shard its queries' sequence (tensor parallelism cannot); ``through_attention``:
+    its output's dim 2 is the queries' sequence all the same (what context parallelism splits)."""
     batch: dict[str, frozenset] = {}
     seq: dict[str, frozenset] = {}
     unknown: set[str] = set()
@@ -164,6 +173,8 @@ def _propagate_roles(facts: GraphFacts, tnodes: list[NodeInfo]):
                         b.add(p.output.dim)
                     if pl.dim in seq.get(ref.key, ()):
                         s.add(p.output.dim)
+        if through_attention and n.target == _SDPA and n.inputs and 2 in seq.get(n.inputs[0].key, ()):
+            s.add(2)
         batch[n.key] = frozenset(b)
         seq[n.key] = frozenset(s)
     return batch, seq, unknown
@@ -176,10 +187,10 @@ def elem_bytes(dtype: str, plan_dtype: str) -> int:
     return DTYPE_BYTES[plan_dtype] if dtype in FLOAT_DTYPES else DTYPE_BYTES[dtype]
 
 
-def token_dims(facts: GraphFacts, key: str, shape: tuple[int, ...]) -> frozenset[int]:
+def token_dims_of(facts: GraphFacts, key: str, shape: tuple[int, ...]) -> frozenset[int]:
     """Dims of a node's output that hold tokens, which context parallelism splits: its sequence
     dims, and batch dims that flatten batch and sequence (size a multiple of batch x seq_len)."""
-    sd = facts.seq_dims.get(key, frozenset())
+    sd = facts.token_dims.get(key, frozenset())
     tokens = facts.graph.batch_size * (facts.seq_len or 0)
     flat = frozenset(d for d in facts.batch_dims.get(key, ()) if tokens and d < len(shape)
                      and shape[d] >= tokens and shape[d] % tokens == 0)
@@ -195,7 +206,7 @@ def scaled_metas(facts: GraphFacts, mbs: int, plan_dtype: str, cp: int = 1) -> d
         bd = facts.batch_dims.get(n.key, frozenset())
         metas = []
         for m in n.outputs:
-            td = token_dims(facts, n.key, m.shape) if cp > 1 else frozenset()
+            td = token_dims_of(facts, n.key, m.shape) if cp > 1 else frozenset()
             shape = tuple(max(1, (s * mbs) // b0) if d in bd else s for d, s in enumerate(m.shape))
             shape = tuple(max(1, s // cp) if d in td else s for d, s in enumerate(shape))
             dtype = plan_dtype if m.dtype in FLOAT_DTYPES else m.dtype

@@ -21,7 +21,9 @@ when the runtime profile overlaps it (``runtime_profile.py``):
   1: reduce_scatter(grads) + all_gather(params after the step)    windows: last backward / first forward
   2: reduce_scatter(grads) every micro-batch (in t_stage) + all_gather(params)
   3: all_gather(params) fwd and bwd + reduce_scatter(grads), every micro-batch (in t_stage)
-Gradients are ``profile.grad_bytes`` per element, parameters 2 bytes (bf16/fp16).
+Gradients are ``profile.grad_bytes`` per element, parameters 2 bytes (bf16/fp16). Under context
+parallelism the group that syncs gradients and shards ZeRO state is the dp x cp ranks
+(``OuterConfig.data``): a cp rank holds the same parameters as its dp peers.
 
 Pipeline p2p: each micro-batch sends its activation forward and its gradient backward across
 each of a rank's v stage boundaries (one ``layer_input_bytes`` message each way), not overlapped.
