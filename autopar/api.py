@@ -213,7 +213,7 @@ class ParallelModel:
                 self.reducer.arm(False)                   # reduce() launches every bucket after the schedule
                 self._log.phase = "pipeline"
                 with self._recording():
-                    loss = self._pipeline.step(inputs, targets)
+                    loss = self._pipeline.step(self._folded_micro(inputs), self._folded_micro((targets,))[0])
             else:
                 loss = self._micro_batches(inputs, targets)
         self._log.phase = "step"
@@ -294,12 +294,20 @@ class ParallelModel:
         """cp > 1: the inputs' sequences in this rank's chunks (``codegen/context_run.py``)."""
         return inputs if self._context is None else tuple(self._context.fold(x) for x in inputs)
 
+    def _folded_micro(self, inputs: tuple) -> tuple:
+        """``_folded`` per micro-batch, concatenated: the pipeline schedule's equal split along the
+        rows then hands each stage one folded micro-batch."""
+        m = self.plan.num_micro_batches
+        if self._context is None:
+            return inputs
+        return tuple(torch.cat([self._context.fold(c) for c in x.chunk(m)]) for x in inputs)
+
     def _forward_pipeline(self, model: nn.Module, inputs: tuple) -> torch.Tensor:
         """``pm(inputs)`` with pp > 1: the forward graph cut into the plan's stages, run in order."""
         if model.training not in self._forwards:
             from autopar.trace import trace_model
 
-            ex = tuple(x.to("cpu") if x.is_meta else x for x in inputs)
+            ex = tuple(x.to("cpu") if x.is_meta else x for x in self._folded(inputs))
             keys = None
             if self.program.local_dp:                # traced at this rank's rows, as the training graph
                 ex = tuple(x[: x.shape[0] // self.program.mesh.size_of(DATA)] for x in ex)
@@ -310,10 +318,11 @@ class ParallelModel:
         graph, program, cut = self._forwards[model.training]
         self._log.phase = "forward"
         with self._recording():
-            return forward_through_stages(
+            out = forward_through_stages(
                 plan=self.plan, cut=cut, graph=graph, program=program, device_mesh=self.device_mesh,
-                stage_mesh=self.mesh, inputs=inputs,
+                stage_mesh=self.mesh, inputs=self._folded(inputs),
                 make_executor=lambda part, want: self._stage_executor(graph, program, part, want))
+            return out if self._context is None else self._context.unfold(out)
 
     def _stage_executor(self, graph, program, part, want) -> GraphExecutor:
         key = (id(graph), part)

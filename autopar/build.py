@@ -207,9 +207,6 @@ def _context(plan: Plan, s: Setup) -> Optional[ContextRun]:
     """cp > 1: this rank's cp group, coordinate and chunk positions (every rank creates the groups)."""
     if plan.context_parallel == 1:
         return None
-    if plan.pp > 1:
-        raise NotImplementedError(f"the plan has pp={plan.pp} and cp={plan.context_parallel}: pipelines do not "
-                                  "run context parallelism yet; re-plan with --force pp=1 or cp=1")
     group, coord = context_group(plan, s.timeout_s)
     return ContextRun.make(group, coord, plan.context_parallel, plan.context_parallel_mode, plan.seq_len,
                            plan.dp, s.device)

@@ -19,7 +19,8 @@ SDPA = "aten.scaled_dot_product_attention.default"
 
 
 def context_collectives(graph: GraphIR, program: RankProgram, cp: int, mode: str,
-                        phases: tuple[str, str] = ("forward", "backward")) -> list:
+                        phases: tuple[str, str] = ("forward", "backward"), part=None) -> list:
+    """``part``: the keys of the nodes that run (a pipeline stage's; all when None)."""
     from autopar.codegen.expected import Collective
 
     if cp <= 1:
@@ -32,7 +33,7 @@ def context_collectives(graph: GraphIR, program: RankProgram, cp: int, mode: str
     fwd, bwd = phases
     out: list = []
     for n in graph.nodes:
-        if n.kind != "op" or n.target != SDPA:
+        if n.kind != "op" or n.target != SDPA or (part is not None and n.key not in part):
             continue
         p = nplan[n.key]
         q, k = (by_key[r.key].outputs[0] for r in n.inputs[:2])

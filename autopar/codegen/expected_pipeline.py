@@ -32,6 +32,7 @@ import dataclasses
 from typing import Collection, Optional
 
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES
+from autopar.codegen.expected_context import context_collectives
 from autopar.codegen.expected import (Collective, _norm, _piece_bytes, param_layouts, part_collectives,
                                       reducer_collectives)
 from autopar.codegen.program import RankProgram, axis_index, compile_program, local_dp_nodes
@@ -88,6 +89,8 @@ def expected_pipeline_collectives(graph: GraphIR, plan: Plan, *, pp_rank: int, c
                                             part={key_of[x] for x in sc.nodes}, received=wire(sc.recv),
                                             phases=(PHASE, PHASE))
         per_micro_batch += _send_redistributions(program, sc.send, key_of, nplan, by_key)
+        per_micro_batch += context_collectives(graph, program, plan.context_parallel, plan.context_parallel_mode,
+                                               phases=(PHASE, PHASE), part={key_of[x] for x in sc.nodes})
     if last in mine:
         per_micro_batch += part_collectives(graph, program, backend=backend, tp_rank=tp_rank, fused=fused,
                                             loss_key=key_of[cut.loss_output], part={key_of[x] for x in cut.loss},

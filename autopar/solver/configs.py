@@ -184,7 +184,7 @@ def _schedules(force: Force, pp: int, layers: int) -> list[tuple[str, int]]:
 
 def outer_configs(force: Force, world: int, layers: int, has_block: bool, global_batch: int,
                   cp_options=None) -> list[OuterConfig]:
-    """Every configuration the forced values allow. ``cp_options(rest, tp, pp)``: the (cp, mode)
+    """Every configuration the forced values allow. ``cp_options(rest, tp)``: the (cp, mode)
     pairs for ``rest`` = dp x cp ranks (``context.cp_choices``; None: cp = 1 only)."""
     tps = [force.tp] if force.tp else _divisors(world)
     pps = [force.pp] if force.pp else [p for p in _divisors(world) if p <= layers and (has_block or p == 1)]
@@ -194,7 +194,7 @@ def outer_configs(force: Force, world: int, layers: int, has_block: bool, global
             if world % (tp * pp):
                 continue
             rest = world // (tp * pp)
-            for cp, cp_mode in (cp_options(rest, tp, pp) if cp_options else [(1, "none")]):
+            for cp, cp_mode in (cp_options(rest, tp) if cp_options else [(1, "none")]):
                 out += _configs_of(force, tp, pp, rest // cp, cp, cp_mode, layers, global_batch)
     return out
 

@@ -109,14 +109,13 @@ def context_problem(facts: GraphFacts) -> Optional[str]:
     return None
 
 
-def cp_choices(facts: GraphFacts, rest: int, tp: int, pp: int, forced_cp: Optional[int],
-               forced_mode: Optional[str], problem: Optional[str]) -> list[tuple[int, str]]:
+def cp_choices(facts: GraphFacts, rest: int, tp: int, forced_cp: Optional[int], forced_mode: Optional[str],
+               problem: Optional[str]) -> list[tuple[int, str]]:
     """(cp, mode) pairs for a configuration whose dp x cp ranks number ``rest``: cp = 1, and when
     the model allows it (``problem`` is None) and the sequence is long (``CP_MIN_FREE_SEQ``) or cp
     is forced, each power-of-two cp dividing ``rest`` whose zig-zag chunks divide the sequence,
-    with ring and (heads / tp divisible by cp) Ulysses. Not with a pipeline (pp > 1): the
-    pipeline runtime does not fold sequences yet, and the planner plans what runs."""
-    if forced_cp == 1 or problem is not None or not facts.seq_len or pp > 1:
+    with ring and (heads / tp divisible by cp) Ulysses."""
+    if forced_cp == 1 or problem is not None or not facts.seq_len:
         return [(1, "none")] if forced_cp in (None, 1) else []
     seq = facts.seq_len
     heads = attention_heads(facts) or 0
@@ -145,9 +144,6 @@ def check_context_force(force, facts: GraphFacts, problem: Optional[str]) -> Non
     what = f"cp={cp}" if cp else f"cpmode={mode}"
     if problem is not None:
         raise PlanningError(f"{what}: {problem}; drop {what}")
-    if force.pp is not None and force.pp > 1:
-        raise PlanningError(f"{what} with pp={force.pp}: pipelines do not run context parallelism yet; "
-                            "force pp=1 or drop cp")
     seq = facts.seq_len
     if cp and seq % (2 * cp):
         raise PlanningError(f"cp={cp} cuts each sequence into 2 x cp = {2 * cp} equal chunks (two per rank, for "

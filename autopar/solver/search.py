@@ -227,9 +227,9 @@ class _Searcher:
         problem = context_problem(self.facts)
         check_context_force(self.force, self.facts, problem)
 
-        def cp_options(rest: int, tp: int, pp: int) -> list:
-            return cp_choices(self.facts, rest, tp, pp, self.force.context_parallel,
-                              self.force.context_parallel_mode, problem)
+        def cp_options(rest: int, tp: int) -> list:
+            return cp_choices(self.facts, rest, tp, self.force.context_parallel, self.force.context_parallel_mode,
+                              problem)
 
         configs = outer_configs(self.force, world, layers, len(self.graph.blocks) == 1, self.global_batch,
                                 cp_options)

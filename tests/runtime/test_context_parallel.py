@@ -7,8 +7,9 @@ exactly the predicted collectives, ring or Ulysses traffic on the "cp" axis incl
 Cases: ring cp=2 and cp=4 (gpt-tiny, causal, learned positions: ``arange`` replaced by each rank's
 zig-zag positions), ring cp=2 with every layer recomputed (the ring re-runs in the backward),
 Ulysses cp=2 (LLaMA: RoPE tables sliced by the rank's positions), ring cp=2 x Megatron tp=2 (the
-ring carries each rank's heads), and dp=2 x ring cp=2 with ZeRO-1 (gradients reduced over the
-four dp x cp ranks). One launch per world size."""
+ring carries each rank's heads), dp=2 x ring cp=2 with ZeRO-1 (gradients reduced over the
+four dp x cp ranks), and pipelines: pp=2 x cp=2, dp=2 x cp=2 x pp=2 (stages fold their micro-
+batches; the first stage replaces the positions). One launch per world size."""
 from __future__ import annotations
 
 import functools
@@ -16,9 +17,10 @@ import functools
 import pytest
 
 from autopar.codegen.expected import expected_collectives
+from autopar.codegen.expected_pipeline import expected_pipeline_collectives
 from autopar.runtime.launch import spawn_ranks
-from bodies import (BATCH, LLAMA_TINY, build, check_against_reference, check_collectives, reference,
-                    train_jobs)
+from bodies import (BATCH, LLAMA_TINY, build, check_against_reference, check_collectives,
+                    check_collectives_per_rank, reference, train_jobs)
 from handplans import hand_plan
 
 pytestmark = pytest.mark.slow
@@ -31,31 +33,38 @@ CASES_2 = {
 }
 CASES_4 = {
     "ring_cp4": dict(plan=dict(dp=1, tp=1, cp=4, cp_mode="ring"), forward=True),
+    "pp2_x_ring": dict(plan=dict(dp=1, tp=1, pp=2, cp=2, cp_mode="ring", mbs=1), forward=True),
     "ring_x_tp_megatron": dict(plan=dict(dp=1, tp=2, cp=2, cp_mode="ring", family="megatron"), forward=True),
     "dp_x_ring_zero1": dict(plan=dict(dp=2, tp=1, cp=2, cp_mode="ring", zero=1)),
+}
+# the issue's composition: data x context x pipeline parallel (8 ranks)
+CASES_8 = {
+    "dp2_x_ring_x_pp2": dict(plan=dict(dp=2, tp=1, pp=2, cp=2, cp_mode="ring", mbs=1)),
 }
 
 
 @functools.lru_cache(maxsize=None)
-def _trace(spec: str, folded_by: tuple = ()):
-    """``spec`` traced with every layer at the test batch; ``folded_by`` (dp, cp): at the folded
-    batch the runtime runs (each sequence's zig-zag chunks as rows)."""
+def _trace(spec: str, folded_by: tuple = (), rows: int = BATCH, collapse: bool = False):
+    """``spec`` traced at ``rows`` (every layer, or each repeated block once: ``collapse``, how
+    plans are made); ``folded_by`` (dp, cp): at the folded batch the runtime runs (each
+    sequence's zig-zag chunks as rows)."""
     from autopar.codegen.context_attention import fold
     from autopar.trace import trace_model
 
-    b = build(False, spec, BATCH)
+    b = build(False, spec, rows)
     xs, y = b.example_inputs, b.example_target
     if folded_by:
         dp, cp = folded_by
         xs = tuple(fold(x, dp=dp, n=cp, seq_dim=1, order="zigzag") for x in xs)
         y = fold(y, dp=dp, n=cp, seq_dim=1, order="zigzag")
-    return trace_model(b.module, xs, loss_fn=b.loss_fn, example_target=y, collapse_repeats=False, model_name=spec)
+    return trace_model(b.module, xs, loss_fn=b.loss_fn, example_target=y, collapse_repeats=collapse,
+                       model_name=spec)
 
 
 def _launch(cases: dict, world: int) -> dict:
     jobs, plans = [], {}
     for name, spec in cases.items():
-        plans[name] = hand_plan(_trace(spec.get("spec", "gpt-tiny")), **spec["plan"])
+        plans[name] = hand_plan(_trace(spec.get("spec", "gpt-tiny"), collapse=True), **spec["plan"])
         job = {k: v for k, v in spec.items() if k != "plan"}
         job["plan"] = plans[name].to_json()
         jobs.append(job)
@@ -74,6 +83,11 @@ def four_ranks():
     return _launch(CASES_4, 4)
 
 
+@pytest.fixture(scope="module")
+def eight_ranks():
+    return _launch(CASES_8, 8)
+
+
 @functools.lru_cache(maxsize=None)
 def _reference(spec: str):
     return reference(False, 0, spec)
@@ -83,8 +97,12 @@ def _check(results, plan, spec):
     model = spec.get("spec", "gpt-tiny")
     assert plan.context_parallel > 1 and plan.mesh.size_of("cp") == plan.context_parallel
     check_against_reference(results, _reference(model))
-    folded = _trace(model, (plan.dp, plan.context_parallel))
-    check_collectives(results, lambda tp_rank: expected_collectives(folded, plan, tp_rank=tp_rank))
+    folded = _trace(model, (plan.dp, plan.context_parallel), BATCH // plan.num_micro_batches)
+    if plan.pp == 1:
+        check_collectives(results, lambda tp_rank: expected_collectives(folded, plan, tp_rank=tp_rank))
+    else:
+        check_collectives_per_rank(results, lambda res: expected_pipeline_collectives(
+            folded, plan, pp_rank=res["pp_rank"], coord=res["coord"]))
     for res in results:                # the cp axis really carried attention's exchange
         assert any(k[1] == "cp" and k[0] == "all_to_all" for k in res["issued"]), res["issued"][:5]
 
@@ -97,6 +115,11 @@ def test_two_ranks(case, two_ranks):
 @pytest.mark.parametrize("case", list(CASES_4))
 def test_four_ranks(case, four_ranks):
     _check(*four_ranks[case])
+
+
+@pytest.mark.parametrize("case", list(CASES_8))
+def test_eight_ranks(case, eight_ranks):
+    _check(*eight_ranks[case])
 
 
 def test_axes_carry_their_traffic(two_ranks, four_ranks):

@@ -52,11 +52,11 @@ def test_position_sources_are_the_arange_and_the_rope_slices():
 
 def test_free_search_splits_only_long_sequences():
     facts = _facts("gpt-tiny")                             # 32 tokens: below CP_MIN_FREE_SEQ
-    assert cp_choices(facts, 8, 1, 1, None, None, None) == [(1, "none")]
+    assert cp_choices(facts, 8, 1, None, None, None) == [(1, "none")]
     # forced: every kind whose constraints hold (Ulysses: 4 heads over cp=4 ok, over tp=2 x cp=4 not)
-    assert cp_choices(facts, 8, 1, 1, 4, None, None) == [(4, "ring"), (4, "ulysses")]
-    assert cp_choices(facts, 8, 2, 1, 4, None, None) == [(4, "ring")]
-    assert cp_choices(facts, 8, 1, 2, 4, None, None) == []            # no pipeline x cp yet
+    assert cp_choices(facts, 8, 1, 4, None, None) == [(4, "ring"), (4, "ulysses")]
+    assert cp_choices(facts, 8, 2, 4, None, None) == [(4, "ring")]
+    assert cp_choices(facts, 6, 1, 4, None, None) == []               # 4 does not divide 6 ranks
 
 
 def test_token_dims_shrink_by_cp():
@@ -97,7 +97,6 @@ def test_cp_halves_activations_and_adds_the_exchange():
     ("cp=3,tp=1,pp=1", ["2 x cp = 6", "32 tokens", "divisible by 6"]),     # on 6 GPUs
     ("cp=8,cpmode=ulysses,tp=1,pp=1", ["4 heads", "cpmode=ring"]),
     ("cp=1,cpmode=ring", ["needs cp > 1"]),
-    ("cp=2,pp=2", ["pp=2", "force pp=1"]),
 ])
 def test_forced_choices_that_cannot_work_say_what_to_change(force, words):
     with pytest.raises(PlanningError) as e:
