@@ -78,6 +78,9 @@ def context_problem(facts: GraphFacts) -> Optional[str]:
         return "the model has no sequence dim (give --seq-len for a sequence model)"
     if not attention_nodes(g):
         return "the model has no scaled_dot_product_attention to split the sequence around"
+    if g.batch_size == 1:      # a size-1 dim does not tell the batch apart: the folded batch could not be split
+        return ("the model was traced at one sequence, where its batch dim cannot be told apart; give a batch of "
+                "2 or more sequences")
     nodes = [n for n in tensor_nodes(g)]
     tokens: dict[str, bool] = {n.key: any(token_dims_of(facts, n.key, m.shape) for m in n.outputs) for n in nodes}
     target = [n for n in nodes if n.kind == "input" and n.key.startswith("|target|")]
