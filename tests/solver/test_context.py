@@ -124,3 +124,12 @@ def test_a_million_tokens_plan_splits_the_sequence():
                     model_name="llama3-8b")
     plan = plan_model(g, make_cluster("h100", 8, 8), global_batch=64, seq_len=1 << 20)
     assert plan.context_parallel > 1 and plan.tp <= 8, plan.summary()
+
+
+def test_a_one_sequence_trace_cannot_split_its_tokens():
+    """At one sequence the batch dim is a size-1 dim no rule shards, so the folded batch could not
+    be laid out over the dp x cp ranks: forcing cp says to trace more sequences."""
+    g, b = traced("gpt-tiny", batch=1)
+    with pytest.raises(PlanningError, match="traced at one sequence.*2 or more sequences"):
+        plan_model(g, make_cluster("a100-80g", 1, 2), global_batch=1, seq_len=b.seq_len, dtype="bfloat16",
+                   force=parse_force("cp=2"))
