@@ -41,6 +41,12 @@ Local-dp mode (``program.local_dp``, only the DATA axis has size > 1): the graph
 the local batch; nodes run on plain tensors, and only the nodes that reduce over the batch (the
 loss) wrap their plain inputs as DTensors (Shard(0) on DATA) to get the global result.
 
+Context parallelism (``context``, cp > 1; ``context_run.py``): the graph was traced at the folded
+batch (each sequence's chunk as rows); ``scaled_dot_product_attention`` runs through the cp engine
+(ring or Ulysses) and the position sources (``program.positions``) take this rank's positions.
+Values computed from them (``program.positional``) differ across the DATA axis' cp ranks, so their
+gradient summands stay Partial on DATA, as a parameter's do.
+
 Axes: the DeviceMesh has the plan's stage mesh axes in ``program.mesh`` order; the executor finds
 the DATA and TENSOR axes by name (``autopar.mesh``), never by position.
 """
@@ -424,8 +430,9 @@ class GraphExecutor:
         return self._fix_output(out, p, self._param_keep if node.name in self._positional else ())
 
     def _operand(self, p: NodePlan, n: fx.Node, i: int, env, scope) -> tuple:
-        """(value, placements its edge gives it or None, is a parameter) of ``n``, the ``i``-th
-        FX-node argument of the node planned by ``p``."""
+        """(value, placements its edge gives it or None, whether its gradient summand stays
+        Partial on DATA: a parameter, or a value of this cp rank's positions) of ``n``, the
+        ``i``-th FX-node argument of the node planned by ``p``."""
         is_param = isinstance(env[n.name], _ParamRef) or n.name in self._positional
         v = self._value(n, env, scope)
         if self.program.local_dp and not p.dtensor:

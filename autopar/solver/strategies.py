@@ -136,12 +136,30 @@ def graph_facts(graph: GraphIR, seq_len: Optional[int]) -> GraphFacts:
 
 
 _SDPA = "aten.scaled_dot_product_attention.default"
+_RESHAPES = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default")
+
+
+def _through(facts: GraphFacts, n: NodeInfo, seq: dict, metas: dict) -> set[int]:
+    """Sequence dims the rules do not see but context parallelism keeps: a causal attention's
+    output (its queries' sequence, dim 2), and a reshape of tokens (flattened batch x sequence
+    rows, as HF GPT-2's Conv1D makes, or a sequence dim) back to a dim of the sequence's length."""
+    if not n.inputs:
+        return set()
+    src = n.inputs[0].key
+    if n.target == _SDPA:
+        return {2} if 2 in seq.get(src, ()) else set()
+    if n.target in _RESHAPES and facts.seq_len:
+        shape = metas[src][0].shape
+        tokens = facts.graph.batch_size * facts.seq_len
+        if seq.get(src) or (shape and shape[0] == tokens):
+            return {d for d, size in enumerate(n.out.shape) if size == facts.seq_len}
+    return set()
 
 
 def _propagate_roles(facts: GraphFacts, tnodes: list[NodeInfo], through_attention: bool = False):
     """Batch and sequence dims of every tensor node, by the rules' shardings. A causal attention's
     rule does not shard its queries' sequence (tensor parallelism cannot); ``through_attention``:
-    its output's dim 2 is the queries' sequence all the same (what context parallelism splits)."""
+    the sequence as context parallelism splits it, through attention and reshapes (``_through``)."""
     batch: dict[str, frozenset] = {}
     seq: dict[str, frozenset] = {}
     unknown: set[str] = set()
@@ -173,8 +191,8 @@ def _propagate_roles(facts: GraphFacts, tnodes: list[NodeInfo], through_attentio
                         b.add(p.output.dim)
                     if pl.dim in seq.get(ref.key, ()):
                         s.add(p.output.dim)
-        if through_attention and n.target == _SDPA and n.inputs and 2 in seq.get(n.inputs[0].key, ()):
-            s.add(2)
+        if through_attention:
+            s |= _through(facts, n, seq, metas)
         batch[n.key] = frozenset(b)
         seq[n.key] = frozenset(s)
     return batch, seq, unknown

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 from autopar.codegen.expected import expected_collectives
 from autopar.codegen.expected_pipeline import expected_pipeline_collectives
@@ -138,3 +139,39 @@ def test_axes_carry_their_traffic(two_ranks, four_ranks):
     assert {"cp", "tp"} <= axes
     dp = [k for k in four_ranks["dp_x_ring_zero1"][0][0]["issued"] if k[1] == "dp"]
     assert {k[0] for k in dp if k[3] == "step"} == {"all_reduce", "all_gather"}      # ZeRO-1: buckets, then params
+
+
+def _hf_train(rank: int, world: int, force: str) -> dict:
+    from autopar.api import autoparallelize
+    from autopar.models.data import lm_loss
+    import test_hf_models as hf
+
+    out = {}
+    for which in ("llama", "gpt2"):
+        torch.manual_seed(0)
+        data = hf._batches()
+        pm = autoparallelize(hf.BUILDERS[which](), (data[0],), loss_fn=lm_loss, example_target=data[0],
+                             force=force, optimizer=hf._sgd, kernels="off", timeout_s=60)
+        out[which] = {"losses": [pm.step((t,), t) for t in data],
+                      "axes": sorted({(c.kind, c.axis) for c in pm.collectives})}
+    return out
+
+
+def test_huggingface_models_split_their_sequences():
+    """HF LLaMA (rotary positions from ``arange``, its causal mask folded to is_causal) and HF GPT-2
+    (learned positions; Conv1D flattens batch x sequence and back) plan and train with ring cp=2
+    as one process trains them."""
+    hf = pytest.importorskip("test_hf_models")
+    from autopar.models.data import lm_loss
+    from bodies import RTOL_LOSS
+    from one_process import one_process_losses
+
+    res = spawn_ranks(_hf_train, 2, ("cp=2,cpmode=ring,tp=1,pp=1",), timeout_s=120)
+    for which in ("llama", "gpt2"):
+        torch.manual_seed(0)
+        ref = one_process_losses(hf.BUILDERS[which](), hf._batches(), lm_loss, hf._sgd,
+                                 forward=lambda m, t: m(t).logits)
+        for r in res:
+            got = r[which]["losses"]
+            assert all(abs(a - b) <= RTOL_LOSS * abs(b) for a, b in zip(got, ref)), (which, got, ref)
+            assert ("all_to_all", "cp") in {tuple(k) for k in r[which]["axes"]}
