@@ -82,7 +82,10 @@ def predicted_collective_s(plan, cluster, kind: str, axis: str, nbytes: int) -> 
     if axis not in stage.axes or kind not in COLLECTIVE_KINDS:
         return float("nan")
     i = stage.axes.index(axis)
-    return collective_s(kind, nbytes, stage.shape[i], axis_link(cluster, tuple(stage.shape), i))
+    link = axis_link(cluster, tuple(stage.shape), i)
+    if axis == CONTEXT and plan.context_parallel_mode == "ring":
+        return collective_s("p2p", nbytes, 2, link)   # a ring rotation: the whole buffer to the next rank
+    return collective_s(kind, nbytes, stage.shape[i], link)
 
 
 def summarize(plan, cluster, profiles: list[dict], nodes: Optional[list[int]] = None) -> dict:

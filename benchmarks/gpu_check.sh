@@ -3,7 +3,7 @@
 #   tests: 1. kernel tests compiled for the device (not the interpreter), few hypothesis examples;
 #          2. the attention tests twice, with host-side and with device-side TMA descriptors
 #             (AUTOPAR_ATTENTION_DESC, see kernels/attention.py); the later steps use the mode
-#             that passed (host when both did);
+#             that passed (host when both did); then ring attention's blocks on CUDA's flash op;
 #   bench: 3. the kernel benchmark (Triton vs eager vs torch.compile, % of measured ceilings, the
 #             config the autotuner picked per kernel);
 #          4. fused-kernel substitution in a training step, GPT and LLaMA (fused_step_gpu.py);
@@ -46,6 +46,10 @@ if [[ "$STAGE" != bench ]]; then
     echo "attention tests ($mode descriptors) exit: ${attn_rc[$mode]}" | tee -a "$OUT/attention_$mode.log"
   done
   if [[ ${attn_rc[host]} -ne 0 && ${attn_rc[device]} -eq 0 ]]; then echo device; else echo host; fi > "$OUT/attention_desc.txt"
+  # ring attention's blocks on the CUDA flash op with global statistics (one process)
+  timeout "${CP_TIMEOUT:-60}" python3 -m pytest tests/runtime/test_context_attention.py -q -m gpu \
+    -p no:cacheprovider --tb=short "${PYTEST_DRY[@]}" 2>&1 | tee "$OUT/context_attention.log"
+  echo "context-parallel attention tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/context_attention.log"
 fi
 
 if [[ "$STAGE" != tests ]]; then

@@ -32,9 +32,13 @@ in n groups of H/n; q, k, v travel in one buffer):
   forward:  all_to_all of q|k|v (3E elements, q.dtype), then all_to_all of the output (E elements)
   backward: all_to_all of dOut (E elements), then all_to_all of dq|dk|dv (3E elements)
 
-Compute: ring attention works in fp32 (block scores, log-sum-exp merge, FlashAttention-2 backward
-with the saved global lse), skips K/V blocks whose every key is after every local query, and returns
-q.dtype. Ulysses un-permutes the gathered sequence to natural order and calls
+Compute: ring attention runs each block through torch's flash attention op (the CPU kernel, and
+on CUDA the FlashAttention-2 kernel for fp16/bf16), split into the pieces a causal chunk layout makes
+(keys all before the queries, or the causal diagonal of one piece: ``_pairs``), so no block's
+scores are ever materialized; other layouts and dtypes use plain fp32 math with an explicit mask.
+Partial results merge by log-sum-exp in fp32; the backward runs the kernels' backward per block
+with the saved global output and lse (exact per key block); blocks whose every key is after every
+local query are skipped; the output is q.dtype. Ulysses un-permutes the gathered sequence to natural order and calls
 ``F.scaled_dot_product_attention(is_causal=causal)`` in q.dtype.
 """
 from __future__ import annotations
@@ -202,6 +206,79 @@ def _block_mask(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool):
     return kpos.view(1, -1) > qpos.view(-1, 1), False
 
 
+def _runs(pos: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive positions: (local start, length, first position)."""
+    p = pos.tolist()
+    out, start = [], 0
+    for i in range(1, len(p) + 1):
+        if i == len(p) or p[i] != p[i - 1] + 1:
+            out.append((start, i - start, p[start]))
+            start = i
+    return out
+
+
+def _pairs(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool) -> Optional[list]:
+    """The block as pieces a flash kernel runs whole: (q slice, k slice, is_causal) per pair of
+    position runs that attend -- all keys before the queries (full), or the same run (the causal
+    diagonal) -- or None when some pair is partly masked otherwise (then the masked reference)."""
+    if not causal:
+        return [(slice(None), slice(None), False)]
+    out = []
+    for qs, ql, qp in _runs(qpos):
+        for ks, kl, kp in _runs(kpos):
+            if kp + kl - 1 < qp:
+                out.append((slice(qs, qs + ql), slice(ks, ks + kl), False))
+            elif kp == qp and kl == ql:
+                out.append((slice(qs, qs + ql), slice(ks, ks + kl), True))
+            elif kp <= qp + ql - 1:
+                return None                       # partly masked: not a kernel shape
+    return out
+
+
+def _flash(q: torch.Tensor) -> Optional[str]:
+    """Which memory-efficient attention op runs blocks of ``q``'s device and dtype (None: the
+    plain masked math): torch's flash attention on CPU, and on CUDA for 16-bit inputs."""
+    if q.device.type == "cpu":
+        return "cpu"
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+        return "cuda"
+    return None
+
+
+def _flash_forward(kind: str, q, k, v, causal: bool, scale: float):
+    """(out, lse fp32) of one block by torch's flash attention op."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if kind == "cpu":
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    else:
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)[:2]
+    return o.float(), lse.float()
+
+
+def _flash_backward(kind: str, do, q, k, v, out, lse, causal: bool, scale: float):
+    """(dq, dk, dv) of one block given the WHOLE attention's output and log-sum-exp of these
+    queries (FlashAttention's backward is exact per key block with the global statistics)."""
+    do, q, k, v, out = (x.contiguous() for x in (do, q, k, v, out))
+    if kind == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale)
+    b, h, tq, _ = q.shape
+    cq = torch.arange(0, (b + 1) * tq, tq, dtype=torch.int32, device=q.device)
+    ck = torch.arange(0, (b + 1) * k.shape[2], k.shape[2], dtype=torch.int32, device=q.device)
+    zero = torch.zeros((), dtype=torch.int64, device=q.device)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        do, q, k, v, out, lse.contiguous(), cq, ck, tq, k.shape[2], 0.0, causal, zero, zero, scale=scale)
+
+
+def _merge(out, lse, rows, bout, blse):
+    """Fold a block's (out, lse) for query ``rows`` into the running fp32 (out, lse)."""
+    o, l = out[:, :, rows], lse[:, :, rows]
+    new = torch.logaddexp(l, blse)
+    safe = _finite(new)
+    out[:, :, rows] = o * torch.exp(l - safe).unsqueeze(-1) + bout * torch.exp(blse - safe).unsqueeze(-1)
+    lse[:, :, rows] = new
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, rank, n, qpos, kv_positions, causal, scale):
@@ -210,11 +287,18 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.cat([k.reshape(-1), v.reshape(-1)])
+        kind = _flash(q)
         for i in range(n):
             nxt = _rotate(kv, group, rank, n) if i < n - 1 else None     # prefetch the next block
             src = (rank - i) % n
             mask, skip = _block_mask(qpos, kv_positions[src], causal)
-            if not skip:
+            pairs = _pairs(qpos, kv_positions[src], causal) if kind and not skip else None
+            if pairs is not None:
+                kb, vb = kv.view(2, b, h, tl, d)
+                for qs, ks, diag in pairs:
+                    bout, blse = _flash_forward(kind, q[:, :, qs], kb[:, :, ks], vb[:, :, ks], diag, scale)
+                    _merge(out, lse, qs, bout, blse)
+            elif not skip:
                 kb, vb = kv.float().view(2, b, h, tl, d)
                 s = torch.matmul(qf, kb.transpose(-1, -2)) * scale
                 if mask is not None:
@@ -245,11 +329,23 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.cat([k.reshape(-1), v.reshape(-1)])
         dkv = torch.zeros(kv.numel(), dtype=torch.float32, device=q.device)
+        kind = _flash(q)
         for i in range(n):
             nxt = _rotate(kv, group, rank, n) if i < n - 1 else None
             src = (rank - i) % n
             mask, skip = _block_mask(ctx.qpos, ctx.kv_positions[src], ctx.causal)
-            if not skip:
+            pairs = _pairs(ctx.qpos, ctx.kv_positions[src], ctx.causal) if kind and not skip else None
+            if pairs is not None:
+                kb, vb = kv.view(2, b, h, tl, d)
+                dkb, dvb = dkv.view(2, b, h, tl, d).clone().unbind(0)
+                for qs, ks, diag in pairs:
+                    gq, gk, gv = _flash_backward(kind, dout[:, :, qs], q[:, :, qs], kb[:, :, ks], vb[:, :, ks],
+                                                 out[:, :, qs], lse[:, :, qs], diag, scale)
+                    dq[:, :, qs] += gq.float()
+                    dkb[:, :, ks] += gk.float()
+                    dvb[:, :, ks] += gv.float()
+                dkv = torch.cat([dkb.reshape(-1), dvb.reshape(-1)])
+            elif not skip:
                 kb, vb = kv.float().view(2, b, h, tl, d)
                 s = torch.matmul(qf, kb.transpose(-1, -2)) * scale
                 p = torch.exp(s - lse_safe)

@@ -93,8 +93,10 @@ class CheckpointInfo:
 
 
 def _degrees(summary: dict) -> str:
-    keys = {"pipeline_parallel": "pp", "data_parallel": "dp", "tensor_parallel": "tp", "zero_stage": "zero"}
-    return ",".join(f"{short}={summary[k]}" for k, short in keys.items() if k in summary)
+    keys = {"pipeline_parallel": "pp", "data_parallel": "dp", "context_parallel": "cp", "tensor_parallel": "tp",
+            "zero_stage": "zero"}
+    return ",".join(f"{short}={summary[k]}" for k, short in keys.items()
+                    if k in summary and not (short == "cp" and summary[k] == 1))
 
 
 def _step_dir(directory: str, step: int) -> str:

@@ -77,6 +77,17 @@ def parse_force(spec: "str | dict | Force | None") -> Force:
             if v not in PIPELINE_SCHEDULES:
                 raise ValueError(f"--force schedule={v!r}: choose one of {', '.join(PIPELINE_SCHEDULES)}")
             out["schedule"] = v
+        elif k == "tpmode":
+            from autopar.cost.tensor_parallel import parse_tp_mode
+
+            try:
+                mode = parse_tp_mode(v)
+            except ValueError as e:
+                raise ValueError(f"--force tpmode={v}: {e}") from None
+            if mode != "1d":
+                raise ValueError(f"--force tpmode={v}: the {mode} tensor-parallel family is costed "
+                                 "(autopar/cost/tensor_parallel.py, benchmarks/tp_crossover.py) but not searched "
+                                 "or executed yet; use tpmode=1d (Megatron) or drop tpmode")
         elif k == "cpmode":
             if v not in CONTEXT_MODES:
                 raise ValueError(f"--force cpmode={v!r}: choose one of {', '.join(CONTEXT_MODES)}")
@@ -93,7 +104,7 @@ def parse_force(spec: "str | dict | Force | None") -> Force:
             else:
                 raise ValueError(f"--force sp={v!r}: use on or off")
         else:
-            known = sorted(list(_INT_KEYS) + ["recompute", "offload", "sp", "schedule", "cpmode"])
+            known = sorted(list(_INT_KEYS) + ["recompute", "offload", "sp", "schedule", "cpmode", "tpmode"])
             raise ValueError(f"--force: unknown key {k!r}; known keys: {', '.join(known)}")
     return Force(**out)
 

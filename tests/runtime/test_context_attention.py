@@ -225,3 +225,59 @@ def test_input_errors():
         ring_attention(q, q, q, positions=pos2[0], **{**kw, "all_positions": [pos2[0], pos2[0]]})
     with pytest.raises(ValueError, match="neither a contiguous nor a zig-zag"):
         ring_attention(q, q, q, positions=torch.tensor([0, 2, 4, 6]), **{**kw, "all_positions": None})
+
+
+# ---- the flash-kernel blocks (one process) -----------------------------------------------------
+
+def test_zigzag_blocks_split_into_kernel_pieces():
+    """Rank 0 of cp=2 holds pieces 0 and 3 of 4 (of 2 tokens each): against its own K/V the
+    pieces attend as diagonal, full (3 after 0) and diagonal; against rank 1's pieces 1 and 2,
+    piece 0 sees nothing and piece 3 sees both in full. Keys that start inside a query run without
+    being it are no kernel shape (the masked math runs them)."""
+    from autopar.codegen.context_attention import _pairs, chunk_positions
+
+    p0, p1 = chunk_positions(8, 2, 0, "zigzag"), chunk_positions(8, 2, 1, "zigzag")
+    assert p0.tolist() == [0, 1, 6, 7] and p1.tolist() == [2, 3, 4, 5]
+    own = [(q.start, q.stop, k.start, k.stop, diag) for q, k, diag in _pairs(p0, p0, True)]
+    assert own == [(0, 2, 0, 2, True), (2, 4, 0, 2, False), (2, 4, 2, 4, True)]
+    other = [(q.start, q.stop, k.start, k.stop, diag) for q, k, diag in _pairs(p0, p1, True)]
+    assert other == [(2, 4, 0, 4, False)]
+    assert _pairs(torch.tensor([0, 1, 2, 3]), torch.tensor([1, 2]), True) is None
+    assert _pairs(p0, p1, False) == [(slice(None), slice(None), False)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_flash_blocks_with_global_statistics_give_the_whole_gradients(device):
+    """Per key block, the flash op's backward with the WHOLE attention's output and lse adds up to
+    the whole attention's gradients (what the ring relies on); forward blocks merged by
+    log-sum-exp give the whole output. fp32 on CPU (bound: fp32 round-off of sums of 16 terms),
+    bf16 on CUDA (bound: a few bf16 ulps of the largest entry)."""
+    from autopar.codegen.context_attention import _flash, _flash_backward, _flash_forward, _merge
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 8, 16, generator=g).to(device, dtype).requires_grad_() for _ in range(3))
+    ref = F.scaled_dot_product_attention(q, k, v)
+    do = torch.randn(ref.shape, generator=g).to(device, dtype)
+    ref.backward(do)
+    kind, scale = _flash(q), 0.25
+    assert kind == device
+    out = torch.zeros(q.shape, dtype=torch.float32, device=device)
+    lse = torch.full(q.shape[:3], float("-inf"), device=device)
+    blocks = (slice(0, 4), slice(4, 8))
+    for ks in blocks:
+        _merge(out, lse, slice(None), *_flash_forward(kind, q.detach(), k.detach()[:, :, ks], v.detach()[:, :, ks],
+                                                      False, scale))
+    rtol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out - ref.float()).abs().max() <= rtol * ref.float().abs().max()
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dk, dv = torch.zeros_like(dq), torch.zeros_like(dq)
+    for ks in blocks:
+        a, b, c = _flash_backward(kind, do, q.detach(), k.detach()[:, :, ks], v.detach()[:, :, ks],
+                                  out.to(dtype), lse, False, scale)
+        dq += a.float()
+        dk[:, :, ks] += b.float()
+        dv[:, :, ks] += c.float()
+    for got, want in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
+        assert (got - want.float()).abs().max() <= rtol * want.float().abs().max()

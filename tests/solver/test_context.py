@@ -133,3 +133,13 @@ def test_a_one_sequence_trace_cannot_split_its_tokens():
     with pytest.raises(PlanningError, match="traced at one sequence.*2 or more sequences"):
         plan_model(g, make_cluster("a100-80g", 1, 2), global_batch=1, seq_len=b.seq_len, dtype="bfloat16",
                    force=parse_force("cp=2"))
+
+
+@pytest.mark.parametrize("spec, words", [("tpmode=2d", ["2d tensor-parallel family is costed", "tpmode=1d"]),
+                                         ("tpmode=4d", ["tpmode=4d", "1d, 2d, 2.5d, 3d"])])
+def test_tensor_parallel_modes_other_than_1d_are_refused_by_name(spec, words):
+    assert parse_force("tpmode=1d,tp=2").tp == 2
+    with pytest.raises(ValueError) as e:
+        parse_force(spec)
+    for w in words:
+        assert w in str(e.value), str(e.value)
