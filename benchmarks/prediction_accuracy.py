@@ -4,8 +4,8 @@
 
 Without ``--cluster`` it first runs ``autopar calibrate --nproc N`` (about 1.5 minutes) and plans
 with the file it writes, so the predictions are for this machine. Then a CPU-sized GPT
-(``MODEL``) is profiled (``autopar profile``) under four forced plan families: data parallel,
-tensor x data parallel, pipeline x data parallel, and ZeRO-3. Prints, per family, the step time
+(``MODEL``) is profiled (``autopar profile``) under five forced plan families: data parallel,
+tensor x data parallel, pipeline x data parallel, ZeRO-3, and ring context x data parallel. Prints, per family, the step time
 (measured: per step the slowest rank's wall time, mean over ``--steps``) and the peak memory (the
 largest rank's, measured by category) next to the predictions, and the ratios. Goals from issue
 12: step time within 25%, peak memory within 10%. Figures swing with the machine's load: run it
@@ -23,7 +23,8 @@ sys.path.insert(0, ROOT)
 
 MODEL = "gpt:hidden=256,layers=4,heads=4,vocab=2048,seq=128"
 BATCH = 8
-FAMILIES = {"dp": "dp=4", "tp x dp": "tp=2,dp=2", "pp x dp": "pp=2,dp=2,mbs=2", "dp ZeRO-3": "dp=4,zero=3"}
+FAMILIES = {"dp": "dp=4", "tp x dp": "tp=2,dp=2", "pp x dp": "pp=2,dp=2,mbs=2", "dp ZeRO-3": "dp=4,zero=3",
+            "cp x dp": "cp=2,cpmode=ring,dp=2"}
 
 
 def main() -> int:

@@ -7,7 +7,7 @@ exactly the predicted collectives, ring or Ulysses traffic on the "cp" axis incl
 Cases: ring cp=2 and cp=4 (gpt-tiny, causal, learned positions: ``arange`` replaced by each rank's
 zig-zag positions), ring cp=2 with every layer recomputed (the ring re-runs in the backward),
 Ulysses cp=2 (LLaMA: RoPE tables sliced by the rank's positions), ring cp=2 x Megatron tp=2 (the
-ring carries each rank's heads), dp=2 x ring cp=2 with ZeRO-1 (gradients reduced over the
+ring carries each rank's heads), Ulysses cp=2 x Megatron tp=2 with sequence parallelism, dp=2 x ring cp=2 with ZeRO-1 (gradients reduced over the
 four dp x cp ranks), and pipelines: pp=2 x cp=2, dp=2 x cp=2 x pp=2 (stages fold their micro-
 batches; the first stage replaces the positions). One launch per world size."""
 from __future__ import annotations
@@ -36,6 +36,8 @@ CASES_4 = {
     "ring_cp4": dict(plan=dict(dp=1, tp=1, cp=4, cp_mode="ring"), forward=True),
     "pp2_x_ring": dict(plan=dict(dp=1, tp=1, pp=2, cp=2, cp_mode="ring", mbs=1), forward=True),
     "ring_x_tp_megatron": dict(plan=dict(dp=1, tp=2, cp=2, cp_mode="ring", family="megatron"), forward=True),
+    # sequence parallel on tp splits each rank's chunk once more between attention blocks
+    "ulysses_x_tp_megatron_sp": dict(plan=dict(dp=1, tp=2, cp=2, cp_mode="ulysses", family="megatron_sp")),
     "dp_x_ring_zero1": dict(plan=dict(dp=2, tp=1, cp=2, cp_mode="ring", zero=1)),
 }
 # the issue's composition: data x context x pipeline parallel (8 ranks)
