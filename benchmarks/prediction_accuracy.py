@@ -1,4 +1,4 @@
-"""Predicted vs measured step time and peak memory on this machine, four plan families side by side.
+"""Predicted vs measured step time and peak memory on this machine, five plan families side by side.
 
     python benchmarks/prediction_accuracy.py [--cluster FILE.toml] [--nproc 4] [--steps 3]
 
