@@ -81,7 +81,7 @@ def context_problem(facts: GraphFacts) -> Optional[str]:
     if g.batch_size == 1:      # a size-1 dim does not tell the batch apart: the folded batch could not be split
         return ("the model was traced at one sequence, where its batch dim cannot be told apart; give a batch of "
                 "2 or more sequences")
-    nodes = [n for n in tensor_nodes(g)]
+    nodes = tensor_nodes(g)
     tokens: dict[str, bool] = {n.key: any(token_dims_of(facts, n.key, m.shape) for m in n.outputs) for n in nodes}
     target = [n for n in nodes if n.kind == "input" and n.key.startswith("|target|")]
     if target and not tokens[target[0].key]:
@@ -99,6 +99,9 @@ def context_problem(facts: GraphFacts) -> Optional[str]:
                 return f"attention {n.key} takes an attention mask (context parallelism runs causal or full attention)"
             if _arg(n, 4, 0.0):
                 return f"attention {n.key} uses dropout (context parallelism runs it without)"
+            if dict(n.kwargs).get("enable_gqa") or _arg(n, 7, False):
+                return (f"attention {n.key} uses enable_gqa (context parallelism takes K/V with the queries' "
+                        "heads: repeat them before the call)")
             continue
         if not any(tokens.get(k) for k in ins):
             if n.key not in from_pos and any(seq in m.shape for m in n.outputs) and not tokens[n.key]:
