@@ -281,3 +281,17 @@ def test_flash_blocks_with_global_statistics_give_the_whole_gradients(device):
         dv[:, :, ks] += c.float()
     for got, want in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
         assert (got - want.float()).abs().max() <= rtol * want.float().abs().max()
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_zigzag_balances_causal_work(n):
+    """Every cp rank's queries see the same number of keys under the causal mask with the zig-zag
+    layout (the planner costs causal attention as evenly split); contiguous chunks do not."""
+    t = 16 * n
+
+    def work(order):
+        pos = [chunk_positions(t, n, r, order) for r in range(n)]
+        return [int(sum((p + 1).tolist())) for p in pos]          # query at position i sees i + 1 keys
+
+    assert len(set(work("zigzag"))) == 1 and sum(work("zigzag")) == t * (t + 1) // 2
+    assert len(set(work("contiguous"))) == n
