@@ -28,9 +28,10 @@ from autopar.plan import CONTEXT_MODES
 from autopar.solver.strategies import GraphFacts, tensor_nodes, token_dims_of
 
 SDPA = "aten.scaled_dot_product_attention.default"
-# Sequences shorter than this are not split by a free search: below it the K/V exchange of every
-# layer outweighs what a shorter sequence saves, and data parallelism over more rows is cheaper.
-# A forced cp (``--force cp=N``) is planned at any length the chunks divide.
+# Sequences shorter than this are not split by a free search while the batch has a row per rank
+# for data parallelism: below it the K/V exchange of every layer outweighs what a shorter sequence
+# saves, and data parallelism over more rows is cheaper. With fewer rows than ranks (``rest``) cp
+# is tried at any length; a forced cp (``--force cp=N``) is planned at any length the chunks divide.
 CP_MIN_FREE_SEQ = 16384
 _ARANGE = ("aten.arange.start", "aten.arange.default", "aten.arange.start_step")
 
@@ -116,17 +117,17 @@ def context_problem(facts: GraphFacts) -> Optional[str]:
 
 
 def cp_choices(facts: GraphFacts, rest: int, tp: int, forced_cp: Optional[int], forced_mode: Optional[str],
-               problem: Optional[str]) -> list[tuple[int, str]]:
+               problem: Optional[str], global_batch: Optional[int] = None) -> list[tuple[int, str]]:
     """(cp, mode) pairs for a configuration whose dp x cp ranks number ``rest``: cp = 1, and when
-    the model allows it (``problem`` is None) and the sequence is long (``CP_MIN_FREE_SEQ``) or cp
-    is forced, each power-of-two cp dividing ``rest`` whose zig-zag chunks divide the sequence,
+    the model allows it (``problem`` is None) and the sequence is long (``CP_MIN_FREE_SEQ``), the
+    global batch has fewer rows than ``rest`` or cp is forced, each power-of-two cp dividing ``rest`` whose zig-zag chunks divide the sequence,
     with ring and (heads / tp divisible by cp) Ulysses."""
     if forced_cp == 1 or problem is not None or not facts.seq_len:
         return [(1, "none")] if forced_cp in (None, 1) else []
     seq = facts.seq_len
     heads = attention_heads(facts) or 0
     cps = [forced_cp] if forced_cp else ([c for c in (2, 4, 8, 16, 32, 64) if c <= rest]
-                                         if seq >= CP_MIN_FREE_SEQ else [])
+                                         if seq >= CP_MIN_FREE_SEQ or (global_batch or rest) < rest else [])
     out = [] if forced_cp else [(1, "none")]
     for cp in cps:
         if rest % cp or seq % (2 * cp):

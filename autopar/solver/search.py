@@ -229,7 +229,7 @@ class _Searcher:
 
         def cp_options(rest: int, tp: int) -> list:
             return cp_choices(self.facts, rest, tp, self.force.context_parallel, self.force.context_parallel_mode,
-                              problem)
+                              problem, self.global_batch)
 
         configs = outer_configs(self.force, world, layers, len(self.graph.blocks) == 1, self.global_batch,
                                 cp_options)

@@ -57,6 +57,9 @@ def test_free_search_splits_only_long_sequences():
     assert cp_choices(facts, 8, 1, 4, None, None) == [(4, "ring"), (4, "ulysses")]
     assert cp_choices(facts, 8, 2, 4, None, None) == [(4, "ring")]
     assert cp_choices(facts, 6, 1, 4, None, None) == []               # 4 does not divide 6 ranks
+    # fewer rows than ranks: data parallelism cannot use them all, so cp is tried at any length
+    assert cp_choices(facts, 8, 1, None, None, None, global_batch=2) == [
+        (1, "none"), (2, "ring"), (2, "ulysses"), (4, "ring"), (4, "ulysses"), (8, "ring")]
 
 
 def test_token_dims_shrink_by_cp():
