@@ -147,7 +147,7 @@ def build(s: Setup, example_target: torch.Tensor) -> Built:
     precision = precision_for(plan_.dtype, next(model.parameters()).dtype)
     whole = runtime_mesh(plan_)
     if whole.size != s.world:
-        raise PlanMismatchError(world_size_message(whole, s.world))
+        raise PlanMismatchError(world_size_message(plan_.mesh, s.world))
     check_agreement(plan_, graph.fingerprint)                 # raises on every rank alike
     device_mesh = build_mesh(whole, s.device_type, s.timeout_s)
     context = _context(plan_, s)
