@@ -74,6 +74,7 @@ class RingTraffic:
     block_bytes: float       # one K|V block: 2 b a_kv (s/n) d B
     forward_bytes: float     # per rank sent: (n-1) blocks
     backward_bytes: float    # (n-1) K|V + n dK|dV blocks
+    grad_block_bytes: float = 0.0   # one dK|dV block when it differs (fp32 accumulators); 0: block_bytes
 
     @property
     def total_bytes(self) -> float:
@@ -105,10 +106,12 @@ def ring_time(traffic: RingTraffic, cp: int, link: LinkSpec, fwd_block_compute_s
     """Transfers of the schedule in the module docstring and their exposed part."""
     if cp == 1:
         return RingTime(0.0, 0.0, 0.0, 0.0)
-    one, two = p2p_s(traffic.block_bytes, link), p2p_s(2 * traffic.block_bytes, link)
+    kv, dkv = traffic.block_bytes, traffic.grad_block_bytes or traffic.block_bytes
+    one, grad = p2p_s(kv, link), p2p_s(dkv, link)
     fwd = [one] * (cp - 1)
-    bwd = [one] + [two] * (cp - 2) + [one]             # overlapped with backward steps 0..n-1
-    tail = one                                         # last dK|dV home: nothing left to hide behind
+    # overlapped with backward steps 0..n-1: K|V (step 0), K|V + dK|dV, ..., dK|dV (step n-1)
+    bwd = [one] + [p2p_s(kv + dkv, link)] * (cp - 2) + [grad]
+    tail = grad                                        # last dK|dV home: nothing left to hide behind
     return RingTime(sum(fwd), sum(bwd) + tail,
                     sum(max(0.0, t - fwd_block_compute_s) for t in fwd),
                     sum(max(0.0, t - bwd_block_compute_s) for t in bwd) + tail)

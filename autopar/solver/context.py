@@ -33,6 +33,7 @@ SDPA = "aten.scaled_dot_product_attention.default"
 # saves, and data parallelism over more rows is cheaper. With fewer rows than ranks (``rest``) cp
 # is tried at any length; a forced cp (``--force cp=N``) is planned at any length the chunks divide.
 CP_MIN_FREE_SEQ = 16384
+RING_GRAD_BYTES = 4      # bytes per element of the ring's dK|dV accumulators (fp32, ``context_attention``)
 _ARANGE = ("aten.arange.start", "aten.arange.default", "aten.arange.start_step")
 
 
@@ -165,16 +166,18 @@ def check_context_force(force, facts: GraphFacts, problem: Optional[str]) -> Non
 
 
 def attention_comm(q_bytes: float, kv_bytes: float, out_bytes: float, cp: int, mode: str, fwd_s: float,
-                   bwd_s: float, link) -> tuple[tuple, tuple]:
+                   bwd_s: float, link, elem_bytes: int = 2) -> tuple[tuple, tuple]:
     """Exposed (forward, backward) communication of one attention node of one rank under cp:
     ``(("cp:<kind>", seconds),)`` each, by ``cost/context_parallel.py``'s schedules. Bytes are the
-    rank's local q, k + v and output (its tokens, its tp heads); ``fwd_s`` / ``bwd_s`` its
-    attention compute, which ring rotations overlap block by block."""
+    rank's local q, k + v and output (its tokens, its tp heads) with ``elem_bytes`` per element;
+    ``fwd_s`` / ``bwd_s`` its attention compute, which ring rotations overlap block by block."""
     if cp <= 1:
         return (), ()
     if mode == "ring":
-        t = ring_time(RingTraffic(kv_bytes, (cp - 1) * kv_bytes, (2 * cp - 1) * kv_bytes), cp, link,
-                      fwd_s / cp, bwd_s / cp)
+        # the engine accumulates dK|dV in fp32 on their way around the ring (``context_attention``)
+        grad_block = kv_bytes * RING_GRAD_BYTES / max(elem_bytes, 1)
+        t = ring_time(RingTraffic(kv_bytes, (cp - 1) * kv_bytes, (cp - 1) * kv_bytes + cp * grad_block, grad_block),
+                      cp, link, fwd_s / cp, bwd_s / cp)
         return (("cp:ring", t.forward_exposed_s),), (("cp:ring", t.backward_exposed_s),)
     a2a = sum(all_to_all_s(b, cp, link) for b in (q_bytes, kv_bytes, out_bytes))
     return (("cp:all_to_all", a2a),), (("cp:all_to_all", a2a),)

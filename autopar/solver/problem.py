@@ -214,7 +214,8 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
             if cp > 1 and n.target == SDPA:
                 q, k, v = (metas[r.key][0].nbytes / (t if isinstance(p, Shard) else 1)
                            for r, p in zip(facts.inputs[n.key][:3], s.inputs))
-                xf, xb = attention_comm(q, k + v, s.out_bytes_local, cp, cp_mode, compute, bwd, cp_link)
+                elem = DTYPE_BYTES[metas[facts.inputs[n.key][1].key][0].dtype]
+                xf, xb = attention_comm(q, k + v, s.out_bytes_local, cp, cp_mode, compute, bwd, cp_link, elem)
                 cf, cb = cf + xf, cb + (xb if grad else ())
             saved = s.out_bytes_local if saves else 0
             if mask:

@@ -2,7 +2,7 @@
 numbers worked by hand from the papers' equations (shared/reference/parallelism_facts.md §1.3, §2)."""
 import pytest
 
-from autopar.cost.context_parallel import (attention_flops_per_rank, best_cp_kind, ring_time, ring_traffic,
+from autopar.cost.context_parallel import (RingTraffic, attention_flops_per_rank, best_cp_kind, ring_time, ring_traffic,
                                            ulysses_time_s, ulysses_traffic)
 from autopar.cost.hardware import LinkSpec, make_cluster
 from autopar.cost.tensor_parallel import (TPFamily, family_links, layer_comm, layer_comm_time, layer_memory,
@@ -170,6 +170,14 @@ def test_ring_exposed_fast_and_slow_link():
     assert slow.backward_exposed_s == pytest.approx(48.720256e-3)
     assert slow.forward_comm_s + slow.backward_comm_s == pytest.approx(r.total_bytes / 1e9)
     assert ring_time(ring_traffic(1, 8192, 1, 8, 128), 1, SLOW, 0, 0).exposed_s == 0.0
+    # fp32 dK|dV accumulators (autopar's engine) on bf16 K|V: the gradient block is twice the size,
+    # 16.777216 ms on the slow link; K|V + dK|dV 25.165824 ms
+    #   bwd (8.388608 - 2.5) + 2 * (25.165824 - 2.5) + (16.777216 - 2.5) + 16.777216 = 82.274688 ms
+    r32 = RingTraffic(r.block_bytes, r.forward_bytes, 3 * r.block_bytes + 4 * 2 * r.block_bytes, 2 * r.block_bytes)
+    slow32 = ring_time(r32, 4, SLOW, 1e-3, 2.5e-3)
+    assert slow32.forward_exposed_s == pytest.approx(22.165824e-3)
+    assert slow32.backward_exposed_s == pytest.approx(82.274688e-3)
+    assert slow32.forward_comm_s + slow32.backward_comm_s == pytest.approx(r32.total_bytes / 1e9)
 
 
 def test_attention_flops_and_best_kind():
