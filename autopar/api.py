@@ -247,8 +247,8 @@ class ParallelModel:
         xs = list(zip(*(x.chunk(m) for x in inputs))) if m > 1 else [inputs]
         ys = targets.chunk(m) if m > 1 else [targets]
         if self._context is not None:              # each micro-batch's sequences in this rank's chunks
-            xs = [tuple(self._context.fold(x) for x in mb) for mb in xs]
-            ys = [self._context.fold(y) for y in ys]
+            xs = [self._folded(mb) for mb in xs]
+            ys = [self._folded((y,))[0] for y in ys]
         total = torch.zeros(())
         for i, (x, y) in enumerate(zip(xs, ys)):
             self.reducer.arm(i == m - 1)

@@ -18,6 +18,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+# the attention op of exported training graphs (``F.scaled_dot_product_attention``): what context
+# parallelism's planner, executor and collective prediction look for
+SDPA_TARGET = "aten.scaled_dot_product_attention.default"
+
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,

@@ -207,14 +207,13 @@ def _block_mask(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool):
 
 
 def _runs(pos: torch.Tensor) -> list[tuple[int, int, int]]:
-    """Maximal runs of consecutive positions: (local start, length, first position)."""
-    p = pos.tolist()
-    out, start = [], 0
-    for i in range(1, len(p) + 1):
-        if i == len(p) or p[i] != p[i - 1] + 1:
-            out.append((start, i - start, p[start]))
-            start = i
-    return out
+    """Maximal runs of consecutive positions: (local start, length, first position). Vectorized:
+    it runs per block and step on chunks of up to a million tokens (a zig-zag chunk has 2 runs)."""
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64),
+                        torch.nonzero(pos[1:] - pos[:-1] != 1).flatten() + 1]).tolist()
+    ends = starts[1:] + [pos.numel()]
+    firsts = pos[starts].tolist()
+    return [(a, e - a, f) for a, e, f in zip(starts, ends, firsts)]
 
 
 def _pairs(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool) -> Optional[list]:
@@ -337,14 +336,13 @@ class _RingAttention(torch.autograd.Function):
             pairs = _pairs(ctx.qpos, ctx.kv_positions[src], ctx.causal) if kind and not skip else None
             if pairs is not None:
                 kb, vb = kv.view(2, b, h, tl, d)
-                dkb, dvb = dkv.view(2, b, h, tl, d).clone().unbind(0)
+                dkb, dvb = dkv.view(2, b, h, tl, d)           # views: the accumulator updated in place
                 for qs, ks, diag in pairs:
                     gq, gk, gv = _flash_backward(kind, dout[:, :, qs], q[:, :, qs], kb[:, :, ks], vb[:, :, ks],
                                                  out[:, :, qs], lse[:, :, qs], diag, scale)
                     dq[:, :, qs] += gq.float()
                     dkb[:, :, ks] += gk.float()
                     dvb[:, :, ks] += gv.float()
-                dkv = torch.cat([dkb.reshape(-1), dvb.reshape(-1)])
             elif not skip:
                 kb, vb = kv.float().view(2, b, h, tl, d)
                 s = torch.matmul(qf, kb.transpose(-1, -2)) * scale

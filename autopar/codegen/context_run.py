@@ -64,7 +64,8 @@ class ContextRun:
         """A folded output with the chunk on dim 1 -> the global batch's (rows, sequence, ...)."""
         if y.dim() < 2 or y.shape[1] != self.local_len:
             raise ValueError(f"the model's output {tuple(y.shape)} has no sequence dim of the chunk length "
-                             f"{self.local_len} on dim 1, so its context-parallel pieces cannot be reassembled")
+                             f"{self.local_len} on dim 1, so its context-parallel pieces cannot be reassembled; "
+                             "return (batch, sequence, ...) from forward, or re-plan with --force cp=1")
         return ca.unfold(y, dp=self.dp, n=self.n, seq_dim=1, order=ORDER)
 
     # ---- the graph's nodes ----------------------------------------------------------------------

@@ -72,12 +72,11 @@ from autopar.codegen.shards import contiguous_stride, local_ranges, slice_of
 from autopar.codegen.writes import is_view, local_of, same_storage, whole_of, written_args, written_root
 from autopar.codegen.vocab_ce import (VOCAB_CE_TARGET, VocabParallelCE, ce_arg, class_sharded_on_tp,
                                       vocab_parallel_ce)
+from autopar.ir import SDPA_TARGET
 from autopar.mesh import DATA, TENSOR
 from autopar.placements import Partial, Replicate, Shard, to_torch
 
 log = logging.getLogger("autopar.codegen")
-
-SDPA_TARGET = "aten.scaled_dot_product_attention.default"
 
 
 def _dtensors(args, kwargs) -> list:

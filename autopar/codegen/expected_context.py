@@ -11,11 +11,9 @@ from __future__ import annotations
 
 from autopar.codegen import context_attention as ca
 from autopar.codegen.program import RankProgram, axis_index
-from autopar.ir import DTYPE_BYTES, GraphIR
+from autopar.ir import DTYPE_BYTES, SDPA_TARGET, GraphIR
 from autopar.mesh import CONTEXT, DATA, TENSOR
 from autopar.placements import Shard
-
-SDPA = "aten.scaled_dot_product_attention.default"
 
 
 def context_collectives(graph: GraphIR, program: RankProgram, cp: int, mode: str,
@@ -33,7 +31,7 @@ def context_collectives(graph: GraphIR, program: RankProgram, cp: int, mode: str
     fwd, bwd = phases
     out: list = []
     for n in graph.nodes:
-        if n.kind != "op" or n.target != SDPA or (part is not None and n.key not in part):
+        if n.kind != "op" or n.target != SDPA_TARGET or (part is not None and n.key not in part):
             continue
         p = nplan[n.key]
         q, k = (by_key[r.key].outputs[0] for r in n.inputs[:2])

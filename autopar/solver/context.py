@@ -23,11 +23,10 @@ from typing import Optional
 
 from autopar.cost.collectives import all_to_all_s
 from autopar.cost.context_parallel import RingTraffic, ring_time
-from autopar.ir import NodeInfo
+from autopar.ir import SDPA_TARGET, NodeInfo
 from autopar.plan import CONTEXT_MODES
 from autopar.solver.strategies import GraphFacts, tensor_nodes, token_dims_of
 
-SDPA = "aten.scaled_dot_product_attention.default"
 # Sequences shorter than this are not split by a free search while the batch has a row per rank
 # for data parallelism: below it the K/V exchange of every layer outweighs what a shorter sequence
 # saves, and data parallelism over more rows is cheaper. With fewer rows than ranks (``rest``) cp
@@ -62,14 +61,14 @@ def position_sources(graph, seq: int) -> frozenset[str]:
 
 
 def attention_nodes(graph) -> list[NodeInfo]:
-    return [n for n in graph.nodes if n.kind == "op" and n.target == SDPA]
+    return [n for n in graph.nodes if n.kind == "op" and n.target == SDPA_TARGET]
 
 
-def attention_heads(facts: GraphFacts) -> Optional[int]:
-    """Heads of the queries of the model's attention (the fewest when layers differ)."""
-    heads = [facts.nodes[n.inputs[0].key].outputs[0].shape[1] for n in attention_nodes(facts.graph)
-             if len(facts.nodes[n.inputs[0].key].outputs[0].shape) == 4]
-    return min(heads) if heads else None
+def _heads(facts: GraphFacts) -> int:
+    """The attention heads ``configs.model_dims`` reads from SDPA's queries (0: none)."""
+    from autopar.solver.configs import model_dims      # configs -> timing -> problem -> here
+
+    return model_dims(facts.graph)["heads"] or 0
 
 
 def context_problem(facts: GraphFacts) -> Optional[str]:
@@ -96,7 +95,7 @@ def context_problem(facts: GraphFacts) -> Optional[str]:
         ins = [r.key for r in facts.inputs[n.key]]
         if is_position_source(n, seq, kinds) or any(k in from_pos for k in ins):
             from_pos.add(n.key)
-        if n.target == SDPA:
+        if n.target == SDPA_TARGET:
             if len(ins) > 3 or _arg(n, 3) is not None:
                 return f"attention {n.key} takes an attention mask (context parallelism runs causal or full attention)"
             if _arg(n, 4, 0.0):
@@ -126,7 +125,7 @@ def cp_choices(facts: GraphFacts, rest: int, tp: int, forced_cp: Optional[int], 
     if forced_cp == 1 or problem is not None or not facts.seq_len:
         return [(1, "none")] if forced_cp in (None, 1) else []
     seq = facts.seq_len
-    heads = attention_heads(facts) or 0
+    heads = _heads(facts)
     cps = [forced_cp] if forced_cp else ([c for c in (2, 4, 8, 16, 32, 64) if c <= rest]
                                          if seq >= CP_MIN_FREE_SEQ or (global_batch or rest) < rest else [])
     out = [] if forced_cp else [(1, "none")]
@@ -157,7 +156,7 @@ def check_context_force(force, facts: GraphFacts, problem: Optional[str]) -> Non
         raise PlanningError(f"cp={cp} cuts each sequence into 2 x cp = {2 * cp} equal chunks (two per rank, for "
                             f"causal load balance), but the sequence has {seq} tokens; use a sequence length "
                             f"divisible by {2 * cp} or another cp")
-    heads = attention_heads(facts) or 0
+    heads = _heads(facts)
     tp = force.tp or 1
     if mode == "ulysses" and cp and (heads % tp or (heads // tp) % cp):
         raise PlanningError(f"cpmode=ulysses with cp={cp} splits the {heads // max(tp, 1)} heads per tp rank over "

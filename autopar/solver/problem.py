@@ -23,14 +23,14 @@ from typing import Optional
 from autopar.cost.collectives import axis_link, collective_s
 from autopar.cost.compute import backward_factor, op_kind, op_time_s
 from autopar.cost.hardware import ClusterSpec, LinkSpec
-from autopar.ir import DTYPE_BYTES, TensorMeta
+from autopar.ir import DTYPE_BYTES, SDPA_TARGET, TensorMeta
 from autopar.placements import Shard
 from autopar.solver.ilp import IlpEdge, IlpProblem, LinearConstraint
 from autopar.solver.reshard import grad_target, reshard_kind, reshard_s
 from autopar.solver.rules import arg, base_name
 from autopar.solver.runtime_profile import RuntimeProfile
 from autopar.solver.saved import DROPOUT_MASK_BYTES_PER_ELEM, is_dropout, kept_tensors, saves_input
-from autopar.solver.context import SDPA, attention_comm
+from autopar.solver.context import attention_comm
 from autopar.solver.strategies import (GraphFacts, batch_scale, enumerate_strategies, ref_index,
                                        scaled_bytes_moved, scaled_metas, tensor_nodes)
 
@@ -211,7 +211,7 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
             bwd = compute * backward_factor(kind) if grad else 0.0
             cf = tuple((c.kind, collective_s(c.kind, c.nbytes, t, link)) for c in s.comms if c.phase == "fwd")
             cb = tuple((c.kind, collective_s(c.kind, c.nbytes, t, link)) for c in s.comms if c.phase == "bwd" and grad)
-            if cp > 1 and n.target == SDPA:
+            if cp > 1 and n.target == SDPA_TARGET:
                 q, k, v = (metas[r.key][0].nbytes / (t if isinstance(p, Shard) else 1)
                            for r, p in zip(facts.inputs[n.key][:3], s.inputs))
                 elem = DTYPE_BYTES[metas[facts.inputs[n.key][1].key][0].dtype]

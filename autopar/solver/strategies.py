@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from autopar.ir import DTYPE_BYTES, GraphIR, NodeInfo, Ref, TensorMeta
+from autopar.ir import DTYPE_BYTES, SDPA_TARGET, GraphIR, NodeInfo, Ref, TensorMeta
 from autopar.placements import Partial, Placement, Replicate, Shard
 from autopar.solver.rules import Comm, Proto, base_name, find_rule
 
@@ -135,7 +135,6 @@ def graph_facts(graph: GraphIR, seq_len: Optional[int]) -> GraphFacts:
                    unknown_targets=tuple(sorted(unknown)))
 
 
-_SDPA = "aten.scaled_dot_product_attention.default"
 _RESHAPES = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default")
 
 
@@ -146,7 +145,7 @@ def _through(facts: GraphFacts, n: NodeInfo, seq: dict, metas: dict) -> set[int]
     if not n.inputs:
         return set()
     src = n.inputs[0].key
-    if n.target == _SDPA:
+    if n.target == SDPA_TARGET:
         return {2} if 2 in seq.get(src, ()) else set()
     if n.target in _RESHAPES and facts.seq_len:
         shape = metas[src][0].shape
