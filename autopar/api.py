@@ -108,6 +108,7 @@ class ParallelModel:
         self._loss_scale = parts.loss_scale
         self.precision = parts.precision
         self._context = parts.context                 # cp > 1 (``codegen/context_run.py``)
+        self.offload = parts.offload                  # ``runtime/offload.py``
         self.loss_scaler = DynamicLossScale() if parts.precision.loss_scaling else None
         self._forwards: dict[bool, tuple] = {}        # module.training -> (graph, executor)
         self._made: list[GraphExecutor] = []          # every executor, training's first
@@ -153,6 +154,12 @@ class ParallelModel:
     def coordinates(self) -> dict[str, int]:
         """This rank's index along each mesh axis, by name (``{"pp": 1, "dp": 0, "tp": 1}``)."""
         return dict(zip(self.device_mesh.mesh_dim_names, self.device_mesh.get_coordinate()))
+
+    def close(self) -> None:
+        """Release what outlives a step: an NVMe offload's files (``runtime/offload.py``; also
+        removed at exit). Idempotent; the model cannot step after it."""
+        if self.__dict__.get("offload") is not None and self.offload.optimizer is not None:
+            self.offload.optimizer.close()
 
     def reset_collectives(self) -> None:
         self._log.clear()
@@ -208,7 +215,7 @@ class ParallelModel:
         self.reducer.begin_step()
         self.optimizer.zero_grad(set_to_none=True)
         inputs = as_tuple(inputs)
-        with self.precision.autocast(self.device.type), self.store.reshard_hooks():
+        with self.precision.autocast(self.device.type), self.offload.saved_hooks(self.store):
             if self._pipeline is not None:
                 self.reducer.arm(False)                   # reduce() launches every bucket after the schedule
                 self._log.phase = "pipeline"
@@ -218,9 +225,17 @@ class ParallelModel:
                 loss = self._micro_batches(inputs, targets)
         self._log.phase = "step"
         self.reducer.reduce()
+        host = self.offload.optimizer
+        if host is not None:                              # the rest of the gradients to the host
+            host.take_rest()
         scale = self._grad_scale()
         if self.loss_scaler is None or self._unscaled():
-            self.optimizer.step()
+            if host is None:
+                self.optimizer.step()
+            else:
+                host.step(self.optimizer.step)            # on the host; the new rows copied up
+        if host is not None:
+            host.end_step()
         self.reducer.gather_params()
         return float(loss) / scale
 
@@ -231,7 +246,10 @@ class ParallelModel:
     def _unscaled(self) -> bool:
         """fp16: unscale this rank's gradients; whether every rank found them finite (else the step
         is skipped everywhere and the scale lowered, ``runtime/precision.py``)."""
-        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if self.offload.optimizer is not None:
+            grads = self.offload.optimizer.grads()
+        else:
+            grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         stepped = self.loss_scaler.unscale_(grads)
         self.loss_scaler.update(stepped)
         return stepped
@@ -353,7 +371,7 @@ class ParallelModel:
             buffers = self._over_pipeline(buffers, owners=self._pipeline.buffer_owner)
         if self.loss_scaler is not None:                 # fp16: the scale goes on with the weights
             extra = {**(extra or {}), _LOSS_SCALE_KEY: self.loss_scaler}
-        with peer_failures("saving a checkpoint", self.timeout_s):
+        with peer_failures("saving a checkpoint", self.timeout_s), self._resident():
             return self._checkpoints.save(directory, self._checkpoint_parts(buffers), step=self.steps_done,
                                           plan=self.plan, extra=extra, keep=keep, asynchronous=asynchronous)
 
@@ -366,8 +384,10 @@ class ParallelModel:
     def load(self, directory: str) -> CheckpointInfo:
         """Restore the last checkpoint saved under ``directory`` (by any plan, any world size),
         resharded to this plan; ``info.extra`` holds what ``save(extra=...)`` stored. Collective."""
-        with peer_failures("loading a checkpoint", self.timeout_s):
+        with peer_failures("loading a checkpoint", self.timeout_s), self._resident():
             info = self._checkpoints.load(directory, self._checkpoint_parts(self._buffers))
+            if self.offload.optimizer is not None:
+                self.offload.optimizer.reload()
         scale = info.extra.pop(_LOSS_SCALE_KEY, None)
         if scale is not None and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(scale)
@@ -375,6 +395,11 @@ class ParallelModel:
         self.resumed = info
         log.info("%s", info.change_line(self.plan))
         return info
+
+    def _resident(self):
+        """Optimizer offload to NVMe: the state read back into host memory inside."""
+        host = self.offload.optimizer
+        return host.resident() if host is not None else contextlib.nullcontext()
 
     def _checkpoint_parts(self, buffers: dict) -> TrainingState:
         return TrainingState(self.store, self.optimizer, buffers, self.device, self.coordinates.get(PIPELINE, 0))
@@ -476,7 +501,8 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
                     kernels: str = "off",
                     resume: Optional[str] = None,
                     heartbeat_timeout_s: Optional[float] = 30.0,
-                    dtype: Union[str, torch.dtype, None] = None) -> ParallelModel:
+                    dtype: Union[str, torch.dtype, None] = None,
+                    nvme_dir: Optional[str] = None) -> ParallelModel:
     """Plan (or take ``plan``) and compile ``model`` for the running world; see the module docstring.
 
     example_inputs / example_target: one GLOBAL batch (shapes fix the plan's batch and sequence).
@@ -513,13 +539,16 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
         backward under ``torch.autocast``, fp32 master weights, gradients reduced in ``dtype``, and
         for fp16 a dynamic loss scale common to every rank (an overflow anywhere skips the step
         everywhere; ``pm.loss_scaler``). ``pm.precision`` says what runs.
+    nvme_dir: a directory on a fast local disk, for a plan that offloads the optimizer state to NVMe
+        (``offload`` with ``nvme``; ``runtime/offload.py``): each rank keeps its files in its own
+        subdirectory, removed at exit.
     record_collectives: log DTensor's collectives into ``pm.collectives`` (a dispatch mode around
         forward and backward: a few microseconds per op; autopar's own reducer/ZeRO collectives are
         always logged).
     """
     with peer_failures("autoparallelize (setup)", timeout_s):
         checked = setup(model, example_inputs, loss_fn, optimizer, cluster, force, plan, seed, timeout_s,
-                        bucket_bytes, model_name, dp_mode, kernels, heartbeat_timeout_s, dtype)
+                        bucket_bytes, model_name, dp_mode, kernels, heartbeat_timeout_s, dtype, nvme_dir)
         return ParallelModel(functools.partial(build, checked), timeout_s=timeout_s,
                              example_target=example_target, record_collectives=record_collectives,
                              resume=resume)

@@ -16,11 +16,12 @@ from autopar.codegen.fused import FusedKernels, fused_kernels
 from autopar.codegen.program import RankProgram, compile_program, local_dp_nodes
 from autopar.codegen.stages import PipelineCut, cut_pipeline, loss_reduction
 from autopar.mesh import DATA, PIPELINE
-from autopar.plan import Plan
+from autopar.plan import Plan, parse_offload
 from autopar.planning import solve_on_rank0
 from autopar.runtime.buffers import module_buffers
 from autopar.runtime.collectives import CollectiveLog
 from autopar.runtime.init import init_rules
+from autopar.runtime.offload import Offload, make_offload
 from autopar.runtime.params import ParamStore
 from autopar.runtime.pipeline import local_stages
 from autopar.runtime.precision import Precision, dtype_name, parse_dtype, precision_for
@@ -79,10 +80,12 @@ class Setup:
     world: int
     watchdog: Any = None          # runtime/watchdog.Watchdog, under torchrun
     dtype: Optional[torch.dtype] = None   # the compute dtype asked for (None: the plan's / the parameters')
+    nvme_dir: Optional[str] = None        # where an NVMe-offloading plan keeps its files
 
 
 def setup(model, example_inputs, loss_fn, optimizer, cluster, force, plan, seed, timeout_s, bucket_bytes,
-           model_name, dp_mode, kernels, heartbeat_timeout_s: Optional[float] = None, dtype=None) -> Setup:
+           model_name, dp_mode, kernels, heartbeat_timeout_s: Optional[float] = None, dtype=None,
+           nvme_dir: Optional[str] = None) -> Setup:
     """Steps 1-2 of the module docstring: check the arguments, join the world, check --force."""
     if dp_mode not in ("auto", "dtensor"):
         raise ValueError(f"dp_mode={dp_mode!r}: choose 'auto' or 'dtensor'")
@@ -102,7 +105,7 @@ def setup(model, example_inputs, loss_fn, optimizer, cluster, force, plan, seed,
     return Setup(model, as_tuple(example_inputs), loss_fn,
                   optimizer or (lambda params: torch.optim.AdamW(params, lr=3e-4)), cluster, force_, plan,
                   seed, timeout_s, bucket_bytes, model_name, dp_mode, kernels, fused, device_type, device, rank,
-                  world, watchdog, dtype)
+                  world, watchdog, dtype, nvme_dir)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +128,7 @@ class Built:
     loss_scale: float = 1.0            # each micro-batch's loss times this (1/m for a mean loss)
     precision: Precision = Precision(torch.float32, torch.float32)
     context: Optional[ContextRun] = None   # cp > 1: this rank's chunk of every sequence
+    offload: Offload = dataclasses.field(default_factory=lambda: Offload(()))   # ``runtime/offload.py``
 
 
 def build(s: Setup, example_target: torch.Tensor) -> Built:
@@ -180,16 +184,21 @@ def build(s: Setup, example_target: torch.Tensor) -> Built:
         needed = cut.params_of(graph, mine)
         program = dataclasses.replace(program, params=tuple(p for p in program.params if p.name in needed))
     clog = CollectiveLog()
+    host_params = "params" in parse_offload(plan_.offload)
     if is_meta(model):
         store = ParamStore.from_init(program.params, mesh, plan_.zero_stage, clog, s.device, model,
-                                     init_rules(model), s.seed, local_dp)
+                                     init_rules(model), s.seed, local_dp, host_params)
     else:
-        store = ParamStore.from_module(program.params, mesh, plan_.zero_stage, clog, s.device, model, local_dp)
+        store = ParamStore.from_module(program.params, mesh, plan_.zero_stage, clog, s.device, model, local_dp,
+                                       host_params)
     buffers = module_buffers(model, s.device)
-    opt = s.optimizer(store.optimizer_params())
+    offload = make_offload(plan_.offload, store, s.optimizer, s.device, nvme_dir=s.nvme_dir, rank=s.rank)
+    opt = offload.optimizer.optimizer if offload.optimizer is not None else s.optimizer(store.optimizer_params())
     if hasattr(opt, "set_shard_groups"):          # per-tensor norms over shards (optim.LAMB)
         opt.set_shard_groups(store.shard_groups())
     reducer = GradReducer(store, s.bucket_bytes, reduce_dtype=precision.reduce_dtype)
+    if offload.optimizer is not None:
+        offload.optimizer.attach(reducer)
     if s.rank == 0:
         from autopar.report import idle_axis_notes
 
@@ -200,7 +209,7 @@ def build(s: Setup, example_target: torch.Tensor) -> Built:
     return Built(model=model, plan=plan_, train_graph=graph, mesh=mesh, program=program, store=store,
                   optimizer=opt, reducer=reducer, buffers=buffers, collective_log=clog, device=s.device,
                   fused=s.fused, device_mesh=device_mesh, cut=cut, loss_scale=loss_scale,
-                  precision=precision, context=context)
+                  precision=precision, context=context, offload=offload)
 
 
 def _context(plan: Plan, s: Setup) -> Optional[ContextRun]:

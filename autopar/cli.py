@@ -71,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"),
                    help="compute dtype (default: the GPU's fastest: bf16, or fp16 on v100)")
     p.add_argument("--memory-gb", type=float, default=None, help="memory budget per GPU in GB (default: the GPU's HBM minus a reserve)")
+    p.add_argument("--host-memory-gb", type=_positive_float, default=None, metavar="G",
+                   help="host RAM per node in GB that offload may use (less a reserve; default: the cluster's)")
+    p.add_argument("--nvme-gb", type=_positive_float, default=None, metavar="G",
+                   help="NVMe capacity per node in GB for offloaded optimizer state (default: the cluster's)")
     p.add_argument("--verbose", action="store_true", help="show every operator's strategy")
 
     p = sub.add_parser("inspect", help="render a plan JSON written by `autopar plan --json`")
@@ -197,6 +201,8 @@ def cmd_plan(args, console: Console) -> int:
 
     force = parse_force(args.force)
     cluster, overridden = _cluster(args)
+    host = {f: g * 1e9 for f, g in (("host_memory_bytes", args.host_memory_gb), ("nvme_bytes", args.nvme_gb)) if g}
+    cluster = replace(cluster, **host)       # offload's host-side budgets (cost.hardware.ClusterSpec)
     dtype = _dtype(args, cluster.gpu, make_console(stderr=True))
     t0 = time.perf_counter()
     with console.status("tracing on the meta device…"):

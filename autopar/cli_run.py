@@ -42,7 +42,7 @@ def make_optimizer(name: str, params):
 def _train_rank(rank: int, world: int, model: str, steps: int, plan_json: Optional[str], force,
                 batch: Optional[int], seq_len: Optional[int], seed: int, timeout_s: float,
                 optimizer: str, checkpoint: Optional["CheckpointArgs"] = None, memory: bool = False,
-                dtype: Optional[str] = None) -> dict:
+                dtype: Optional[str] = None, nvme_dir: Optional[str] = None) -> dict:
     from autopar.api import autoparallelize
     from autopar.models import build_model
     from autopar.plan import Plan
@@ -54,7 +54,7 @@ def _train_rank(rank: int, world: int, model: str, steps: int, plan_json: Option
                          timeout_s=timeout_s, model_name=model,
                          optimizer=lambda params: make_optimizer(optimizer, params),
                          resume=checkpoint.directory if checkpoint is not None and checkpoint.resume else None,
-                         dtype=dtype)
+                         dtype=dtype, nvme_dir=nvme_dir)
     measured: list = []
     step = None
     if memory:                    # the last step runs measured (``runtime/memory_measure.py``)
@@ -67,7 +67,10 @@ def _train_rank(rank: int, world: int, model: str, steps: int, plan_json: Option
             measured.append(dataclasses.asdict(m))
             return loss
 
-    losses = train_steps(pm, b, steps, seed, checkpoint, step=step)    # pm.step reports progress
+    try:
+        losses = train_steps(pm, b, steps, seed, checkpoint, step=step)    # pm.step reports progress
+    finally:
+        pm.close()                   # an NVMe offload's files go now
     out = {"losses": losses, "first_step": pm.steps_done - len(losses) + 1}
     if measured:
         out["memory"] = measured[-1]
@@ -219,7 +222,8 @@ def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = N
                 seq_len: Optional[int] = None, seed: int = 0,
                 timeout_s: float = DEFAULT_RUN_TIMEOUT_S, optimizer: str = "adamw",
                 checkpoint_dir: Optional[str] = None, checkpoint_every: Optional[int] = None,
-                resume: bool = False, memory: bool = False, dtype: Optional[str] = None) -> dict:
+                resume: bool = False, memory: bool = False, dtype: Optional[str] = None,
+                nvme_dir: Optional[str] = None) -> dict:
     """``autopar run MODEL --nproc N --steps K``: train on N CPU ranks (planned by the solver for a
     "cpu" cluster of N, or ``plan_path``), then on one process; print and return the losses.
     ``optimizer``: "adamw", "lamb" or "lars" (``autopar.optim.LAMB`` / ``LARS``, per-tensor norms
@@ -233,7 +237,8 @@ def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = N
     the same steps). ``memory`` (``--memory``): the last step runs measured; each rank's peak by
     category is printed next to the plan's prediction and returned as ``"memory"``
     (``runtime/memory_measure.py``). ``dtype`` (``--dtype``): "bf16"/"fp16" plan and run mixed
-    precision (``runtime/precision.py``), the reference under ``torch.autocast``."""
+    precision (``runtime/precision.py``), the reference under ``torch.autocast``. ``nvme_dir``
+    (``--nvme-dir``): where a plan that offloads to NVMe keeps its files (removed at the end)."""
     from autopar.plan import Plan
 
     if optimizer not in OPTIMIZERS:
@@ -252,7 +257,8 @@ def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = N
     t0 = time.monotonic()
     try:
         outs = spawn_ranks(_train_rank, nproc, (model, steps, plan_json, force, batch, seq_len, seed,
-                                               timeout_s, optimizer, checkpoint, memory, dtype), timeout_s=timeout_s)
+                                               timeout_s, optimizer, checkpoint, memory, dtype, nvme_dir),
+                           timeout_s=timeout_s)
     except RankFailure as e:
         print(f"autopar run {model} on {nproc} ranks failed; every rank was stopped.\n" + e.summary(),
               file=sys.stderr)

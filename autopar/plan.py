@@ -30,7 +30,20 @@ from autopar.plan_schema import parse_plan_json, schema_message, schema_problems
 SCHEMA_VERSION = 1
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
-OFFLOAD_CHOICES = ("none", "optimizer")
+# Offload, per tensor class (``parse_offload``): what leaves the GPU between its uses.
+#   optimizer    this rank's optimizer state, an fp32 master copy of the rows it updates, and the
+#                optimizer step itself live on the host (ZeRO-Offload): gradients go down after
+#                their reduction, updated parameters come back up
+#   grads        (with optimizer) gradients leave the GPU bucket by bucket as each is reduced
+#   params       (with optimizer, ZeRO-3) each rank's parameter rows live on the host and are
+#                copied up before each use, then gathered as ZeRO-3 does (ZeRO-Infinity)
+#   activations  tensors saved for the backward go to the host in the forward and come back in
+#                the backward (``saved_tensors_hooks``)
+#   nvme         (with optimizer) the optimizer's host state lives in files on NVMe between steps
+#                and is streamed through host memory chunk by chunk in the step (ZeRO-Infinity)
+OFFLOAD_CLASSES = ("optimizer", "grads", "params", "activations", "nvme")
+OFFLOAD_CHOICES = ("none",) + OFFLOAD_CLASSES      # single classes (``--force offload=`` joins them with +)
+_OFFLOAD_NEEDS = {"grads": "optimizer", "params": "optimizer", "nvme": "optimizer"}
 # Pipeline schedules, as torch.distributed.pipelining (2.13) names its classes:
 #   gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B, interleaved_1f1b -> ScheduleInterleaved1F1B,
 #   interleaved_zb -> ScheduleInterleavedZeroBubble, zbv -> ScheduleZBVZeroBubble,
@@ -122,7 +135,9 @@ class MemoryUse:
     optimizer_bytes: int
     activations_bytes: int
     other_bytes: int
-    total_bytes: int
+    total_bytes: int                 # on the GPU (the categories above)
+    host_bytes: int = 0              # offloaded to host memory, per GPU (the rank that needs most)
+    nvme_bytes: int = 0              # offloaded to NVMe, per GPU
 
 
 @dataclass(frozen=True)
@@ -132,6 +147,8 @@ class ClusterRef:
     nodes: int
     gpus_per_node: int
     memory_budget_bytes: int
+    host_budget_bytes: int = 0       # host memory per GPU offload may use (written with offload only)
+    nvme_budget_bytes: int = 0       # NVMe per GPU offload may use
 
 
 @dataclass(frozen=True)
@@ -271,6 +288,10 @@ class Plan:
         ]
         d["step_time"]["comm_s"] = dict(self.step_time.comm_s)
         d["forced"] = dict(self.forced)
+        for part, k in (("memory", "host_bytes"), ("memory", "nvme_bytes"), ("cluster", "host_budget_bytes"),
+                        ("cluster", "nvme_budget_bytes")):     # written only with offload
+            if not d[part][k]:
+                del d[part][k]
         d["summary"] = self.summary()
         return d
 
@@ -437,8 +458,12 @@ def plan_problems(p: Plan) -> list[str]:
     if p.recompute_layers is not None and (p.recompute != "full" or not _is_int(p.recompute_layers)
                                            or p.recompute_layers < 1):
         out.append(f"recompute_layers={p.recompute_layers!r} needs recompute 'full' and a positive integer")
-    if p.offload not in OFFLOAD_CHOICES:
-        out.append(f"offload={p.offload!r} is not one of {', '.join(OFFLOAD_CHOICES)}")
+    try:
+        classes = parse_offload(p.offload)
+        if "params" in classes and _is_int(p.zero_stage) and p.zero_stage != 3:
+            out.append(f"offload={p.offload!r} offloads params, which needs zero_stage 3 (got {p.zero_stage})")
+    except ValueError as e:
+        out.append(str(e))
     if p.dtype not in _DTYPE_NAMES:
         out.append(f"dtype={p.dtype!r} is not one of {', '.join(_DTYPE_NAMES)}")
     if not isinstance(p.sequence_parallel, bool):
@@ -526,3 +551,29 @@ def _pipeline_problems(p: Plan) -> list[str]:
     if emb != [0] or head != [n - 1]:
         out.append(f"the embedding is on stages {emb} and the head on {head}; expected [0] and [{n - 1}]")
     return out
+
+
+def parse_offload(text: str) -> tuple[str, ...]:
+    """The offloaded tensor classes of an ``offload`` value ("none", or classes of
+    ``OFFLOAD_CLASSES`` joined by "+", e.g. "optimizer+activations"), in ``OFFLOAD_CLASSES``
+    order. ValueError, saying what to write, for an unknown class or a missing prerequisite."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"offload={text!r}: write 'none' or classes joined by '+' ({', '.join(OFFLOAD_CLASSES)})")
+    words = [w.strip().lower() for w in text.split("+")]
+    if words == ["none"]:
+        return ()
+    unknown = [w for w in words if w not in OFFLOAD_CLASSES]
+    if unknown:
+        raise ValueError(f"offload={text!r}: unknown class {unknown[0]!r}; write 'none' or classes joined "
+                         f"by '+' from {', '.join(OFFLOAD_CLASSES)}")
+    for w in words:
+        need = _OFFLOAD_NEEDS.get(w)
+        if need is not None and need not in words:
+            raise ValueError(f"offload={text!r}: {w} offload needs {need} offload too; write {need}+{w}")
+    return tuple(c for c in OFFLOAD_CLASSES if c in words)
+
+
+def offload_name(classes) -> str:
+    """The canonical ``offload`` value of a set of classes (inverse of ``parse_offload``)."""
+    ordered = tuple(c for c in OFFLOAD_CLASSES if c in set(classes))
+    return "+".join(ordered) if ordered else "none"

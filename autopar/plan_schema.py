@@ -205,7 +205,9 @@ def _walk(v: Any, spec: Any, path: str, out: list[str]) -> None:
 
 # ---- the schema -------------------------------------------------------------------------------
 
-CLUSTER = Obj({"name": STR, "gpu": STR, "nodes": DEGREE, "gpus_per_node": DEGREE, "memory_budget_bytes": COUNT})
+CLUSTER = Obj({"name": STR, "gpu": STR, "nodes": DEGREE, "gpus_per_node": DEGREE, "memory_budget_bytes": COUNT,
+               "host_budget_bytes": COUNT, "nvme_budget_bytes": COUNT},
+              optional=frozenset({"host_budget_bytes", "nvme_budget_bytes"}))
 STRATEGY = Obj({"key": KEY, "name": STR, "output": PLACEMENTS, "inputs": ListOf(PLACEMENTS)},
                optional=frozenset({"name"}))
 STAGE = Obj({"index": INT, "first_layer": INT, "last_layer": INT, "has_embedding": BOOL, "has_head": BOOL,
@@ -213,7 +215,8 @@ STAGE = Obj({"index": INT, "first_layer": INT, "last_layer": INT, "has_embedding
 STEP_TIME = Obj({"compute_s": SECONDS, "recompute_s": SECONDS, "comm_s": MapOf(SECONDS), "bubble_s": SECONDS,
                  "optimizer_s": SECONDS, "total_s": POSITIVE})
 MEMORY = Obj({k: COUNT for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
-                                 "other_bytes", "total_bytes")})
+                                 "other_bytes", "total_bytes", "host_bytes", "nvme_bytes")},
+             optional=frozenset({"host_bytes", "nvme_bytes"}))
 
 
 def plan_schema(summary_keys: tuple[str, ...]) -> Obj:

@@ -162,7 +162,9 @@ def time_table(plan: Plan) -> Table:
     t.add_column("share", justify="right")
     rows = [("compute", st.compute_s), ("recompute", st.recompute_s)]
     rows += [(escape(f"exposed comm: {kind}"), s) for kind, s in st.comm_s]
-    rows += [("pipeline bubble", st.bubble_s), ("optimizer step", st.optimizer_s)]
+    cpu = plan.offload != "none" and "optimizer" in plan.offload.split("+")
+    rows += [("pipeline bubble", st.bubble_s), ("optimizer step (CPU, offloaded)" if cpu else "optimizer step",
+                                                st.optimizer_s)]
     for name, sec in rows:
         t.add_row(name, f"{sec:.4f}", f"{100 * sec / st.total_s:.1f}%" if st.total_s else "-")
     t.add_row("[bold]total[/bold]", f"[bold]{st.total_s:.4f}[/bold]", "100%")
@@ -180,6 +182,15 @@ def memory_table(plan: Plan) -> Table:
         t.add_row(name, _gb(b))
     t.add_row("[bold]total[/bold]", f"[bold]{_gb(mem.total_bytes)}[/bold]")
     t.caption = f"budget {_gb(plan.cluster.memory_budget_bytes)}"
+    c = plan.cluster
+    if plan.offload != "none":       # offloaded bytes per GPU against their share of the node's
+        t.add_section()
+        t.add_row(escape(f"host memory (offload={plan.offload})"),
+                  f"{_gb(mem.host_bytes)} of {_gb(c.host_budget_bytes)}" if c.host_budget_bytes else _gb(mem.host_bytes))
+        if mem.nvme_bytes or "nvme" in plan.offload.split("+"):
+            t.add_row("NVMe", f"{_gb(mem.nvme_bytes)} of {_gb(c.nvme_budget_bytes)}" if c.nvme_budget_bytes
+                      else _gb(mem.nvme_bytes))
+        t.caption += "; host / NVMe: per GPU, of a node's (less a reserve) shared by its GPUs"
     return t
 
 

@@ -241,3 +241,14 @@ def test_public_names_still_load_lazily():
     from autopar.cli import GPU_CHOICES
     from autopar.cost.hardware import GPU_NAMES
     assert GPU_CHOICES == ", ".join(GPU_NAMES)
+
+
+def test_offload_flags_set_the_host_budgets_the_report_shows(tmp_path, capsys):
+    rc, path, out = _plan(tmp_path, capsys, "--force", "offload=optimizer+nvme", "--host-memory-gb", "1000",
+                          "--nvme-gb", "800")
+    assert rc == 0
+    plan = Plan.load(str(path))
+    assert plan.offload == "optimizer+nvme" and plan.memory.nvme_bytes > 0
+    assert plan.cluster.host_budget_bytes == int(1000e9 * 0.9 / 8)          # per GPU, less the 10% reserve
+    assert plan.cluster.nvme_budget_bytes == int(800e9 / 8)
+    assert "host memory (offload=optimizer+nvme)" in out and "of 112.50 GB" in out and "nvme:io" in out

@@ -40,7 +40,7 @@ from typing import Optional
 from autopar.ir import GraphIR, NodeInfo
 from autopar.mesh import DATA, TENSOR, Mesh, axis_position
 from autopar.placements import Partial, Placement, Replicate, Shard
-from autopar.plan import NodeStrategy, Plan
+from autopar.plan import NodeStrategy, Plan, parse_offload
 
 log = logging.getLogger("autopar.codegen")
 
@@ -364,9 +364,7 @@ def compile_program(graph: GraphIR, plan: Plan, *, local_dp: Optional[frozenset[
     the trace at the local batch), None for DTensor everywhere."""
     mesh = plan.stage_mesh
     di, ti = axis_index(mesh, DATA), axis_index(mesh, TENSOR)
-    if plan.offload != "none":
-        raise NotImplementedError(f"plan.offload={plan.offload!r}: optimizer offload is not implemented "
-                                  "by the runtime; re-plan with --force offload=none")
+    parse_offload(plan.offload)                  # a clear ValueError for a bad value
     if not 0 <= plan.zero_stage <= 3:
         raise ValueError(f"plan.zero_stage={plan.zero_stage} is not 0..3")
     collapsed = [b.path for b in graph.blocks if b.traced != b.count]

@@ -29,6 +29,10 @@ Cluster TOML (``load_cluster``)::
     nodes = 4                     # required
     gpus_per_node = 8             # optional (default 8)
     pcie_GBps = 50.0              # optional host<->device bandwidth per GPU (offload)
+    host_memory_gb = 2000.0       # optional, offload (default per GPU type): host RAM per node,
+    host_GBps = 40.0              # host memory bandwidth per GPU (CPU optimizer step),
+    nvme_gb = 30000.0             # NVMe capacity per node and
+    nvme_GBps = 50.0              # NVMe bandwidth per node
 
     [intra]                       # optional; default: the GPU's NVLink/NVSwitch link
     busbw_GBps = 370.0            # required inside the table
@@ -177,6 +181,10 @@ class ClusterSpec:
     intra: LinkSpec     # inside one node (NVLink/NVSwitch)
     inter: LinkSpec     # between nodes, per GPU (one NIC per GPU)
     pcie_Bps: float     # host<->device per GPU (offload), rough
+    host_memory_bytes: float = 1e12   # host RAM per node (offload), rough: _HOST
+    host_Bps: float = 25e9            # host memory bandwidth per GPU for the CPU optimizer step, rough
+    nvme_bytes: float = 15e12         # NVMe capacity per node, rough
+    nvme_Bps: float = 25e9            # NVMe bandwidth per node, rough
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
@@ -363,6 +371,14 @@ _INTER: Mapping[str, LinkSpec] = MappingProxyType({
 # (A100), Gen5 x16 ~50 GB/s (H100/H200), Gen3 x16 ~12 GB/s (V100).
 _PCIE_Bps: Mapping[str, float] = MappingProxyType({
     "a100": 25 * GB, "h100": 50 * GB, "h200": 50 * GB, "v100": 12 * GB, "cpu": 20 * GB})
+# Offload's host side per family, ROUGH (not in the reference csvs): (host RAM per node, host memory
+# bandwidth per GPU for a CPU Adam step ~1/8 of a 2-socket server's 150-300 GB/s, NVMe per node, NVMe
+# bandwidth per node): RAM and drives as DGX-1 V100 (512 GB, 4 x 1.92 TB), DGX A100 (1 TB, 4 x 3.84 TB),
+# DGX H100/H200 (2 TB, 8 x 3.84 TB); NVMe ~28 GB/s per DGX-2 node (parallelism_facts.md §4.2).
+_HOST: Mapping[str, tuple[float, float, float, float]] = MappingProxyType({
+    "a100": (1000 * GB, 25 * GB, 15360 * GB, 25 * GB), "h100": (2000 * GB, 40 * GB, 30720 * GB, 50 * GB),
+    "h200": (2000 * GB, 40 * GB, 30720 * GB, 50 * GB), "v100": (512 * GB, 15 * GB, 7680 * GB, 28 * GB),
+    "cpu": (64 * GB, 10 * GB, 1000 * GB, 3 * GB)})    # "cpu": one workstation
 
 
 def make_cluster(gpu: str, nodes: int, gpus_per_node: int = 8, name: Optional[str] = None) -> ClusterSpec:
@@ -373,15 +389,19 @@ def make_cluster(gpu: str, nodes: int, gpus_per_node: int = 8, name: Optional[st
     fam = _DATASHEETS[spec.name].family
     return ClusterSpec(name=name or f"{spec.name}x{nodes}x{gpus_per_node}", gpu=spec, nodes=nodes,
                        gpus_per_node=gpus_per_node, intra=_INTRA[fam], inter=_INTER[fam],
-                       pcie_Bps=_PCIE_Bps[fam])
+                       pcie_Bps=_PCIE_Bps[fam], host_memory_bytes=_HOST[fam][0], host_Bps=_HOST[fam][1],
+                       nvme_bytes=_HOST[fam][2], nvme_Bps=_HOST[fam][3])
 
 
 # ---------------------------------------------------------------------------------------------
 # TOML
 # ---------------------------------------------------------------------------------------------
 
+# offload's host side: TOML key -> ClusterSpec field (decimal GB, GB/s)
+_HOST_KEYS = (("host_memory_gb", "host_memory_bytes"), ("host_GBps", "host_Bps"), ("nvme_gb", "nvme_bytes"),
+              ("nvme_GBps", "nvme_Bps"))
 _TOP_KEYS = ("name", "gpu", "nodes", "gpus_per_node", "pcie_GBps", "intra", "inter", "gpu_overrides",
-             "measured")
+             "measured") + tuple(k for k, _ in _HOST_KEYS)
 _LINK_KEYS = ("busbw_GBps", "latency_us", "name", "source")
 _OVERRIDE_KEYS = ("memory_GB", "hbm_GBps", "matmul_efficiency", "attention_efficiency", "attention_noncausal_efficiency",
                   "memory_efficiency", "peak_TFLOPs", "op_overhead_us", "dtensor_op_overhead_us", "source")
@@ -442,7 +462,10 @@ def cluster_from_dict(d: Mapping[str, Any], where: str = "cluster") -> ClusterSp
     intra = _link_from_table(f"{where} [intra]", d["intra"], base.intra) if "intra" in d else base.intra
     inter = _link_from_table(f"{where} [inter]", d["inter"], base.inter) if "inter" in d else base.inter
     pcie = float(d["pcie_GBps"]) * GB if "pcie_GBps" in d else base.pcie_Bps
-    return replace(base, gpu=gpu, intra=intra, inter=inter, pcie_Bps=pcie)
+    host = {f: float(d[k]) * GB for k, f in _HOST_KEYS if k in d}
+    for k in (k for k, f in _HOST_KEYS if k in d and not 0 < host[f] < float("inf")):
+        raise ValueError(f"{where}: {k} = {d[k]!r} must be a positive number")
+    return replace(base, gpu=gpu, intra=intra, inter=inter, pcie_Bps=pcie, **host)
 
 
 def _peaks_with(peaks: tuple[tuple[str, float], ...], table: Any, where: str) -> tuple[tuple[str, float], ...]:
@@ -495,7 +518,8 @@ def cluster_to_toml(c: ClusterSpec) -> str:
     """Write ``c`` in the TOML format ``load_cluster`` reads; everything is written explicitly."""
     base = get_gpu(c.gpu.name)
     lines = [f"name = {toml_value(c.name)}", f"gpu = {toml_value(c.gpu.name)}", f"nodes = {c.nodes}",
-             f"gpus_per_node = {c.gpus_per_node}", f"pcie_GBps = {toml_value(c.pcie_Bps / GB)}", ""]
+             f"gpus_per_node = {c.gpus_per_node}", f"pcie_GBps = {toml_value(c.pcie_Bps / GB)}"]
+    lines += [f"{k} = {toml_value(getattr(c, f) / GB)}" for k, f in _HOST_KEYS] + [""]
     for tname, link in (("intra", c.intra), ("inter", c.inter)):
         lines += [f"[{tname}]", f"name = {toml_value(link.name)}", f"busbw_GBps = {toml_value(link.busbw_Bps / GB)}",
                   f"latency_us = {toml_value(link.latency_s / _US)}", f"source = {toml_value(link.source)}", ""]

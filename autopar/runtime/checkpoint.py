@@ -194,8 +194,8 @@ def _holdings(store, optimizer, stage_key: int) -> tuple[dict, dict, dict]:
     all_gather_object). A name two pipeline stages hold (a tied weight) is saved from the first."""
     mine = {}
     for s in store.slots:
-        st = optimizer.state.get(s.opt_param, {})
-        kinds = {k: _state_kind(v, s.opt_param) for k, v in sorted(st.items())}
+        st = optimizer.state.get(s.stepped, {})
+        kinds = {k: _state_kind(v, s.stepped) for k, v in sorted(st.items())}
         mine[s.name] = (kinds, list(s.plan.shape), s.plan.dtype)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (stage_key, mine))
@@ -324,7 +324,7 @@ def save_checkpoint(directory: str, parts: "TrainingState", *, step: int, plan, 
         slot = by_name.get(name) if rank in h.ranks else None
         full = store.full_tensor(slot) if slot is not None else None
         state[f"param/{name}"] = _to_world(full, h, n, getattr(torch, dtype), device, mesh)
-        st = optimizer.state.get(slot.opt_param, {}) if slot is not None else {}
+        st = optimizer.state.get(slot.stepped, {}) if slot is not None else {}
         for key, kind in kinds[name].items():
             if kind.startswith("sharded"):
                 full = store.full_of_opt(slot, st[key]) if slot is not None else None
@@ -509,7 +509,7 @@ def load_checkpoint(directory: str, parts: "TrainingState") -> CheckpointInfo:
             if kind.startswith("sharded"):
                 full_s = state[f"optim/{name}/{key}"].full_tensor().view(info["shape"])
                 if slot is not None:
-                    new_state[key] = store.local_of(slot, full_s, "opt").clone()
+                    new_state[key] = store.local_of(slot, full_s, "opt").to(slot.stepped.device, copy=True)
             elif slot is not None and kind.startswith("scalar"):
                 new_state[key] = state[f"optim_scalar/{name}/{key}"]
             elif slot is not None:
@@ -518,7 +518,7 @@ def load_checkpoint(directory: str, parts: "TrainingState") -> CheckpointInfo:
             with torch.no_grad():
                 slot.local.copy_(store.local_of(slot, full.to(slot.local.dtype), "param"))
             if new_state:
-                optimizer.state[slot.opt_param] = new_state
+                optimizer.state[slot.stepped] = new_state
     for g, saved in zip(optimizer.param_groups, meta["param_groups"]):
         g.update(saved)
     for k in meta["buffers"]:

@@ -35,6 +35,7 @@ Results are ``torch.save`` bytes loaded with ``torch.load(weights_only=True)``, 
 from __future__ import annotations
 
 import contextlib
+import gc
 import datetime
 import io
 import json
@@ -209,6 +210,9 @@ def _rank_main(fn, rank: int, world: int, port: int, timeout_s: float, args: tup
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
         out = fn(rank, world, *args)
+        # what fn made and dropped is finalized now (the rank leaves with os._exit: no atexit), e.g.
+        # an NVMe offload's files (``runtime/nvme.py``) are removed
+        gc.collect()
         buf = io.BytesIO()                   # tensors by value: the rank exits before the parent reads
         torch.save(out, buf)
         head, payload = {"status": "ok"}, buf.getvalue()

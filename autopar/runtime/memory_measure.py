@@ -17,6 +17,10 @@ to be (first match):
                   the above (ZeRO-3's gathered weights, saved by the matmuls, land here)
     temporaries   everything else: workspaces, gradient buckets and send buffers, p2p buffers
 
+and, apart from the device peak, ``host``: what an offloading plan keeps in host memory
+(``runtime/offload.py``: masters, host gradients, the optimizer state, offloaded activations),
+whose own peak is ``StepMemory.host_peak_bytes``.
+
 Not counted (the plan does not count them either): the batch, module buffers and constants, and
 allocations no aten op returns (gloo's internal buffers, DTensor's transient redistribution
 buffers inside one op). On CUDA the allocator's own peak (``torch.cuda.max_memory_allocated``) is
@@ -40,6 +44,7 @@ from torch.utils._pytree import tree_leaves
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
 _PRECEDENCE = CATEGORIES           # a storage in several roles counts in the first
+HOST = "host"                      # offloaded: not device memory (a role before all the others)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,11 +73,12 @@ class StepMemory:
     at_peak: MemoryByCategory
     category_peaks: MemoryByCategory
     device: str
+    host_peak_bytes: int = 0           # offload: the host memory it held, at its own peak
 
     @classmethod
     def from_dict(cls, d: dict) -> "StepMemory":
         return cls(d["peak_bytes"], MemoryByCategory(**d["at_peak"]), MemoryByCategory(**d["category_peaks"]),
-                   d["device"])
+                   d["device"], d.get("host_peak_bytes", 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +87,7 @@ class PredictedMemory:
     once) and each category's predicted size."""
     peak_bytes: int
     by_category: MemoryByCategory
+    host_bytes: int = 0                # offload: host memory (``cost/offload.py``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +100,8 @@ class RankMemory:
     def to_json(self) -> dict:
         return {"rank": self.rank, "measured_peak_bytes": self.measured.peak_bytes,
                 "predicted_peak_bytes": self.predicted.peak_bytes,
+                "measured_host_peak_bytes": self.measured.host_peak_bytes,
+                "predicted_host_bytes": self.predicted.host_bytes,
                 "by_category": {c: {"measured": getattr(self.measured.category_peaks, c),
                                     "at_peak": getattr(self.measured.at_peak, c),
                                     "predicted": getattr(self.predicted.by_category, c)} for c in CATEGORIES}}
@@ -182,12 +191,17 @@ class StorageTracker(TorchDispatchMode):
         self._finalizers.clear()
 
     def category(self, serial: int) -> str:
-        return next((c for c in _PRECEDENCE if c in self.roles.get(serial, ())), "temporaries")
+        roles = self.roles.get(serial, ())
+        if HOST in roles:
+            return HOST
+        return next((c for c in _PRECEDENCE if c in roles), "temporaries")
 
     def _peak_index(self) -> int:
-        """Index of the event after which the live total is largest (-1: nothing was live)."""
+        """Index of the event after which the live device total is largest (-1: nothing was live)."""
         best, at, total = 0, -1, 0
         for i, (serial, alloc) in enumerate(self.events):
+            if self.category(serial) == HOST:
+                continue
             total += self.nbytes[serial] if alloc else -self.nbytes[serial]
             if total > best:
                 best, at = total, i
@@ -198,13 +212,14 @@ class StorageTracker(TorchDispatchMode):
         live: set[int] = set()
         for serial, alloc in self.events[: self._peak_index() + 1]:
             (live.add if alloc else live.discard)(serial)
-        return sorted(((self.category(s), self.nbytes[s], self.origin[s]) for s in live), key=lambda x: -x[1])
+        return sorted(((self.category(s), self.nbytes[s], self.origin[s]) for s in live if self.category(s) != HOST),
+                      key=lambda x: -x[1])
 
     def peak(self) -> tuple[int, MemoryByCategory, MemoryByCategory]:
-        """The largest sum of live tracked storages, its split by category, and each category's
-        own largest live sum."""
+        """The largest sum of live tracked device storages, its split by category, and each
+        category's own largest live sum (``host`` among them: offloaded storages)."""
         cat = {s: self.category(s) for s in self.nbytes}
-        live = dict.fromkeys(CATEGORIES, 0)
+        live = dict.fromkeys(CATEGORIES + (HOST,), 0)
         tops, at_peak = dict(live), dict(live)
         last = self._peak_index()
         for i, (serial, alloc) in enumerate(self.events):
@@ -213,7 +228,9 @@ class StorageTracker(TorchDispatchMode):
             tops[c] = max(tops[c], live[c])
             if i == last:
                 at_peak = dict(live)
-        return sum(at_peak.values()), MemoryByCategory(**at_peak), MemoryByCategory(**tops)
+        host = tops.pop(HOST)
+        at_peak.pop(HOST)
+        return sum(at_peak.values()), MemoryByCategory(**at_peak), MemoryByCategory(**tops), host
 
 
 def _mark_state(tracker: StorageTracker, pm) -> None:
@@ -228,6 +245,14 @@ def _mark_state(tracker: StorageTracker, pm) -> None:
         for v in state.values():
             if isinstance(v, torch.Tensor):
                 tracker.mark(v, "optimizer")
+    _mark_host(tracker, pm)
+
+
+def _mark_host(tracker: StorageTracker, pm) -> None:
+    host = pm.offload.optimizer
+    if host is not None:
+        for t in host.host_tensors():
+            tracker.mark(t, HOST)
 
 
 def _register_existing(tracker: StorageTracker, pm) -> None:
@@ -239,6 +264,9 @@ def _register_existing(tracker: StorageTracker, pm) -> None:
         for v in state.values():
             if isinstance(v, torch.Tensor):
                 tracker.register(v)
+    if pm.offload.optimizer is not None:
+        for t in pm.offload.optimizer.host_tensors():
+            tracker.register(t)
     _mark_state(tracker, pm)
 
 
@@ -273,6 +301,12 @@ def _spies(tracker: StorageTracker, pm) -> list[_Spy]:
     (activations, though no autograd node saved them)."""
     spies = [_Spy(pm.reducer, "reduce", before=lambda: _mark_state(tracker, pm),
                   after=lambda args, out: _mark_state(tracker, pm))]
+    if pm.offload.activations is not None:       # an offloaded activation's host copy
+        spies.append(_Spy(pm.offload.activations, "to_host", after=lambda args, out: tracker.mark(out, HOST)))
+    host = pm.offload.optimizer
+    if host is not None:                         # NVMe: the state read back chunk by chunk in the step
+        spies.append(_Spy(host, "_read", after=lambda args, out: [
+            tracker.mark(t, HOST) for s in args[0] for _, t in host._tensors(s)]))
     runner = getattr(pm, "_pipeline", None)
     if runner is not None:
         sched = runner.schedule
@@ -295,7 +329,7 @@ def measure_step(pm, inputs, targets) -> tuple[float, StepMemory]:
              for s in pm.store.slots if s.local.requires_grad]
     ctx = pm.store.ctx
     chained = ctx.on_full_grad                # ZeRO-3: each full summand is a gradient from its first
-    if ctx.zero_stage == 3 and ctx.dp > 1:    # accumulation (the reducer frees it once its bucket is sent)
+    if ctx.gathers:                           # accumulation (the reducer frees it once its bucket is sent)
         def on_full_grad(slot):
             tracker.mark(slot.full_grad, "grads")
             if chained is not None:
@@ -308,8 +342,9 @@ def measure_step(pm, inputs, targets) -> tuple[float, StepMemory]:
         with contextlib.ExitStack() as stack:
             for spy in _spies(tracker, pm):
                 stack.enter_context(spy)
-            if pm.store.ctx.reshard is not None:     # ZeRO-3's hooks shadow the tracker's: observe through them
-                stack.enter_context(pm.store.ctx.reshard.observing(tracker._pack))
+            owner = pm.offload.hooks_owner(pm.store)
+            if owner is not None:          # ZeRO-3's / offload's hooks shadow the tracker's: observe through them
+                stack.enter_context(owner.observing(tracker._pack))
             with tracker.saved_tensors(), tracker:
                 loss = pm.step(inputs, targets)
         _mark_state(tracker, pm)
@@ -318,10 +353,10 @@ def measure_step(pm, inputs, targets) -> tuple[float, StepMemory]:
             h.remove()
         ctx.on_full_grad = chained
         tracker.close()
-    peak, split, tops = tracker.peak()
+    peak, split, tops, host = tracker.peak()
     if device.type == "cuda":
         peak = int(torch.cuda.max_memory_allocated(device))
-    return loss, StepMemory(peak, split, tops, device.type)
+    return loss, StepMemory(peak, split, tops, device.type, host)
 
 
 # ---- prediction ---------------------------------------------------------------------------------
@@ -345,7 +380,8 @@ def plan_evaluation(plan, graph, cluster=None):
                   schedule=plan.pipeline_schedule if plan.pp > 1 else None,
                   virtual_stages=plan.virtual_stages if plan.pp > 1 else None,
                   context_parallel=plan.context_parallel,
-                  context_parallel_mode=plan.context_parallel_mode if plan.context_parallel > 1 else None)
+                  context_parallel_mode=plan.context_parallel_mode if plan.context_parallel > 1 else None,
+                  offload=plan.offload)
     res = solve(graph, cluster, global_batch=plan.global_batch, seq_len=plan.seq_len, dtype=plan.dtype,
                 memory_budget_bytes=plan.cluster.memory_budget_bytes, force=force)
     cfg = res.evaluation.config
@@ -369,6 +405,7 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     cfg = evaluation.config
     st = next(s for s in evaluation.stages if s.index == pp_rank)
     per = state_bytes_per_param(param_dtype, optimizer)
+    classes = cfg.classes
 
     def states(numel: float) -> dict:
         return model_state_bytes(int(numel), cfg.dp, cfg.zero, param_bytes=per["params"], grad_bytes=per["grads"],
@@ -378,7 +415,9 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     parts = rank_parts(summary, st.layers, st.has_pre, st.has_post)
     largest = max(p.max_out_bytes for p, _, _ in parts)
     gathered = 0.0               # the solver counts ZeRO-3's gathered layers at 16 bits
-    if cfg.zero == 3 and cfg.dp > 1:
+    if cfg.zero == 3 and "params" in classes:
+        gathered = ZERO3_PREFETCH_LAYERS * summary.parts["block"].param_numel
+    elif cfg.zero == 3 and cfg.dp > 1:
         gathered = ZERO3_PREFETCH_LAYERS * summary.parts["block"].param_numel * (1 - 1 / cfg.dp)
     workspace = (backward_workspace_bytes(largest) + st.memory.other_bytes - largest
                  + gathered * (per["params"] - PARAM_BYTES))
@@ -399,11 +438,53 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     if st.has_pre:
         pre = summary.parts["pre"]
         pieces.append((pre.saved_bytes, states(pre.param_numel + shared)["grads"]))
+    if cfg.dp > 1 and cfg.zero in (0, 1):
+        pieces = _bucketed(pieces)
+    host, act_kept = 0.0, 1.0
+    if classes:                  # ``cost/offload.py``, for the dtype and optimizer run
+        from autopar.cost.memory import _OPTIMIZER_MOMENTS
+        from autopar.cost.offload import offload_memory, optimizer_rows
+
+        per_mb = sum(a for a, _ in pieces)
+        off = offload_memory(classes, rows=optimizer_rows(st.param_numel, cfg.dp, cfg.zero),
+                             params_bytes=total["params"], grads_bytes=total["grads"],
+                             optimizer_bytes=total["optimizer"], activations_bytes=st.inflight * per_mb,
+                             resident_saved_bytes=largest, saved_bytes_per_microbatch=per_mb, inflight=st.inflight,
+                             microbatches=cfg.m, moments=_OPTIMIZER_MOMENTS[optimizer])
+        host = off["host"]
+        if "activations" in classes:   # on the host; the backward brings one node's back at a time, at
+            act_kept = 0.0             # most the largest output (the log-probabilities at the loss)
+            workspace += largest
+        grad_kept = off["grads"] / total["grads"] if total["grads"] else 1.0   # grads offload: the buckets kept
+        pieces = [(a * act_kept, g * grad_kept) for a, g in pieces]
+        total = {"params": off["params"], "grads": off["grads"], "optimizer": off["optimizer"]}
     peak = step_peak_bytes(total["params"] + total["optimizer"], pieces, st.inflight, workspace,
                            grads_during_forward=st.inflight < cfg.m)
     cats = MemoryByCategory(int(total["params"]), int(total["grads"]), int(total["optimizer"]),
-                            int(st.memory.activations_bytes), int(workspace))
-    return PredictedMemory(int(peak), cats)
+                            int(st.memory.activations_bytes * act_kept), int(workspace))
+    return PredictedMemory(int(peak), cats, int(host))
+
+
+def _bucketed(pieces: list) -> list:
+    """ZeRO 0/1 over dp > 1: gradients live in bucket buffers (``runtime/reducer.py``), each
+    allocated whole when its first gradient arrives. Buckets fill in backward order (the first up
+    to ``DEFAULT_FIRST_BUCKET_BYTES``, the others ``DEFAULT_BUCKET_BYTES``, ``codegen/buckets.py``):
+    each piece's gradient bytes become what is allocated when it runs."""
+    from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES
+
+    left = sum(g for _, g in pieces)            # not yet allocated
+    room, cap, out = 0.0, float(DEFAULT_FIRST_BUCKET_BYTES), []
+    for a, g in pieces:
+        alloc = 0.0
+        while g > room and left > 0:            # a new bucket, allocated whole
+            g -= room
+            room = min(cap, left)
+            alloc += room
+            left -= room
+            cap = float(DEFAULT_BUCKET_BYTES)
+        room -= min(g, room)
+        out.append((a, alloc))
+    return out
 
 
 def compare_ranks(plan, graph, measured: list[dict], param_dtype: str, optimizer: str = "adamw") -> list[RankMemory]:

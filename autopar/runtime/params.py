@@ -52,10 +52,30 @@ class ParamSlot:
     # ZeRO-3 (dp > 1): graph scopes that read this parameter in the current micro-batch's forward
     # whose ``_UseParam.backward`` has not run yet; 0 after one did = its summand is complete
     open_scopes: int = 0
+    # optimizer offload (``runtime/offload.py``): the fp32 master of ``opt_param`` on the host,
+    # which the optimizer steps instead
+    host: Optional[nn.Parameter] = None
+    host_grad: Optional[torch.Tensor] = None   # ... and this step's reduced gradient of it, on the host
+    # ZeRO-3 with parameter offload: the reduced gradient of ``opt_param`` (in host memory, so the
+    # device tensor cannot be its ``.grad``) until the offload copies it down
+    reduced: Optional[torch.Tensor] = None
+
+    def give_grad(self, g: torch.Tensor) -> None:
+        """``g`` is ``opt_param``'s reduced gradient of this step."""
+        if g.device == self.opt_param.device:
+            self.opt_param.grad = g
+        else:
+            self.reduced = g
 
     @property
     def name(self) -> str:
         return self.plan.name
+
+    @property
+    def stepped(self) -> nn.Parameter:
+        """The tensor the optimizer steps (its state is keyed by it): the host master when the
+        optimizer is offloaded, else ``opt_param``."""
+        return self.host if self.host is not None else self.opt_param
 
 
 def mesh_axis(mesh, role: str) -> Optional[int]:
@@ -80,6 +100,14 @@ class ParamContext:
     reshard: Any = None            # ZeRO-3 with dp > 1: runtime/reshard.Reshard (gathered weights not kept)
     on_full_grad: Any = None       # ZeRO-3 with dp > 1: called with the slot after each scope's summand
                                    # (the reducer's overlap: ``GradReducer._on_full_grad``)
+    device: Any = None             # where the graph runs (torch.device)
+    host_params: bool = False      # ZeRO-3 with parameter offload: the rows live in host memory
+
+    @property
+    def gathers(self) -> bool:
+        """Whether each use fetches the parameter (ZeRO-3 over dp > 1, or rows in host memory):
+        its gradient then goes to ``ParamSlot.full_grad``, not to the stored tensor."""
+        return self.zero_stage == 3 and (self.dp > 1 or self.host_params)
 
     def placements(self, name: str, on_dp=None) -> tuple:
         """Torch placements of parameter ``name`` per mesh axis: its storage placement on tp,
@@ -99,7 +127,12 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def gather_rows(slot: ParamSlot, chunk: torch.Tensor, ctx: ParamContext, record: bool = True) -> torch.Tensor:
-    """All-gather the dp row chunks of ``slot`` into its tp-local tensor (ZeRO-3)."""
+    """All-gather the dp row chunks of ``slot`` into its tp-local tensor (ZeRO-3); rows in host
+    memory (parameter offload) are copied up first."""
+    if ctx.device is not None and chunk.device != ctx.device or ctx.host_params:
+        chunk = torch.empty(chunk.shape, dtype=chunk.dtype, device=ctx.device).copy_(chunk, non_blocking=True)
+    if ctx.dp == 1:
+        return chunk.view(slot.layout.local_shape)
     lay = slot.layout
     c, rn = lay.chunk_rows(ctx.dp), lay.row_numel
     send = chunk.reshape(-1)
@@ -123,7 +156,7 @@ class _UseParam(torch.autograd.Function):
         from torch.distributed.tensor import DTensor
 
         ctx.slot, ctx.pctx = slot, pctx
-        full = gather_rows(slot, local, pctx) if pctx.zero_stage == 3 and pctx.dp > 1 else local.view_as(local)
+        full = gather_rows(slot, local, pctx) if pctx.gathers else local.view_as(local)
         if pctx.reshard is not None:
             pctx.reshard.register(slot, full)
         return DTensor.from_local(full, pctx.mesh, pctx.placements(slot.name),
@@ -144,7 +177,7 @@ class _UseParam(torch.autograd.Function):
         if pctx.dp > 1 and (not keep_partial or dp_pl.reduce_op == "avg"):
             g = g / pctx.dp          # the reducer sums over dp
         g = g.contiguous()
-        if pctx.zero_stage == 3 and pctx.dp > 1:
+        if pctx.gathers:
             _add_summand(slot, pctx, g)
             return None, None, None
         return g, None, None
@@ -172,7 +205,7 @@ class _UseParamLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, slot: ParamSlot, pctx: ParamContext):
         ctx.slot, ctx.pctx = slot, pctx
-        if pctx.zero_stage == 3 and pctx.dp > 1:
+        if pctx.gathers:
             full = gather_rows(slot, local, pctx)
             pctx.reshard.register(slot, full)
             return full
@@ -182,7 +215,7 @@ class _UseParamLocal(torch.autograd.Function):
     def backward(ctx, g):
         slot, pctx = ctx.slot, ctx.pctx
         g = g.contiguous()
-        if pctx.zero_stage == 3 and pctx.dp > 1:
+        if pctx.gathers:
             _add_summand(slot, pctx, g)
             return None, None, None
         return g, None, None
@@ -201,9 +234,12 @@ class ParamStore:
     # ---- construction ------------------------------------------------------------------------
     @classmethod
     def build(cls, plans, mesh, zero_stage: int, log: CollectiveLog, device, aliases: dict[str, str],
-              values, local_dp: bool = False) -> "ParamStore":
+              values, local_dp: bool = False, host_params: bool = False) -> "ParamStore":
         """``values(plan, row_runs, col_ranges) -> tensor``: rows (runs of [start, end) along dim 0,
-        concatenated) and columns of the full tensor (any device)."""
+        concatenated) and columns of the full tensor (any device). ``host_params`` (ZeRO-3): the
+        rows are kept in host memory (pinned on a GPU) and copied up at each use."""
+        if host_params and zero_stage != 3:
+            raise ValueError(f"parameter offload needs ZeRO-3 (the plan has zero_stage {zero_stage})")
         di, ti = mesh_axis(mesh, DATA), mesh_axis(mesh, TENSOR)
         coord, sizes = tuple(mesh.get_coordinate()), tuple(mesh.shape)
         dp, dp_rank = (sizes[di], coord[di]) if di is not None else (1, 0)
@@ -211,8 +247,9 @@ class ParamStore:
         ctx = ParamContext(mesh=mesh, dp=dp, zero_stage=zero_stage, log=log,
                            dp_group=mesh.get_group(DATA) if di is not None else None, local_dp=local_dp,
                            data_axis=di, tensor_axis=ti, tp=tp,
-                           tp_group=mesh.get_group(TENSOR) if tp > 1 else None)
-        if zero_stage == 3 and dp > 1:
+                           tp_group=mesh.get_group(TENSOR) if tp > 1 else None,
+                           device=torch.device(device), host_params=host_params)
+        if ctx.gathers:
             from autopar.runtime.reshard import Reshard
 
             ctx.reshard = Reshard(lambda slot: gather_rows(slot, slot.local, ctx))
@@ -232,8 +269,12 @@ class ParamStore:
             else:
                 stored = rows[mine[0]:mine[1]] if zero_stage == 3 else rows
                 t = values(p, row_runs(stored), tuple(tp_ranges[1:]))
-            t = t.to(device=device, dtype=_dtype(p.dtype))
-            local = nn.Parameter(t.detach().clone().contiguous(), requires_grad=True)
+            if host_params:
+                stored_t = torch.empty(t.shape, dtype=_dtype(p.dtype), pin_memory=torch.device(device).type == "cuda")
+                stored_t.copy_(t)
+            else:
+                stored_t = t.to(device=device, dtype=_dtype(p.dtype)).detach().clone().contiguous()
+            local = nn.Parameter(stored_t, requires_grad=True)
             if zero_stage in (1, 2):
                 opt = nn.Parameter(local.data.view(layout.rows, layout.row_numel)[mine[0]:mine[1]],
                                    requires_grad=True)
@@ -244,7 +285,7 @@ class ParamStore:
 
     @classmethod
     def from_module(cls, plans, mesh, zero_stage, log, device, model: nn.Module,
-                    local_dp: bool = False) -> "ParamStore":
+                    local_dp: bool = False, host_params: bool = False) -> "ParamStore":
         full = dict(model.named_parameters())
         aliases = _aliases(model)
 
@@ -253,11 +294,11 @@ class ParamStore:
             if not t.dim():
                 return t
             return torch.cat([slice_of(t, ((a, b),) + tuple(cols)) for a, b in runs])
-        return cls.build(plans, mesh, zero_stage, log, device, aliases, values, local_dp)
+        return cls.build(plans, mesh, zero_stage, log, device, aliases, values, local_dp, host_params)
 
     @classmethod
     def from_init(cls, plans, mesh, zero_stage, log, device, model: nn.Module, rules: dict[str, InitRule],
-                  seed: int, local_dp: bool = False) -> "ParamStore":
+                  seed: int, local_dp: bool = False, host_params: bool = False) -> "ParamStore":
         aliases = _aliases(model)
 
         def values(p: ParamPlan, runs, cols):
@@ -265,13 +306,13 @@ class ParamStore:
                 return generate(p.name, rules[p.name], p.shape, None, seed, dtype=_dtype(p.dtype))
             return torch.cat([generate(p.name, rules[p.name], p.shape, ((a, b),) + tuple(cols), seed,
                                        dtype=_dtype(p.dtype)) for a, b in runs])
-        return cls.build(plans, mesh, zero_stage, log, device, aliases, values, local_dp)
+        return cls.build(plans, mesh, zero_stage, log, device, aliases, values, local_dp, host_params)
 
     # ---- training ----------------------------------------------------------------------------
     def use(self, name: str):
         slot = self.by_name[self.aliases.get(name, name)]
         ctx = self.ctx
-        if ctx.zero_stage == 3 and ctx.dp > 1 and torch.is_grad_enabled() and not _in_backward():
+        if ctx.gathers and torch.is_grad_enabled() and not _in_backward():
             # a scope whose backward will add to the summand (``_add_summand``). A recompute
             # region's replay runs inside the backward and is not one: non-reentrant checkpoint
             # backpropagates through the forward's nodes, the replay only refills their saved tensors
@@ -280,7 +321,7 @@ class ParamStore:
         return fn.apply(slot.local, slot, ctx)
 
     def optimizer_params(self) -> list[nn.Parameter]:
-        return [s.opt_param for s in self.slots]
+        return [s.stepped for s in self.slots]
 
     def shard_groups(self) -> dict[nn.Parameter, tuple]:
         """Per optimizer parameter, the process groups whose ranks hold the rest of its tensor:
@@ -295,7 +336,7 @@ class ParamStore:
                 groups.append(tp_group)
             if ctx.zero_stage >= 1 and ctx.dp > 1:
                 groups.append(ctx.dp_group)
-            out[s.opt_param] = tuple(groups)
+            out[s.stepped] = tuple(groups)
         return out
 
     def reshard_hooks(self):
@@ -313,6 +354,8 @@ class ParamStore:
             s.local.grad = None
             s.opt_param.grad = None
             s.full_grad = None
+            s.host_grad = None
+            s.reduced = None
             s.open_scopes = 0
 
     # ---- full tensors (collective: every rank calls) -------------------------------------------
@@ -320,7 +363,7 @@ class ParamStore:
         ctx = self.ctx
         if which == "param":
             t = slot.local.detach()
-            if ctx.zero_stage == 3 and ctx.dp > 1:
+            if ctx.gathers:
                 t = gather_rows(slot, t, ctx, record=False)
         else:
             t = self._tp_local_grad(slot)
@@ -369,6 +412,11 @@ class ParamStore:
 
     def _tp_local_grad(self, slot: ParamSlot) -> torch.Tensor:
         ctx = self.ctx
+        if slot.host_grad is not None:           # offloaded: the optimizer's rows, on the host
+            g = slot.host_grad.to(ctx.device or slot.local.device, _dtype(slot.plan.dtype), copy=True)   # reused buffer
+            if ctx.zero_stage >= 1 and ctx.dp > 1:
+                return gather_rows(slot, g.reshape(-1), ctx, record=False)
+            return g.reshape(slot.layout.local_shape)
         if ctx.zero_stage in (0, 1) or ctx.dp == 1:
             g = slot.local.grad
             return torch.zeros(slot.layout.local_shape, dtype=_dtype(slot.plan.dtype),

@@ -203,10 +203,11 @@ class PipelineRunner:
         for group, names in self.tied:
             for name in names:
                 s = by_name[name]
-                zero3 = self.store.ctx.zero_stage == 3
+                zero3 = self.store.ctx.gathers            # the summand is in full_grad
                 g = s.full_grad if zero3 else s.local.grad
                 if g is None:
-                    g = torch.zeros(s.layout.local_shape, dtype=s.local.dtype, device=s.local.device)
+                    g = torch.zeros(s.layout.local_shape, dtype=s.local.dtype,
+                                    device=self.store.ctx.device or s.local.device)
                 dist.all_reduce(g, group=group)
                 self.log.add("all_reduce", "pp", g.numel() * g.element_size(), "tied")
                 if zero3:

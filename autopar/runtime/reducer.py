@@ -74,6 +74,10 @@ class GradReducer:
     def __init__(self, store: ParamStore, bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True,
                  reduce_dtype: Optional[torch.dtype] = None) -> None:
         self.store = store
+        # called with a bucket's slots once their optimizer gradients are reduced (offload's copy to
+        # the host, ``runtime/offload.py``); None: nothing to do
+        self.on_reduced: Optional[Any] = None
+        self.on_reduced_frees = False             # ... and the device copies are dropped after it
         self.reduce_dtype = reduce_dtype          # mixed precision: buckets cross dp in this dtype
         self.slots = store.slots
         self.buckets = plan_buckets([s.layout for s in self.slots], bucket_bytes)
@@ -98,6 +102,11 @@ class GradReducer:
         elif self.views or self.overlap:
             for i, s in enumerate(self.slots):
                 s.local.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+
+    @property
+    def armed(self) -> bool:
+        """Whether this micro-batch is the step's last (its gradients are the step's)."""
+        return self._armed
 
     def arm(self, armed: bool) -> None:
         """Whether gradients completed now start their bucket's reduction (overlap). Off for all
@@ -186,7 +195,8 @@ class GradReducer:
         ...], in ``reduce_dtype`` if set. Each full summand is dropped once copied in."""
         dp, first = self.dp, slots[0].local
         widths = [s.layout.chunk_rows(dp) * s.layout.row_numel for s in slots]
-        send = torch.empty(dp, sum(widths), dtype=self.reduce_dtype or first.dtype, device=first.device)
+        send = torch.empty(dp, sum(widths), dtype=self.reduce_dtype or first.dtype,
+                           device=self.store.ctx.device or first.device)
         offset = 0
         for s, w in zip(slots, widths):
             lay = s.layout
@@ -233,6 +243,10 @@ class GradReducer:
             out = f.out if self.reduce_dtype is None else f.out.to(slots[0].local.dtype)
             self._finish_reduce_scatter(slots, out)
         f.send = f.out = None
+        if self.on_reduced is not None:
+            self.on_reduced(slots)
+            if self.on_reduced_frees:            # the bucket's gradients went to the host
+                self._flat[b] = None
 
     def reduce(self) -> None:
         """Reduce this step's gradient summands over dp; leave each optimizer parameter's .grad."""
@@ -240,6 +254,9 @@ class GradReducer:
             for s in self.slots:
                 if self.stage in (1, 2) and s.local.grad is not None:
                     s.opt_param.grad = s.local.grad.view(s.opt_param.shape)
+                elif self.stage == 3 and s.full_grad is not None:     # parameter offload: the summand is the gradient
+                    s.give_grad(s.full_grad.view(s.opt_param.shape))
+                    s.full_grad = None
             return
         while self._next < len(self.buckets):
             self._launch(self._next)
@@ -257,7 +274,7 @@ class GradReducer:
             c = lay.chunk_rows(dp)
             mine = out[offset: offset + c * lay.row_numel].view(c, lay.row_numel)[: s.rows[1] - s.rows[0]]
             offset += c * lay.row_numel
-            s.opt_param.grad = mine.view(s.opt_param.shape)
+            s.give_grad(mine.view(s.opt_param.shape))
             s.full_grad = None
 
     @torch.no_grad()

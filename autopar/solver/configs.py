@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from autopar.cost.flops import pipeline_schedule_problem
 from autopar.ir import GraphIR
-from autopar.plan import V_SCHEDULES
+from autopar.plan import V_SCHEDULES, parse_offload
 from autopar.solver.errors import PlanningError
 from autopar.solver.forcing import Force
 from autopar.solver.timing import OuterConfig
@@ -55,8 +55,10 @@ def model_dims(graph: GraphIR) -> dict:
 
 def check_force(force: Force, graph: GraphIR, world: int, global_batch: int) -> None:
     dims = model_dims(graph)
-    if force.offload not in (None, "none"):
-        raise PlanningError(f"offload={force.offload} is not modelled by this planner yet; drop --force offload")
+    if force.offload not in (None, "none") and "params" in parse_offload(force.offload) \
+            and force.zero_stage not in (None, 3):
+        raise PlanningError(f"offload={force.offload} offloads params, which needs ZeRO-3 (the host holds each "
+                            f"rank's rows and they are gathered before use); force zero=3 or drop params")
     for name, v in (("tp", force.tp), ("pp", force.pp), ("dp", force.dp)):
         if v is not None and world % v:
             raise PlanningError(f"{name}={v} does not divide the {world} GPUs of the cluster")
@@ -183,9 +185,11 @@ def _schedules(force: Force, pp: int, layers: int) -> list[tuple[str, int]]:
 # ---- enumeration ----------------------------------------------------------------------------------
 
 def outer_configs(force: Force, world: int, layers: int, has_block: bool, global_batch: int,
-                  cp_options=None) -> list[OuterConfig]:
+                  cp_options=None, offload_free: bool = False) -> list[OuterConfig]:
     """Every configuration the forced values allow. ``cp_options(rest, tp)``: the (cp, mode)
-    pairs for ``rest`` = dp x cp ranks (``context.cp_choices``; None: cp = 1 only)."""
+    pairs for ``rest`` = dp x cp ranks (``context.cp_choices``; None: cp = 1 only). Each carries
+    the forced offload (else "none"); ``offload_free`` (the search's offload pass) adds ZeRO-3
+    on a single data rank, which only params offload makes worth having."""
     tps = [force.tp] if force.tp else _divisors(world)
     pps = [force.pp] if force.pp else [p for p in _divisors(world) if p <= layers and (has_block or p == 1)]
     out = []
@@ -195,12 +199,12 @@ def outer_configs(force: Force, world: int, layers: int, has_block: bool, global
                 continue
             rest = world // (tp * pp)
             for cp, cp_mode in (cp_options(rest, tp) if cp_options else [(1, "none")]):
-                out += _configs_of(force, tp, pp, rest // cp, cp, cp_mode, layers, global_batch)
+                out += _configs_of(force, tp, pp, rest // cp, cp, cp_mode, layers, global_batch, offload_free)
     return out
 
 
 def _configs_of(force: Force, tp: int, pp: int, dp: int, cp: int, cp_mode: str, layers: int,
-                global_batch: int) -> list[OuterConfig]:
+                global_batch: int, offload_free: bool = False) -> list[OuterConfig]:
     out: list[OuterConfig] = []
     if (force.dp and dp != force.dp) or global_batch % dp:
         return out
@@ -223,7 +227,8 @@ def _configs_of(force: Force, tp: int, pp: int, dp: int, cp: int, cp_mode: str, 
             continue
         sps = [force.sequence_parallel] if force.sequence_parallel is not None else \
             ([False, True] if tp > 1 else [False])
-        zeros = [force.zero_stage] if force.zero_stage is not None else ([0, 1, 2, 3] if dp * cp > 1 else [0])
+        zeros = [force.zero_stage] if force.zero_stage is not None else \
+            ([0, 1, 2, 3] if dp * cp > 1 else ([0, 3] if offload_free else [0]))
         rcs = [force.recompute] if force.recompute else list(RECOMPUTES)
         for sp in sps:
             if sp and tp == 1:
@@ -232,7 +237,7 @@ def _configs_of(force: Force, tp: int, pp: int, dp: int, cp: int, cp_mode: str, 
                 for rc in rcs:
                     for sched, v in scheds:
                         out.append(OuterConfig(tp, pp, dp, mbs, m, rc, z, sp, sched, v,
-                                               cp=cp, cp_mode=cp_mode))
+                                               cp=cp, cp_mode=cp_mode, offload=force.offload or "none"))
     return out
 
 

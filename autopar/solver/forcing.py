@@ -5,6 +5,9 @@ interleaved_1f1b, interleaved_zb, zbv, dualpipev) and ``vpp=K`` the stages per p
 (virtual stages). Whether they fit the model and the other degrees is checked by the search
 (``configs.check_force``).
 
+``offload=CLASSES`` pins the offloaded tensor classes, joined by "+" (``plan.parse_offload``:
+optimizer, grads, params, activations, nvme; "none" forbids offload), e.g. offload=optimizer+grads.
+
 ``cp=N`` splits every sequence over N context-parallel ranks and ``cpmode=ring|ulysses`` pins how
 attention crosses them (``solver/context.py``)."""
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 from autopar.mesh import CONTEXT, DATA, PIPELINE, TENSOR
-from autopar.plan import CONTEXT_MODES, OFFLOAD_CHOICES, PIPELINE_SCHEDULES, RECOMPUTE_CHOICES
+from autopar.plan import CONTEXT_MODES, PIPELINE_SCHEDULES, RECOMPUTE_CHOICES, offload_name, parse_offload
 
 _INT_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "mbs": "micro_batch_size", "zero": "zero_stage",
              "microbatches": "num_micro_batches", "vpp": "virtual_stages", "cp": "context_parallel"}
@@ -93,9 +96,10 @@ def parse_force(spec: "str | dict | Force | None") -> Force:
                 raise ValueError(f"--force cpmode={v!r}: choose one of {', '.join(CONTEXT_MODES)}")
             out["context_parallel_mode"] = v
         elif k == "offload":
-            if v not in OFFLOAD_CHOICES:
-                raise ValueError(f"--force offload={v!r}: choose one of {', '.join(OFFLOAD_CHOICES)}")
-            out["offload"] = v
+            try:
+                out["offload"] = offload_name(parse_offload(str(v)))   # canonical: "optimizer+activations"
+            except ValueError as e:
+                raise ValueError(f"--force {e}") from None
         elif k == "sp":
             if isinstance(v, bool):
                 out["sequence_parallel"] = v

@@ -16,6 +16,9 @@ behind (SMs, HBM) is not modelled.
 - ``param_gather_overlap``: the all-gather of updated parameters (ZeRO-1/2, Megatron distributed
   optimizer ``--overlap-param-gather``) runs during the next step's first forward; ZeRO-3's
   per-micro-batch gathers are prefetched against the forward/backward. Window: that compute.
+- ``host_copy_overlap``: offload's host<->device copies (gradients down, parameters and saved
+  activations up and down: ``cost/offload.py``) run on a side stream beside the compute. Window:
+  the step's / micro-batch's forward or backward. Without it they are exposed in full.
 - ``grad_bytes``: bytes per gradient element stored and reduced. Megatron with bf16 accumulates and
   reduces gradients in fp32 (``accumulate_allreduce_grads_in_fp32`` is forced on with bf16).
 """
@@ -32,6 +35,7 @@ class RuntimeProfile:
     param_gather_overlap: bool            # ZeRO param all-gathers overlapped with forward compute
     grad_bytes: int                       # bytes per gradient element (fp32 main grads -> 4)
     schedule: str = "1f1b"                # pipeline schedule (memory: in-flight micro-batches)
+    host_copy_overlap: bool = False       # offload copies overlapped with compute
 
 
 # autopar's own runtime (runtime/reducer.py, runtime/params.py), as it runs: ZeRO 0-2 gradient
@@ -39,7 +43,8 @@ class RuntimeProfile:
 # when needed and waited for (ZeRO-1/2 after the optimizer step, ZeRO-3 at each use, no prefetch),
 # so they are not overlapped, and nor is ZeRO-3's reduce-scatter (after the backward: timing.py
 # hides ZeRO-3's backward traffic only when both flags hold); tensor-parallel collectives are
-# issued synchronously by the executor; bf16 gradients.
+# issued synchronously by the executor; offload's copies (``runtime/offload.py``) are issued on the
+# compute stream, so they are exposed; bf16 gradients.
 AUTOPAR_RUNTIME = RuntimeProfile(
     name="autopar", tp_overlap_kinds=(), grad_reduce_overlap=True, param_gather_overlap=False,
     grad_bytes=2)

@@ -32,6 +32,11 @@ recompute) only if it is still a contender. "Optimal" means: over the outer spac
 configuration's tp strategies chosen by the ILP's per-micro-batch objective (pipeline stage balance,
 DP sync and the optimizer are evaluated outside the ILP).
 
+Offload (``offload_choice.py``): only when nothing fits without it (and it is not forced) the search
+runs again over each configuration's offload variants, keeping the fastest that fits the GPU, host
+and NVMe budgets (memory bounds: the leanest variant; time bounds: no offload, optimizer step >= 0);
+configurations that fit only with offload are not weighed against ones that fit without it.
+
 Micro-batch scaling: the graph was traced at ``GraphIR.batch_size``; tensors' batch dims, FLOPs
 and activation bytes are scaled to the micro-batch size (``strategies.py``); parameter sizes are
 not. ``seq_len`` must be the traced sequence length (it seeds which dims are "sequence").
@@ -55,7 +60,7 @@ from autopar.cost.memory import pipeline_inflight_microbatches
 from autopar.solver.forcing import Force, parse_force
 from autopar.ir import GraphIR
 from autopar.placements import Partial, Replicate, Shard
-from autopar.plan import V_SCHEDULES, ClusterRef, NodeStrategy, Plan, Stage
+from autopar.plan import V_SCHEDULES, ClusterRef, NodeStrategy, Plan, Stage, parse_offload
 from autopar.mesh import DATA, TENSOR
 from autopar.solver.configs import check_force, no_config_error, outer_configs
 from autopar.solver.context import check_context_force, context_problem, cp_choices
@@ -65,8 +70,9 @@ from autopar.solver.problem import AxisSummary, AxisTables, PartCost, build_tabl
     lower_bound_summary, summarize
 from autopar.solver.runtime_profile import AUTOPAR_RUNTIME, RuntimeProfile
 from autopar.solver.strategies import GraphFacts, graph_facts
-from autopar.solver.timing import (Evaluation, OuterConfig, _state_bytes_per_param, default_budget_bytes, evaluate,
-                                   memory_lower_bound, step_time_lower_bound)
+from autopar.solver.offload_choice import best_variant, host_note, lean_memory
+from autopar.solver.timing import (Evaluation, OuterConfig, _grads_const, _state_bytes_per_param, default_budget_bytes,
+                                   evaluate, host_budgets, memory_lower_bound, step_time_lower_bound)
 
 Progress = Callable[[str, int, int], None]
 GB = 1e9
@@ -135,11 +141,12 @@ def memory_constraints(tab: AxisTables, cfg: OuterConfig, unconstrained: Evaluat
     """Memory of each rank evaluated (at the unconstrained solution's cut) as a linear function of the
     strategy choice."""
     per_param = _state_bytes_per_param(cfg, profile)
+    act_off = "activations" in cfg.classes          # one layer of activations stays on the device
     out = []
     for st in unconstrained.stages:
         s = st.index
         first, last, lps = st.has_pre, st.has_post, st.layers
-        inflight = pipeline_inflight_microbatches(cfg.pp, s, cfg.m, cfg.schedule, cfg.v)
+        inflight = 1.0 if act_off else pipeline_inflight_microbatches(cfg.pp, s, cfg.m, cfg.schedule, cfg.v)
         coeffs = []
         for k in tab.keys:
             kind = tab.kinds[k]
@@ -153,13 +160,13 @@ def memory_constraints(tab: AxisTables, cfg: OuterConfig, unconstrained: Evaluat
                 part = tab.facts.part[k]
                 if part == "block":
                     keep = cfg.recompute == "none" or (cfg.recompute == "selective" and k not in tab.core)
-                    mult = lps if keep else 0
+                    mult = (1 if act_off else lps) if keep else 0
                 else:
                     mult = 1 if (part == "pre" and first) or (part == "post" and last) else 0
                 coeffs.append(tuple(c.saved_bytes * inflight * mult for c in tab.costs[k]))
-        const = st.memory.other_bytes
+        const = st.memory.other_bytes + _grads_const(cfg)
         if cfg.recompute == "full":        # each layer keeps its input (the carried stream), fixed here
-            const += inflight * lps * layer_input_bytes
+            const += inflight * (1 if act_off else lps) * layer_input_bytes
         out.append(LinearConstraint(f"stage{s}", tuple(coeffs), budget - const))
     return tuple(out)
 
@@ -177,6 +184,10 @@ class _Searcher:
         self.solutions: dict = {}
         self._lb: dict = {}
         self._caches: dict = {}
+        # second pass (nothing fit without offload, offload not forced): each configuration's
+        # offload variants (``offload_choice``); configurations then carry offload "none"
+        self.offload_pass = False
+        self.blocked: Optional[Evaluation] = None
 
     def table(self, tp: int, sp: bool, mbs: int, cp: int = 1, cp_mode: str = "none") -> AxisTables:
         key = (tp, sp, mbs, cp, cp_mode)
@@ -232,10 +243,12 @@ class _Searcher:
                               problem, self.global_batch)
 
         configs = outer_configs(self.force, world, layers, len(self.graph.blocks) == 1, self.global_batch,
-                                cp_options)
+                                cp_options, offload_free=self.offload_pass)
         if not configs:
             raise no_config_error(self.force, world, self.global_batch, layers)
         self.stats.configs = len(configs)
+        # counts of this pass (the offload pass runs the search again; ILP figures accumulate)
+        self.stats.pruned_memory_quick = self.stats.pruned_memory = self.stats.pruned_bound = self.stats.evaluated = 0
 
         # bound 1: memory from the per-sample replicated tables
         base = lower_bound_summary(self.table(1, False, 1), batch_only=True)
@@ -252,7 +265,9 @@ class _Searcher:
             nkey = replace(cfg, sp=False) if cfg.sp else cfg
             need = need_of.get(nkey)
             if need is None:
-                need = need_of[nkey] = memory_lower_bound(quick[qkey], cfg, self.profile).total_bytes
+                q = quick[qkey]
+                need = need_of[nkey] = (lean_memory(lambda c: memory_lower_bound(q, c, self.profile).total_bytes, cfg)
+                                        if self.offload_pass else memory_lower_bound(q, cfg, self.profile).total_bytes)
             if smallest is None or need < smallest[0]:
                 smallest = (need, cfg)
             if need > self.budget:
@@ -300,17 +315,32 @@ class _Searcher:
             if level == -1:
                 done += 1
                 self.progress("search", done, total)
-                ev = evaluate(self._lb[_table_key(cfg)], cfg, self.cluster, self.profile, self.budget)
-                lb_memory[cfg] = (tie, ev.memory.total_bytes)
-                if not ev.fits:
+                lb = self._lb[_table_key(cfg)]
+                ev = evaluate(lb, cfg, self.cluster, self.profile, self.budget)
+                need = ev.memory.total_bytes
+                if self.offload_pass:      # time: without offload (a bound); memory: the leanest variant
+                    need = lean_memory(lambda c: evaluate(lb, c, self.cluster, self.profile,
+                                                          self.budget).memory.total_bytes, cfg)
+                lb_memory[cfg] = (tie, need)
+                if need > self.budget:
                     self.stats.pruned_memory += 1
                     continue
-                heapq.heappush(heap, (ev.step.total_s, tie, cfg, 0, ev))
+                # offload pass: a variant's pipeline and DP sync take at least the variant without
+                # offload's, but its (CPU) optimizer step replaces the device one: counted as >= 0
+                heapq.heappush(heap, (ev.step.total_s - (ev.step.optimizer_s if self.offload_pass else 0.0),
+                                      tie, cfg, 0, ev))
                 continue
             sol = self.solution(*_table_key(cfg))
             if level == 0:
-                ev = evaluate(sol.summary, cfg, self.cluster, self.profile, self.budget)
+                if self.offload_pass:          # the fastest variant that fits, else the leanest
+                    fit, ev, blocked = best_variant(sol.summary, cfg, self.cluster, self.profile, self.budget)
+                    self._note_blocked(blocked)
+                    ev = fit or ev
+                else:
+                    ev = evaluate(sol.summary, cfg, self.cluster, self.profile, self.budget)
                 self.stats.evaluated += 1
+                if ev.fits_device and not ev.fits:
+                    self._note_blocked(ev)
                 if not ev.fits:
                     if smallest_exact is None or ev.memory.total_bytes < smallest_exact.memory.total_bytes:
                         smallest_exact = ev
@@ -319,10 +349,18 @@ class _Searcher:
                     heapq.heappush(heap, (max(bound, self._constrained_bound(cfg, sol, lb_ev)), tie, cfg, 1, ev))
                     continue
             else:
-                csol = self.constrained(cfg, sol, lb_ev)          # lb_ev holds the exact evaluation here
+                # lb_ev holds the exact evaluation here (in the offload pass: of the leanest variant)
+                csol = self.constrained(lb_ev.config, sol, lb_ev)
                 if csol is None:
                     continue
-                ev = evaluate(csol.summary, cfg, self.cluster, self.profile, self.budget)
+                if self.offload_pass:
+                    fit, ev, blocked = best_variant(csol.summary, cfg, self.cluster, self.profile, self.budget)
+                    self._note_blocked(blocked)
+                    ev = fit or ev
+                else:
+                    ev = evaluate(csol.summary, cfg, self.cluster, self.profile, self.budget)
+                if ev.fits_device and not ev.fits:
+                    self._note_blocked(ev)
                 if not ev.fits:
                     continue
                 sol = csol
@@ -338,6 +376,12 @@ class _Searcher:
             raise self._infeasible(smallest, smallest_exact)
         return best
 
+    def _note_blocked(self, ev: Optional[Evaluation]) -> None:
+        """Keep the offload plan that fit the GPU but not the host / NVMe budget with the least host
+        bytes (the infeasibility message names that budget)."""
+        if ev is not None and (self.blocked is None or ev.memory.host_bytes < self.blocked.memory.host_bytes):
+            self.blocked = ev
+
     def _constrained_bound(self, cfg: OuterConfig, sol: AxisSolution, lb_ev: Evaluation) -> float:
         lb = self._lb[_table_key(cfg)]
         blk = lb.parts["block"]
@@ -346,6 +390,8 @@ class _Searcher:
         lb_stage = max(st.time_per_microbatch_s for st in lb_ev.stages)
         span = cfg.m + pipeline_bubble_units(cfg.pp, cfg.m, cfg.schedule, cfg.v)
         outside = lb_ev.step.total_s - span * lb_stage       # DP sync + optimizer bounds
+        if self.offload_pass:                                 # the CPU step replaces the device one
+            outside -= lb_ev.step.optimizer_s
         return span * max(t_stage, lb_stage) + outside
 
     def _infeasible(self, smallest, smallest_exact: Optional[Evaluation]) -> InfeasibleError:
@@ -362,15 +408,21 @@ class _Searcher:
         enough = smallest_exact.memory.total_bytes if smallest_exact is not None else need
         hints = ["a GPU with more memory",
                  f"--memory-gb {math.ceil(enough / GB * 10) / 10:.1f} if the GPUs have that much free"]
-        if not forced:
+        if forced == (("offload", "none"),):
+            hints.append("offload (drop offload=none)")
+        if not [kv for kv in forced if kv != ("offload", "none")]:
             # Model states shrink about as 1/GPUs when every axis shards them; activations need not,
             # so this is the fewest nodes worth trying, not a guarantee.
             nodes = max(self.cluster.nodes + 1, math.ceil(self.cluster.nodes * need / self.budget))
             hints.insert(0, f"--nodes {nodes} or more")
         else:
             hints.insert(0, "fewer --force pins (or larger tp/pp, zero=3, recompute=full)")
+        lean = " with every offload class" if self.offload_pass else ""
+        if self.blocked is not None:       # an offload plan fit the GPUs, not the host / NVMe
+            return InfeasibleError(f"no plan fits both the GPUs and the host{where}" + host_note(self.blocked, self.cluster)
+                                   + f" ({self.blocked.config.short()}); or try --nodes {self.cluster.nodes + 1} or more")
         return InfeasibleError(
-            f"needs >= {need / GB:.1f} GB per GPU at the best plan{where} ({cfg.short()}){exact}; "
+            f"needs >= {need / GB:.1f} GB per GPU{lean} at the best plan{where} ({cfg.short()}){exact}; "
             f"budget {self.budget / GB:.1f} GB per GPU; try {', '.join(hints)}")
 
 
@@ -427,6 +479,9 @@ def _build_plan(s: _Searcher, ev: Evaluation, sol: AxisSolution, seq_len, solve_
              f"tp-axis ILP: {s.stats.ilp_solves} solves ({s.stats.ilp_constrained} memory-constrained) with "
              f"{s.stats.solver or 'no solver (tp=1 only)'}, {s.stats.ilp_time_s:.2f} s, up to "
              f"{s.stats.ilp_max_variables} variables / {s.stats.ilp_max_constraints} constraints"]
+    if s.offload_pass:
+        notes.append(f"offload {cfg.offload}: no configuration fits the GPUs without offload, so each one's "
+                     "offload variants were searched (the fastest that fits the GPU, host and NVMe budgets)")
     if s.facts.unknown_targets:
         notes.append("no sharding rule (replicated): " + ", ".join(s.facts.unknown_targets))
     strided = [x.key for x in strategies if x.name == "strided"]
@@ -436,12 +491,12 @@ def _build_plan(s: _Searcher, ev: Evaluation, sol: AxisSolution, seq_len, solve_
     return Plan(
         model_name=s.graph.model_name, model_fingerprint=s.graph.fingerprint,
         cluster=ClusterRef(s.cluster.name, s.cluster.gpu.name, s.cluster.nodes, s.cluster.gpus_per_node,
-                           int(s.budget)),
+                           int(s.budget), *((int(b) for b in host_budgets(s.cluster)) if cfg.classes else ())),
         dtype=s.dtype, global_batch=s.global_batch, seq_len=seq_len,
         dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, sequence_parallel=cfg.sp, zero_stage=cfg.zero,
         context_parallel=cfg.cp, context_parallel_mode=cfg.cp_mode,
         pipeline_schedule=cfg.schedule, virtual_stages=cfg.v,
-        micro_batch_size=cfg.mbs, num_micro_batches=cfg.m, offload="none", **_recompute_fields(full),
+        micro_batch_size=cfg.mbs, num_micro_batches=cfg.m, offload=cfg.offload, **_recompute_fields(full),
         mesh_axes=(DATA, TENSOR), mesh_shape=(cfg.data, cfg.tp), strategies=tuple(strategies), stages=stages,
         step_time=full.step, memory=full.memory, model_flops_per_step=model_flops(s.graph, s.global_batch),
         solve_time_s=solve_time_s, forced=s.force.items(), notes=tuple(notes))
@@ -520,9 +575,17 @@ def solve(graph: GraphIR, cluster: ClusterSpec, *, global_batch: int, seq_len: O
                                 "this graph traces every layer")
         force = replace(force, pp=1)
     check_force(force, graph, world, global_batch)
+    if force.offload not in (None, "none") and "params" in parse_offload(force.offload) and force.zero_stage is None:
+        force = replace(force, zero_stage=3)     # params offload runs under ZeRO-3 only
     budget = float(memory_budget_bytes) if memory_budget_bytes is not None else default_budget_bytes(cluster)
     s = _Searcher(graph, cluster, global_batch, seq_len, dtype, budget, force, progress, runtime)
-    ev, sol = s.run()
+    try:
+        ev, sol = s.run()
+    except InfeasibleError:
+        if force.offload is not None:        # pinned (or forbidden: "none")
+            raise
+        s.offload_pass = True                # nothing fits the GPUs: offload (offload_choice.py)
+        ev, sol = s.run()
     plan = _build_plan(s, ev, sol, seq_len, time.perf_counter() - t0)
     return SearchResult(plan, ev, sol, s.stats, s.facts, cluster, runtime, budget, dtype)
 

@@ -40,6 +40,13 @@ bytes the stage's ops save per micro-batch (full recompute: each layer's input o
 minus the attention core's intermediates); other = a workspace of the largest single local output
 (one transient gradient), plus one layer's re-materialized activations under recompute, plus
 ``ZERO3_PREFETCH_LAYERS`` layers of gathered parameters under ZeRO-3.
+
+Offload (``OuterConfig.offload``, classes of ``plan.OFFLOAD_CLASSES``): ``cost.offload`` moves the
+rank's bytes to the host / NVMe and adds its exposed transfers: per micro-batch ("host:h2d",
+"host:d2h" in t_stage: params, activations) and per step (gradients down, updated rows up and the
+NVMe state I/O with the DP sync; the CPU optimizer step replaces the device one). The solver
+assumes AdamW (2 moments). Under params offload the gathered ZeRO-3 working window stays on the
+device whatever the data degree. ``Evaluation.fits`` checks the host and NVMe bytes per GPU too.
 """
 from __future__ import annotations
 
@@ -51,7 +58,10 @@ from autopar.cost.collectives import axis_link, collective_s, stage_link
 from autopar.cost.flops import pipeline_bubble_fraction, pipeline_bubble_units, pipeline_step_time_s
 from autopar.cost.hardware import ClusterSpec
 from autopar.cost.memory import model_state_bytes, pipeline_inflight_microbatches
-from autopar.plan import V_SCHEDULES, MemoryUse, StepTime
+from autopar.cost.offload import (bucket_bytes, offload_memory, offload_microbatch_times, offload_step_times,
+                                  optimizer_rows)
+from autopar.plan import V_SCHEDULES, MemoryUse, StepTime, parse_offload
+from autopar.solver.balance import balance
 from autopar.solver.problem import AxisSummary, PartCost
 from autopar.solver.runtime_profile import RuntimeProfile
 
@@ -61,6 +71,8 @@ PARAM_BYTES = 2                      # 16-bit parameters
 # write param 2 + master 4 + m 4 + v 4.
 OPTIMIZER_BYTES_PER_PARAM = 28
 ZERO3_PREFETCH_LAYERS = 2            # gathered layers resident at once under ZeRO-3 (current + prefetch)
+HOST_MEMORY_RESERVE_FRACTION = 0.1   # of host RAM kept for the OS, the data loader, pinned buffers (rough)
+MOMENTS = 2                          # optimizer moments the planner assumes (AdamW)
 
 
 @dataclass(frozen=True)
@@ -80,6 +92,12 @@ class OuterConfig:
     recompute_layers: Optional[int] = None
     cp: int = 1                # context-parallel ranks per sequence (``solver/context.py``)
     cp_mode: str = "none"      # "ring" | "ulysses" when cp > 1
+    offload: str = "none"      # canonical ``plan.offload_name`` of the offloaded classes
+
+    @property
+    def classes(self) -> tuple:
+        """The offloaded tensor classes (``plan.parse_offload``)."""
+        return () if self.offload == "none" else parse_offload(self.offload)
 
     @property
     def data(self) -> int:
@@ -91,7 +109,8 @@ class OuterConfig:
         rc = self.recompute + (f":{self.recompute_layers}" if self.recompute_layers is not None else "")
         ctx = f", cp={self.cp} ({self.cp_mode})" if self.cp > 1 else ""
         return (f"tp={self.tp}, pp={self.pp}, dp={self.dp}{ctx}, mbs={self.mbs}, zero={self.zero}, "
-                f"recompute={rc}, sp={'on' if self.sp else 'off'}{pipe}")
+                f"recompute={rc}, sp={'on' if self.sp else 'off'}{pipe}"
+                + (f", offload={self.offload}" if self.offload != "none" else ""))
 
 
 @dataclass(frozen=True)
@@ -120,10 +139,24 @@ class Evaluation:
     stages: tuple                    # StageEval of the ranks evaluated (all with all_stages)
     budget_bytes: float
     cuts: tuple = ()                 # layers per pp rank (len pp)
+    host_budget_bytes: float = math.inf      # per GPU (``host_budgets``)
+    nvme_budget_bytes: float = math.inf
+
+    @property
+    def fits_device(self) -> bool:
+        return self.memory.total_bytes <= self.budget_bytes
 
     @property
     def fits(self) -> bool:
-        return self.memory.total_bytes <= self.budget_bytes
+        return (self.memory.total_bytes <= self.budget_bytes and self.memory.host_bytes <= self.host_budget_bytes
+                and self.memory.nvme_bytes <= self.nvme_budget_bytes)
+
+
+def host_budgets(cluster: ClusterSpec) -> tuple[float, float]:
+    """(host bytes, NVMe bytes) per GPU: a node's host RAM less ``HOST_MEMORY_RESERVE_FRACTION``
+    and its NVMe, shared by its GPUs."""
+    return (cluster.host_memory_bytes * (1.0 - HOST_MEMORY_RESERVE_FRACTION) / cluster.gpus_per_node,
+            cluster.nvme_bytes / cluster.gpus_per_node)
 
 
 def rank_parts(summary: AxisSummary, layers: float, has_pre: bool, has_post: bool) -> list[tuple[PartCost, float, str]]:
@@ -152,99 +185,6 @@ def rank_holds(cfg: OuterConfig, r: int) -> tuple[bool, bool]:
 
 # ---- stage cuts ----------------------------------------------------------------------------------
 
-_BALANCE_MEMO: dict = {}
-_BALANCE_MEMO_MAX = 200_000
-
-
-def balance(total: int, minimum: int, slopes, consts, caps=None) -> Optional[list]:
-    """Memoized ``_balance`` (a pure function of its arguments): the search asks for the same cut
-    for every ZeRO stage and data-parallel variant of a configuration."""
-    key = (total, minimum, tuple(slopes), tuple(consts), None if caps is None else tuple(caps))
-    hit = _BALANCE_MEMO.get(key, _BALANCE_MEMO)
-    if hit is _BALANCE_MEMO:
-        if len(_BALANCE_MEMO) >= _BALANCE_MEMO_MAX:
-            _BALANCE_MEMO.clear()
-        res = _balance(total, minimum, slopes, consts, caps)
-        hit = _BALANCE_MEMO[key] = None if res is None else tuple(res)
-    return None if hit is None else list(hit)
-
-
-def _balance(total: int, minimum: int, slopes, consts, caps=None) -> Optional[list]:
-    """Integers n_r in [minimum, caps_r] summing to ``total`` that minimize max_r slopes_r n_r + consts_r
-    (None if none exist). Water-filling: the least level T with sum_r floor((T - c_r) / k_r) >= total
-    (bisection), then the excess taken one layer at a time from the ranks highest above the level.
-    With homogeneous layers this is the bottleneck-optimal cut of a chain into contiguous stages
-    (a bottleneck shortest path over cut points would find the same, in O(pp L^2) instead).
-    Ranks with equal (k, c, cap) are handled as one class, so the usual case -- the embedding's
-    rank, the head's rank, the rest -- costs three terms per bisection step."""
-    n = len(slopes)
-    caps = list(caps) if caps is not None else [total] * n
-    caps = [min(c, total - minimum * (n - 1)) for c in caps]
-    if any(c < minimum for c in caps) or sum(caps) < total:
-        return None
-    classes: dict = {}
-    for r, key in enumerate(zip(slopes, consts, caps)):
-        classes.setdefault(key, []).append(r)
-    keys = list(classes)
-    counts = [len(classes[k]) for k in keys]
-
-    def fill(level: float) -> list:
-        res = []
-        for k, c, cap in keys:
-            x = cap if k <= 0 else int(math.floor((level - c) / k + 1e-9))
-            res.append(max(minimum, min(cap, x)))
-        return res
-
-    def filled(ns) -> int:
-        return sum(x * c for x, c in zip(ns, counts))
-
-    if all(k <= 0 for k, _, _ in keys):
-        ns = [minimum] * len(keys)
-    else:
-        lo = max(k * minimum + c for k, c, _ in keys)
-        hi = max(k * cap + c for k, c, cap in keys)
-        if filled(fill(lo)) < total:
-            for _ in range(100):
-                mid = (lo + hi) / 2
-                if filled(fill(mid)) >= total:
-                    hi = mid
-                else:
-                    lo = mid
-                if hi - lo <= 1e-9 * max(1.0, abs(hi)):
-                    break
-            lo = hi
-        ns = fill(lo)
-    if all(k <= 0 for k, _, _ in keys):            # no cost per layer: fill in rank order
-        out = [minimum] * n
-        left = total - minimum * n
-        for r in range(n):
-            add = min(left, caps[r] - minimum)
-            out[r] += add
-            left -= add
-        return out
-    # take the excess off the ranks highest above the level: per class (value, ranks at n, ranks at n-1)
-    hi_n = list(ns)
-    at_hi = list(counts)
-    excess = filled(ns) - total
-    while excess > 0:
-        i = max((j for j in range(len(keys)) if hi_n[j] > minimum and at_hi[j] > 0),
-                key=lambda j: keys[j][0] * hi_n[j] + keys[j][1])
-        t = min(excess, at_hi[i])
-        at_hi[i] -= t
-        excess -= t
-        if at_hi[i] == 0:
-            hi_n[i] -= 1
-            at_hi[i] = counts[i]
-    out = [0] * n
-    for j, key in enumerate(keys):
-        ranks = classes[key]
-        # the ranks still at hi_n are the last at_hi of the class (higher ranks hold fewer micro-batches)
-        n_lo = counts[j] - at_hi[j]
-        for q, r in enumerate(ranks):
-            out[r] = hi_n[j] - 1 if q < n_lo else hi_n[j]
-    return out
-
-
 def _linear_terms(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile):
     """Per-layer and per-extra (embedding/head) time and memory, the affine model the cut balances."""
     blk, pre, post = summary.parts["block"], summary.parts["pre"], summary.parts["post"]
@@ -263,8 +203,24 @@ def _linear_terms(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfil
 
 
 def _state_bytes_per_param(cfg: OuterConfig, profile: RuntimeProfile) -> float:
+    """Device model-state bytes per local parameter (offloaded classes excluded; gradients
+    offloaded with one micro-batch cost a constant, ``_grads_const``)."""
     n = 1_000_000
-    return sum(model_state_bytes(n, cfg.data, cfg.zero, param_bytes=PARAM_BYTES, grad_bytes=profile.grad_bytes).values()) / n
+    st = model_state_bytes(n, cfg.data, cfg.zero, param_bytes=PARAM_BYTES, grad_bytes=profile.grad_bytes)
+    cls = cfg.classes
+    if "optimizer" in cls:
+        st["optimizer"] = 0.0
+    if "params" in cls:
+        st["params"] = 0.0
+    if "grads" in cls and cfg.m == 1:
+        st["grads"] = 0.0
+    return sum(st.values()) / n
+
+
+def _grads_const(cfg: OuterConfig) -> float:
+    """Device gradient bytes that offloaded gradients keep (two buckets in flight, one micro-batch):
+    an upper bound on min(G, 2 B), the affine model's constant."""
+    return 2.0 * bucket_bytes() if ("grads" in cfg.classes and cfg.m == 1) else 0.0
 
 
 def _memory_affine(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile, rate: float, act: float):
@@ -279,8 +235,12 @@ def _memory_affine(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfi
             + (summary.shared_param_numel if (hp or hh) else 0.0)
         extra_act = (pre.saved_bytes if hp else 0.0) + (post.saved_bytes if hh else 0.0)
         out_b = max([blk.max_out_bytes] + ([pre.max_out_bytes] if hp else []) + ([post.max_out_bytes] if hh else []))
-        slopes.append(rate * blk.param_numel + inflight * act)
-        consts.append(rate * extra_numel + inflight * extra_act + out_b + other_blk)
+        if "activations" in cfg.classes:          # one layer and the embedding / head stay on the device
+            slopes.append(rate * blk.param_numel)
+            consts.append(rate * extra_numel + act + extra_act + out_b + other_blk + _grads_const(cfg))
+        else:
+            slopes.append(rate * blk.param_numel + inflight * act)
+            consts.append(rate * extra_numel + inflight * extra_act + out_b + other_blk + _grads_const(cfg))
     return slopes, consts
 
 
@@ -340,7 +300,11 @@ def memory_lower_bound(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeP
     hp, hh = rank_holds(cfg, r)
     parts = rank_parts(summary, n, hp, hh)
     numel = sum(c * q.param_numel for q, c, _ in parts) + (summary.shared_param_numel if (hp or hh) else 0.0)
-    return _rank_memory(summary, cfg, profile, r, parts, numel, n)
+    mem = _rank_memory(summary, cfg, profile, r, parts, numel, n)
+    if "grads" in cfg.classes and cfg.m == 1:
+        # min(G, 2 buckets) is not affine in the layers: leave the gradients out of the bound
+        mem = replace(mem, grads_bytes=0, total_bytes=mem.total_bytes - mem.grads_bytes)
+    return mem
 
 
 def step_time_lower_bound(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profile: RuntimeProfile,
@@ -424,7 +388,14 @@ def evaluate(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profi
     heaviest = max(stages, key=lambda st: st.memory.total_bytes).memory
     if summary.is_lower_bound and p > 1:
         heaviest = memory_lower_bound(summary, cfg, profile, affine)
-    return Evaluation(cfg, step, heaviest, tuple(stages), budget_bytes, tuple(cuts))
+    host_budget = nvme_budget = math.inf
+    if cfg.classes:
+        # the host and NVMe bytes of the rank that needs most (each ranks' share of a node's)
+        heaviest = replace(heaviest, host_bytes=max(st.memory.host_bytes for st in stages),
+                           nvme_bytes=max(st.memory.nvme_bytes for st in stages))
+        if not summary.is_lower_bound:       # a bound's fastest cut need not bound another cut's host bytes
+            host_budget, nvme_budget = host_budgets(cluster)
+    return Evaluation(cfg, step, heaviest, tuple(stages), budget_bytes, tuple(cuts), host_budget, nvme_budget)
 
 
 def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profile: RuntimeProfile,
@@ -476,11 +447,25 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
             share = ag / (ag + rs) if ag + rs > 0 else 0.0
             comm["dp:all_gather"] = _exposed(ag, win_f, profile.param_gather_overlap) + exp_b * share
             comm["dp:reduce_scatter"] = exp_b * (1 - share)
+    mem = _rank_memory(summary, cfg, profile, r, parts, numel, lps)
+    cls = cfg.classes
+    if cls:
+        saved = _saved_per_microbatch(summary, cfg, parts, lps)
+        over = profile.host_copy_overlap         # else the copies are exposed in full
+        _merge(comm, offload_microbatch_times(cls, host_params_bytes=param_b / cfg.data if cfg.zero == 3 else param_b,
+                                              saved_bytes=saved, forward_window_s=win_f if over else 0.0,
+                                              backward_window_s=win_b if over else 0.0, pcie_Bps=cluster.pcie_Bps), 1.0)
     t_stage = compute + recompute + sum(comm.values())
     opt = numel * (OPTIMIZER_BYTES_PER_PARAM + profile.grad_bytes) / (gpu.hbm_Bps * gpu.memory_efficiency)
     if cfg.zero >= 1:
         opt /= cfg.data
-    mem = _rank_memory(summary, cfg, profile, r, parts, numel, lps)
+    if "optimizer" in cls:                   # the CPU step and its traffic replace the device step
+        step = offload_step_times(cls, rows=optimizer_rows(numel, cfg.data, cfg.zero), grad_bytes=profile.grad_bytes,
+                                  param_bytes=PARAM_BYTES, backward_window_s=win_b, pcie_Bps=cluster.pcie_Bps,
+                                  host_Bps=cluster.host_Bps, nvme_Bps=cluster.nvme_Bps / cluster.gpus_per_node,
+                                  moments=MOMENTS, overlap_grads=profile.host_copy_overlap)
+        opt = step.pop("cpu:optimizer")
+        _merge(dp_sync, step, 1.0)
     inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
     return StageEval(r, t_stage, compute, recompute, comm, dp_sync, opt, mem, numel, lps, first, last, inflight)
 
@@ -547,25 +532,45 @@ def _other_bytes(summary: AxisSummary, cfg: OuterConfig, lps: Optional[float] = 
         other += blk.saved_bytes
     elif cfg.recompute == "selective":
         other += blk.core_saved_bytes
-    if cfg.zero == 3 and cfg.data > 1:
+    if cfg.zero == 3 and "params" in cfg.classes:     # the rank's own rows are on the host too
+        other += ZERO3_PREFETCH_LAYERS * blk.param_numel * PARAM_BYTES
+    elif cfg.zero == 3 and cfg.data > 1:
         other += ZERO3_PREFETCH_LAYERS * blk.param_numel * PARAM_BYTES * (1 - 1 / cfg.data)
     return other
+
+
+def _saved_per_microbatch(summary: AxisSummary, cfg: OuterConfig, parts, lps: float) -> float:
+    """Activation bytes a rank saves per micro-batch (recomputed layers: their inputs only)."""
+    blk = summary.parts["block"]
+    k = recomputed_layers(cfg, lps, for_memory=True)
+    per_mb = k * activation_bytes_per_layer(blk, summary, cfg.recompute) \
+        + (lps - k) * activation_bytes_per_layer(blk, summary, "none" if cfg.recompute == "partial" else cfg.recompute)
+    return per_mb + sum(p.saved_bytes for p, _, name in parts if name != "block")
 
 
 def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile, r: int, parts, numel: float,
                  lps: float) -> MemoryUse:
     states = model_state_bytes(int(numel), cfg.data, cfg.zero, param_bytes=PARAM_BYTES, grad_bytes=profile.grad_bytes)
     inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
-    blk = summary.parts["block"]
-    k = recomputed_layers(cfg, lps, for_memory=True)
-    per_mb = k * activation_bytes_per_layer(blk, summary, cfg.recompute) \
-        + (lps - k) * activation_bytes_per_layer(blk, summary, "none" if cfg.recompute == "partial" else cfg.recompute)
-    per_mb += sum(p.saved_bytes for p, _, name in parts if name != "block")
+    per_mb = _saved_per_microbatch(summary, cfg, parts, lps)
     activations = inflight * per_mb
     other = max(p.max_out_bytes for p, _, _ in parts) + _other_bytes(summary, cfg, lps)
+    host = nvme = 0
+    if cfg.classes:
+        # activation offload sends every saved tensor to the host (``runtime/offload.py``: all of
+        # at least 1 KiB); the backward brings back one node's at a time: at most the largest output
+        off = offload_memory(cfg.classes, rows=optimizer_rows(numel, cfg.data, cfg.zero),
+                             params_bytes=states["params"], grads_bytes=states["grads"],
+                             optimizer_bytes=states["optimizer"], activations_bytes=activations,
+                             resident_saved_bytes=max(p.max_out_bytes for p, _, _ in parts),
+                             saved_bytes_per_microbatch=per_mb,
+                             inflight=inflight, microbatches=cfg.m, moments=MOMENTS)
+        states = off
+        activations = off["activations"]
+        host, nvme = int(off["host"]), int(off["nvme"])
     params, grads, optim = (int(states["params"]), int(states["grads"]), int(states["optimizer"]))
     total = params + grads + optim + int(activations) + int(other)
-    return MemoryUse(params, grads, optim, int(activations), int(other), total)
+    return MemoryUse(params, grads, optim, int(activations), int(other), total, host, nvme)
 
 
 def default_budget_bytes(cluster: ClusterSpec) -> float:

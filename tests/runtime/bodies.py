@@ -79,7 +79,7 @@ def train_job(rank: int, world: int, job: dict) -> dict:
 
     b = build(job.get("meta", False), job.get("spec", "gpt-tiny"))
     data = batches(b)
-    kwargs = {k: job[k] for k in ("bucket_bytes", "dp_mode") if k in job}
+    kwargs = {k: job[k] for k in ("bucket_bytes", "dp_mode", "nvme_dir") if k in job}
     pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
                          optimizer=sgd, plan=Plan.from_json(job["plan"]), seed=job.get("seed", 0),
                          timeout_s=30, **kwargs)
@@ -91,6 +91,7 @@ def train_job(rank: int, world: int, job: dict) -> dict:
     issued = [c.key() for c in pm.collectives]
     sd = pm.full_state_dict()
     out = pm(data[STEPS][0]) if job.get("forward") else None
+    pm.close()
     res = {"losses": losses, "issued": issued, "coord": tuple(pm.mesh.get_coordinate()),
            "pp_rank": pm.coordinates.get("pp", 0),
            "fallbacks": sorted(pm.fallbacks)}

@@ -37,7 +37,12 @@ import torch
 
 from autopar.runtime.memory_measure import CATEGORIES, StorageTracker
 
-FAMILIES = {"dp": "dp=2", "tp": "tp=2", "dp_zero3": "dp=2,zero=3", "pp": "pp=2"}
+BASE = {"dp": "dp=2", "tp": "tp=2", "dp_zero3": "dp=2,zero=3", "pp": "pp=2"}
+# offload (``runtime/offload.py``): the host's share is not device memory; the device keeps the rest
+OFFLOAD = {"dp_offload_optimizer": "dp=2,offload=optimizer",
+           "tp_offload_optimizer_activations": "tp=2,offload=optimizer+activations",
+           "dp_zero3_offload_all": "dp=2,zero=3,offload=optimizer+grads+params+activations"}
+FAMILIES = {**BASE, **OFFLOAD}
 STATE_TOL = 0.01
 PEAK_TOL = 0.10
 
@@ -95,7 +100,7 @@ LAST_STAGE = "the last pipeline stage keeps the in-flight micro-batch's logits i
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(BASE))
 @pytest.mark.parametrize("category", ["params", "optimizer"])
 def test_model_states_exact(families, family, category):
     for row in families[family]:
@@ -111,11 +116,11 @@ def test_gradients(families, family):
         assert _rel(m, p) <= STATE_TOL, (family, row.rank, m, p)
 
 
-def _ranks(*xfails):
+def _ranks(*xfails, families=BASE):
     """(family, rank) of every measured rank, the given (family, rank, reason) as strict xfails."""
     marks = {(f, r): reason for f, r, reason in xfails}
     return [pytest.param(f, r, marks=_xfail(marks[(f, r)])) if (f, r) in marks else (f, r)
-            for f in FAMILIES for r in range(2)]
+            for f in families for r in range(2)]
 
 
 @pytest.mark.slow
@@ -128,11 +133,28 @@ def test_activations(families, family, rank):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, rank", _ranks())
+@pytest.mark.parametrize("family, rank", _ranks(families=FAMILIES))
 def test_peak(families, family, rank):
     row = families[family][rank]
     m, p = row.measured.peak_bytes, row.predicted.peak_bytes
     assert _rel(m, p) <= PEAK_TOL, (family, rank, m, p)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, rank", _ranks(families=OFFLOAD))
+def test_offloaded_states_leave_the_device(families, family, rank):
+    """The optimizer state (and with params offload the parameters) is host memory: none of it on
+    the device, measured or predicted; the host holds what ``cost/offload.py`` says, within the
+    state bound (plus activations' bound where they are offloaded too)."""
+    row = families[family][rank]
+    gone = ["optimizer"] + (["params"] if "params" in FAMILIES[family] else [])
+    for c in gone:
+        assert getattr(row.measured.category_peaks, c) == getattr(row.predicted.by_category, c) == 0, (family, c)
+    if "activations" in FAMILIES[family]:           # only what the backward brings back, one node at a time
+        assert row.measured.category_peaks.activations < 0.05 * row.measured.peak_bytes, family
+    tol = PEAK_TOL if "activations" in FAMILIES[family] else STATE_TOL
+    m, p = row.measured.host_peak_bytes, row.predicted.host_bytes
+    assert p > 0 and _rel(m, p) <= tol, (family, rank, m, p)
 
 
 @pytest.mark.slow
@@ -159,7 +181,7 @@ def test_classifier_hand_built():
     tracker.mark(w.grad, "grads")
     tracker.mark(state, "optimizer")
     tracker.close()
-    peak, at, tops = tracker.peak()
+    peak, at, tops, _host = tracker.peak()
     kib = 1024
     assert (at.params, at.optimizer, at.grads, at.activations) == (128 * kib, 128 * kib, 128 * kib, 32 * kib)
     assert 32 * kib <= at.temporaries <= 32 * kib + 16      # tanh's input gradient (+ 4-byte scalars)

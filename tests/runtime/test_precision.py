@@ -142,9 +142,10 @@ def test_bf16_trains_as_autocast_does_on_one_process(tiny_full, collapsed, layou
 
 
 @pytest.mark.slow
-def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tiny_full):
+@pytest.mark.parametrize("offload", ["none", "optimizer+grads"])     # the verdict read on the host's gradients
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tiny_full, offload):
     name = "transformer.wte.weight"        # split over tp (vocab rows): row 0 lives on rank 0 ...
-    plan = _plan(tiny_full, "float16", dp=1, tp=2, family="megatron")
+    plan = dataclasses.replace(_plan(tiny_full, "float16", dp=1, tp=2, family="megatron"), offload=offload)
     out = spawn_ranks(_train, 2, (plan.to_json(), name), timeout_s=90)
     want = _reference(torch.float16, overflow=name)
     for r in out:                          # rank 0's own gradients were finite: the verdict was shared

@@ -1,0 +1,148 @@
+"""CPU / NVMe offload: device, host and NVMe bytes and the exposed seconds each offloaded tensor
+class adds, per rank, as the runtime moves them (the planner's ``solver/timing.py`` and the
+runtime's predictions share these functions). Classes: ``plan.OFFLOAD_CLASSES``.
+
+Sources (``reference/parallelism_facts.md`` §4):
+- ZeRO-Offload (Ren et al., ATC'21; §4.1): fp32 master params and the Adam moments live on the
+  CPU and the Adam step runs there; 16-bit gradients go GPU->CPU during the backward and the
+  updated 16-bit params come back CPU->GPU: per step 2 Psi bytes down + 2 Psi up over PCIe.
+  CPU-Adam is memory bound (DeepSpeedCPUAdam, AVX; "5X--7X faster than" torch's CPU Adam).
+- ZeRO-Infinity (Rajbhandari et al., SC'21; §4.2): params (and optimizer state) on the host or
+  NVMe, fetched before use and all-gathered (bandwidth-centric partitioning: each rank moves only
+  its 1/dp share over its own PCIe link); activations offloaded with 1-4 GB/s needed; NVMe per
+  DGX-2 node ~28 GB/s ("NVMe -> GPU: 28 GB/s - 1.8 TB/s (1-64 nodes)").
+
+Notation, per rank: rows = parameter elements this rank's optimizer updates (its shard under
+ZeRO >= 1: ``optimizer_rows``), m = optimizer moments (2 Adam/AdamW/LAMB, 1 LARS/SGD:
+``cost.memory._OPTIMIZER_MOMENTS``), B = ``codegen.buckets.DEFAULT_BUCKET_BYTES``.
+
+    optimizer    device optimizer bytes -> 0; host += rows (4 master + 4 m moments + 4 grad buffer);
+                 per step: grads down rows x grad_bytes / PCIe (overlapped with the backward like
+                 the reducer), CPU step rows x ((4 + 4 + 4m) + (4 + 4m)) / host_Bps (28 B for Adam:
+                 read master, grad, moments; write master, moments; not overlapped), updated rows
+                 up rows x param_bytes / PCIe (not overlapped). Replaces the device step.
+    grads        device grads -> min(G, 2 B) with one micro-batch per step, else unchanged (they
+                 accumulate on the device); no time of its own
+    params       (ZeRO-3) host += P (the rank's device param bytes), device params -> 0; per
+                 micro-batch P up before the forward's gather and P again before the backward's
+    activations  device activations -> ``resident_saved_bytes`` (autopar's runtime: every saved
+                 tensor goes down and the backward brings back one node's at a time, at most the
+                 largest output; a prefetching runtime would keep a layer); host += inflight x
+                 saved bytes per micro-batch; per micro-batch the saved bytes go down in the
+                 forward and up in the backward
+    nvme         master + moments (rows x (4 + 4m)) in files; the host keeps 2 chunks of
+                 2 B of it; per step read and written once: 2 rows (4 + 4m) / NVMe Bps per GPU
+
+Transfers hidden behind compute cost ``max(0, t - window)`` (``runtime_profile.py``'s rule) when
+the runtime overlaps them (``RuntimeProfile.host_copy_overlap``; autopar's runtime copies on the
+compute stream, so its windows are 0 and every transfer is exposed). Per
+micro-batch, the forward window hides params up (host->device) and activations down
+(device->host, the other direction); the backward window hides params and activations up, which
+share the host->device direction (one transfer of their sum).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+FP32 = 4                      # bytes of the host's master copy, moments and gradient buffer
+HOST_CHUNKS = 2               # NVMe chunks of optimizer state held in host memory at once
+
+
+def bucket_bytes() -> int:
+    """The runtime's gradient bucket (``codegen.buckets.DEFAULT_BUCKET_BYTES``; imported late:
+    ``autopar.codegen`` imports torch)."""
+    from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES
+
+    return DEFAULT_BUCKET_BYTES
+
+
+def optimizer_rows(numel: float, data: int, zero: int) -> float:
+    """Parameter elements a rank's optimizer updates: its 1/data shard under ZeRO >= 1."""
+    return numel / data if zero >= 1 else float(numel)
+
+
+def host_optimizer_bytes(rows: float, moments: int = 2) -> float:
+    """Host bytes of optimizer offload: fp32 master, moments and gradient buffer per row."""
+    return rows * FP32 * (1 + moments + 1)
+
+
+def nvme_state_bytes(rows: float, moments: int = 2) -> float:
+    """The optimizer state NVMe offload keeps in files: fp32 master + moments (no grad buffer)."""
+    return rows * FP32 * (1 + moments)
+
+
+def cpu_step_bytes_per_param(moments: int = 2) -> float:
+    """Host memory traffic of one CPU optimizer step per parameter: read master 4, grad 4 and
+    the moments, write master and moments: (4 + 4 + 4m) + (4 + 4m) (28 for Adam)."""
+    return (FP32 + FP32 + FP32 * moments) + (FP32 + FP32 * moments)
+
+
+def _exposed(t: float, window: float) -> float:
+    return max(0.0, t - window)
+
+
+def offload_memory(classes: Iterable[str], *, rows: float, params_bytes: float, grads_bytes: float,
+                   optimizer_bytes: float, activations_bytes: float, resident_saved_bytes: float,
+                   saved_bytes_per_microbatch: float, inflight: float, microbatches: int,
+                   moments: int = 2, bucket: float | None = None) -> dict[str, float]:
+    """Per-rank bytes by category with ``classes`` offloaded: device "params", "grads",
+    "optimizer", "activations", and "host", "nvme" (module docstring). The ``*_bytes`` arguments
+    are the rank's device bytes without offload; ``resident_saved_bytes``: what activation offload
+    leaves on the device (one layer's saved bytes + the embedding's / head's)."""
+    cls = set(classes)
+    out = {"params": float(params_bytes), "grads": float(grads_bytes), "optimizer": float(optimizer_bytes),
+           "activations": float(activations_bytes), "host": 0.0, "nvme": 0.0}
+    if "optimizer" in cls:
+        out["optimizer"] = 0.0
+        out["host"] += host_optimizer_bytes(rows, moments)
+    if "nvme" in cls:
+        state = nvme_state_bytes(rows, moments)
+        chunk = 2 * (bucket_bytes() if bucket is None else bucket)
+        out["nvme"] += state
+        out["host"] += min(state, HOST_CHUNKS * chunk) - state
+    if "grads" in cls and microbatches == 1:
+        out["grads"] = min(out["grads"], 2 * (bucket_bytes() if bucket is None else bucket))
+    if "params" in cls:
+        out["host"] += out["params"]
+        out["params"] = 0.0
+    if "activations" in cls:
+        out["activations"] = min(float(activations_bytes), float(resident_saved_bytes))
+        out["host"] += inflight * saved_bytes_per_microbatch
+    return out
+
+
+def offload_step_times(classes: Iterable[str], *, rows: float, grad_bytes: float, param_bytes: float,
+                       backward_window_s: float, pcie_Bps: float, host_Bps: float, nvme_Bps: float,
+                       moments: int = 2, overlap_grads: bool = True) -> dict[str, float]:
+    """Exposed seconds per step: "host:d2h" (gradients down, against the last backward when
+    ``overlap_grads``), "host:h2d" (updated rows up), "cpu:optimizer" (the CPU step, which
+    replaces the device step) and "nvme:io" (state read + written; ``nvme_Bps`` per GPU)."""
+    cls = set(classes)
+    out: dict[str, float] = {}
+    if "optimizer" in cls:
+        down = rows * grad_bytes / pcie_Bps
+        out["host:d2h"] = _exposed(down, backward_window_s) if overlap_grads else down
+        out["host:h2d"] = rows * param_bytes / pcie_Bps
+        out["cpu:optimizer"] = rows * cpu_step_bytes_per_param(moments) / host_Bps
+    if "nvme" in cls:
+        out["nvme:io"] = 2 * nvme_state_bytes(rows, moments) / nvme_Bps
+    return out
+
+
+def offload_microbatch_times(classes: Iterable[str], *, host_params_bytes: float, saved_bytes: float,
+                             forward_window_s: float, backward_window_s: float,
+                             pcie_Bps: float) -> dict[str, float]:
+    """Exposed seconds per micro-batch: "host:h2d" (params up before the forward and before the
+    backward, activations up in the backward) and "host:d2h" (activations down in the forward).
+    ``host_params_bytes``: the rank's params on the host (P); ``saved_bytes``: the activations
+    saved per micro-batch."""
+    cls = set(classes)
+    p = host_params_bytes / pcie_Bps if "params" in cls else 0.0
+    a = saved_bytes / pcie_Bps if "activations" in cls else 0.0
+    out: dict[str, float] = {}
+    up = (_exposed(p, forward_window_s) if p else 0.0) + (_exposed(p + a, backward_window_s) if p + a else 0.0)
+    if up:
+        out["host:h2d"] = up
+    if a and _exposed(a, forward_window_s):
+        out["host:d2h"] = _exposed(a, forward_window_s)
+    return out

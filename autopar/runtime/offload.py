@@ -1,0 +1,373 @@
+"""Offload on the ranks: what a plan's ``offload`` classes (``autopar.plan.OFFLOAD_CLASSES``) move
+off the device, and when it comes back. The plan's cost of each is ``autopar/cost/offload.py``.
+
+optimizer (ZeRO-Offload, Ren et al. 2021)  ``HostOptimizer``
+    Each optimizer parameter (the rows this rank updates: ``ParamSlot.opt_param``) gets an fp32
+    master copy in host memory (pinned on CUDA), ``ParamSlot.host``, and a host gradient buffer;
+    the user's optimizer is built on the masters, so its state lives on the host and its step runs
+    on the CPU. After the reduction each bucket's gradients are copied down as the bucket finishes
+    (``GradReducer.on_reduced``: during the backward, the reducer's overlap), the optimizer steps on
+    the host, and the updated rows are copied back up into the device parameter (ZeRO 1/2 then
+    all-gather them as without offload).
+grads (with optimizer)
+    The device gradients are dropped as soon as they are on the host: bucket by bucket with dp > 1,
+    at each parameter's post-accumulate-grad hook with dp == 1 (last micro-batch of the step only:
+    earlier ones accumulate on the device).
+activations  ``ActivationOffload``
+    A ``saved_tensors_hooks`` pair: every tensor autograd saves (at least ``min_bytes``, not a
+    parameter) is copied to host memory in the forward and back to the device when the backward
+    unpacks it; the device copy lives only while its node's backward runs. DTensors keep their
+    mesh and placements. Under ZeRO-3 the reshard hooks (``runtime/reshard.py``) go first: a saved
+    gathered weight is re-gathered, not offloaded.
+nvme (with optimizer)
+    The masters and the optimizer state live in files (``runtime/nvme.py``) between steps; the step
+    runs chunk by chunk (chunks of about ``chunk_bytes`` of state): chunk k + 1 is read while chunk
+    k steps, chunk k is written while k + 1 steps. A chunk steps alone because torch optimizers skip
+    parameters whose ``.grad`` is None.
+
+On a CPU-only machine "device" and "host" are the same memory, so every transfer is an explicit
+copy into a tensor the offload owns (``host_tensors``): what ``runtime/memory_measure.py`` counts
+as host memory, apart from the device peak.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from autopar.plan import parse_offload
+
+ACTIVATION_MIN_BYTES = 1024          # smaller saved tensors stay on the device (not worth a copy)
+NVME_CHUNK_BYTES = 2 * 25 * 2 ** 20  # state bytes stepped at once with the nvme tier
+
+
+def _pinned(shape, dtype, device: torch.device) -> torch.Tensor:
+    """An empty host tensor, pinned when the device is a GPU (asynchronous copies)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+class HostOptimizer:
+    """The optimizer on the host (module docstring). ``optimizer`` is the user's, on the masters."""
+
+    def __init__(self, store, factory: Callable, classes: tuple, device: torch.device, *,
+                 nvme_dir: Optional[str] = None, rank: int = 0, chunk_bytes: int = NVME_CHUNK_BYTES) -> None:
+        self.store, self.device, self.classes = store, device, classes
+        self.frees_grads = "grads" in classes
+        self._grad_bufs: dict[str, torch.Tensor] = {}
+        for s in store.slots:
+            master = _pinned(s.opt_param.shape, torch.float32, device)
+            master.copy_(s.opt_param.detach())
+            s.host = nn.Parameter(master, requires_grad=True)
+            self._grad_bufs[s.name] = _pinned(s.opt_param.shape, torch.float32, device)
+        self.optimizer = factory([s.host for s in store.slots])
+        self._taken: set[str] = set()
+        self.nvme = None
+        self._chunks: list[list] = []
+        self._shapes: dict[str, tuple] = {}              # NVMe: key -> (shape, dtype) of its file
+        if "nvme" in classes:
+            if not nvme_dir:
+                raise ValueError("the plan offloads the optimizer state to NVMe: give a directory on a fast "
+                                 "local disk (autoparallelize(..., nvme_dir=DIR) or `autopar run --nvme-dir DIR`)")
+            from autopar.runtime.nvme import NvmeStore
+
+            self.nvme = NvmeStore(nvme_dir, rank=rank)
+            self._chunks = _chunks(store.slots, chunk_bytes)
+            self._evicted: set[str] = set()
+            self._evict(store.slots)                     # the masters go to the files at once
+
+    # ---- gradients down ------------------------------------------------------------------------
+    def attach(self, reducer) -> None:
+        """Take each bucket's gradients as the reducer finishes it; with ``grads`` offloaded and
+        dp == 1, each parameter's at its post-accumulate-grad hook (last micro-batch)."""
+        reducer.on_reduced = self.take
+        reducer.on_reduced_frees = self.frees_grads
+        self._reducer = reducer
+        if self.frees_grads and reducer.dp == 1 and reducer.stage < 3:
+            for s in self.store.slots:
+                s.local.register_post_accumulate_grad_hook(lambda _p, s=s: self._on_grad(s))
+
+    def _on_grad(self, slot) -> None:
+        if self._reducer.armed:
+            slot.opt_param.grad = slot.local.grad.view(slot.opt_param.shape)
+            self.take([slot])
+
+    def take(self, slots) -> None:
+        """Copy ``slots``' reduced gradients into their host buffers (once per step)."""
+        for s in slots:
+            if s.name in self._taken:
+                continue
+            g = s.reduced if s.reduced is not None else s.opt_param.grad
+            if g is None and s.opt_param is s.local:
+                g = s.local.grad
+            if g is None:                        # no gradient this step: the optimizer skips it
+                continue
+            buf = self._grad_bufs[s.name]
+            buf.copy_(g.detach().reshape(buf.shape), non_blocking=buf.is_pinned())
+            s.host_grad = buf
+            if self.nvme is None:                # NVMe: set per chunk, once the master is read back
+                s.host.grad = buf
+            self._taken.add(s.name)
+            s.reduced = None
+            if self.frees_grads:
+                s.opt_param.grad = None
+                s.local.grad = None
+                s.full_grad = None
+
+    def take_rest(self) -> None:
+        """After the reduction: every gradient not taken yet (dp == 1 has no buckets)."""
+        self.take(self.store.slots)
+        _sync(self.device)
+
+    # ---- step ----------------------------------------------------------------------------------
+    def step(self, run: Callable[[], None]) -> None:
+        """Run the optimizer step ``run`` on the host (chunk by chunk with NVMe) and copy the
+        updated rows up."""
+        if self.nvme is None:
+            run()
+            self._copy_up(self.store.slots)
+        else:
+            self._step_chunks(run)
+        _sync(self.device)
+
+    def end_step(self) -> None:
+        self._taken.clear()
+
+    def grads(self) -> list[torch.Tensor]:
+        """The host gradients of this step (what fp16's unscale checks)."""
+        return [self._grad_bufs[name] for name in sorted(self._taken)]
+
+    def _copy_up(self, slots) -> None:
+        with torch.no_grad():
+            for s in slots:
+                s.opt_param.copy_(s.host.detach().view(s.opt_param.shape), non_blocking=True)
+
+    def reload(self) -> None:
+        """The device parameters changed (a checkpoint was loaded, inside ``resident``): refresh
+        the masters."""
+        with torch.no_grad():
+            for s in self.store.slots:
+                s.host.copy_(s.opt_param.detach())
+
+    @contextlib.contextmanager
+    def resident(self):
+        """Masters and optimizer state in host memory inside (a checkpoint's save or load)."""
+        if self.nvme is None:
+            yield
+            return
+        self._restore(self.store.slots)
+        try:
+            yield
+        finally:
+            self._evict(self.store.slots)
+
+    # ---- the NVMe tier -------------------------------------------------------------------------
+    def _tensors(self, s) -> list[tuple[str, torch.Tensor]]:
+        st = self.optimizer.state.get(s.host, {})
+        return [(f"{s.name}/master", s.host.data)] + [
+            (f"{s.name}/{k}", v) for k, v in sorted(st.items()) if isinstance(v, torch.Tensor) and v.dim()]
+
+    def _evict(self, slots) -> None:
+        """Write ``slots``' masters and state to the files and drop them from host memory."""
+        for s in slots:
+            for key, t in self._tensors(s):
+                self.nvme.write(key, t)
+                self._shapes[key] = (t.shape, t.dtype)
+            self._set(s, lambda shape, dtype: torch.empty(0, dtype=dtype))
+            self._evicted.add(s.name)
+
+    def _set(self, s, make) -> None:
+        st = self.optimizer.state.get(s.host, {})
+        s.host.data = make(*self._shapes[f"{s.name}/master"])
+        for k, v in list(st.items()):
+            key = f"{s.name}/{k}"
+            if key in self._shapes and isinstance(v, torch.Tensor):
+                st[k] = make(*self._shapes[key])
+
+    def _read(self, slots) -> list:
+        """Start reading ``slots``' tensors back; their futures."""
+        futures = []
+        for s in slots:
+            if s.name not in self._evicted:
+                continue
+            self._set(s, lambda shape, dtype: _pinned(shape, dtype, self.device))
+            futures += [self.nvme.read(key, t) for key, t in self._tensors(s)]
+            self._evicted.discard(s.name)
+        return futures
+
+    def _restore(self, slots) -> None:
+        for f in self._read(slots):
+            f.result()
+        self.nvme.wait()
+
+    def _step_chunks(self, run: Callable[[], None]) -> None:
+        grads = {s.name: self._grad_bufs[s.name] if s.name in self._taken else None for s in self.store.slots}
+        pending = self._read(self._chunks[0]) if self._chunks else []
+        for i, chunk in enumerate(self._chunks):
+            for f in pending:
+                f.result()
+            pending = self._read(self._chunks[i + 1]) if i + 1 < len(self._chunks) else []
+            for s in self.store.slots:
+                s.host.grad = grads[s.name] if any(s is c for c in chunk) else None
+            run()
+            self._copy_up(chunk)
+            _sync(self.device)
+            for s in chunk:
+                s.host.grad = None
+            self._evict(chunk)
+        self.nvme.wait()
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The host memory this offload owns now (masters, gradient buffers, optimizer state; the
+        parameter rows themselves with parameter offload)."""
+        out = list(self._grad_bufs.values())
+        if self.store.ctx.host_params:
+            out += [s.local for s in self.store.slots]
+        for s in self.store.slots:
+            out.append(s.host.data)
+            out += [v for v in self.optimizer.state.get(s.host, {}).values() if isinstance(v, torch.Tensor)]
+        return out
+
+    def close(self) -> None:
+        if self.nvme is not None:
+            self.nvme.close()
+
+
+def _chunks(slots, chunk_bytes: int) -> list[list]:
+    """Consecutive slots of about ``chunk_bytes`` fp32 master + state (3 tensors: Adam's) each."""
+    out: list[list] = [[]]
+    size = 0
+    for s in slots:
+        n = 3 * 4 * s.opt_param.numel()
+        if out[-1] and size + n > chunk_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(s)
+        size += n
+    return [c for c in out if c]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Offloaded:
+    """A saved tensor's host copy (and, for a DTensor, what rebuilds it)."""
+    host: torch.Tensor
+    dtensor: Optional[tuple]           # (mesh, placements, shape, stride)
+
+
+class ActivationOffload:
+    """Saved tensors to the host in the forward, back in the backward (module docstring).
+    ``inner``: hooks that see each tensor first (ZeRO-3's ``Reshard``): what it replaces stays so."""
+
+    def __init__(self, device: torch.device, param_storages, inner=None, min_bytes: int = ACTIVATION_MIN_BYTES) -> None:
+        self.device, self.inner, self.min_bytes = device, inner, min_bytes
+        self._params = param_storages      # () -> data pointers of the parameters' storages
+        self._observers: list = []
+        self._skip: frozenset = frozenset()
+        # this step's host copies by (storage, offset, size, stride, version): a tensor saved by
+        # several nodes (an activation feeding two matmuls) is copied down once
+        self._copies: dict[tuple, tuple] = {}    # key -> (weakref to the storage, host copy)
+
+    @contextlib.contextmanager
+    def hooks(self):
+        self._skip = frozenset(self._params())
+        self._copies.clear()
+        outer = self.inner.hooks() if self.inner is not None else contextlib.nullcontext()
+        try:
+            with outer, torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._copies.clear()
+
+    @contextlib.contextmanager
+    def observing(self, fn):
+        """``fn(t)`` sees every saved tensor that stays on the device."""
+        self._observers.append(fn)
+        try:
+            yield
+        finally:
+            self._observers.remove(fn)
+
+    def _pack(self, t: torch.Tensor):
+        from torch.distributed.tensor import DTensor
+
+        if self.inner is not None:
+            packed = self.inner._pack(t)
+            if packed is not t:
+                return packed
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        if (local.device.type == "meta" or isinstance(local, nn.Parameter)
+                or local.numel() * local.element_size() < self.min_bytes
+                or local.untyped_storage().data_ptr() in self._skip):
+            for fn in self._observers:
+                fn(t)
+            return t
+        storage = local.untyped_storage()
+        key = (storage.data_ptr(), local.storage_offset(), tuple(local.shape), local.stride(), local._version,
+               local.dtype)
+        seen = self._copies.get(key)
+        # the same storage still (torch keeps one Python object per storage while it lives): a
+        # freed one's address reused by a new tensor is not taken for it
+        if seen is not None and seen[0]() is storage:
+            host = seen[1]
+        else:
+            host = self.to_host(local)
+            self._copies[key] = (weakref.ref(storage), host)
+        spec = (t.device_mesh, tuple(t.placements), t.shape, t.stride()) if isinstance(t, DTensor) else None
+        return _Offloaded(host, spec)
+
+    def to_host(self, local: torch.Tensor) -> torch.Tensor:
+        host = torch.empty_like(local, device="cpu", pin_memory=self.device.type == "cuda")
+        host.copy_(local.detach(), non_blocking=host.is_pinned())
+        return host
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _Offloaded):
+            return self.inner._unpack(saved) if self.inner is not None else saved
+        from torch.distributed.tensor import DTensor
+
+        local = torch.empty_like(saved.host, device=self.device)
+        local.copy_(saved.host, non_blocking=saved.host.is_pinned())
+        if saved.dtensor is None:
+            return local
+        mesh, placements, shape, stride = saved.dtensor
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+@dataclasses.dataclass
+class Offload:
+    """A rank's offload parts (None where its class is not offloaded)."""
+    classes: tuple
+    optimizer: Optional[HostOptimizer] = None
+    activations: Optional[ActivationOffload] = None
+
+    def saved_hooks(self, store):
+        """The ``saved_tensors_hooks`` a step's forward and backward run in."""
+        if self.activations is not None:
+            return self.activations.hooks()
+        return store.reshard_hooks()
+
+    def hooks_owner(self, store) -> Any:
+        """What a memory measurement observes saved tensors through (None: nothing shadows it)."""
+        return self.activations if self.activations is not None else store.ctx.reshard
+
+
+def make_offload(plan_offload: str, store, factory, device: torch.device, *, nvme_dir=None, rank: int = 0) -> Offload:
+    classes = parse_offload(plan_offload)
+    out = Offload(classes)
+    if "optimizer" in classes:
+        out.optimizer = HostOptimizer(store, factory, classes, device, nvme_dir=nvme_dir, rank=rank)
+    if "activations" in classes:
+        out.activations = ActivationOffload(
+            device, lambda: {s.local.untyped_storage().data_ptr() for s in store.slots}, inner=store.ctx.reshard)
+    return out
+
+
+__all__ = ["HostOptimizer", "ActivationOffload", "Offload", "make_offload"]

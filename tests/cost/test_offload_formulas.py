@@ -1,0 +1,84 @@
+"""cost/offload.py: each formula against hand-worked numbers (arithmetic in the comments)."""
+import pytest
+
+from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES
+from autopar.cost.hardware import cluster_from_dict, cluster_to_toml, make_cluster
+from autopar.cost.offload import (bucket_bytes, cpu_step_bytes_per_param, host_optimizer_bytes, nvme_state_bytes,
+                                  offload_memory, offload_microbatch_times, offload_step_times, optimizer_rows)
+
+B = DEFAULT_BUCKET_BYTES                      # 25 MiB = 26,214,400
+
+
+def _mem(classes, **kw):
+    args = dict(rows=1e9, params_bytes=2e9, grads_bytes=2e9, optimizer_bytes=12e9, activations_bytes=40e9,
+                resident_saved_bytes=3e9, saved_bytes_per_microbatch=10e9, inflight=4, microbatches=1)
+    args.update(kw)
+    return offload_memory(classes, **args)
+
+
+def test_per_param_figures():
+    assert bucket_bytes() == B == 26_214_400
+    assert optimizer_rows(8e9, 8, 1) == 1e9 and optimizer_rows(8e9, 8, 0) == 8e9   # ZeRO >= 1 shards the rows
+    assert host_optimizer_bytes(1e9, 2) == 16e9       # master 4 + 2 moments x 4 + grad buffer 4 = 16 B
+    assert host_optimizer_bytes(1e9, 1) == 12e9       # LARS / SGD: one moment
+    assert nvme_state_bytes(1e9, 2) == 12e9           # master 4 + moments 8 (no grad buffer)
+    assert cpu_step_bytes_per_param(2) == 28          # read 4 + 4 + 8, write 4 + 8
+    assert cpu_step_bytes_per_param(1) == 20          # read 4 + 4 + 4, write 4 + 4
+
+
+def test_memory_by_class():
+    none = _mem(())
+    assert none == {"params": 2e9, "grads": 2e9, "optimizer": 12e9, "activations": 40e9, "host": 0.0, "nvme": 0.0}
+    opt = _mem(("optimizer",))
+    assert opt["optimizer"] == 0 and opt["host"] == 16e9 and opt["grads"] == 2e9
+    # grads: one micro-batch -> min(2e9, 2 x 26,214,400) = 52,428,800; with 2 micro-batches unchanged
+    assert _mem(("optimizer", "grads"))["grads"] == 2 * B == 52_428_800
+    assert _mem(("optimizer", "grads"), microbatches=2)["grads"] == 2e9
+    # params: host 16e9 + P 2e9 = 18e9, device params 0
+    par = _mem(("optimizer", "params"))
+    assert par["params"] == 0 and par["host"] == 18e9
+    # activations: device 3e9 (one layer + embedding/head); host += 4 in flight x 10e9 = 40e9
+    act = _mem(("activations",))
+    assert act["activations"] == 3e9 and act["host"] == 40e9
+    # nvme: 12e9 of state to files; host keeps 16e9 - 12e9 + 2 chunks x 2 x 26,214,400 = 4e9 + 104,857,600
+    nv = _mem(("optimizer", "nvme"))
+    assert nv["nvme"] == 12e9 and nv["host"] == pytest.approx(4e9 + 104_857_600)
+
+
+def test_step_times():
+    # rows 1e9, bf16 grads down 2e9 B / 10 GB/s = 0.2 s, window 0.15 -> 0.05 exposed;
+    # params up 2e9 / 10e9 = 0.2 s; CPU step 1e9 x 28 / 20e9 = 1.4 s; NVMe 2 x 12e9 / 4e9 = 6 s
+    t = offload_step_times(("optimizer", "nvme"), rows=1e9, grad_bytes=2, param_bytes=2, backward_window_s=0.15,
+                           pcie_Bps=10e9, host_Bps=20e9, nvme_Bps=4e9)
+    assert t["host:d2h"] == pytest.approx(0.05) and t["host:h2d"] == pytest.approx(0.2)
+    assert t["cpu:optimizer"] == pytest.approx(1.4) and t["nvme:io"] == pytest.approx(6.0)
+    t = offload_step_times(("optimizer",), rows=1e9, grad_bytes=2, param_bytes=2, backward_window_s=0.15,
+                           pcie_Bps=10e9, host_Bps=20e9, nvme_Bps=4e9, overlap_grads=False)
+    assert t["host:d2h"] == pytest.approx(0.2) and "nvme:io" not in t
+    assert offload_step_times(("activations",), rows=1e9, grad_bytes=2, param_bytes=2, backward_window_s=0,
+                              pcie_Bps=1, host_Bps=1, nvme_Bps=1) == {}
+
+
+def test_microbatch_times():
+    # P = 1e9 B (0.1 s at 10 GB/s), saved 2e9 B (0.2 s); windows fwd 0.05, bwd 0.1:
+    # up: params before the forward max(0, 0.1 - 0.05) = 0.05, params + activations in the backward
+    # max(0, 0.3 - 0.1) = 0.2 -> 0.25; down: activations max(0, 0.2 - 0.05) = 0.15
+    t = offload_microbatch_times(("optimizer", "params", "activations"), host_params_bytes=1e9, saved_bytes=2e9,
+                                 forward_window_s=0.05, backward_window_s=0.1, pcie_Bps=10e9)
+    assert t["host:h2d"] == pytest.approx(0.25) and t["host:d2h"] == pytest.approx(0.15)
+    # everything hidden: nothing exposed
+    assert offload_microbatch_times(("activations",), host_params_bytes=1e9, saved_bytes=2e9, forward_window_s=1,
+                                    backward_window_s=1, pcie_Bps=10e9) == {}
+
+
+def test_cluster_host_fields_defaults_and_toml():
+    c = make_cluster("v100", 1, 1)
+    assert c.host_memory_bytes == 512e9 and c.nvme_Bps == 28e9 and c.pcie_Bps == 12e9
+    d = cluster_from_dict({"gpu": "h100", "nodes": 2, "host_memory_gb": 1024, "host_GBps": 30, "nvme_gb": 8000,
+                           "nvme_GBps": 40})
+    assert (d.host_memory_bytes, d.host_Bps, d.nvme_bytes, d.nvme_Bps) == (1024e9, 30e9, 8000e9, 40e9)
+    import tomllib
+    back = cluster_from_dict(tomllib.loads(cluster_to_toml(d)))
+    assert back == d
+    with pytest.raises(ValueError, match="host_memory_gb"):
+        cluster_from_dict({"gpu": "h100", "nodes": 1, "host_memory_gb": -1})

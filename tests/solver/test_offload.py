@@ -1,0 +1,89 @@
+"""The planner chooses CPU / NVMe offload only when nothing fits the GPUs without it."""
+from dataclasses import replace
+
+import pytest
+
+from autopar.cost.hardware import make_cluster
+from autopar.plan import Plan
+from autopar.solver import plan_model
+from autopar.solver.errors import InfeasibleError, PlanningError
+from autopar.solver.forcing import parse_force
+from autopar.solver.timing import HOST_MEMORY_RESERVE_FRACTION
+from solver_helpers import traced
+
+GPT_10B = "gpt:hidden=4096,layers=50,heads=32"      # ZeRO-Offload's 10B GPT-2 (50 layers, h=4096, 32 heads)
+V100_32G = 32e9 * 0.95                               # one 32 GB V100 less the planner's reserve
+SMALL = "gpt2"
+
+
+def _one_v100(**host):
+    return replace(make_cluster("v100", 1, gpus_per_node=1), **host)
+
+
+def _small(force=None, budget=None):
+    g, _ = traced(SMALL)
+    return plan_model(g, make_cluster("a100-80g", 1), global_batch=64, seq_len=1024, force=force,
+                      memory_budget_bytes=budget)
+
+
+def _strip(d):
+    return {k: v for k, v in d.items() if k not in ("solve_time_s", "summary", "forced", "notes")}
+
+
+def test_fits_without_offload_plans_none_as_before():
+    free = _small()
+    assert free.offload == "none" and free.memory.host_bytes == 0 and free.memory.nvme_bytes == 0
+    assert "host_bytes" not in free.to_dict()["memory"]           # old readers see the old file
+    assert _strip(free.to_dict()) == _strip(_small(force="offload=none").to_dict())
+
+
+def test_ten_billion_on_one_32g_v100_needs_optimizer_offload():
+    """ZeRO-Offload (parallelism_facts.md §4.1): a 10-13B GPT trains on one 32 GB V100."""
+    g, _ = traced(GPT_10B)
+    with pytest.raises(InfeasibleError, match="needs >="):
+        plan_model(g, _one_v100(), global_batch=8, seq_len=1024, memory_budget_bytes=V100_32G, force="offload=none")
+    plan = plan_model(g, _one_v100(), global_batch=8, seq_len=1024, memory_budget_bytes=V100_32G)
+    classes = plan.offload.split("+")
+    assert "optimizer" in classes and plan.memory.optimizer_bytes == 0
+    assert plan.memory.total_bytes <= V100_32G
+    # 10.3e9 params x 16 B (fp32 master, 2 moments, grad buffer) on the host, within 512 GB x 0.9
+    assert plan.memory.host_bytes >= 16 * 10e9
+    assert plan.memory.host_bytes <= plan.cluster.host_budget_bytes
+    assert plan.cluster.host_budget_bytes == pytest.approx(512e9 * (1 - HOST_MEMORY_RESERVE_FRACTION), rel=1e-6)
+    assert plan.step_time.optimizer_s > 1.0                        # the CPU step: 10e9 x 28 B at 15 GB/s
+    assert Plan.from_dict(plan.to_dict()) == plan                  # the new fields round-trip and validate
+
+
+def test_tiny_host_memory_is_infeasible_naming_the_host_budget():
+    g, _ = traced(GPT_10B)
+    with pytest.raises(InfeasibleError, match="host budget") as e:
+        plan_model(g, _one_v100(host_memory_bytes=20e9), global_batch=8, seq_len=1024, memory_budget_bytes=V100_32G)
+    assert "--host-memory-gb" in str(e.value)
+
+
+def test_forced_optimizer_and_activations_offload():
+    pins = "tp=1,pp=1,dp=8,mbs=8,zero=1,recompute=none"
+    base = _small(force=pins)
+    plan = _small(force=pins + ",offload=activations+optimizer")
+    assert plan.offload == "optimizer+activations" and ("offload", "optimizer+activations") in plan.forced
+    # one of the 12 layers stays, with the head's logits (most of the rest at this vocabulary)
+    assert plan.memory.activations_bytes < base.memory.activations_bytes / 3
+    assert plan.memory.optimizer_bytes == 0 and plan.memory.host_bytes > 0
+    kinds = dict(plan.step_time.comm_s)
+    assert "host:h2d" in kinds and plan.step_time.total_s >= base.step_time.total_s
+    assert Plan.from_dict(plan.to_dict()) == plan
+
+
+def test_forced_params_offload_pins_zero3_or_says_why():
+    plan = _small(force="tp=1,pp=1,dp=8,mbs=8,recompute=none,offload=optimizer+params")
+    assert plan.zero_stage == 3 and plan.memory.params_bytes == 0
+    with pytest.raises(PlanningError, match="needs ZeRO-3"):
+        _small(force="zero=1,offload=optimizer+params")
+
+
+def test_offload_parse_errors_say_what_to_write():
+    with pytest.raises(ValueError, match="write optimizer\\+grads"):
+        parse_force("offload=grads")
+    with pytest.raises(ValueError, match="unknown class 'gpu'"):
+        parse_force("offload=gpu")
+    assert parse_force("offload=activations+optimizer").offload == "optimizer+activations"
