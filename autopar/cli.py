@@ -113,6 +113,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="compute dtype (default fp32): bf16/fp16 run mixed precision (autocast, fp32 master "
                    "weights, gradients reduced in that dtype; fp16 with a dynamic loss scale); the reference "
                    "is one process under torch.autocast (and GradScaler)")
+    p.add_argument("--nvme-dir", default=None, metavar="DIR",
+                   help="for a plan that offloads the optimizer state to NVMe (--force offload=optimizer+nvme): a "
+                   "directory on a fast local disk; each rank's files are removed at the end")
 
     p = sub.add_parser("sweep", help="plan models at several GPU counts -> DIR/sweep.csv and PNG plots")
     p.add_argument("--models", required=True,
@@ -258,7 +261,7 @@ def cmd_run(args, console: Console) -> int:
                     force=args.force or None, json_path=args.json_path, batch=args.batch,
                     seq_len=args.seq_len, seed=args.seed, optimizer=args.optimizer, timeout_s=args.timeout,
                     checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                    resume=args.resume, memory=args.memory, dtype=args.dtype)
+                    resume=args.resume, memory=args.memory, dtype=args.dtype, nvme_dir=args.nvme_dir)
     except RankFailure:
         return 1  # run_command printed every rank's first error lines
     except KeyboardInterrupt:

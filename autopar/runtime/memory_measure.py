@@ -535,4 +535,8 @@ def memory_table(row: RankMemory):
         t.add_row(c, _mib(at), _mib(m), _mib(p), _error(m, p))
     t.add_row("peak", _mib(row.measured.peak_bytes), _mib(row.measured.peak_bytes), _mib(row.predicted.peak_bytes),
               _error(row.measured.peak_bytes, row.predicted.peak_bytes), style="bold")
+    if row.measured.host_peak_bytes or row.predicted.host_bytes:     # offload: apart from the device
+        host = row.measured.host_peak_bytes
+        t.add_row("host (offloaded)", "-", _mib(host), _mib(row.predicted.host_bytes),
+                  _error(host, row.predicted.host_bytes), style="dim")
     return t

@@ -10,7 +10,7 @@ from typing import Optional
 def train(rank: int, world: int, model: str, force: Optional[str], steps: int, ckpt: Optional[str],
           every: Optional[int] = None, resume: bool = False, optimizer: str = "adamw",
           die_at: Optional[tuple[int, int]] = None, resave: Optional[str] = None,
-          schedule: bool = False) -> dict:
+          schedule: bool = False, nvme_dir: Optional[str] = None) -> dict:
     """Losses of the steps run, the first step's number and (rank 0) the full state at the end.
     ``die_at=(rank, step)``: that rank SIGKILLs itself once ``step`` steps are done and their checkpoint committed.
     ``resave``: right after resuming, save again into that directory (under this run's plan).
@@ -25,7 +25,7 @@ def train(rank: int, world: int, model: str, force: Optional[str], steps: int, c
     ck = CheckpointArgs(ckpt, every, resume) if ckpt else None
     pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
                          force=force, optimizer=lambda p: make_optimizer(optimizer, p), model_name=model,
-                         resume=ckpt if resume else None, timeout_s=60)
+                         resume=ckpt if resume else None, timeout_s=60, nvme_dir=nvme_dir)
     def die(step: int) -> None:
         if die_at == (rank, step):
             pm.wait_for_save()                    # this step's checkpoint is committed
@@ -37,6 +37,7 @@ def train(rank: int, world: int, model: str, force: Optional[str], steps: int, c
     sched = torch.optim.lr_scheduler.StepLR(pm.optimizer, step_size=1, gamma=0.5) if schedule else None
     losses = train_steps(pm, b, steps, 0, ck, after_step=die, scheduler=sched)
     state = pm.full_state_dict()
+    pm.close()
     return {"losses": losses, "lr": pm.optimizer.param_groups[0]["lr"], "first_step": first, "plan": pm.plan.summary(),
             "state": state if rank == 0 else None,
             "resumed": pm.resumed.change_line(pm.plan) if pm.resumed else None}

@@ -68,13 +68,19 @@ def saved(tmp_path_factory):
     (TIED, "pp=2,dp=2,zero=1", "dp=2,zero=0", 2),        # pp=2 -> pp=1, tied weights, 4 -> 2 ranks
     (TIED, "pp=2,dp=2,zero=1", "dp=1", 1),               # -> one rank
     (TINY, "dp=2,tp=2,zero=2", "tp=2,zero=3", 2),        # tp x dp, ZeRO-2 -> tp, ZeRO-3
+    # -> offloaded: the AdamW state onto host masters (and back out, bit for bit), parameters on the host
+    (TINY, "dp=2,tp=2,zero=2", "dp=2,zero=3,offload=optimizer+params", 2),
+    (TINY, "dp=2,tp=2,zero=2", "dp=2,zero=1,offload=optimizer+nvme", 2),   # ... the state in NVMe files
 ])
 def test_checkpoint_loads_under_another_plan(saved, tmp_path, model, saved_under, load_under, world):
     src = str(tmp_path / "src")
     shutil.copytree(saved[(model, saved_under)], src)
     again = str(tmp_path / "again")
-    out = spawn_ranks(cb.train, world, (model, load_under, 3, src, None, True, "adamw", None, again),
-                      timeout_s=60)[0]
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    out = spawn_ranks(cb.train, world, (model, load_under, 3, src, None, True, "adamw", None, again, False,
+                                        str(nvme)), timeout_s=60)[0]
+    assert not list(nvme.iterdir()), "the NVMe files outlive the run"
     assert out["first_step"] == 3 and "resharded on load" in out["resumed"]
     _same_files(os.path.join(src, "step-00000002"), again)      # the run then saved step 3 into src
     ref = reference_losses(model, 3, batch=None, seq_len=None, seed=0)
