@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import weakref
 from typing import Any, Callable, Optional
 
@@ -40,6 +41,7 @@ import torch
 from torch import nn
 
 from autopar.plan import parse_offload
+from autopar.runtime.reshard import Observed
 
 ACTIVATION_MIN_BYTES = 1024          # smaller saved tensors stay on the device (not worth a copy)
 NVME_CHUNK_BYTES = 2 * 25 * 2 ** 20  # state bytes stepped at once with the nvme tier
@@ -69,6 +71,11 @@ class HostOptimizer:
             s.host = nn.Parameter(master, requires_grad=True)
             self._grad_bufs[s.name] = _pinned(s.opt_param.shape, torch.float32, device)
         self.optimizer = factory([s.host for s in store.slots])
+        if hasattr(self.optimizer, "set_shard_groups") and device.type == "cuda":
+            raise NotImplementedError(
+                f"{type(self.optimizer).__name__} all-reduces per-tensor norms over the shard groups, which on "
+                "GPUs are NCCL groups that cannot take the host tensors of an offloaded optimizer; use AdamW "
+                "with optimizer offload, or drop offload (--force offload=none)")
         self._taken: set[str] = set()
         self.nvme = None
         self._chunks: list[list] = []
@@ -242,11 +249,13 @@ class HostOptimizer:
 
 
 def _chunks(slots, chunk_bytes: int) -> list[list]:
-    """Consecutive slots of about ``chunk_bytes`` fp32 master + state (3 tensors: Adam's) each."""
+    """Consecutive slots of about ``chunk_bytes`` fp32 master + state (3 tensors: Adam's) each,
+    counted on the whole parameters: the same cut on every rank of the stage (an optimizer that
+    all-reduces norms, ``autopar.optim.LAMB``, then issues the same collectives everywhere)."""
     out: list[list] = [[]]
     size = 0
     for s in slots:
-        n = 3 * 4 * s.opt_param.numel()
+        n = 3 * 4 * math.prod(s.plan.shape)
         if out[-1] and size + n > chunk_bytes:
             out.append([])
             size = 0
@@ -262,8 +271,9 @@ class _Offloaded:
     dtensor: Optional[tuple]           # (mesh, placements, shape, stride)
 
 
-class ActivationOffload:
-    """Saved tensors to the host in the forward, back in the backward (module docstring).
+class ActivationOffload(Observed):
+    """Saved tensors to the host in the forward, back in the backward (module docstring); an
+    observer sees the saved tensors that stay on the device.
     ``inner``: hooks that see each tensor first (ZeRO-3's ``Reshard``): what it replaces stays so."""
 
     def __init__(self, device: torch.device, param_storages, inner=None, min_bytes: int = ACTIVATION_MIN_BYTES) -> None:
@@ -285,15 +295,6 @@ class ActivationOffload:
                 yield
         finally:
             self._copies.clear()
-
-    @contextlib.contextmanager
-    def observing(self, fn):
-        """``fn(t)`` sees every saved tensor that stays on the device."""
-        self._observers.append(fn)
-        try:
-            yield
-        finally:
-            self._observers.remove(fn)
 
     def _pack(self, t: torch.Tensor):
         from torch.distributed.tensor import DTensor

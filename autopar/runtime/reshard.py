@@ -44,7 +44,23 @@ class _Resharded:
     dtensor: Optional[tuple]           # (mesh, placements, shape, stride) when it was a DTensor
 
 
-class Reshard:
+class Observed:
+    """``saved_tensors_hooks`` owners that let an outer observer (``memory_measure``'s, which
+    theirs shadow) see the saved tensors: ``_observers`` are called from their pack hook."""
+
+    _observers: list
+
+    @contextlib.contextmanager
+    def observing(self, fn):
+        """``fn(t)`` sees the tensors saved for backward inside (those the hooks leave as they are)."""
+        self._observers.append(fn)
+        try:
+            yield
+        finally:
+            self._observers.remove(fn)
+
+
+class Reshard(Observed):
     """The hooks of one ``ParamStore`` (module docstring); ``gather(slot)`` all-gathers a slot's rows."""
 
     def __init__(self, gather) -> None:
@@ -74,16 +90,6 @@ class Reshard:
         finally:
             self._gathered.clear()
             self._held.clear()
-
-    @contextlib.contextmanager
-    def observing(self, fn):
-        """``fn(t)`` sees every tensor saved for backward inside (an outer ``saved_tensors_hooks``,
-        such as ``memory_measure``'s, is shadowed by this one)."""
-        self._observers.append(fn)
-        try:
-            yield
-        finally:
-            self._observers.remove(fn)
 
     def _pack(self, t: torch.Tensor):
         from torch.distributed.tensor import DTensor
