@@ -3,7 +3,8 @@
 #   tests: 1. kernel tests compiled for the device (not the interpreter), few hypothesis examples;
 #          2. the attention tests twice, with host-side and with device-side TMA descriptors
 #             (AUTOPAR_ATTENTION_DESC, see kernels/attention.py); the later steps use the mode
-#             that passed (host when both did); then ring attention's blocks on CUDA's flash op;
+#             that passed (host when both did); then ring attention's blocks on CUDA's flash op,
+#             and one-GPU training (meta model vs eager; offload of every class vs none);
 #   bench: 3. the kernel benchmark (Triton vs eager vs torch.compile, % of measured ceilings, the
 #             config the autotuner picked per kernel);
 #          4. fused-kernel substitution in a training step, GPT and LLaMA (fused_step_gpu.py);
@@ -50,6 +51,10 @@ if [[ "$STAGE" != bench ]]; then
   timeout "${CP_TIMEOUT:-60}" python3 -m pytest tests/runtime/test_context_attention.py -q -m gpu \
     -p no:cacheprovider --tb=short "${PYTEST_DRY[@]}" 2>&1 | tee "$OUT/context_attention.log"
   echo "context-parallel attention tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/context_attention.log"
+  # one-GPU training: a meta model against eager, and offload (pinned copies, host step) against none
+  timeout "${RUNTIME_TIMEOUT:-120}" python3 -m pytest tests/runtime/test_gpu.py -q -m gpu \
+    -p no:cacheprovider --tb=short "${PYTEST_DRY[@]}" 2>&1 | tee "$OUT/runtime_gpu.log"
+  echo "one-GPU runtime tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/runtime_gpu.log"
 fi
 
 if [[ "$STAGE" != tests ]]; then
