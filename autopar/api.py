@@ -509,7 +509,7 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
         Without example_target the model is traced, planned and compiled on the first
         ``pm.step(inputs, targets)`` with its targets (every rank alike); ``pm(inputs)`` and
         ``pm.plan`` etc. need that first step.
-    optimizer: ``params -> torch.optim.Optimizer`` (default AdamW, lr 3e-4); it receives this rank's
+    optimizer: ``params -> torch.optim.Optimizer`` (default ``autopar.optim.adamw``: torch AdamW, lr 3e-4, fused); it receives this rank's
         (sharded) parameters. One with a ``set_shard_groups`` method (``autopar.optim.LAMB``) is
         told the process groups each parameter's tensor is split over. cluster: None = the running world (CPU or the detected GPU), else a
         name or TOML path as in ``autopar plan --cluster``. force: as ``autopar plan --force``.

@@ -16,6 +16,7 @@ from autopar.codegen.fused import FusedKernels, fused_kernels
 from autopar.codegen.program import RankProgram, compile_program, local_dp_nodes
 from autopar.codegen.stages import PipelineCut, cut_pipeline, loss_reduction
 from autopar.mesh import DATA, PIPELINE
+from autopar.optim import adamw as autopar_adamw
 from autopar.plan import Plan, parse_offload
 from autopar.planning import solve_on_rank0
 from autopar.runtime.buffers import module_buffers
@@ -103,7 +104,7 @@ def setup(model, example_inputs, loss_fn, optimizer, cluster, force, plan, seed,
     force_ = parse_force(force)
     check_world(force_, world)
     return Setup(model, as_tuple(example_inputs), loss_fn,
-                  optimizer or (lambda params: torch.optim.AdamW(params, lr=3e-4)), cluster, force_, plan,
+                  optimizer or autopar_adamw, cluster, force_, plan,
                   seed, timeout_s, bucket_bytes, model_name, dp_mode, kernels, fused, device_type, device, rank,
                   world, watchdog, dtype, nvme_dir)
 

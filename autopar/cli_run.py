@@ -27,7 +27,9 @@ def make_optimizer(name: str, params):
     import torch
 
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=3e-4)
+        from autopar.optim import adamw
+
+        return adamw(params, lr=3e-4)
     if name == "lamb":
         from autopar.optim import LAMB
 

@@ -223,3 +223,16 @@ def _check_lars(group: Mapping) -> None:
         raise bad("nesterov=True needs momentum > 0: set momentum (e.g. 0.9) or nesterov=False")
     if group["trust_clip"] and lr == 0:
         raise bad("trust_clip=True divides the local rate by lr: use lr > 0 or trust_clip=False")
+
+
+def adamw(params: Iterable, lr: float = 3e-4, **kwargs) -> torch.optim.AdamW:
+    """autopar's default optimizer: ``torch.optim.AdamW``, with torch's fused kernel (one pass over
+    parameter, gradient and moments per tensor, multi-threaded on the CPU) where every parameter is
+    a floating tensor on the CPU or CUDA. On the CPU, where an offloaded optimizer steps
+    (``runtime/offload.py``), ``benchmarks/cpu_optimizer_step.py`` measures it against the foreach
+    and per-tensor steps."""
+    params = list(params)
+    tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+    fused = bool(tensors) and all(t.is_floating_point() and t.device.type in ("cpu", "cuda") for t in tensors)
+    kwargs.setdefault("fused", fused or None)
+    return torch.optim.AdamW(params, lr=lr, **kwargs)
