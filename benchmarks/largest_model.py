@@ -17,8 +17,9 @@ fits without). For each:
 2. train: that model with that plan for 3 steps on N gloo ranks (fp32, AdamW, autopar's own init
    on the meta model), then one more step under ``runtime.memory_measure.measure_step``: the device
    peak as the storage tracker counts it (offloaded tensors counted apart, as host memory). If any
-   rank's peak is over B the planner was optimistic there: the layer count steps down (the plan is
-   solved again) until the measured peak fits. The step time is the median over steps 2-3 of the
+   rank's peak is over B the planner was optimistic there: the layer count steps down (to the line
+   through the last two measured peaks, 5 % under B; the plan is solved again, capped there) until
+   a probe (1 step + the measured one) fits; then the timed run. The step time is the median over steps 2-3 of the
    slowest rank's ``pm.step`` (barrier before each).
 
 Everything printed is planned or measured in this run; ratios are against this run's DDP. Absolute
@@ -111,7 +112,8 @@ def train_rank(rank: int, world: int, job: dict) -> dict:
     b = build_model(job["spec"], device="meta", batch=job["batch"], seq_len=job["seq"])
     pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
                          plan=Plan.from_json(job["plan"]), seed=0, timeout_s=job["timeout_s"],
-                         model_name=job["spec"], record_collectives=False)
+                         model_name=job["spec"], record_collectives=False,
+                         bucket_bytes=job["bucket_bytes"])
     x, y = b.make_batch(job["batch"], torch.Generator().manual_seed(0))
     times, losses = [], []
     try:
@@ -129,29 +131,46 @@ def train_rank(rank: int, world: int, job: dict) -> dict:
             "device": m.device}
 
 
-def run_config(a, name: str, force: str, log) -> dict:
-    from autopar.plan import Plan
+def train(a, layers: int, plan_json: str, steps: int) -> list:
     from autopar.runtime.launch import spawn_ranks
 
+    job = {"spec": spec_of(a, layers), "batch": a.batch, "seq": a.seq, "plan": plan_json, "steps": steps,
+           "timeout_s": 900, "bucket_bytes": int(a.bucket_mb * MiB)}
+    return spawn_ranks(train_rank, a.nproc, (job,), timeout_s=900, grace_s=120)
+
+
+def next_layers(tried: list, budget: int) -> int:
+    """A smaller layer count from the measured (layers, peak) pairs over budget: the line through
+    the last two (one: proportional), 5 % under the budget."""
+    (l1, p1), (l0, p0) = tried[-1], (tried[-2] if len(tried) > 1 else (0, 0))
+    slope = (p1 - p0) / (l1 - l0) if l1 != l0 and p1 > p0 else p1 / l1
+    return min(l1 - 1, int(l1 - (p1 - 0.95 * budget) / slope))
+
+
+def run_config(a, name: str, force: str, log) -> dict:
+    from autopar.plan import Plan
+
+    budget = a.budget_mb * MiB
     found = largest_planned(a, force)
     if found is None:
         raise SystemExit(f"{name}: not even 1 layer fits {a.budget_mb} MiB per rank")
-    planned, optimistic = found[0], []
-    while found is not None:
+    planned, tried = found[0], []
+    while True:                  # probe (1 step + the measured one) until the measured peak fits
         layers, plan_json, params = found
-        log(f"  {name}: training {layers} layers ({params / 1e6:.1f} M parameters) ...")
         t0 = time.perf_counter()
-        res = spawn_ranks(train_rank, a.nproc, ({"spec": spec_of(a, layers), "batch": a.batch, "seq": a.seq,
-                                                  "plan": plan_json, "steps": a.steps, "timeout_s": 900},),
-                          timeout_s=900, grace_s=120)
+        res = train(a, layers, plan_json, 1)
         peak = max(r["peak"] for r in res)
-        log(f"    measured device peak {peak / MiB:.1f} MiB, {time.perf_counter() - t0:.0f} s")
-        if peak <= a.budget_mb * MiB:
+        log(f"  {name}: {layers} layers ({params / 1e6:.1f} M parameters): measured device peak "
+            f"{peak / MiB:.1f} MiB ({time.perf_counter() - t0:.0f} s)")
+        if peak <= budget:
             break
-        optimistic.append((layers, peak))                # the planner was optimistic: step down
-        found = largest_planned(a, force, below=layers - max(0, layers // 8))
-    if found is None:
-        raise SystemExit(f"{name}: no layer count trains within {a.budget_mb} MiB per rank")
+        tried.append((layers, peak))          # the planner was optimistic here: step down
+        below = next_layers(tried, budget)
+        found = largest_planned(a, force, below=below + 1) if below >= 1 else None
+        if found is None:
+            raise SystemExit(f"{name}: no layer count trains within {a.budget_mb} MiB per rank")
+    res = train(a, layers, plan_json, a.steps)        # the timed run: steps 2.. timed, then measured
+    peak = max(r["peak"] for r in res)
     plan = Plan.from_json(plan_json)
     per_step = [max(r["times"][i] for r in res) for i in range(1, a.steps)]    # steps 2..: slowest rank
     losses = res[0]["losses"]
@@ -160,7 +179,7 @@ def run_config(a, name: str, force: str, log) -> dict:
             "zero": plan.zero_stage, "recompute": plan.recompute, "offload": plan.offload,
             "peak_mib": peak / MiB, "budget_mib": a.budget_mb, "host_peak_mib": sum(r["host"] for r in res) / MiB,
             "step_s": statistics.median(per_step), "loss_first": losses[0], "loss_last": losses[-1],
-            "optimistic": ";".join(f"{l}:{p / MiB:.1f}MiB" for l, p in optimistic), "device": res[0]["device"]}
+            "optimistic": ";".join(f"{l}:{p / MiB:.1f}MiB" for l, p in tried), "device": res[0]["device"]}
 
 
 def add_ratios(rows: list[dict], tokens: int) -> None:
@@ -211,12 +230,13 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=4, help="global batch")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket (the planner assumes 25)")
     p.add_argument("--max-layers", type=int, default=4096)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--quick", action="store_true", help="tiny budget and models (< 60 s; the test)")
     a = p.parse_args(argv)
     if a.quick:
-        a.budget_mb, a.host_gb, a.hidden, a.vocab, a.seq, a.max_layers = 8, 0.1, 64, 256, 32, 4096
+        a.budget_mb, a.host_gb, a.hidden, a.vocab, a.seq, a.bucket_mb = 8, 0.1, 64, 256, 32, 0.5
     t_start, load0 = time.perf_counter(), os.getloadavg()[0]
     log = lambda s: print(s, flush=True)                 # noqa: E731
     rows = []

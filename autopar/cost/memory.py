@@ -184,3 +184,29 @@ def step_peak_bytes(states_without_grads: float, backward_parts, inflight: float
             done += g
         moving = (inflight - 1) * a_mb + max(best, done)
     return states_without_grads + moving + workspace
+
+
+def reducer_transient_bytes(grad_bytes: float, data: int, zero: int, bucket: float,
+                            activation_bytes: float = 0.0) -> float:
+    """Device bytes the data-parallel gradient reducer (``runtime/reducer.py``) adds to a rank's
+    peak beyond the reduced gradients (the 1/data outputs, counted with the gradients), under ZeRO
+    2/3 over ``data`` > 1 ranks, for ``G = grad_bytes`` of local gradients in buckets of
+    ``B = bucket`` bytes, the rank holding ``activation_bytes`` of activations at its peak. A
+    bucket holds its full summands until it is launched, then a send buffer they are copied into
+    (each summand dropped once copied); the previous bucket's send buffer stays until the next
+    launch:
+
+        during the backward (beside the activations, with more than one bucket):
+            min(G - B, B) in flight + B of the open bucket's summands
+        at its end (the activations freed): the last bucket's summands and send buffer and the
+            previous one's, before the last output (1/data of it) exists:
+            2 min(G, B) + min(max(G - B, 0), B) - min(G, B) / data
+
+    and the peak takes the larger of the first and the second less the activations. ZeRO 0/1
+    reduce in place, in the buffers the gradients live in: nothing."""
+    if zero < 2 or data <= 1:
+        return 0.0
+    previous = min(max(grad_bytes - bucket, 0.0), bucket)
+    during = previous + bucket if grad_bytes > bucket else 0.0
+    after = min(grad_bytes, bucket) * (2 - 1 / data) + previous
+    return max(during, after - activation_bytes)

@@ -399,7 +399,8 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     solver's evaluation has them, temporaries = the backward workspace
     (``cost.memory.backward_workspace_bytes``) plus the evaluation's recompute / ZeRO-3 gather
     buffers (at the run's parameter bytes), and the peak by ``cost.memory.step_peak_bytes``."""
-    from autopar.cost.memory import backward_workspace_bytes, model_state_bytes, state_bytes_per_param, step_peak_bytes
+    from autopar.cost.memory import (backward_workspace_bytes, model_state_bytes, reducer_transient_bytes,
+                                     state_bytes_per_param, step_peak_bytes)
     from autopar.solver.timing import PARAM_BYTES, ZERO3_PREFETCH_LAYERS, activation_bytes_per_layer, rank_parts
 
     cfg = evaluation.config
@@ -458,6 +459,16 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
         grad_kept = off["grads"] / total["grads"] if total["grads"] else 1.0   # grads offload: the buckets kept
         pieces = [(a * act_kept, g * grad_kept) for a, g in pieces]
         total = {"params": off["params"], "grads": off["grads"], "optimizer": off["optimizer"]}
+    # the solver's other bytes hold its reducer transient at its gradient bytes: the run's instead
+    from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES
+    from autopar.solver.runtime_profile import AUTOPAR_RUNTIME
+
+    solver_transient = reducer_transient_bytes(st.param_numel * AUTOPAR_RUNTIME.grad_bytes, cfg.dp, cfg.zero,
+                                               DEFAULT_BUCKET_BYTES, st.memory.activations_bytes + st.memory.other_bytes)
+    workspace -= solver_transient
+    acts = st.inflight * sum(a for a, _ in pieces)
+    workspace += reducer_transient_bytes(st.param_numel * per["grads"], cfg.dp, cfg.zero, DEFAULT_BUCKET_BYTES,
+                                         acts + workspace)
     peak = step_peak_bytes(total["params"] + total["optimizer"], pieces, st.inflight, workspace,
                            grads_during_forward=st.inflight < cfg.m)
     cats = MemoryByCategory(int(total["params"]), int(total["grads"]), int(total["optimizer"]),

@@ -24,8 +24,10 @@ grads / dp for ZeRO 2/3):
   from step to step would sit beside the forward's activations (gpt-tiny, dp=2: peak +14 %).
 - ZeRO 2/3: the send buffer is filled parameter by parameter and each full summand is dropped as
   soon as it is copied in; the send buffer is dropped when its collective has finished.
-- A bucket's transient buffers (ZeRO 2/3's send buffer; ``reduce_dtype``'s cast) stay bounded:
-  launching bucket b first finishes every bucket before b - 1 (at most two in flight).
+- A bucket's transient buffers (ZeRO 2/3's send buffer and output; ``reduce_dtype``'s cast) stay
+  bounded: launching bucket b first finishes every bucket before b - 1, before b's buffers are
+  made (at most two buckets' buffers at once), and a finished bucket drops its ``Work`` (gloo's
+  keeps its tensors alive).
 
 Mixed precision (``runtime/precision.py``): with ``reduce_dtype`` a bucket is cast to it before
 its collective (a copy, one bucket at a time) and back to the parameters' dtype after (ZeRO 0/1:
@@ -175,6 +177,7 @@ class GradReducer:
 
     # ---- collectives -------------------------------------------------------------------------
     def _launch(self, b: int) -> None:
+        self._finish_until(b - 1)                # before b's buffers exist: at most two buckets' at once
         slots = [self.slots[i] for i in self.buckets[b]]
         if self.stage in (0, 1):
             for i in self.buckets[b]:
@@ -188,7 +191,6 @@ class GradReducer:
             out = send.new_empty(send.numel() // self.dp)
             work = dist.reduce_scatter_single(out, send, group=self.group, async_op=True)
             self._inflight[b] = _Flight("reduce_scatter", send.numel() * send.element_size(), work, send, out)
-        self._finish_until(b - 1)
 
     def _interleave(self, slots: list[ParamSlot]) -> torch.Tensor:
         """The send buffer in rank-major layout: [rank 0's padded rows of each parameter][rank 1's
@@ -242,7 +244,7 @@ class GradReducer:
         else:
             out = f.out if self.reduce_dtype is None else f.out.to(slots[0].local.dtype)
             self._finish_reduce_scatter(slots, out)
-        f.send = f.out = None
+        f.send = f.out = f.work = None           # a finished Work may still hold its tensors
         if self.on_reduced is not None:
             self.on_reduced(slots)
             if self.on_reduced_frees:            # the bucket's gradients went to the host

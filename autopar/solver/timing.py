@@ -57,7 +57,7 @@ from typing import Optional
 from autopar.cost.collectives import axis_link, collective_s, stage_link
 from autopar.cost.flops import pipeline_bubble_fraction, pipeline_bubble_units, pipeline_step_time_s
 from autopar.cost.hardware import ClusterSpec
-from autopar.cost.memory import model_state_bytes, pipeline_inflight_microbatches
+from autopar.cost.memory import model_state_bytes, pipeline_inflight_microbatches, reducer_transient_bytes
 from autopar.cost.offload import (bucket_bytes, offload_memory, offload_microbatch_times, offload_step_times,
                                   optimizer_rows)
 from autopar.plan import V_SCHEDULES, MemoryUse, StepTime, parse_offload
@@ -568,6 +568,8 @@ def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile
         states = off
         activations = off["activations"]
         host, nvme = int(off["host"]), int(off["nvme"])
+    # (the backward's workspace and gathered layers are gone with the activations at its end)
+    other += reducer_transient_bytes(numel * profile.grad_bytes, cfg.data, cfg.zero, bucket_bytes(), activations + other)
     params, grads, optim = (int(states["params"]), int(states["grads"]), int(states["optimizer"]))
     total = params + grads + optim + int(activations) + int(other)
     return MemoryUse(params, grads, optim, int(activations), int(other), total, host, nvme)
