@@ -390,10 +390,11 @@ def plan_evaluation(plan, graph, cluster=None):
 
         cfg = replace(cfg, recompute="partial", recompute_layers=plan.recompute_layers)
     ev = evaluate(res.solution.summary, cfg, res.cluster, res.profile, res.budget_bytes, all_stages=True)
-    return ev, res.solution.summary
+    return ev, res.solution.summary, res.profile
 
 
-def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimizer: str = "adamw") -> PredictedMemory:
+def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimizer: str = "adamw",
+                   profile=None) -> PredictedMemory:
     """Pipeline rank ``pp_rank``'s predicted peak and its categories: model states for
     ``param_dtype`` and ``optimizer`` (``cost.memory.state_bytes_per_param``), activations as the
     solver's evaluation has them, temporaries = the backward workspace
@@ -401,7 +402,10 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     buffers (at the run's parameter bytes), and the peak by ``cost.memory.step_peak_bytes``."""
     from autopar.cost.memory import (backward_workspace_bytes, model_state_bytes, reducer_transient_bytes,
                                      state_bytes_per_param, step_peak_bytes)
-    from autopar.solver.timing import PARAM_BYTES, ZERO3_PREFETCH_LAYERS, activation_bytes_per_layer, rank_parts
+    from autopar.solver.runtime_profile import AUTOPAR_RUNTIME
+    from autopar.solver.timing import ZERO3_PREFETCH_LAYERS, activation_bytes_per_layer, rank_parts
+
+    profile = profile or AUTOPAR_RUNTIME           # what the evaluation was made with
 
     cfg = evaluation.config
     st = next(s for s in evaluation.stages if s.index == pp_rank)
@@ -415,13 +419,13 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     total = states(st.param_numel)
     parts = rank_parts(summary, st.layers, st.has_pre, st.has_post)
     largest = max(p.max_out_bytes for p, _, _ in parts)
-    gathered = 0.0               # the solver counts ZeRO-3's gathered layers at 16 bits
+    gathered = 0.0               # ZeRO-3's gathered layers (the solver counts them at its param_bytes)
     if cfg.zero == 3 and "params" in classes:
         gathered = ZERO3_PREFETCH_LAYERS * summary.parts["block"].param_numel
     elif cfg.zero == 3 and cfg.dp > 1:
         gathered = ZERO3_PREFETCH_LAYERS * summary.parts["block"].param_numel * (1 - 1 / cfg.dp)
     workspace = (backward_workspace_bytes(largest) + st.memory.other_bytes - largest
-                 + gathered * (per["params"] - PARAM_BYTES))
+                 + gathered * (per["params"] - profile.param_bytes))
     shared = summary.shared_param_numel if (st.has_pre or st.has_post) else 0.0
     pieces = []                  # backward order: head, layers, embedding
     if st.has_post:
@@ -461,9 +465,8 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
         total = {"params": off["params"], "grads": off["grads"], "optimizer": off["optimizer"]}
     # the solver's other bytes hold its reducer transient at its gradient bytes: the run's instead
     from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES
-    from autopar.solver.runtime_profile import AUTOPAR_RUNTIME
 
-    solver_transient = reducer_transient_bytes(st.param_numel * AUTOPAR_RUNTIME.grad_bytes, cfg.dp, cfg.zero,
+    solver_transient = reducer_transient_bytes(st.param_numel * profile.grad_bytes, cfg.dp, cfg.zero,
                                                DEFAULT_BUCKET_BYTES, st.memory.activations_bytes + st.memory.other_bytes)
     workspace -= solver_transient
     acts = st.inflight * sum(a for a, _ in pieces)
@@ -501,11 +504,11 @@ def _bucketed(pieces: list) -> list:
 def compare_ranks(plan, graph, measured: list[dict], param_dtype: str, optimizer: str = "adamw") -> list[RankMemory]:
     """Measured (``measure_step``'s ``StepMemory`` as a dict, one per global rank) next to the
     prediction for that rank's pipeline rank (global rank = pp rank x ranks per stage)."""
-    ev, summary = plan_evaluation(plan, graph)
+    ev, summary, profile = plan_evaluation(plan, graph)
     per_stage = plan.stage_mesh.size
     rows = []
     for rank, m in enumerate(measured):
-        predicted = predict_memory(ev, summary, rank // per_stage, param_dtype, optimizer)
+        predicted = predict_memory(ev, summary, rank // per_stage, param_dtype, optimizer, profile)
         rows.append(RankMemory(rank, StepMemory.from_dict(m), predicted))
     return rows
 

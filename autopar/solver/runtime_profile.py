@@ -19,6 +19,8 @@ behind (SMs, HBM) is not modelled.
 - ``host_copy_overlap``: offload's host<->device copies (gradients down, parameters and saved
   activations up and down: ``cost/offload.py``) run on a side stream beside the compute. Window:
   the step's / micro-batch's forward or backward. Without it they are exposed in full.
+- ``param_bytes``, ``optimizer_bytes``: the parameters' bytes per element and the optimizer
+  state's per parameter (``for_dtype``: 2 and 12 for 16-bit plans, 4 and 8 for fp32 ones).
 - ``grad_bytes``: bytes per gradient element stored and reduced. Megatron with bf16 accumulates and
   reduces gradients in fp32 (``accumulate_allreduce_grads_in_fp32`` is forced on with bf16).
 """
@@ -36,6 +38,20 @@ class RuntimeProfile:
     grad_bytes: int                       # bytes per gradient element (fp32 main grads -> 4)
     schedule: str = "1f1b"                # pipeline schedule (memory: in-flight micro-batches)
     host_copy_overlap: bool = False       # offload copies overlapped with compute
+    param_bytes: int = 2                  # bytes per parameter element on the device (16-bit)
+    optimizer_bytes: int = 12             # optimizer state per parameter (fp32 master + Adam's moments)
+
+
+def for_dtype(profile: RuntimeProfile, dtype: str) -> RuntimeProfile:
+    """``profile`` for a plan of compute dtype ``dtype``: 16-bit plans keep 16-bit parameters and
+    gradients with an fp32 master in the optimizer (ZeRO's 2 + 2 + 12 bytes); an fp32 plan has
+    fp32 parameters and gradients and AdamW's two fp32 moments, no master (4 + 4 + 8:
+    ``cost.memory.state_bytes_per_param``), which is also what offload moves."""
+    if dtype != "float32":
+        return profile
+    from dataclasses import replace
+
+    return replace(profile, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
 
 
 # autopar's own runtime (runtime/reducer.py, runtime/params.py), as it runs: ZeRO 0-2 gradient

@@ -68,7 +68,7 @@ from autopar.solver.errors import InfeasibleError, PlanningError
 from autopar.solver.ilp import IlpResult, LinearConstraint, solve_ilp
 from autopar.solver.problem import AxisSummary, AxisTables, PartCost, build_tables, ilp_problem, \
     lower_bound_summary, summarize
-from autopar.solver.runtime_profile import AUTOPAR_RUNTIME, RuntimeProfile
+from autopar.solver.runtime_profile import AUTOPAR_RUNTIME, RuntimeProfile, for_dtype
 from autopar.solver.strategies import GraphFacts, graph_facts
 from autopar.solver.offload_choice import best_variant, host_note, lean_memory
 from autopar.solver.timing import (Evaluation, OuterConfig, _grads_const, _state_bytes_per_param, default_budget_bytes,
@@ -578,6 +578,7 @@ def solve(graph: GraphIR, cluster: ClusterSpec, *, global_batch: int, seq_len: O
     if force.offload not in (None, "none") and "params" in parse_offload(force.offload) and force.zero_stage is None:
         force = replace(force, zero_stage=3)     # params offload runs under ZeRO-3 only
     budget = float(memory_budget_bytes) if memory_budget_bytes is not None else default_budget_bytes(cluster)
+    runtime = for_dtype(runtime, dtype)
     s = _Searcher(graph, cluster, global_batch, seq_len, dtype, budget, force, progress, runtime)
     try:
         ev, sol = s.run()

@@ -21,7 +21,8 @@ when the runtime profile overlaps it (``runtime_profile.py``):
   1: reduce_scatter(grads) + all_gather(params after the step)    windows: last backward / first forward
   2: reduce_scatter(grads) every micro-batch (in t_stage) + all_gather(params)
   3: all_gather(params) fwd and bwd + reduce_scatter(grads), every micro-batch (in t_stage)
-Gradients are ``profile.grad_bytes`` per element, parameters 2 bytes (bf16/fp16). Under context
+Gradients are ``profile.grad_bytes`` per element, parameters ``profile.param_bytes`` (2 for 16-bit
+plans, 4 for fp32 ones: ``runtime_profile.for_dtype``). Under context
 parallelism the group that syncs gradients and shards ZeRO state is the dp x cp ranks
 (``OuterConfig.data``): a cp rank holds the same parameters as its dp peers.
 
@@ -66,7 +67,7 @@ from autopar.solver.problem import AxisSummary, PartCost
 from autopar.solver.runtime_profile import RuntimeProfile
 
 MEMORY_RESERVE_FRACTION = 0.05       # of HBM kept free for the CUDA context, NCCL buffers, fragmentation
-PARAM_BYTES = 2                      # 16-bit parameters
+PARAM_BYTES = 2                      # 16-bit parameters (``RuntimeProfile.param_bytes``' default)
 # Adam step traffic per parameter besides the gradient: read param 2 + master 4 + m 4 + v 4,
 # write param 2 + master 4 + m 4 + v 4.
 OPTIMIZER_BYTES_PER_PARAM = 28
@@ -206,7 +207,8 @@ def _state_bytes_per_param(cfg: OuterConfig, profile: RuntimeProfile) -> float:
     """Device model-state bytes per local parameter (offloaded classes excluded; gradients
     offloaded with one micro-batch cost a constant, ``_grads_const``)."""
     n = 1_000_000
-    st = model_state_bytes(n, cfg.data, cfg.zero, param_bytes=PARAM_BYTES, grad_bytes=profile.grad_bytes)
+    st = model_state_bytes(n, cfg.data, cfg.zero, param_bytes=profile.param_bytes, grad_bytes=profile.grad_bytes,
+                           optimizer_bytes_per_param=profile.optimizer_bytes)
     cls = cfg.classes
     if "optimizer" in cls:
         st["optimizer"] = 0.0
@@ -226,7 +228,7 @@ def _grads_const(cfg: OuterConfig) -> float:
 def _memory_affine(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile, rate: float, act: float):
     """(slope bytes per layer, constant bytes) of each rank's memory, as ``_rank_memory`` computes it."""
     blk, pre, post = summary.parts["block"], summary.parts["pre"], summary.parts["post"]
-    other_blk = _other_bytes(summary, cfg)
+    other_blk = _other_bytes(summary, cfg, param_bytes=profile.param_bytes)
     slopes, consts = [], []
     for r in range(cfg.pp):
         hp, hh = rank_holds(cfg, r)
@@ -426,7 +428,7 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
         comm["pp:p2p"] = 2 * cfg.v * collective_s("p2p", summary.layer_input_bytes, 2, pp_link)
     numel = sum(c * p.param_numel for p, c, _ in parts) + (summary.shared_param_numel if (first or last) else 0.0)
     grad_b = numel * profile.grad_bytes
-    param_b = numel * PARAM_BYTES
+    param_b = numel * profile.param_bytes
     dp_sync: dict = {}
     if cfg.data > 1:
         rs = collective_s("reduce_scatter", grad_b, cfg.data, dp_link)
@@ -461,7 +463,7 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
         opt /= cfg.data
     if "optimizer" in cls:                   # the CPU step and its traffic replace the device step
         step = offload_step_times(cls, rows=optimizer_rows(numel, cfg.data, cfg.zero), grad_bytes=profile.grad_bytes,
-                                  param_bytes=PARAM_BYTES, backward_window_s=win_b, pcie_Bps=cluster.pcie_Bps,
+                                  param_bytes=profile.param_bytes, backward_window_s=win_b, pcie_Bps=cluster.pcie_Bps,
                                   host_Bps=cluster.host_Bps, nvme_Bps=cluster.nvme_Bps / cluster.gpus_per_node,
                                   moments=MOMENTS, overlap_grads=profile.host_copy_overlap)
         opt = step.pop("cpu:optimizer")
@@ -519,7 +521,8 @@ def activation_bytes_per_layer(blk: PartCost, summary: AxisSummary, recompute: s
     return blk.saved_bytes
 
 
-def _other_bytes(summary: AxisSummary, cfg: OuterConfig, lps: Optional[float] = None) -> float:
+def _other_bytes(summary: AxisSummary, cfg: OuterConfig, lps: Optional[float] = None,
+                 param_bytes: int = PARAM_BYTES) -> float:
     """Workspace besides the largest single output: one layer re-materialized under recompute, the
     prefetched gathered layers under ZeRO-3. "partial" recomputes a rank's FIRST layers, whose
     backward comes last, when the later layers' activations are freed: a re-materialized layer adds
@@ -533,9 +536,9 @@ def _other_bytes(summary: AxisSummary, cfg: OuterConfig, lps: Optional[float] = 
     elif cfg.recompute == "selective":
         other += blk.core_saved_bytes
     if cfg.zero == 3 and "params" in cfg.classes:     # the rank's own rows are on the host too
-        other += ZERO3_PREFETCH_LAYERS * blk.param_numel * PARAM_BYTES
+        other += ZERO3_PREFETCH_LAYERS * blk.param_numel * param_bytes
     elif cfg.zero == 3 and cfg.data > 1:
-        other += ZERO3_PREFETCH_LAYERS * blk.param_numel * PARAM_BYTES * (1 - 1 / cfg.data)
+        other += ZERO3_PREFETCH_LAYERS * blk.param_numel * param_bytes * (1 - 1 / cfg.data)
     return other
 
 
@@ -550,11 +553,12 @@ def _saved_per_microbatch(summary: AxisSummary, cfg: OuterConfig, parts, lps: fl
 
 def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile, r: int, parts, numel: float,
                  lps: float) -> MemoryUse:
-    states = model_state_bytes(int(numel), cfg.data, cfg.zero, param_bytes=PARAM_BYTES, grad_bytes=profile.grad_bytes)
+    states = model_state_bytes(int(numel), cfg.data, cfg.zero, param_bytes=profile.param_bytes,
+                               grad_bytes=profile.grad_bytes, optimizer_bytes_per_param=profile.optimizer_bytes)
     inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
     per_mb = _saved_per_microbatch(summary, cfg, parts, lps)
     activations = inflight * per_mb
-    other = max(p.max_out_bytes for p, _, _ in parts) + _other_bytes(summary, cfg, lps)
+    other = max(p.max_out_bytes for p, _, _ in parts) + _other_bytes(summary, cfg, lps, profile.param_bytes)
     host = nvme = 0
     if cfg.classes:
         # activation offload sends every saved tensor to the host (``runtime/offload.py``: all of
