@@ -53,7 +53,7 @@ def test_plan_validation_errors(tiny_full):
                 for s in plan.strategies)
     with pytest.raises(ValueError, match="parameters are"):
         compile_program(tiny_full, replace(plan, strategies=bad))
-    with pytest.raises(ValueError, match="params offload needs optimizer offload too; write optimizer\+params"):
+    with pytest.raises(ValueError, match=r"params offload needs optimizer offload too; write optimizer\+params"):
         replace(plan, offload="params")
     with pytest.raises(ValueError, match="offloads params, which needs zero_stage 3"):
         replace(plan, offload="optimizer+params")
