@@ -403,7 +403,7 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     from autopar.cost.memory import (backward_workspace_bytes, model_state_bytes, reducer_transient_bytes,
                                      state_bytes_per_param, step_peak_bytes)
     from autopar.solver.runtime_profile import AUTOPAR_RUNTIME
-    from autopar.solver.timing import ZERO3_PREFETCH_LAYERS, activation_bytes_per_layer, rank_parts
+    from autopar.solver.timing import ZERO3_PREFETCH_LAYERS, accumulates_full_grads, activation_bytes_per_layer, rank_parts
 
     profile = profile or AUTOPAR_RUNTIME           # what the evaluation was made with
 
@@ -413,8 +413,11 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     classes = cfg.classes
 
     def states(numel: float) -> dict:
-        return model_state_bytes(int(numel), cfg.dp, cfg.zero, param_bytes=per["params"], grad_bytes=per["grads"],
-                                 optimizer_bytes_per_param=per["optimizer"])
+        out = model_state_bytes(int(numel), cfg.dp, cfg.zero, param_bytes=per["params"], grad_bytes=per["grads"],
+                                optimizer_bytes_per_param=per["optimizer"])
+        if accumulates_full_grads(cfg):           # micro-batches accumulate the full gradients
+            out["grads"] = numel * per["grads"]
+        return out
 
     total = states(st.param_numel)
     parts = rank_parts(summary, st.layers, st.has_pre, st.has_post)

@@ -216,7 +216,16 @@ def _state_bytes_per_param(cfg: OuterConfig, profile: RuntimeProfile) -> float:
         st["params"] = 0.0
     if "grads" in cls and cfg.m == 1:
         st["grads"] = 0.0
+    elif accumulates_full_grads(cfg):
+        st["grads"] = n * profile.grad_bytes
     return sum(st.values()) / n
+
+
+def accumulates_full_grads(cfg: OuterConfig) -> bool:
+    """ZeRO 2/3 over data > 1 ranks with several micro-batches: this runtime reduces once per step
+    (``runtime/reducer.py``: armed on the last micro-batch), so the micro-batches accumulate the
+    full local gradients on the device, not a 1/data shard."""
+    return cfg.zero >= 2 and cfg.data > 1 and cfg.m > 1
 
 
 def _grads_const(cfg: OuterConfig) -> float:
@@ -555,6 +564,8 @@ def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile
                  lps: float) -> MemoryUse:
     states = model_state_bytes(int(numel), cfg.data, cfg.zero, param_bytes=profile.param_bytes,
                                grad_bytes=profile.grad_bytes, optimizer_bytes_per_param=profile.optimizer_bytes)
+    if accumulates_full_grads(cfg):
+        states["grads"] = numel * profile.grad_bytes
     inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
     per_mb = _saved_per_microbatch(summary, cfg, parts, lps)
     activations = inflight * per_mb
