@@ -50,7 +50,8 @@ from rich.table import Table
 
 from autopar.calibrate_file import calibration_toml, cluster_dict, measured_dict
 from autopar.cost.collectives import COLLECTIVE_KINDS
-from autopar.cost.hardware import GB, ClusterSpec, cluster_from_dict, short_dtype
+from autopar.cost.cluster_file import cluster_from_dict
+from autopar.cost.hardware import GB, ClusterSpec, short_dtype
 
 if TYPE_CHECKING:       # torch is imported when measuring, not for `autopar --help`
     from autopar.calibrate_bench import GemmSummary

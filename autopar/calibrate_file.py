@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from autopar.cost.hardware import GB, TRAINING_DTYPES, ClusterSpec, cluster_to_toml, get_gpu, short_dtype, toml_value
+from autopar.cost.cluster_file import cluster_to_toml, toml_value
+from autopar.cost.hardware import GB, TRAINING_DTYPES, ClusterSpec, get_gpu, short_dtype
 
 if TYPE_CHECKING:
     from autopar.calibrate import Calibration
@@ -18,7 +19,7 @@ def _sig(x: float, digits: int = 4) -> float:
 
 
 def cluster_dict(cal: Calibration, nodes: int = 1) -> dict[str, Any]:
-    """The cluster TOML mapping (``hardware.cluster_from_dict``'s input) of ``cal``: the module
+    """The cluster TOML mapping (``cluster_file.cluster_from_dict``'s input) of ``cal``: the module
     docstring says how the measured figures map to peaks and efficiencies."""
     if nodes < 1:
         raise ValueError(f"--nodes {nodes}: need at least 1")

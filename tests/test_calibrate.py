@@ -16,7 +16,8 @@ from autopar.calibrate_bench import GemmShape, summarize_gemms
 from autopar.calibrate_comm import CollectivePoint, fit_link
 from autopar.cost.collectives import COLLECTIVE_KINDS, collective_s
 from autopar.cost.compute import op_time_s
-from autopar.cost.hardware import LinkSpec, cluster_from_dict, cluster_to_toml, get_gpu, load_cluster, resolve_cluster
+from autopar.cost.cluster_file import cluster_from_dict, cluster_to_toml, load_cluster
+from autopar.cost.hardware import LinkSpec, get_gpu, resolve_cluster
 
 
 def _points(link: LinkSpec, n: int, noise=lambda i: 1.0) -> list[CollectivePoint]:

@@ -7,8 +7,9 @@
 - ``flops``       Megatron closed-form FLOPs, pipeline bubble and step time.
 Empirical efficiencies live in ``calibration.json`` (written by ``benchmarks/calibrate.py``).
 """
+from autopar.cost.cluster_file import load_cluster
 from autopar.cost.hardware import (CLUSTER_NAMES, GPU_NAMES, ClusterSpec, GPUSpec, LinkSpec, get_gpu,
-                                   load_cluster, make_cluster, resolve_cluster)
+                                   make_cluster, resolve_cluster)
 from autopar.cost.collectives import axis_link, bus_factor, collective_s, stage_link
 from autopar.cost.compute import backward_factor, op_kind, op_time_s
 

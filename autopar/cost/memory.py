@@ -129,16 +129,21 @@ def pipeline_inflight_microbatches(pp: int, stage: int, num_micro_batches: int, 
 _OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "lamb": 2, "lars": 1, "sgd": 1}
 
 
+def optimizer_moments(optimizer: str) -> int:
+    """Per-parameter state tensors the optimizer named keeps (Adam's two moments, LARS's buffer)."""
+    if optimizer not in _OPTIMIZER_MOMENTS:
+        raise ValueError(f"optimizer {optimizer!r}: expected one of {tuple(_OPTIMIZER_MOMENTS)}")
+    return _OPTIMIZER_MOMENTS[optimizer]
+
+
 def state_bytes_per_param(param_dtype: str, optimizer: str = "adamw") -> dict[str, float]:
     """``{"params", "grads", "optimizer"}`` bytes per parameter for ``model_state_bytes``."""
     from autopar.ir import DTYPE_BYTES
 
     if param_dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"param dtype {param_dtype!r}: expected float32, bfloat16 or float16")
-    if optimizer not in _OPTIMIZER_MOMENTS:
-        raise ValueError(f"optimizer {optimizer!r}: expected one of {tuple(_OPTIMIZER_MOMENTS)}")
+    moments = optimizer_moments(optimizer)
     b = DTYPE_BYTES[param_dtype]
-    moments = _OPTIMIZER_MOMENTS[optimizer]
     if b == 2:
         return {"params": 2.0, "grads": 2.0, "optimizer": 4.0 * (moments + 1)}
     return {"params": 4.0, "grads": 4.0, "optimizer": 4.0 * moments}

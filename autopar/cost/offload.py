@@ -14,7 +14,7 @@ Sources (``reference/parallelism_facts.md`` §4):
 
 Notation, per rank: rows = parameter elements this rank's optimizer updates (its shard under
 ZeRO >= 1: ``optimizer_rows``), m = optimizer moments (2 Adam/AdamW/LAMB, 1 LARS/SGD:
-``cost.memory._OPTIMIZER_MOMENTS``), B = ``codegen.buckets.DEFAULT_BUCKET_BYTES``.
+``cost.memory.optimizer_moments``), B = ``codegen.buckets.DEFAULT_BUCKET_BYTES``.
 
     optimizer    device optimizer bytes -> 0; host += rows (4 master + 4 m moments + 4 grad buffer);
                  per step: grads down rows x grad_bytes / PCIe (overlapped with the backward like

@@ -450,7 +450,7 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
         pieces = _bucketed(pieces)
     host, act_kept = 0.0, 1.0
     if classes:                  # ``cost/offload.py``, for the dtype and optimizer run
-        from autopar.cost.memory import _OPTIMIZER_MOMENTS
+        from autopar.cost.memory import optimizer_moments
         from autopar.cost.offload import offload_memory, optimizer_rows
 
         per_mb = sum(a for a, _ in pieces)
@@ -458,7 +458,7 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
                              params_bytes=total["params"], grads_bytes=total["grads"],
                              optimizer_bytes=total["optimizer"], activations_bytes=st.inflight * per_mb,
                              resident_saved_bytes=largest, saved_bytes_per_microbatch=per_mb, inflight=st.inflight,
-                             microbatches=cfg.m, moments=_OPTIMIZER_MOMENTS[optimizer])
+                             microbatches=cfg.m, moments=optimizer_moments(optimizer))
         host = off["host"]
         if "activations" in classes:   # on the host; the backward brings one node's back at a time, at
             act_kept = 0.0             # most the largest output (the log-probabilities at the loss)

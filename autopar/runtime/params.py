@@ -129,7 +129,7 @@ def _dtype(name: str) -> torch.dtype:
 def gather_rows(slot: ParamSlot, chunk: torch.Tensor, ctx: ParamContext, record: bool = True) -> torch.Tensor:
     """All-gather the dp row chunks of ``slot`` into its tp-local tensor (ZeRO-3); rows in host
     memory (parameter offload) are copied up first."""
-    if ctx.device is not None and chunk.device != ctx.device or ctx.host_params:
+    if ctx.host_params or (ctx.device is not None and chunk.device != ctx.device):
         chunk = torch.empty(chunk.shape, dtype=chunk.dtype, device=ctx.device).copy_(chunk, non_blocking=True)
     if ctx.dp == 1:
         return chunk.view(slot.layout.local_shape)

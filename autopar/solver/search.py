@@ -53,14 +53,13 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
-from autopar.cost.compute import op_kind
 from autopar.cost.hardware import ClusterSpec
 from autopar.cost.flops import pipeline_bubble_units
 from autopar.cost.memory import pipeline_inflight_microbatches
 from autopar.solver.forcing import Force, parse_force
 from autopar.ir import GraphIR
-from autopar.placements import Partial, Replicate, Shard
-from autopar.plan import V_SCHEDULES, ClusterRef, NodeStrategy, Plan, Stage, parse_offload
+from autopar.placements import Replicate
+from autopar.plan import ClusterRef, NodeStrategy, Plan, parse_offload
 from autopar.mesh import DATA, TENSOR
 from autopar.solver.configs import check_force, no_config_error, outer_configs
 from autopar.solver.context import check_context_force, context_problem, cp_choices
@@ -69,6 +68,7 @@ from autopar.solver.ilp import IlpResult, LinearConstraint, solve_ilp
 from autopar.solver.problem import AxisSummary, AxisTables, PartCost, build_tables, ilp_problem, \
     lower_bound_summary, summarize
 from autopar.solver.runtime_profile import AUTOPAR_RUNTIME, RuntimeProfile, for_dtype
+from autopar.solver.plan_parts import _dp_placements, _recompute_fields, model_flops, plan_stages
 from autopar.solver.strategies import GraphFacts, graph_facts
 from autopar.solver.offload_choice import best_variant, host_note, lean_memory
 from autopar.solver.timing import (Evaluation, OuterConfig, _grads_const, _state_bytes_per_param, default_budget_bytes,
@@ -141,12 +141,14 @@ def memory_constraints(tab: AxisTables, cfg: OuterConfig, unconstrained: Evaluat
     """Memory of each rank evaluated (at the unconstrained solution's cut) as a linear function of the
     strategy choice."""
     per_param = _state_bytes_per_param(cfg, profile)
-    act_off = "activations" in cfg.classes          # one layer of activations stays on the device
+    # activation offload: no saved tensor stays on the device but what the backward brings back,
+    # the evaluation's resident bytes (``timing._rank_memory``), a constant of the choice here
+    act_off = "activations" in cfg.classes
     out = []
     for st in unconstrained.stages:
         s = st.index
         first, last, lps = st.has_pre, st.has_post, st.layers
-        inflight = 1.0 if act_off else pipeline_inflight_microbatches(cfg.pp, s, cfg.m, cfg.schedule, cfg.v)
+        inflight = 0.0 if act_off else pipeline_inflight_microbatches(cfg.pp, s, cfg.m, cfg.schedule, cfg.v)
         coeffs = []
         for k in tab.keys:
             kind = tab.kinds[k]
@@ -160,13 +162,13 @@ def memory_constraints(tab: AxisTables, cfg: OuterConfig, unconstrained: Evaluat
                 part = tab.facts.part[k]
                 if part == "block":
                     keep = cfg.recompute == "none" or (cfg.recompute == "selective" and k not in tab.core)
-                    mult = (1 if act_off else lps) if keep else 0
+                    mult = lps if keep else 0
                 else:
                     mult = 1 if (part == "pre" and first) or (part == "post" and last) else 0
                 coeffs.append(tuple(c.saved_bytes * inflight * mult for c in tab.costs[k]))
-        const = st.memory.other_bytes + _grads_const(cfg)
+        const = st.memory.other_bytes + _grads_const(cfg) + (st.memory.activations_bytes if act_off else 0.0)
         if cfg.recompute == "full":        # each layer keeps its input (the carried stream), fixed here
-            const += inflight * (1 if act_off else lps) * layer_input_bytes
+            const += inflight * lps * layer_input_bytes
         out.append(LinearConstraint(f"stage{s}", tuple(coeffs), budget - const))
     return tuple(out)
 
@@ -428,40 +430,6 @@ class _Searcher:
 
 # ---- the Plan ---------------------------------------------------------------------------------------
 
-def _dp_placements(facts: GraphFacts, keys, zero: int) -> tuple[dict, dict]:
-    """dp-axis placements: (of each node's output, of each tensor as its consumers read it).
-    Activations are Shard(batch dim); parameters Replicate, stored Shard(0) under ZeRO-3 and
-    all-gathered before use (their consumers read them Replicate); values reduced over the batch
-    (the loss) are Partial; ops with no sharding rule (``facts.unknown_targets``) are Replicate."""
-    out, read = {}, {}
-    for k in keys:
-        n = facts.nodes[k]
-        if n.kind in ("param", "buffer"):
-            out[k] = Shard(0) if (zero == 3 and n.kind == "param") else Replicate()
-            read[k] = Replicate()
-            continue
-        bd = facts.batch_dims.get(k)
-        if bd:
-            out[k] = Shard(min(bd))
-        elif n.target in facts.unknown_targets:     # no rule: nothing known to be a batch
-            out[k] = Replicate()                    # reduction, so its inputs are gathered
-        elif any(isinstance(read.get(r.key), (Shard, Partial)) for r in facts.inputs[k]):
-            out[k] = Partial()
-        else:
-            out[k] = Replicate()
-        read[k] = out[k]
-    return out, read
-
-
-def model_flops(graph: GraphIR, global_batch: int) -> float:
-    """3 x forward FLOPs of matmul/attention ops, whole model, at the global batch."""
-    total = 0.0
-    for n in graph.nodes:
-        if n.kind == "op" and op_kind(n.target) in ("matmul", "attention"):
-            total += n.flops * graph.multiplicity(n)
-    return 3.0 * total * global_batch / graph.batch_size
-
-
 def _build_plan(s: _Searcher, ev: Evaluation, sol: AxisSolution, seq_len, solve_time_s: float) -> Plan:
     cfg = ev.config
     tab = sol.tables
@@ -500,57 +468,6 @@ def _build_plan(s: _Searcher, ev: Evaluation, sol: AxisSolution, seq_len, solve_
         mesh_axes=(DATA, TENSOR), mesh_shape=(cfg.data, cfg.tp), strategies=tuple(strategies), stages=stages,
         step_time=full.step, memory=full.memory, model_flops_per_step=model_flops(s.graph, s.global_batch),
         solve_time_s=solve_time_s, forced=s.force.items(), notes=tuple(notes))
-
-
-def _recompute_fields(ev: Evaluation) -> dict:
-    """The plan's ``recompute`` and ``recompute_layers``: "partial" becomes "full" on the first K
-    layers of each pipeline rank (all of a rank's layers: plain "full"; none: "none")."""
-    cfg = ev.config
-    if cfg.recompute != "partial":
-        return {"recompute": cfg.recompute}
-    k = cfg.recompute_layers or 0
-    if k == 0:
-        return {"recompute": "none"}
-    if k >= max(st.layers for st in ev.stages):
-        return {"recompute": "full"}
-    return {"recompute": "full", "recompute_layers": k}
-
-
-def plan_stages(ev: Evaluation, summary) -> tuple[Stage, ...]:
-    """The pp * v stages of an evaluation (every rank evaluated): rank r's layers ``ev.cuts[r]``
-    split over its v stages as evenly as possible (the stage with the embedding or head gets the
-    smaller share), then laid out in model order; ``stage_rank`` gives the rank of each stage."""
-    cfg = ev.config
-    p, v, n_st = cfg.pp, cfg.v, cfg.pp * cfg.v
-    if cfg.schedule in V_SCHEDULES:
-        local = {r: [r, 2 * p - 1 - r] for r in range(p)}
-    else:
-        local = {r: [j * p + r for j in range(v)] for r in range(p)}
-    layers = [0] * n_st
-    for r, idx in local.items():
-        q, extra = divmod(ev.cuts[r], v)
-        order = sorted(idx, key=lambda g: (g in (0, n_st - 1), g))     # plain stages take the remainder
-        for j, g in enumerate(order):
-            layers[g] = q + (1 if j < extra else 0)
-    by_rank = {st.index: st for st in ev.stages}
-    blk, pre, post = summary.parts["block"], summary.parts["pre"], summary.parts["post"]
-
-    def work(g: int) -> float:
-        w = layers[g] * (blk.fwd_compute_s + blk.bwd_compute_s)
-        return w + (pre.fwd_compute_s + pre.bwd_compute_s if g == 0 else 0.0) \
-            + (post.fwd_compute_s + post.bwd_compute_s if g == n_st - 1 else 0.0)
-
-    out, at = [], 0
-    for g in range(n_st):
-        r = next(rr for rr, idx in local.items() if g in idx)
-        st = by_rank[r]
-        rank_work = sum(work(x) for x in local[r])
-        share = work(g) / rank_work if rank_work > 0 else 1.0 / v
-        out.append(Stage(index=g, first_layer=at, last_layer=at + layers[g], has_embedding=g == 0,
-                         has_head=g == n_st - 1, time_per_microbatch_s=st.time_per_microbatch_s * share,
-                         memory_bytes=st.memory.total_bytes))
-        at += layers[g]
-    return tuple(out)
 
 
 def solve(graph: GraphIR, cluster: ClusterSpec, *, global_batch: int, seq_len: Optional[int],

@@ -67,7 +67,6 @@ from autopar.solver.problem import AxisSummary, PartCost
 from autopar.solver.runtime_profile import RuntimeProfile
 
 MEMORY_RESERVE_FRACTION = 0.05       # of HBM kept free for the CUDA context, NCCL buffers, fragmentation
-PARAM_BYTES = 2                      # 16-bit parameters (``RuntimeProfile.param_bytes``' default)
 # Adam step traffic per parameter besides the gradient: read param 2 + master 4 + m 4 + v 4,
 # write param 2 + master 4 + m 4 + v 4.
 OPTIMIZER_BYTES_PER_PARAM = 28
@@ -530,8 +529,8 @@ def activation_bytes_per_layer(blk: PartCost, summary: AxisSummary, recompute: s
     return blk.saved_bytes
 
 
-def _other_bytes(summary: AxisSummary, cfg: OuterConfig, lps: Optional[float] = None,
-                 param_bytes: int = PARAM_BYTES) -> float:
+def _other_bytes(summary: AxisSummary, cfg: OuterConfig, lps: Optional[float] = None, *,
+                 param_bytes: int) -> float:
     """Workspace besides the largest single output: one layer re-materialized under recompute, the
     prefetched gathered layers under ZeRO-3. "partial" recomputes a rank's FIRST layers, whose
     backward comes last, when the later layers' activations are freed: a re-materialized layer adds
@@ -569,7 +568,7 @@ def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile
     inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
     per_mb = _saved_per_microbatch(summary, cfg, parts, lps)
     activations = inflight * per_mb
-    other = max(p.max_out_bytes for p, _, _ in parts) + _other_bytes(summary, cfg, lps, profile.param_bytes)
+    other = max(p.max_out_bytes for p, _, _ in parts) + _other_bytes(summary, cfg, lps, param_bytes=profile.param_bytes)
     host = nvme = 0
     if cfg.classes:
         # activation offload sends every saved tensor to the host (``runtime/offload.py``: all of

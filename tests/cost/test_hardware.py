@@ -4,8 +4,9 @@ from dataclasses import replace
 
 import pytest
 
-from autopar.cost.hardware import (CLUSTER_NAMES, GPU_NAMES, cluster_overrides, cluster_to_toml, get_gpu,
-                                   load_calibration, load_cluster, make_cluster, resolve_cluster)
+from autopar.cost.cluster_file import cluster_to_toml, load_cluster
+from autopar.cost.hardware import (CLUSTER_NAMES, GPU_NAMES, cluster_overrides, get_gpu, load_calibration,
+                                   make_cluster, resolve_cluster)
 from readme_examples import README_POD
 
 

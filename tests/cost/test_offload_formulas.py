@@ -2,7 +2,8 @@
 import pytest
 
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES
-from autopar.cost.hardware import cluster_from_dict, cluster_to_toml, make_cluster
+from autopar.cost.cluster_file import cluster_from_dict, cluster_to_toml
+from autopar.cost.hardware import make_cluster
 from autopar.cost.offload import (bucket_bytes, cpu_step_bytes_per_param, host_optimizer_bytes, nvme_state_bytes,
                                   offload_memory, offload_microbatch_times, offload_step_times, optimizer_rows)
 
