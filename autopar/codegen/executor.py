@@ -4,7 +4,9 @@ Per op node: each tensor input is resharded to the plan's input placement (``edg
 on DTensors (DTensor's rules compute the local pieces), the output is resharded to the plan's
 output placement if DTensor produced another one, and plain tensors (factories such as
 ``arange``) become replicated DTensors. Parameters enter through ``ParamStore.use`` in each scope
-that reads them (the main graph, or a recompute region).
+that reads them (the main graph, or a recompute region); the main graph's scope drops a parameter
+after its last reader, so a ZeRO-3 gathered weight lives from its first use to its last, not to the
+end of the forward.
 
 Gradients. ``edge`` (``edges.py``) is an autograd function: forward redistributes producer -> consumer placement;
 backward redistributes the gradient to the producer's output placement (Partial read as
@@ -137,6 +139,13 @@ class GraphExecutor:
         self.fused = fused                      # fused-kernel substitution, None = off
         self._matches, self._deferred = self._find_matches() if fused is not None else ({}, {})
         self._units = self._make_units()
+        # parameter name -> its placeholders: when the last one is dropped, the scope's gathered
+        # weight (ZeRO-3) is dropped with it, not kept to the end of the forward
+        self._param_readers: dict[str, int] = {}
+        for n in gm.graph.nodes:
+            p = self.plans.get(n.name)
+            if n.op == "placeholder" and p is not None and p.kind == "param":
+                self._param_readers[p.param_name] = self._param_readers.get(p.param_name, 0) + 1
         self._writes, self._region_writes = self._find_writes()
         self._replaying = False                 # a recompute region's replay is running
         self.causal_masks = RuntimeCausalMasks(gm.graph)   # constant masks checked on step 1
@@ -285,6 +294,7 @@ class GraphExecutor:
         the values of ``want``, ``seed`` giving the values the part reads from outside it."""
         env: dict[str, Any] = dict(seed or {})
         scope: dict[str, DTensor] = {}
+        readers = dict(self._param_readers)
         self.causal_masks.begin_step()
         for u in self._units:
             if u[0] == "node":
@@ -297,7 +307,11 @@ class GraphExecutor:
                 _, region, members, reads, exported, drop = u
                 self._run_region(region, members, reads, exported, env)
             for name in drop:
-                env.pop(name, None)
+                v = env.pop(name, None)
+                if isinstance(v, _ParamRef):       # its last reader ran: the scope lets it go
+                    readers[v.name] -= 1
+                    if not readers[v.name]:
+                        scope.pop(v.name, None)
         if self.part is not None:
             return [env[w] for w in self.want]     # boundary values are computed, never parameters
         raise RuntimeError("the graph has no output node")
