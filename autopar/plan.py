@@ -51,10 +51,25 @@ _OFFLOAD_NEEDS = {"grads": "optimizer", "params": "optimizer", "nvme": "optimize
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")           # one stage per pp rank
 V_SCHEDULES = ("zbv", "dualpipev")                   # exactly two stages per rank, "V" layout
-# What the runtime executes (``runtime/pipeline.py``); the solver searches only these unless a
-# schedule is forced. The zero-bubble ones are planned (costed) but not run yet: their split of the
-# backward into input and weight gradients needs the stage's parameters as ``submod.parameters()``.
-EXECUTED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+# What the runtime executes (``runtime/pipeline.py``): all of them, the zero-bubble ones (their
+# backward split into input- and weight-gradient passes) except with ``split_backward_problem``.
+EXECUTED_SCHEDULES = PIPELINE_SCHEDULES
+ZERO_BUBBLE_SCHEDULES = ("interleaved_zb", "zbv", "dualpipev")
+
+
+def split_backward_problem(schedule: str, recompute: str, tp: int, cp: int, dp: int, zero_stage: int,
+                           offload: str = "none") -> Optional[str]:
+    """Why the runtime refuses a zero-bubble ``schedule`` with these choices (None: it runs them).
+    Its two backward passes each replay a recompute region (``torch.utils.checkpoint`` recomputes
+    per autograd call), so the region's collectives (tp / cp edges, ZeRO-3 gathers) would run twice."""
+    if schedule not in ZERO_BUBBLE_SCHEDULES or recompute == "none":
+        return None
+    gathers = zero_stage == 3 and (dp > 1 or "params" in parse_offload(offload))
+    if tp > 1 or cp > 1 or gathers:
+        what = "tp" if tp > 1 else "cp" if cp > 1 else "ZeRO-3"
+        return (f"schedule {schedule} replays recompute regions in both its input- and weight-gradient passes, "
+                f"which would repeat their {what} collectives; use --force recompute=none or schedule=1f1b")
+    return None
 # Context parallelism: how attention crosses the cp ranks ("none": cp == 1)
 CONTEXT_MODES = ("ring", "ulysses")
 

@@ -19,10 +19,21 @@ gradients summed over the ranks holding them, then the data-parallel reduction a
 step run as without a pipeline.
 
 Schedules: the plan's ``pipeline_schedule`` name -> torch's class (``SCHEDULES``, the plan's
-``EXECUTED_SCHEDULES``). The zero-bubble ones (``interleaved_zb``, ``zbv``, ``dualpipev``) split
-backward into input and weight gradients through ``submod.parameters()``; autopar's parameters
-live in the ParamStore, so those schedules are refused with a message until that split is wired
-(the solver picks them only when forced).
+``EXECUTED_SCHEDULES``). The zero-bubble ones (``interleaved_zb``, ``zbv``, ``dualpipev``) split each
+micro-batch's backward into an input pass (B: the gradient sent to the previous stage) and a later
+weight pass (W). torch finds the split through ``submod.parameters()``: a ``StageModule`` yields the
+``ParamStore`` leaves its graph part reads (``ParamSlot.local``, each behind a ``_UseParam`` node),
+so B (torch's ``stage_backward_input``) runs only the nodes between the stage's outputs and inputs
+and saves the gradient at each node where a parameter's branch joins them; W (``_weight_pass``,
+torch's ``stage_backward_weight`` adapted) runs from those gradients down the parameters' branches,
+``_UseParam.backward`` included: each parameter gets the same summand as in one backward (ZeRO-3:
+into ``full_grad``, the leaf gets none), accumulated over micro-batches; the reducer runs after the
+schedule as for the other schedules (its gradient hooks are not needed there). Stage 0 runs one full
+backward in its W slot (torch: its inputs need no gradient). A node where a parameter joins runs in
+both passes, each computing its own gradients, and a recompute region (``torch.utils.checkpoint``)
+is replayed once per pass (each autograd call recomputes): exact, but its collectives would run
+twice, so a zero-bubble schedule with recompute and tp, cp or ZeRO-3 gathers is refused
+(``plan.split_backward_problem``, at build time on every rank; the solver does not plan it).
 
 Stages are declared with static metadata (``input_args`` / ``output_args`` and their gradients, as
 this rank's shard shapes): torch's dynamic inference would run each stage once more on the first
@@ -30,6 +41,7 @@ micro-batch, which updates BatchNorm statistics twice and costs a forward.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -39,13 +51,16 @@ from torch.distributed.tensor import DTensor
 from autopar.codegen.shards import local_ranges
 from autopar.codegen.stages import wire_placements
 from autopar.placements import to_torch
-from autopar.plan import PIPELINE_SCHEDULES, stage_rank
+from autopar.plan import split_backward_problem, stage_rank
 
 # plan.EXECUTED_SCHEDULES -> torch's class (tests/runtime/test_pipeline.py checks they agree)
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
     "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "interleaved_zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
 
 
@@ -95,8 +110,9 @@ class StageModule(nn.Module):
 
     def __init__(self, index: int, run: Callable[[Sequence, dict], list], recv: Sequence[str],
                  send: Sequence[str], wires: dict, last: int,
-                 on_send: Optional[Callable[[int, str], None]] = None) -> None:
+                 on_send: Optional[Callable[[int, str], None]] = None, leaves: Sequence = ()) -> None:
         super().__init__()
+        self._leaves = tuple(leaves)
         self.index = index
         self._last = last                 # the last stage's index: its ``send`` goes to the loss, not P2P
         self._run = run
@@ -118,12 +134,93 @@ class StageModule(nn.Module):
         else:
             outs = self._run(args, {})
         sent = tuple(self._wires[name].send(v) for name, v in zip(self.send, outs))
+        # a zero-bubble input pass detaches the outputs in place, which a view (``to_local``) refuses
+        sent = tuple(_NotView.apply(t) if t._is_view() else t for t in sent)
         if self._on_send is not None and self.index < self._last:
             self._on_send(sum(t.numel() * t.element_size() for t in sent), "forward")
         return sent
 
+    def parameters(self, recurse: bool = True):
+        """The ``ParamStore`` leaves this stage's graph part reads (the loss part's too on the last
+        stage): what torch's zero-bubble schedules split the backward over. Not registered as
+        ``nn.Parameter``s of the module (torch's ``submod.to(device)`` would move host-held ZeRO-3
+        rows)."""
+        return iter(self._leaves)
+
     def _sent_back(self, grad: torch.Tensor) -> None:
         self._on_send(grad.numel() * grad.element_size(), "backward")
+
+
+class _NotView(torch.autograd.Function):
+    """``t`` as a tensor that is not a view, without a copy (same storage); gradient unchanged."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _weight_pass(weights: Sequence[torch.Tensor], param_groups: list) -> None:
+    """torch's ``stage_backward_weight`` (``pipelining/_backward.py``: the weight gradients of one
+    micro-batch from the gradients its input pass saved at the nodes where a parameter's branch
+    joins the input's), with two changes: a parameter whose gradient leaves no ``.grad`` is allowed
+    (ZeRO-3 over dp: ``_UseParam.backward`` adds it to ``ParamSlot.full_grad`` and returns None),
+    and the first gradient of a step is copied rather than kept (it may share memory with a gradient
+    autograd passed on elsewhere, the next micro-batch accumulates into it in place)."""
+    from torch.autograd.graph import GradientEdge
+    from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc
+
+    by_node = {_get_grad_fn_or_grad_acc(w): w for w in weights}
+    for group in param_groups:
+        edges, grads = [], []
+        if group.get("grads") is None:            # no gradient reached the group in the input pass
+            group["grads"] = [()] * len(group["intermediates"])
+        for saved, node in zip(group["grads"], group["intermediates"]):
+            for i, g in enumerate(saved):
+                if g is not None:
+                    edges.append(GradientEdge(node, i))
+                    grads.append(g)
+        handles = []
+        try:
+            if len(group["intermediates"]) > 1:           # as torch: no double count through descendants
+                for saved, node in zip(group["grads"], group["intermediates"]):
+                    handles.append(node.register_prehook(lambda _, sg=saved: sg))
+            del group["intermediates"]
+            if not edges:
+                continue
+            nodes = tuple(group["params"])
+            dws = torch.autograd.grad(edges, tuple(GradientEdge(n, 0) for n in nodes), grad_outputs=grads,
+                                      allow_unused=True)
+            del group["grads"]
+            for node, dw in zip(nodes, dws):
+                if dw is None:
+                    continue
+                w = by_node[node]
+                if w.grad is None:
+                    w.grad = dw.clone(memory_format=torch.contiguous_format)
+                else:
+                    w.grad += dw
+        finally:
+            for h in handles:
+                h.remove()
+
+
+@functools.lru_cache(maxsize=None)
+def _stage_class():
+    """torch's ``PipelineStage`` with ``_weight_pass`` as its weight pass."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class Stage(PipelineStage):
+        def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+            if backward_type == "weight":
+                _weight_pass(tuple(self.submod.parameters()), bwd_kwargs["param_groups"])
+                return (), None
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+    return Stage
 
 
 def make_schedule(name: str, stages: list, n_microbatches: int, loss_fn: Callable):
@@ -131,11 +228,6 @@ def make_schedule(name: str, stages: list, n_microbatches: int, loss_fn: Callabl
     (``PipelineStage``s). Gradient scaling is autopar's (``loss_fn`` divides), not torch's."""
     from torch.distributed.pipelining import schedules
 
-    if name in PIPELINE_SCHEDULES and name not in SCHEDULES:
-        raise NotImplementedError(
-            f"pipeline schedule {name!r} splits backward into input and weight gradients through "
-            "submod.parameters(), which autopar's parameter store does not expose yet; re-plan with "
-            f"--force schedule={'|'.join(SCHEDULES)}")
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; expected one of {', '.join(SCHEDULES)}")
     cls = getattr(schedules, SCHEDULES[name])
@@ -225,11 +317,14 @@ def build_pipeline(*, plan, cut, graph, program, device_mesh, stage_mesh, store,
     import datetime
 
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage
-
     from autopar.mesh import PIPELINE
 
+    PipelineStage = _stage_class()
     pp, schedule = plan.pp, plan.pipeline_schedule
+    why = split_backward_problem(schedule, plan.recompute, plan.tp, plan.context_parallel, plan.dp,
+                                 plan.zero_stage, plan.offload)
+    if why:                                # every rank alike, before any process group is made
+        raise ValueError(why)
     n_stages = len(cut.stages)
     pp_rank = device_mesh.get_local_rank(PIPELINE)
     pp_group = device_mesh.get_group(PIPELINE)
@@ -252,7 +347,9 @@ def build_pipeline(*, plan, cut, graph, program, device_mesh, stage_mesh, store,
         ex = make_executor(frozenset(sc.nodes), sc.send)
         wires = {name: wire(name) for name in sc.recv + sc.send}
         module = StageModule(s, lambda inputs, seed, ex=ex: ex.run(inputs, None, seed), sc.recv, sc.send,
-                             wires, n_stages - 1, on_send)
+                             wires, n_stages - 1, on_send,
+                             leaves=[store.by_name[n].local for n in sorted(cut.params_of(graph, [s]))
+                                     if n in store.by_name])
         # static metadata (input_args / output_args): torch's dynamic inference would run the stage
         # once more on the first micro-batch, updating BatchNorm statistics a second time
         ins = tuple(wires[n].example for n in sc.recv) if s else tuple(example(n) for n in cut.inputs)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from autopar.cost.flops import pipeline_schedule_problem
 from autopar.ir import GraphIR
-from autopar.plan import V_SCHEDULES, parse_offload
+from autopar.plan import V_SCHEDULES, parse_offload, split_backward_problem
 from autopar.solver.errors import PlanningError
 from autopar.solver.forcing import Force
 from autopar.solver.timing import OuterConfig
@@ -151,6 +151,11 @@ def _check_schedule_force(force: Force, world: int, layers: int, has_block: bool
         why = pipeline_schedule_problem(sched, force.pp, vs[0], m, layers) if m else None
         if why:
             raise PlanningError(why)
+    if sched and force.recompute and force.recompute != "none":
+        why = split_backward_problem(sched, force.recompute, force.tp or 1, force.context_parallel or 1,
+                                     force.dp or 1, force.zero_stage or 0, force.offload or "none")
+        if why:
+            raise PlanningError(why)
 
 
 def _schedules(force: Force, pp: int, layers: int) -> list[tuple[str, int]]:
@@ -168,8 +173,10 @@ def _schedules(force: Force, pp: int, layers: int) -> list[tuple[str, int]]:
     # every rank with the same cut, so 1f1b is never slower and never larger (exact pruning).
     out = [("1f1b", 1)] + ([("gpipe", 1)] if force.schedule == "gpipe" else [])
     out += [("interleaved_1f1b", v) for v in vs]
-    # the zero-bubble schedules only when forced: they are planned but not executed yet
-    # (plan.EXECUTED_SCHEDULES); a free plan must run
+    # the zero-bubble schedules only when forced. The runtime runs them exactly (runtime/pipeline.py;
+    # not with recompute regions that issue collectives: plan.split_backward_problem), but the step
+    # time here does not count what their split backward adds (a recompute region replayed in both
+    # passes, the intermediate nodes run twice, the saved graph held from B to W)
     if force.schedule == "interleaved_zb":
         out += [("interleaved_zb", v) for v in vs]
     # dualpipev: torch 2.13 runs its overlapped F&B one after the other, so it has zbv's bubble,
@@ -236,6 +243,8 @@ def _configs_of(force: Force, tp: int, pp: int, dp: int, cp: int, cp_mode: str, 
             for z in zeros:
                 for rc in rcs:
                     for sched, v in scheds:
+                        if split_backward_problem(sched, rc, tp, cp, dp, z, force.offload or "none"):
+                            continue             # the runtime refuses it
                         out.append(OuterConfig(tp, pp, dp, mbs, m, rc, z, sp, sched, v,
                                                cp=cp, cp_mode=cp_mode, offload=force.offload or "none"))
     return out
