@@ -28,6 +28,8 @@ What the file says, so that peak x efficiency is the MEASURED rate the cost mode
   TF32 only if ``torch.backends.cuda.matmul.allow_tf32``); ``memory_efficiency`` = copy / datasheet.
 - ``attention_efficiency`` = SDPA causal forward+backward rate / peak of its dtype (fp32 on CPU,
   bf16 on GPU), FLOPs counted FULL and x3.5, as autopar/trace and ``compute.backward_factor`` do.
+- ``overlap_slowdown`` (2+ ranks): compute's slowdown beside an overlapped collective, fitted to a
+  GEMM loop alone, an all-reduce loop alone and both at once (``autopar/calibrate_overlap.py``).
 - ``[measured]``: the raw figures, per-collective fits, date, torch version and device (the loader
   ignores it).
 """
@@ -56,6 +58,7 @@ from autopar.cost.hardware import GB, ClusterSpec, short_dtype
 if TYPE_CHECKING:       # torch is imported when measuring, not for `autopar --help`
     from autopar.calibrate_bench import GemmSummary
     from autopar.calibrate_comm import CollectivePoint, LinkFit
+    from autopar.calibrate_overlap import OverlapFigures
 
 SIZES = tuple(1024 * 4**i for i in range(10))          # 1 KiB, 4 KiB, ..., 256 MiB
 
@@ -103,6 +106,7 @@ class Calibration:
     link_note: str                  # why there is no link ("" when there is one)
     measure_s: float                # wall time of ``measure``
     runtime_overhead: Optional[tuple[float, float]] = None   # (plain, DTensor) s per graph node per step (CPU)
+    overlap: Optional[OverlapFigures] = None   # compute beside an async all-reduce (calibrate_overlap.py)
 
 
 def _setup(device_kind: str) -> dict:
@@ -145,6 +149,7 @@ def _aggregate(results: list[dict], cfg: dict, kind: str, nproc: int, start: flo
     from autopar.calibrate_bench import (GEMM_PASSES, SDPA_TRAIN_FACTOR, GemmShape, family_of, gpu_name_for,
                                          sdpa_fwd_flops, summarize_gemms)
     from autopar.calibrate_comm import CollectivePoint, fit_link
+    from autopar.calibrate_overlap import overlap_figures
 
     gemm = []
     for dtype in cfg["dtypes"]:
@@ -196,7 +201,8 @@ def _aggregate(results: list[dict], cfg: dict, kind: str, nproc: int, start: flo
         link_kind=link_kind, joint=joint, link_note=note, measure_s=time.monotonic() - start,
         runtime_overhead=(_mean([r["runtime_overhead"]["plain"] for r in results]),
                           _mean([r["runtime_overhead"]["dtensor"] for r in results]))
-        if "runtime_overhead" in results[0] else None)
+        if "runtime_overhead" in results[0] else None,
+        overlap=overlap_figures(results[0]["overlap"]) if "overlap" in results[0] else None)
 
 
 def measure(nproc: Optional[int] = None, budget_s: float = DEFAULT_BUDGET_S, console: Optional[Console] = None,
@@ -326,4 +332,9 @@ def figures_table(cal: Calibration, cluster: ClusterSpec) -> Table:
                   f"{role}, fit error {100 * f.rel_rms:.0f}% RMS")
     if cal.link is None:
         t.add_row("collectives", escape(cal.link_note), f"\\[intra] default {cluster.intra.name}")
+    if cal.overlap is not None:
+        o = cal.overlap
+        t.add_row(escape(f"GEMM beside async all_reduce ({o.setup})"),
+                  f"alone {o.gemm_s * 1e3:.3g} + {o.comm_s * 1e3:.3g} ms, together {o.both_s * 1e3:.3g} ms",
+                  f"overlap_slowdown {cluster.overlap_slowdown:.3g}")
     return t

@@ -65,6 +65,11 @@ def cluster_dict(cal: Calibration, nodes: int = 1) -> dict[str, Any]:
     over["source"] = f"measured by autopar calibrate on {where}" + "".join(f"; {n}" for n in notes)
     d: dict[str, Any] = {"name": f"calibrated-{cal.gpu}x{cal.nproc}", "gpu": cal.gpu, "nodes": nodes,
                          "gpus_per_node": cal.nproc, "gpu_overrides": over}
+    if cal.overlap is not None:
+        o = cal.overlap
+        d["overlap_slowdown"] = _sig(o.slowdown) if o.slowdown > 0 else 0.0
+        d["overlap_slowdown_source"] = (f"measured by autopar calibrate: {o.setup}, alone {_sig(o.gemm_s)} s + "
+                                        f"{_sig(o.comm_s)} s, together {_sig(o.both_s)} s ({cal.nproc} ranks)")
     if cal.link is not None:
         kinds = [p for p in cal.points if cal.link_kind == "all kinds" or p.kind == cal.link_kind]
         others = ", ".join(f"{k} {f.busbw_Bps / cal.link.busbw_Bps:.2g}x" for k, f in cal.fits if k != cal.link_kind)
@@ -115,6 +120,11 @@ def measured_dict(cal: Calibration, budget_s: float, wall_s: float) -> dict[str,
                       "rel_rms": f.rel_rms, "max_rel": f.max_rel, "points": f.points}
     if cal.link_note:
         m["link_note"] = cal.link_note
+    if cal.overlap is not None:
+        o = cal.overlap
+        m["overlap"] = {"setup": o.setup, "gemm_s": o.gemm_s, "comm_s": o.comm_s, "both_s": o.both_s,
+                        "slowdown": o.slowdown, "trials": o.trials,
+                        "fit": "both = max(gemm, comm) + slowdown * min(gemm, comm)"}
     return m
 
 

@@ -7,7 +7,7 @@ time budget and broadcasts the decision over the default (gloo) group, so every 
 measurements; rank 0 also writes the progress file the launcher's progress bar reads.
 
 Order: per-op overhead, memory copy, elementwise rate (CPU), GEMMs per dtype, SDPA, collectives,
-then (CPU) autopar's per-node step overhead (``calibrate_runtime.py``, outside the budget: ~10 s).
+GEMMs beside async all-reduces (``calibrate_overlap.py``, outside the budget: ~1-2 s), then (CPU) autopar's per-node step overhead (``calibrate_runtime.py``, outside the budget: ~10 s).
 Each phase has a deadline, cumulative shares of the budget (``PHASE_SHARES``), so time a phase
 leaves unused goes to the next; the collectives, last, take whatever remains, smallest size first.
 The first GEMM of each dtype and the first SDPA run whatever the budget says.
@@ -137,7 +137,7 @@ def total_steps(cfg: dict, world: int) -> int:
     """How many progress steps a rank makes (what the launcher's bar counts to)."""
     shapes = gemm_shapes(cfg["gemm_tokens"], cfg["gemm_hiddens"], cfg["gemm_splits"])
     basics = 3 if cfg["vector_numel"] else 2
-    comm = len(cfg["sizes"]) * len(cfg["kinds"]) if world > 1 else 0
+    comm = len(cfg["sizes"]) * len(cfg["kinds"]) + 1 if world > 1 else 0      # + the overlap measurement
     runtime = 1 if cfg["device"] == "cpu" else 0
     return basics + len(shapes) * len(cfg["dtypes"]) + len(cfg["sdpa"]["heads"]) + 1 + comm + runtime
 
@@ -170,6 +170,11 @@ def rank_main(rank: int, world: int, cfg: dict) -> dict[str, Any]:
     _sdpa(gate, cfg, device, out)
     if world > 1:
         _collectives(gate, cfg, rank, world, device, group, out)
+        from autopar.calibrate_overlap import CPU_SETUP, GPU_SETUP, measure_overlap
+
+        # compute beside an async all-reduce (calibrate_overlap.py: ~1 s, outside the budget)
+        out["overlap"] = measure_overlap(device, group, GPU_SETUP if device.type == "cuda" else CPU_SETUP)
+        gate.step("GEMM beside all_reduce")
     if device.type == "cpu":                   # host per-node cost of a step (serial with CPU compute)
         from autopar.calibrate_runtime import runtime_overheads
 

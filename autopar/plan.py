@@ -23,6 +23,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+from autopar.comm_overlap import CommOverlap, overlap_from_dicts
 from autopar.mesh import CONTEXT, DATA, PIPELINE, TENSOR, Mesh
 from autopar.placements import Placement, Replicate, format_placements, parse_placements
 from autopar.plan_schema import parse_plan_json, schema_message, schema_problems
@@ -140,6 +141,7 @@ class StepTime:
     bubble_s: float
     optimizer_s: float
     total_s: float
+    overlap: tuple[CommOverlap, ...] = ()    # per collective: total, hidden, exposed, why (comm_overlap.py)
 
 
 @dataclass(frozen=True)
@@ -365,6 +367,7 @@ class Plan:
         d["stages"] = tuple(Stage(**s) for s in d["stages"])
         st = dict(d["step_time"])
         st["comm_s"] = tuple(st["comm_s"].items())
+        st["overlap"] = overlap_from_dicts(st.get("overlap", ()))       # absent in older plan files
         d["step_time"] = StepTime(**st)
         d["memory"] = MemoryUse(**d["memory"])
         d["forced"] = tuple(d.get("forced", {}).items())

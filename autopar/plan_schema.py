@@ -212,8 +212,12 @@ STRATEGY = Obj({"key": KEY, "name": STR, "output": PLACEMENTS, "inputs": ListOf(
                optional=frozenset({"name"}))
 STAGE = Obj({"index": INT, "first_layer": INT, "last_layer": INT, "has_embedding": BOOL, "has_head": BOOL,
              "time_per_microbatch_s": SECONDS, "memory_bytes": COUNT})
+COMM_OVERLAP = Obj({"axis": STR, "kind": STR, "total_s": SECONDS, "window_s": SECONDS, "hidden_s": SECONDS,
+                    "exposed_s": SECONDS, "contention_s": SECONDS, "why": STR, "known": BOOL},
+                   optional=frozenset({"known"}))
 STEP_TIME = Obj({"compute_s": SECONDS, "recompute_s": SECONDS, "comm_s": MapOf(SECONDS), "bubble_s": SECONDS,
-                 "optimizer_s": SECONDS, "total_s": POSITIVE})
+                 "optimizer_s": SECONDS, "total_s": POSITIVE, "overlap": ListOf(COMM_OVERLAP)},
+                optional=frozenset({"overlap"}))        # absent in plan files written before it
 MEMORY = Obj({k: COUNT for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
                                  "other_bytes", "total_bytes", "host_bytes", "nvme_bytes")},
              optional=frozenset({"host_bytes", "nvme_bytes"}))

@@ -171,6 +171,25 @@ def time_table(plan: Plan) -> Table:
     return t   # render prints throughput_line under it: a caption would be centred and wrapped to the table
 
 
+def comm_table(plan: Plan) -> Table:
+    """One row per collective class of the step (``StepTime.overlap``, seconds per step): its total
+    time, the compute it may hide behind, the hidden and exposed parts, the contention charged for
+    the hidden part, and why. Rows whose hiding was priced upstream show their exposed part only."""
+    t = Table(title="Communication (per step: how much is hidden, and why)", title_justify="left")
+    t.add_column("collective")
+    for col in ("total", "window", "hidden", "exposed", "contention"):
+        t.add_column(col, justify="right")
+    t.add_column("why")
+    for o in plan.step_time.overlap:
+        total = f"{o.total_s:.4f}" if o.known else f">= {o.total_s:.4f}"
+        t.add_row(escape(o.key), total, f"{o.window_s:.4f}" if o.window_s else "-",
+                  f"{o.hidden_s:.4f}" if o.known else "?", f"{o.exposed_s:.4f}",
+                  f"{o.contention_s:.4f}" if o.contention_s else "-", escape(o.why))
+    t.caption = ("seconds; step cost = exposed + contention; hidden = min(total, window) when the runtime overlaps "
+                 "it; contention = overlap_slowdown x hidden (compute slowed beside the collective)")
+    return t
+
+
 def memory_table(plan: Plan) -> Table:
     mem = plan.memory
     t = Table(title="Peak memory per GPU (most loaded stage)", title_justify="left")
@@ -215,6 +234,8 @@ def render(plan: Plan, console: Console | None = None, verbose: bool = False) ->
         console.print(stages_table(plan))
     console.print(time_table(plan))
     console.print(throughput_line(plan), highlight=False, markup=False, soft_wrap=True)
+    if plan.step_time.overlap:
+        console.print(comm_table(plan))
     console.print(memory_table(plan))
     if plan.forced:
         console.print("forced: " + ", ".join(f"{k}={v}" for k, v in plan.forced), markup=False)

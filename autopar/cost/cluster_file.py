@@ -17,7 +17,7 @@ from autopar.cost.hardware import (_T, _US, GB, TRAINING_DTYPES, ClusterSpec, Li
 _HOST_KEYS = (("host_memory_gb", "host_memory_bytes"), ("host_GBps", "host_Bps"), ("nvme_gb", "nvme_bytes"),
               ("nvme_GBps", "nvme_Bps"))
 _TOP_KEYS = ("name", "gpu", "nodes", "gpus_per_node", "pcie_GBps", "intra", "inter", "gpu_overrides",
-             "measured") + tuple(k for k, _ in _HOST_KEYS)
+             "measured", "overlap_slowdown", "overlap_slowdown_source") + tuple(k for k, _ in _HOST_KEYS)
 _LINK_KEYS = ("busbw_GBps", "latency_us", "name", "source")
 _OVERRIDE_KEYS = ("memory_GB", "hbm_GBps", "matmul_efficiency", "attention_efficiency", "attention_noncausal_efficiency",
                   "memory_efficiency", "peak_TFLOPs", "op_overhead_us", "dtensor_op_overhead_us", "source")
@@ -81,6 +81,18 @@ def cluster_from_dict(d: Mapping[str, Any], where: str = "cluster") -> ClusterSp
     host = {f: float(d[k]) * GB for k, f in _HOST_KEYS if k in d}
     for k in (k for k, f in _HOST_KEYS if k in d and not 0 < host[f] < float("inf")):
         raise ValueError(f"{where}: {k} = {d[k]!r} must be a positive number")
+    if "overlap_slowdown" in d:
+        try:
+            slow = float(d["overlap_slowdown"])
+        except (TypeError, ValueError):
+            slow = float("nan")
+        if not 0.0 <= slow < float("inf"):
+            raise ValueError(f"{where}: overlap_slowdown = {d['overlap_slowdown']!r} must be a fraction >= 0 (0.1: "
+                             "compute runs 10% slower beside an overlapped collective)")
+        host["overlap_slowdown"] = slow
+        host["overlap_slowdown_source"] = str(d.get("overlap_slowdown_source", f"user TOML ({where})"))
+    elif "overlap_slowdown_source" in d:
+        raise ValueError(f"{where}: overlap_slowdown_source without overlap_slowdown; give both")
     return replace(base, gpu=gpu, intra=intra, inter=inter, pcie_Bps=pcie, **host)
 
 
@@ -135,7 +147,9 @@ def cluster_to_toml(c: ClusterSpec) -> str:
     base = get_gpu(c.gpu.name)
     lines = [f"name = {toml_value(c.name)}", f"gpu = {toml_value(c.gpu.name)}", f"nodes = {c.nodes}",
              f"gpus_per_node = {c.gpus_per_node}", f"pcie_GBps = {toml_value(c.pcie_Bps / GB)}"]
-    lines += [f"{k} = {toml_value(getattr(c, f) / GB)}" for k, f in _HOST_KEYS] + [""]
+    lines += [f"{k} = {toml_value(getattr(c, f) / GB)}" for k, f in _HOST_KEYS]
+    lines += [f"overlap_slowdown = {toml_value(c.overlap_slowdown)}",
+              f"overlap_slowdown_source = {toml_value(c.overlap_slowdown_source)}", ""]
     for tname, link in (("intra", c.intra), ("inter", c.inter)):
         lines += [f"[{tname}]", f"name = {toml_value(link.name)}", f"busbw_GBps = {toml_value(link.busbw_Bps / GB)}",
                   f"latency_us = {toml_value(link.latency_s / _US)}", f"source = {toml_value(link.source)}", ""]

@@ -33,6 +33,8 @@ Cluster TOML (``cluster_file.load_cluster``)::
     host_GBps = 40.0              # host memory bandwidth per GPU (CPU optimizer step),
     nvme_gb = 30000.0             # NVMe capacity per node and
     nvme_GBps = 50.0              # NVMe bandwidth per node
+    overlap_slowdown = 0.12       # optional: compute slowdown beside an overlapped collective
+    overlap_slowdown_source = "autopar calibrate, 2 ranks"   # optional (default: per GPU type)
 
     [intra]                       # optional; default: the GPU's NVLink/NVSwitch link
     busbw_GBps = 370.0            # required inside the table
@@ -184,6 +186,12 @@ class ClusterSpec:
     host_Bps: float = 25e9            # host memory bandwidth per GPU for the CPU optimizer step, rough
     nvme_bytes: float = 15e12         # NVMe capacity per node, rough
     nvme_Bps: float = 25e9            # NVMe bandwidth per node, rough
+    # fractional slowdown of compute while an overlapped collective runs beside it (SMs, HBM and
+    # links shared; gloo threads on a CPU): hidden communication costs overlap_slowdown x hidden
+    # seconds of extra compute (solver/overlap.py). Per family: _OVERLAP_SLOWDOWN; measured by
+    # ``autopar calibrate`` (calibrate_overlap.py).
+    overlap_slowdown: float = 0.0
+    overlap_slowdown_source: str = "not measured: no contention modelled"
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
@@ -380,6 +388,19 @@ _HOST: Mapping[str, tuple[float, float, float, float]] = MappingProxyType({
     "cpu": (64 * GB, 10 * GB, 1000 * GB, 3 * GB)})    # "cpu": one workstation
 
 
+# Compute slowdown under overlapped communication per family, (fraction, short source). A100/H100:
+# Lee et al., "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep
+# Learning: Performance and Power Implications", arXiv:2507.03114 (2025), abstract: overlapping
+# "can result in an average computational slowdown of 18.9%, with a maximum of 40.0%" against the
+# same compute with no communication beside it (GPT and LLaMA training on 4 x A100, H100, MI250,
+# MI210: an average over those GPUs, not a per-GPU figure). H200: the H100's SMs (gpu_specs.csv).
+# V100 and the cpu pseudo-GPU: no published figure read, so 0 (``autopar calibrate`` measures it).
+_OVERLAP_SLOWDOWN: Mapping[str, tuple[float, str]] = MappingProxyType({
+    **{f: (0.189, "arXiv:2507.03114 mean over A100/H100/MI250/MI210") for f in ("a100", "h100", "h200")},
+    "v100": (0.0, "no published figure read: no contention modelled"),
+    "cpu": (0.0, "not measured: no contention modelled")})
+
+
 def make_cluster(gpu: str, nodes: int, gpus_per_node: int = 8, name: Optional[str] = None) -> ClusterSpec:
     """A cluster of ``nodes`` x ``gpus_per_node`` ``gpu``s with the default links of that GPU type:
     NVLink/NVSwitch inside a node and one InfiniBand NIC per GPU between nodes (NDR 400 Gb/s ~48 GB/s
@@ -389,7 +410,8 @@ def make_cluster(gpu: str, nodes: int, gpus_per_node: int = 8, name: Optional[st
     return ClusterSpec(name=name or f"{spec.name}x{nodes}x{gpus_per_node}", gpu=spec, nodes=nodes,
                        gpus_per_node=gpus_per_node, intra=_INTRA[fam], inter=_INTER[fam],
                        pcie_Bps=_PCIE_Bps[fam], host_memory_bytes=_HOST[fam][0], host_Bps=_HOST[fam][1],
-                       nvme_bytes=_HOST[fam][2], nvme_Bps=_HOST[fam][3])
+                       nvme_bytes=_HOST[fam][2], nvme_Bps=_HOST[fam][3], overlap_slowdown=_OVERLAP_SLOWDOWN[fam][0],
+                       overlap_slowdown_source=_OVERLAP_SLOWDOWN[fam][1])
 
 
 _BUILTIN_CLUSTERS: Mapping[str, str] = MappingProxyType({

@@ -1,10 +1,24 @@
 """What the training runtime overlaps, as data (no fudge factors in the cost model).
 
 A ``RuntimeProfile`` says which communication runs concurrently with which compute; the step-time
-model (``timing.py``) and the edge costs (``problem.py``) turn that into exposed time with one
-rule: an overlapped collective costs ``max(0, comm - window)`` where the window is the compute it
-runs beside, never a fraction. Contention between an overlapped collective and the GEMM it hides
-behind (SMs, HBM) is not modelled.
+model (``timing.py``, ``overlap.py``) and the edge costs (``problem.py``) turn that into exposed
+time with one rule: an overlapped collective of time ``comm`` beside ``window`` seconds of compute
+has ``hidden = min(comm, window)`` and ``exposed = comm - hidden = max(0, comm - window)``, where
+the window is the compute it runs beside, never a fraction.
+
+Contention (the data-parallel collectives of ``overlap.dp_sync``): compute that runs beside an
+overlapped collective is slowed by the cluster's ``overlap_slowdown`` s (NCCL kernels take SMs,
+HBM and link bandwidth; on CPUs gloo's threads take cores), so the step pays
+
+    cost = exposed + s * hidden = max(0, comm - window) + s * min(comm, window)
+
+(first order: the compute beside the collective takes (1 + s) times as long, the collective's own
+time is unchanged; with s <= 1 never more than running them one after the other). s is measured by
+``autopar calibrate`` (``calibrate_overlap.py``) or is the GPU family's published figure
+(``cost/hardware.py`` ``_OVERLAP_SLOWDOWN``). The TP overlap (``problem.py``), context-parallel
+rings and offload copies keep the plain rule, without contention.
+``overlap.account`` reports per collective the total, window, hidden, exposed and contention parts
+and why (``StepTime.overlap``, the report's "Communication" table).
 
 - ``tp_overlap_kinds``: TP collectives pipelined with the adjacent GEMM (Megatron
   ``--tp-comm-overlap``: the all-gather before a column-parallel GEMM and the reduce-scatter after a

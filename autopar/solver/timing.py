@@ -15,8 +15,9 @@ of it (p - 1 for GPipe/1F1B, Megatron §2.2.1; (p - 1)/v interleaved; ... ``pipe
 The cut (layers per rank) is ``choose_cuts``: the fastest that fits, from an affine model of each
 rank's time and memory in its layer count (``balance``).
 
-DP sync (per step, on the dp axis link) by ZeRO stage, each exposed as ``max(0, comm - window)``
-when the runtime profile overlaps it (``runtime_profile.py``):
+DP sync (per step, on the dp axis link) by ZeRO stage (``overlap.dp_sync``), each costing
+``max(0, comm - window) + overlap_slowdown * min(comm, window)`` when the runtime profile overlaps
+it (``runtime_profile.py``; ``overlap.account`` says per collective how much is hidden, and why):
   0: all_reduce(grads)                       window: backward of the last micro-batch
   1: reduce_scatter(grads) + all_gather(params after the step)    windows: last backward / first forward
   2: reduce_scatter(grads) every micro-batch (in t_stage) + all_gather(params)
@@ -64,6 +65,7 @@ from autopar.cost.offload import (bucket_bytes, offload_memory, offload_microbat
 from autopar.plan import V_SCHEDULES, MemoryUse, StepTime, parse_offload
 from autopar.solver.balance import balance
 from autopar.solver.problem import AxisSummary, PartCost
+from autopar.solver.overlap import account as overlap_account, dp_sync as overlap_dp_sync
 from autopar.solver.runtime_profile import RuntimeProfile
 
 MEMORY_RESERVE_FRACTION = 0.05       # of HBM kept free for the CUDA context, NCCL buffers, fragmentation
@@ -129,6 +131,7 @@ class StageEval:
     has_pre: bool = False            # runs the nodes before the block (embedding)
     has_post: bool = False           # runs the nodes after the block (head, loss)
     inflight: float = 1.0            # micro-batches of activations held at the peak
+    dp_rows: tuple = ()              # ``overlap.dp_sync``'s rows (the overlap accounting)
 
 
 @dataclass(frozen=True)
@@ -172,10 +175,6 @@ def _merge(into: dict, src: dict, scale: float) -> None:
     for k, v in src.items():
         if v:
             into[k] = into.get(k, 0.0) + v * scale
-
-
-def _exposed(comm_s: float, window_s: float, overlapped: bool) -> float:
-    return max(0.0, comm_s - window_s) if overlapped else comm_s
 
 
 def rank_holds(cfg: OuterConfig, r: int) -> tuple[bool, bool]:
@@ -395,6 +394,8 @@ def evaluate(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profi
     step = StepTime(compute_s=cfg.m * bottleneck.compute_s, recompute_s=cfg.m * bottleneck.recompute_s,
                     comm_s=tuple(sorted(comm_total.items())), bubble_s=bubble_s,
                     optimizer_s=opt_s, total_s=total)
+    if all_stages:           # the plan's evaluation: how much of each collective is hidden, and why
+        step = replace(step, overlap=overlap_account(bottleneck, dp_stage, cfg.m, profile, cluster))
     heaviest = max(stages, key=lambda st: st.memory.total_bytes).memory
     if summary.is_lower_bound and p > 1:
         heaviest = memory_lower_bound(summary, cfg, profile, affine)
@@ -435,28 +436,9 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
         pp_link = stage_link(cluster, cfg.data * cfg.tp)
         comm["pp:p2p"] = 2 * cfg.v * collective_s("p2p", summary.layer_input_bytes, 2, pp_link)
     numel = sum(c * p.param_numel for p, c, _ in parts) + (summary.shared_param_numel if (first or last) else 0.0)
-    grad_b = numel * profile.grad_bytes
     param_b = numel * profile.param_bytes
-    dp_sync: dict = {}
-    if cfg.data > 1:
-        rs = collective_s("reduce_scatter", grad_b, cfg.data, dp_link)
-        ag = collective_s("all_gather", param_b, cfg.data, dp_link)
-        if cfg.zero == 0:
-            dp_sync["dp:all_reduce"] = _exposed(collective_s("all_reduce", grad_b, cfg.data, dp_link), win_b,
-                                                profile.grad_reduce_overlap)
-        elif cfg.zero == 1:
-            dp_sync["dp:reduce_scatter"] = _exposed(rs, win_b, profile.grad_reduce_overlap)
-            dp_sync["dp:all_gather"] = _exposed(ag, win_f, profile.param_gather_overlap)
-        elif cfg.zero == 2:
-            comm["dp:reduce_scatter"] = _exposed(rs, win_b, profile.grad_reduce_overlap)
-            dp_sync["dp:all_gather"] = _exposed(ag, win_f, profile.param_gather_overlap)
-        else:
-            # forward gather against the forward; the backward gather and the reduce-scatter
-            # share the backward window (exposed time split between them pro rata)
-            exp_b = _exposed(ag + rs, win_b, profile.grad_reduce_overlap and profile.param_gather_overlap)
-            share = ag / (ag + rs) if ag + rs > 0 else 0.0
-            comm["dp:all_gather"] = _exposed(ag, win_f, profile.param_gather_overlap) + exp_b * share
-            comm["dp:reduce_scatter"] = exp_b * (1 - share)
+    dp_comm, dp_sync, dp_rows = overlap_dp_sync(cfg, numel, profile, dp_link, win_f, win_b, cluster.overlap_slowdown)
+    comm.update(dp_comm)
     mem = _rank_memory(summary, cfg, profile, r, parts, numel, lps)
     cls = cfg.classes
     if cls:
@@ -477,7 +459,8 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
         opt = step.pop("cpu:optimizer")
         _merge(dp_sync, step, 1.0)
     inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
-    return StageEval(r, t_stage, compute, recompute, comm, dp_sync, opt, mem, numel, lps, first, last, inflight)
+    return StageEval(r, t_stage, compute, recompute, comm, dp_sync, opt, mem, numel, lps, first, last, inflight,
+                     tuple(dp_rows))
 
 
 def fit_partial(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profile: RuntimeProfile,

@@ -1,0 +1,153 @@
+"""Overlap and contention of the step model's collectives: the data-parallel sync of one pipeline
+rank (moved here from ``timing.py``) and the per-collective accounting the report prints.
+
+Cost of a collective of time ``C`` beside compute ``W`` (``runtime_profile.py``'s rule, with the
+cluster's measured ``overlap_slowdown`` s):
+
+    overlapped:      hidden = min(C, W),  exposed = C - hidden = max(0, C - W),
+                     contention = s * hidden,  cost = exposed + contention
+    not overlapped:  hidden = 0, exposed = C, contention = 0, cost = C
+
+DP sync by ZeRO stage (windows: ``win_b`` the backward, ``win_f`` the forward of one micro-batch):
+  0: all_reduce(grads), per step, beside the last backward (``grad_reduce_overlap``)
+  1: reduce_scatter(grads) per step beside the last backward + all_gather(params) per step beside
+     the next step's first forward (``param_gather_overlap``)
+  2: reduce_scatter every micro-batch beside its backward + all_gather(params) per step
+  3: all_gather(params) every micro-batch beside its forward, and again in the backward together
+     with the reduce_scatter (both only when both flags hold), the backward window split between
+     them pro rata to their times.
+
+``account`` turns a rank's rows and exposed times into ``CommOverlap``s (``autopar/comm_overlap.py``)
+per "axis:kind", per step; the sum of their ``cost_s`` is the step's communication.
+"""
+from __future__ import annotations
+
+from autopar.comm_overlap import CommOverlap
+from autopar.cost.collectives import collective_s
+
+MB, STEP = "mb", "step"      # a row per micro-batch (x m on the slowest rank) or per step
+
+_WHY = {     # reason code -> (overlapped, not overlapped)
+    "grad": ("overlapped with the last micro-batch's backward (bucketed reduction)",
+             "exposed: the runtime reduces the gradients after the backward"),
+    "grad_mb": ("overlapped with each micro-batch's backward (bucketed reduce-scatter)",
+                "exposed: the runtime reduce-scatters after each backward"),
+    "gather_step": ("overlapped with the next step's first forward (param-gather overlap)",
+                    "exposed: the runtime waits for parameter all-gathers after the step (no prefetch)"),
+    "gather_fwd": ("prefetched during each micro-batch's forward (ZeRO-3)",
+                   "exposed: the runtime waits for parameter all-gathers at each use (no prefetch)"),
+    "gather_bwd": ("re-gathers prefetched during each backward, sharing it with the reduce-scatter",
+                   "exposed: the backward's re-gathers are waited for (no prefetch)"),
+    "rs_z3": ("overlapped with each backward, sharing it with the re-gathers",
+              "exposed: ZeRO-3's reduce-scatter is waited for after the backward"),
+}
+
+
+def overlapped_cost(comm_s: float, window_s: float, overlapped: bool, slowdown: float) -> float:
+    """``exposed + contention`` of a collective of ``comm_s`` beside ``window_s`` of compute."""
+    if not overlapped:
+        return comm_s
+    hidden = min(comm_s, window_s)
+    return comm_s - hidden + slowdown * hidden
+
+
+def dp_sync(cfg, numel: float, profile, link, win_f: float, win_b: float, slowdown: float):
+    """(per-micro-batch comm, per-step sync, rows) of one rank's data-parallel traffic: dicts of
+    "dp:kind" -> cost seconds, rows ``(per, key, total, window, overlapped, reason)``."""
+    comm: dict = {}
+    sync: dict = {}
+    rows: list = []
+    if cfg.data <= 1:
+        return comm, sync, rows
+    grad_b, param_b = numel * profile.grad_bytes, numel * profile.param_bytes
+    go, po = profile.grad_reduce_overlap, profile.param_gather_overlap
+    rs = collective_s("reduce_scatter", grad_b, cfg.data, link)
+    ag = collective_s("all_gather", param_b, cfg.data, link)
+    if cfg.zero == 0:
+        ar = collective_s("all_reduce", grad_b, cfg.data, link)
+        sync["dp:all_reduce"] = overlapped_cost(ar, win_b, go, slowdown)
+        rows.append((STEP, "dp:all_reduce", ar, win_b, go, "grad"))
+    elif cfg.zero in (1, 2):
+        if cfg.zero == 1:
+            sync["dp:reduce_scatter"] = overlapped_cost(rs, win_b, go, slowdown)
+            rows.append((STEP, "dp:reduce_scatter", rs, win_b, go, "grad"))
+        else:
+            comm["dp:reduce_scatter"] = overlapped_cost(rs, win_b, go, slowdown)
+            rows.append((MB, "dp:reduce_scatter", rs, win_b, go, "grad_mb"))
+        sync["dp:all_gather"] = overlapped_cost(ag, win_f, po, slowdown)
+        rows.append((STEP, "dp:all_gather", ag, win_f, po, "gather_step"))
+    else:
+        both = go and po
+        exp_b = overlapped_cost(ag + rs, win_b, both, slowdown)
+        share = ag / (ag + rs) if ag + rs > 0 else 0.0
+        comm["dp:all_gather"] = overlapped_cost(ag, win_f, po, slowdown) + exp_b * share
+        comm["dp:reduce_scatter"] = exp_b * (1 - share)
+        rows += [(MB, "dp:all_gather", ag, win_f, po, "gather_fwd"),
+                 (MB, "dp:all_gather", ag, win_b * share, both, "gather_bwd"),
+                 (MB, "dp:reduce_scatter", rs, win_b * (1 - share), both, "rs_z3")]
+    return comm, sync, rows
+
+
+def _upstream(key: str, profile) -> tuple[str, bool]:
+    """(why, known) of a collective priced before the step model (its exposed time only)."""
+    axis, _, kind = key.partition(":")
+    if axis == "pp":
+        return "exposed: pipeline sends/receives wait on the neighbouring stage (not overlapped)", True
+    if axis == "tp":
+        if kind in profile.tp_overlap_kinds:
+            return ("remainder after TP comm overlap pipelines it with the adjacent GEMM (max(0, comm - GEMM) "
+                    "per edge, solver/problem.py; hidden part and contention not carried here)"), False
+        if profile.tp_overlap_kinds:
+            return f"exposed: the runtime's TP overlap pipelines only {'/'.join(profile.tp_overlap_kinds)}", True
+        return f"exposed: tp {kind} is synchronous in this runtime", True
+    if axis == "cp":
+        if kind == "ring":
+            return ("remainder after each ring rotation overlaps one attention block "
+                    "(solver/context.py; hidden part not carried here)"), False
+        return "exposed: context-parallel all-to-alls are not overlapped", True
+    if axis in ("host", "nvme", "cpu"):
+        if profile.host_copy_overlap:
+            return "remainder after offload copies overlap compute on a side stream (cost/offload.py)", False
+        return "exposed: offload copies run on the compute stream in this runtime", True
+    return "exposed time as priced", False
+
+
+def account(bottleneck, dp_stage, m: int, profile, cluster) -> tuple[CommOverlap, ...]:
+    """The step's ``CommOverlap`` rows: the slowest rank's per-micro-batch collectives x ``m`` and
+    the per-step ones of the rank with the most DP sync (the ranks ``timing.evaluate`` charges)."""
+    s = cluster.overlap_slowdown
+    acc: dict = {}
+
+    def add(key, total, window, hidden, exposed, contention, why, known):
+        a = acc.setdefault(key, [0.0, 0.0, 0.0, 0.0, 0.0, [], True])
+        for i, v in enumerate((total, window, hidden, exposed, contention)):
+            a[i] += v
+        if why not in a[5]:
+            a[5].append(why)
+        a[6] = a[6] and known
+
+    covered: dict = {}
+    for rows, scale, per in ((bottleneck.dp_rows, m, MB), (dp_stage.dp_rows, 1, STEP)):
+        for row_per, key, total, window, over, reason in rows:
+            if row_per != per:
+                continue
+            hidden = min(total, window) if over else 0.0
+            add(key, total * scale, window * scale if over else 0.0, hidden * scale, (total - hidden) * scale,
+                s * hidden * scale, _WHY[reason][0 if over else 1], True)
+            covered[(per, key)] = covered.get((per, key), 0.0) + (total - hidden + s * hidden) * scale
+    for src, scale, per in ((bottleneck.comm, m, MB), (dp_stage.dp_sync, 1, STEP)):
+        for key, v in src.items():
+            rest = v * scale - covered.get((per, key), 0.0)
+            if rest > 1e-12 * max(1.0, v * scale):
+                why, known = _upstream(key, profile)
+                add(key, rest, 0.0, 0.0, rest, 0.0, why, known)
+    out = []
+    for key in sorted(acc):
+        total, window, hidden, exposed, contention, whys, known = acc[key]
+        why = "; ".join(whys)
+        if hidden > 0:
+            why += (f"; contention {s:g} x hidden ({cluster.overlap_slowdown_source})" if s > 0 else
+                    f"; no contention charged ({cluster.overlap_slowdown_source})")
+        axis, _, kind = key.partition(":")
+        out.append(CommOverlap(axis, kind, total, window, hidden, exposed, contention, why, known))
+    return tuple(out)

@@ -1,0 +1,194 @@
+"""Overlap accounting (how much of each collective is hidden, and why), the contention charged for
+the hidden part (overlap_slowdown), its JSON round trip and report table, and the calibrate fit."""
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from dataclasses import replace
+
+import pytest
+from rich.console import Console
+
+from autopar.calibrate_overlap import OverlapFigures, fit_overlap_slowdown
+from autopar.comm_overlap import CommOverlap
+from autopar.cost import make_cluster
+from autopar.cost.cluster_file import cluster_from_dict, cluster_to_toml, load_cluster
+from autopar.cost.hardware import LinkSpec
+from autopar.plan import Plan
+from autopar.report import comm_table, render
+from autopar.solver.overlap import overlapped_cost
+from autopar.solver.problem import AxisSummary, PartCost
+from autopar.solver.runtime_profile import AUTOPAR_RUNTIME, MEGATRON_RUNTIME
+from autopar.solver.timing import OuterConfig, evaluate
+
+
+def _summary(tp_comm: dict, layers: int = 2, numel: float = 1e9) -> AxisSummary:
+    """Two layers of 1 s forward, 2 s backward compute and ``numel`` parameters each; no pre/post."""
+    zero = PartCost(0.0, 0.0, {}, {}, 0.0, 0.0, 0.0, 0.0, 0.0)
+    blk = PartCost(1.0, 2.0, dict(tp_comm), {}, 0.0, 0.0, 0.0, 0.0, numel, 1.0, 2.0)
+    return AxisSummary(1, False, 1, {"pre": zero, "block": blk, "post": zero}, 0.0, 1e6, layers, 0.0)
+
+
+def _cluster(slowdown: float):
+    c = make_cluster("h100", 1)
+    link = LinkSpec("test", busbw_Bps=1e9, latency_s=0.0, source="test")
+    return replace(c, intra=link, inter=link, overlap_slowdown=slowdown, overlap_slowdown_source="test figure")
+
+
+def _rows(ev) -> dict:
+    return {o.key: o for o in ev.step.overlap}
+
+
+def test_contention_formula():
+    assert overlapped_cost(7.0, 4.0, True, 0.25) == pytest.approx(3.0 + 0.25 * 4.0)     # exposed + s x hidden
+    assert overlapped_cost(3.0, 4.0, True, 0.25) == pytest.approx(0.25 * 3.0)           # all hidden
+    assert overlapped_cost(7.0, 4.0, True, 0.0) == pytest.approx(3.0)                   # the old rule
+    assert overlapped_cost(7.0, 4.0, False, 0.25) == pytest.approx(7.0)                 # not overlapped: no contention
+
+
+def test_zero0_by_hand():
+    """dp=8 all-reduce of 2 layers x 1e9 params x 2 B (autopar: bf16 grads) at 1 GB/s busbw:
+    2 x 7/8 x 4e9 / 1e9 = 7 s, beside the last backward (2 layers x 2 s = 4 s): hidden 4, exposed 3,
+    contention 0.25 x 4 = 1. TP all-reduce: 0.1 s per layer forward x 2 layers x 4 micro-batches."""
+    cfg = OuterConfig(tp=1, pp=1, dp=8, mbs=1, m=4, recompute="none", zero=0, sp=False)
+    ev = evaluate(_summary({"tp:all_reduce": 0.1}), cfg, _cluster(0.25), AUTOPAR_RUNTIME, 1e15, all_stages=True)
+    rows = _rows(ev)
+    dp = rows["dp:all_reduce"]
+    assert (dp.total_s, dp.window_s, dp.hidden_s, dp.exposed_s, dp.contention_s) == pytest.approx((7.0, 4.0, 4.0, 3.0, 1.0))
+    assert "last micro-batch's backward" in dp.why and "contention 0.25 x hidden (test figure)" in dp.why and dp.known
+    tp = rows["tp:all_reduce"]
+    assert (tp.total_s, tp.window_s, tp.hidden_s, tp.exposed_s, tp.contention_s) == pytest.approx((0.8, 0, 0, 0.8, 0))
+    assert "synchronous" in tp.why
+    comm = dict(ev.step.comm_s)
+    assert comm["dp:all_reduce"] == pytest.approx(4.0) and comm["tp:all_reduce"] == pytest.approx(0.8)
+    assert ev.step.total_s == pytest.approx(4 * (6.0 + 0.2) + 4.0 + ev.step.optimizer_s)
+    # no contention: the plain max(0, comm - window) rule, and the why says none was charged
+    ev0 = evaluate(_summary({"tp:all_reduce": 0.1}), cfg, _cluster(0.0), AUTOPAR_RUNTIME, 1e15, all_stages=True)
+    assert dict(ev0.step.comm_s)["dp:all_reduce"] == pytest.approx(3.0)
+    assert "no contention charged" in _rows(ev0)["dp:all_reduce"].why
+    # only the plan's evaluation (all stages) carries the accounting
+    assert evaluate(_summary({}), cfg, _cluster(0.25), AUTOPAR_RUNTIME, 1e15).step.overlap == ()
+
+
+def test_zero3_megatron_by_hand():
+    """ZeRO-3, Megatron profile (bf16 params 2 B, fp32 grads 4 B), dp=8, 1 GB/s: all-gather 7/8 x 4e9
+    = 3.5 s, reduce-scatter 7/8 x 8e9 = 7 s per micro-batch. Forward gather beside 2 s of forward:
+    hidden 2. Backward: gather + reduce-scatter (10.5 s) share 4 s of backward pro rata (1/3, 2/3)."""
+    cfg = OuterConfig(tp=1, pp=1, dp=8, mbs=1, m=4, recompute="none", zero=3, sp=False)
+    s, m = 0.25, 4
+    ev = evaluate(_summary({"tp:all_gather": 0.05, "tp:all_reduce": 0.1}), cfg, _cluster(s), MEGATRON_RUNTIME, 1e15,
+                  all_stages=True)
+    rows = _rows(ev)
+    ag, rs = rows["dp:all_gather"], rows["dp:reduce_scatter"]
+    hid_ag = 2.0 + 4.0 / 3
+    assert (ag.total_s, ag.window_s, ag.hidden_s, ag.exposed_s, ag.contention_s) == pytest.approx(
+        (m * 7.0, m * hid_ag, m * hid_ag, m * (7.0 - hid_ag), m * s * hid_ag))
+    assert (rs.total_s, rs.hidden_s, rs.exposed_s, rs.contention_s) == pytest.approx(
+        (m * 7.0, m * 8 / 3, m * (7.0 - 8 / 3), m * s * 8 / 3))
+    assert "forward" in ag.why and "backward" in ag.why
+    assert not rows["tp:all_gather"].known and "GEMM" in rows["tp:all_gather"].why     # hidden upstream
+    assert rows["tp:all_reduce"].known and "only all_gather/reduce_scatter" in rows["tp:all_reduce"].why
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("profile", [AUTOPAR_RUNTIME, MEGATRON_RUNTIME], ids=lambda p: p.name)
+def test_rows_add_up_to_the_step_communication(zero, profile):
+    cfg = OuterConfig(tp=1, pp=2, dp=4, mbs=1, m=8, recompute="none", zero=zero, sp=False)
+    ev = evaluate(_summary({"tp:all_reduce": 0.1}, layers=4), cfg, _cluster(0.3), profile, 1e15, all_stages=True)
+    comm = dict(ev.step.comm_s)
+    rows = _rows(ev)
+    assert set(rows) == set(comm)
+    for k, o in rows.items():
+        assert o.cost_s == pytest.approx(comm[k]), k
+        assert o.hidden_s + o.exposed_s == pytest.approx(o.total_s) and o.hidden_s <= o.window_s + 1e-12
+        assert o.contention_s == pytest.approx(0.3 * o.hidden_s) and o.why
+    assert rows["pp:p2p"].hidden_s == 0 and "not overlapped" in rows["pp:p2p"].why
+    if profile is AUTOPAR_RUNTIME and zero in (1, 2):
+        assert "no prefetch" in rows["dp:all_gather"].why and rows["dp:all_gather"].hidden_s == 0
+
+
+@pytest.fixture(scope="module")
+def plan():
+    from autopar.solver import plan_model
+    from solver_helpers import traced
+
+    g, _ = traced("gpt-tiny", batch=8)
+    return plan_model(g, make_cluster("a100-80g", 1), global_batch=8, seq_len=None, force="dp=4,tp=2")
+
+
+def test_plan_json_round_trip_and_old_files(plan):
+    assert plan.step_time.overlap and all(isinstance(o, CommOverlap) for o in plan.step_time.overlap)
+    assert sum(o.cost_s for o in plan.step_time.overlap) == pytest.approx(sum(s for _, s in plan.step_time.comm_s))
+    back = Plan.from_json(plan.to_json())
+    assert back.step_time == plan.step_time
+    d = json.loads(plan.to_json())
+    assert {"axis", "kind", "total_s", "hidden_s", "exposed_s", "why"} <= set(d["step_time"]["overlap"][0])
+    del d["step_time"]["overlap"]                   # a plan file written before the field
+    assert Plan.from_dict(d).step_time.overlap == ()
+    d["step_time"]["overlap"] = [{"axis": "dp"}]
+    with pytest.raises(ValueError, match="overlap"):
+        Plan.from_dict(d)
+
+
+def test_report_has_the_communication_table(plan):
+    console = Console(width=200, record=True)
+    render(plan, console)
+    text = console.export_text()
+    assert "Communication" in text and "hidden" in text and "exposed" in text
+    for o in plan.step_time.overlap:
+        assert o.key in text
+    old = replace(plan, step_time=replace(plan.step_time, overlap=()))
+    console = Console(width=200, record=True)
+    render(old, console)
+    assert "Communication" not in console.export_text()
+    unknown = CommOverlap("tp", "all_gather", 0.5, 0.0, 0.0, 0.5, 0.0, "priced upstream", known=False)
+    console = Console(width=200, record=True)
+    console.print(comm_table(replace(plan, step_time=replace(plan.step_time, overlap=(unknown,)))))
+    assert ">= 0.5000" in console.export_text()
+
+
+def test_calibrate_fit_on_synthetic_timings():
+    assert fit_overlap_slowdown(0.1, 0.1, 0.1) == pytest.approx(0.0)      # fully side by side
+    assert fit_overlap_slowdown(0.1, 0.1, 0.2) == pytest.approx(1.0)      # as slow as one after the other
+    assert fit_overlap_slowdown(0.1, 0.05, 0.11) == pytest.approx(0.2)    # (0.11 - 0.1) / 0.05
+    assert fit_overlap_slowdown(0.05, 0.1, 0.11) == pytest.approx(0.2)
+    assert fit_overlap_slowdown(0.1, 0.1, 0.09) == 0.0                     # noise, not negative contention
+    # the fitted s makes the model's own cost reproduce the concurrent time
+    g, c, b = 0.08, 0.12, 0.135
+    s = fit_overlap_slowdown(g, c, b)
+    assert g + overlapped_cost(c, g, True, s) == pytest.approx(b)
+    with pytest.raises(ValueError, match="positive finite"):
+        fit_overlap_slowdown(0.0, 0.1, 0.1)
+    with pytest.raises(ValueError, match="positive finite"):
+        fit_overlap_slowdown(0.1, math.nan, 0.1)
+
+
+def test_cluster_field_defaults_file_and_calibrate(tmp_path):
+    assert make_cluster("h100", 1).overlap_slowdown == pytest.approx(0.189)          # arXiv:2507.03114
+    assert make_cluster("a100-80g", 1).overlap_slowdown == pytest.approx(0.189)
+    assert make_cluster("v100", 1).overlap_slowdown == 0.0 and make_cluster("cpu", 1).overlap_slowdown == 0.0
+    c = cluster_from_dict({"gpu": "cpu", "nodes": 1, "overlap_slowdown": 0.42})
+    assert c.overlap_slowdown == 0.42 and "user TOML" in c.overlap_slowdown_source
+    p = tmp_path / "c.toml"
+    p.write_text(cluster_to_toml(c))
+    assert load_cluster(p) == c
+    for bad in (-0.1, "x", math.inf):
+        with pytest.raises(ValueError, match="overlap_slowdown"):
+            cluster_from_dict({"gpu": "cpu", "nodes": 1, "overlap_slowdown": bad})
+    # what calibrate writes: the fitted value and how it was measured, read back by plan --cluster
+    from autopar.calibrate import Calibration
+    from autopar.calibrate_file import calibration_toml, cluster_dict, measured_dict
+
+    cal = Calibration(device_kind="cpu", device_name="cpu", gpu="cpu", nproc=2, threads_per_rank=1, torch_version="x",
+                      date="d", gemm=(), sdpa=None, copy_Bps=1e10, vector_flops=None, overhead_s=1e-6, points=(),
+                      fits=(), link=None, link_kind="", joint=None, link_note="n", measure_s=1.0,
+                      overlap=OverlapFigures(0.1, 0.1, 0.15, 0.5, 3, "GEMM 256^2 float32 x 40, all_reduce 4 MiB x 9"))
+    from autopar.calibrate_bench import GemmShape, summarize_gemms
+    shape = GemmShape(256, 256, 256)
+    cal = replace(cal, gemm=(("float32", summarize_gemms([(shape, {"fwd": shape.flops / 1e10})]), 0),))
+    c = cluster_from_dict(cluster_dict(cal))
+    assert c.overlap_slowdown == pytest.approx(0.5) and "autopar calibrate" in c.overlap_slowdown_source
+    p.write_text(calibration_toml(c, measured_dict(cal, 10.0, 12.0)))
+    assert load_cluster(p).overlap_slowdown == pytest.approx(0.5)
+    assert tomllib.loads(p.read_text())["measured"]["overlap"]["both_s"] == pytest.approx(0.15)
