@@ -16,9 +16,22 @@ backward, per edge whose value needs a gradient: the consumer's gradient placeme
     is not Replicate on that axis, else the input placement) -> the producer's output placement
     with Partial read as Replicate (a parameter keeps a Partial gradient on dp: the reducer's; so
     does a value computed from a context-parallel rank's positions, ``RankProgram.positional``).
+    Two consumers hand back another G than ``input_grads``: an elementwise op (DTensor's
+    pointwise rule) whose output is Shard(d) chunks a Replicate input that is not broadcast along
+    d into that shard itself, so its G is the shard (the edge all-gathers it, not Partial); a loss
+    DTensor runs (nll_loss's rule) hands back the logits' gradient as it read them.
+rule-less ops (no planner rule, ``solver/rules.find_rule``): the planner makes them Replicate on
+    dp while their inputs stay batch-sharded (``solver/plan_parts._dp_placements``); DTensor keeps
+    the split (a view, a broadcast) and the executor gathers each output to Replicate
+    (``GraphExecutor._fix_output``): an all_gather per output on every axis where the plan has
+    the op Replicate and some input Shard (none Partial); its gradient goes back for free.
 the loss: Partial axes of the loss are all-reduced (4 bytes) to return one float; DTensor's
     nll_loss backward all-reduces its ``total_weight`` (4 bytes) on every axis where the loss is
-    Partial (a DTensor implementation detail, listed here so the count is exact).
+    Partial (a DTensor implementation detail, listed here so the count is exact) -- where DTensor
+    computed it Partial, i.e. the logits' rows are sharded there; Replicate logits give a
+    Replicate loss, which the executor makes the plan's Partial for free. nll_loss's rule moves
+    the target to the logits' placement (without the class dim), in forward and again in its
+    backward (a batch-sharded target of Replicate logits: all_gather twice).
 vocab-parallel cross-entropy (``vocab_ce.VocabParallelCE``: logits Shard(1) on tp, no class
     weight, no label smoothing): forward, on tp, three all_reduces of one value per local row
     (row max and sum-exp in fp32, the target logit in the logits dtype); mean: on each other
@@ -38,7 +51,10 @@ ZeRO (dp > 1), per parameter read per scope (main graph or region): ZeRO-3 all_g
     optimizer step all_gather (ZeRO 1/2).
 
 ``nbytes`` as ``autopar.cost.collectives``, of the piece the collective moves: the tensor divided
-by its shard counts on the other axes. Not predicted: ops DTensor has no rule for that must gather
+by its shard counts on the other axes, an uneven shard padded to equal chunks as DTensor pads it
+(``_piece_bytes``; a rule-less op's gathered output is taken as even). ZeRO-3's backward re-gather
+counts the parameters autograd keeps (``_saves``: a matmul keeps a weight only for its input's
+gradient). Not predicted: ops DTensor has no rule for that must gather
 (``ParallelModel.fallbacks`` names them), and reshardings DTensor inserts inside an op whose
 planned input placements it does not accept -- both show up as differences, which is the point.
 
@@ -64,6 +80,7 @@ from autopar.ir import DTYPE_BYTES, GraphIR, NodeInfo, TensorMeta
 from autopar.mesh import DATA, TENSOR
 from autopar.placements import Partial, Placement, Replicate, Shard
 from autopar.plan import Plan
+from autopar.solver.rules import _ELEMENTWISE as ELEMENTWISE, base_name, find_rule
 from autopar.solver.saved import saves_operand
 
 
@@ -100,26 +117,109 @@ def _norm(p: Placement, ndim: int) -> Placement:
     return Shard(p.dim + ndim) if isinstance(p, Shard) and p.dim < 0 else p
 
 
-def _piece_bytes(meta: TensorMeta, pl: Sequence[Placement], sizes: Sequence[int], axis: int, kind: str) -> int:
-    """Bytes a collective on ``axis`` moves for a tensor with placements ``pl`` elsewhere."""
+def _piece_bytes(meta: TensorMeta, pl: Sequence[Placement], sizes: Sequence[int], axis: int, kind: str,
+                 src: Optional[Placement] = None, dst: Optional[Placement] = None) -> int:
+    """Bytes a collective on ``axis`` moves for a tensor with placements ``pl`` elsewhere, moving
+    it from ``src`` to ``dst`` on ``axis`` (``kind``: ``placements.reshard_kind``'s). A shard that
+    does not divide evenly is padded to equal chunks first, as DTensor does: an all_gather's output
+    and a reduce_scatter's input hold n x ceil(d / n) along the sharded dim (n ranks), an
+    all_to_all pads the old shard dim to ceil(d / n) and the new one to n x ceil(d / n) (gloo:
+    all-gathered, n x that)."""
     shape = list(meta.shape)
     for b, p in enumerate(pl):
         if b != axis and isinstance(p, Shard) and shape:
             d = p.dim % len(shape)
             a, e = chunk_range(shape[d], sizes[b], 0)
             shape[d] = e - a
-    nbytes = math.prod(shape) * DTYPE_BYTES[meta.dtype]
-    if kind == "all_to_all":
-        nbytes //= sizes[axis]
-    return nbytes
+    n = sizes[axis]
+
+    def padded(p: Optional[Placement], chunks: int) -> None:     # dim of shard p: ``chunks`` padded chunks
+        if isinstance(p, Shard) and shape:
+            d = p.dim % len(shape)
+            shape[d] = -(-shape[d] // n) * chunks
+
+    if kind == "all_gather":
+        padded(src, n)
+    elif kind == "reduce_scatter":
+        padded(dst, n)
+    elif kind in ("all_to_all", "all_to_all_gloo"):
+        padded(src, 1 if kind == "all_to_all" else n)
+        padded(dst, n)
+    return math.prod(shape) * DTYPE_BYTES[meta.dtype]
 
 
-def _grad_placement(b: Placement, out: Placement) -> Placement:
+def _moved(meta: TensorMeta, pl: Sequence[Placement], sizes: Sequence[int], axis: int, src: Placement,
+           dst: Placement, backend: str) -> Optional[tuple[str, int]]:
+    """(kind as logged, bytes) of moving a tensor with placements ``pl`` elsewhere from ``src`` to
+    ``dst`` on ``axis``; None when nothing moves."""
+    k = placements.reshard_kind(src, dst)
+    if k is None:
+        return None
+    if k == "all_to_all" and backend == "gloo":
+        return "all_gather", _piece_bytes(meta, pl, sizes, axis, "all_to_all_gloo", src, dst)
+    return k, _piece_bytes(meta, pl, sizes, axis, k, src, dst)
+
+
+def _grad_placement(b: Placement, out: Placement, elementwise: Optional[tuple] = None) -> Placement:
+    """The placement of the gradient an op hands back for an input it read as ``b`` (its output
+    ``out``). ``elementwise``: (input meta, output meta) of an elementwise op's input: DTensor
+    runs it with every operand that is not broadcast along the output's shard in that shard (a
+    Replicate one is chunked locally), so such an input's gradient comes back in the shard, not
+    Partial (the edge into the op then all-gathers it)."""
     if isinstance(b, Partial):
         return Replicate()
+    if isinstance(b, Replicate) and isinstance(out, Shard) and elementwise is not None:
+        m, o = elementwise
+        d = out.dim % len(o.shape)
+        e = d - (len(o.shape) - len(m.shape))
+        if e >= 0 and m.shape[e] == o.shape[d]:
+            return Shard(e)
     if isinstance(b, Replicate) and not isinstance(out, Replicate):
         return Partial()
     return b
+
+
+def _loss_target(p_in: Optional[Placement], ndim: int) -> Optional[Placement]:
+    """Where DTensor's nll_loss rule puts the target on an axis where the logits (``ndim`` dims,
+    classes on dim 1, or 0 for one row) are ``p_in``: the logits' placement on its other dims (a
+    class shard is replicated first); None: not a case predicted here (Partial logits)."""
+    channel = 1 if ndim >= 2 else 0
+    if isinstance(p_in, Replicate):
+        return Replicate()
+    if isinstance(p_in, Shard):
+        d = p_in.dim % ndim
+        return Replicate() if d == channel else Shard(d - 1 if d > channel else d)
+    return None
+
+
+def _elementwise(target: str) -> bool:
+    """Whether DTensor runs ``target`` as a pointwise op (operands aligned by broadcasting)."""
+    return base_name(target) in ELEMENTWISE
+
+
+def _rule_less(target: str) -> bool:
+    """Whether the planner has no sharding rule for ``target``: it plans the op Replicate on the
+    DATA axis (``solver/plan_parts._dp_placements``) while its inputs stay batch-sharded there."""
+    return find_rule(target) is None and target != "getitem"
+
+
+# tensor operand positions of ops whose backward keeps one operand only for the other's gradient:
+# autograd saves operand i of the pair when the OTHER one requires grad (mm: self for mat2's
+# gradient, mat2 for self's); a convolution saves input and weight whenever either does
+_GRAD_PAIRS = {"linear": (0, 1), "mm": (0, 1), "bmm": (0, 1), "matmul": (0, 1), "addmm": (1, 2),
+               "addbmm": (1, 2), "baddbmm": (1, 2), "addmv": (1, 2), "mv": (0, 1), "mul": (0, 1)}
+
+
+def _saves(n: NodeInfo, i: int, need: dict) -> bool:
+    """Whether autograd keeps ``n``'s tensor input ``i`` for backward (``need``: which values need a
+    gradient; ``saves_operand`` assumes all of them do)."""
+    if not saves_operand(n.target, i):
+        return False
+    pair = _GRAD_PAIRS.get(base_name(n.target))
+    if pair is None or i not in pair:
+        return True
+    other = pair[1 - pair.index(i)]
+    return other < len(n.inputs) and need.get(n.inputs[other].key, False)
 
 
 def _needs_grad(graph: GraphIR, received: Collection[str] = ()) -> dict[str, bool]:
@@ -139,10 +239,12 @@ def _needs_grad(graph: GraphIR, received: Collection[str] = ()) -> dict[str, boo
     return need
 
 
-def _saved_params(graph: GraphIR, region_of: dict, runs=lambda key: True) -> set:
+def _saved_params(graph: GraphIR, region_of: dict, runs=lambda key: True, need: Optional[dict] = None) -> set:
     """Parameters that an op outside recompute regions keeps for backward (directly or through
     views): ZeRO-3 gathers each of them once more in backward (``runtime/reshard.py``). ``runs``:
-    whether a node runs (a pipeline stage's part)."""
+    whether a node runs (a pipeline stage's part); ``need``: which values need a gradient
+    (``_needs_grad``; a linear over the model's inputs keeps no weight)."""
+    need = _needs_grad(graph) if need is None else need
     users: dict = {}
     for n in graph.nodes:
         if n.kind == "op" and region_of.get(n.key) is None and runs(n.key):
@@ -155,7 +257,7 @@ def _saved_params(graph: GraphIR, region_of: dict, runs=lambda key: True) -> set
                 seen.add(n.key)
                 if kept(n.key, seen):
                     return True
-            elif saves_operand(n.target, i):
+            elif _saves(n, i, need):
                 return True
         return False
 
@@ -215,29 +317,35 @@ def part_collectives(graph: GraphIR, program: RankProgram, *, backend: str = "gl
             return tuple(tp if a == ti else Replicate() for a in range(len(axes)))
         return nplan[n.key].output
 
-    def edge(meta: TensorMeta, a_pl, b_pl, consumer_out, ph, grad: bool, is_param: bool):
+    def edge(meta: TensorMeta, a_pl, b_pl, consumer_out, ph, grad: bool, is_param: bool,
+             out_meta: Optional[TensorMeta] = None, elementwise: bool = False, as_read: bool = False):
+        """Producer placements ``a_pl`` -> consumer input ``b_pl`` (the consumer's output
+        ``consumer_out``, of ``out_meta``; ``elementwise``: the consumer is a pointwise op;
+        ``as_read``: the consumer hands back the gradient in the placement it read, a loss)."""
         if a_pl is None or b_pl is None:
             return
         nd = len(meta.shape)
+        od = len(out_meta.shape) if out_meta is not None else nd
         a_pl = tuple(None if x is None else _norm(x, nd) for x in a_pl)
         b_pl = tuple(None if x is None else _norm(x, nd) for x in b_pl)
         for ax in range(len(axes)):
             if sizes[ax] == 1 or a_pl[ax] is None or b_pl[ax] is None:
                 continue
-            k = reshard_kind(a_pl[ax], b_pl[ax], backend)
+            k = _moved(meta, a_pl, sizes, ax, a_pl[ax], b_pl[ax], backend)
             if k is not None:
                 for phase in ph:
-                    add(k, ax, _piece_bytes(meta, a_pl, sizes, ax, k), phase)
+                    add(k[0], ax, k[1], phase)
             if not grad or consumer_out is None or consumer_out[ax] is None:
                 continue
-            g = _grad_placement(b_pl[ax], _norm(consumer_out[ax], nd) if consumer_out[ax] else consumer_out[ax])
+            g = b_pl[ax] if as_read else _grad_placement(
+                b_pl[ax], _norm(consumer_out[ax], od), (meta, out_meta) if elementwise and out_meta is not None else None)
             t = Replicate() if isinstance(a_pl[ax], Partial) else a_pl[ax]
             if is_param and ax == di and isinstance(g, Partial):
                 continue                                   # the reducer's summand
-            kb = reshard_kind(g, t, backend)
+            tgt = tuple(Replicate() if isinstance(x, Partial) else x for x in a_pl)
+            kb = _moved(meta, tgt, sizes, ax, g, t, backend)
             if kb is not None:
-                tgt = tuple(Replicate() if isinstance(x, Partial) else x for x in a_pl)
-                add(kb, ax, _piece_bytes(meta, tgt, sizes, ax, kb), bwd)
+                add(kb[0], ax, kb[1], bwd)
 
     # ---- DTensor edges ----
     for n in graph.nodes:
@@ -253,15 +361,48 @@ def part_collectives(graph: GraphIR, program: RankProgram, *, backend: str = "gl
             continue
         if not np_.inputs:
             continue
+        pointwise = _elementwise(n.target) and bool(n.outputs)
+        x0 = by_key[n.inputs[0].key] if n.inputs else None
+        loss_rule = x0 is not None and bool(x0.outputs) and dtensor_loss(
+            n, np_, mesh, len(x0.outputs[n.inputs[0].index or 0].shape), fused)
+        metas = []
         for r, b_pl in zip(n.inputs, np_.inputs):
             u = by_key[r.key]
+            metas.append(None)
             if not u.outputs:
                 continue
-            meta = u.outputs[r.index or 0] if r.index is not None else u.out
+            meta = metas[-1] = u.outputs[r.index or 0] if r.index is not None else u.out
             if u.target in ("aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default"):
                 continue                                   # consumed through getitem
             edge(meta, out_placement(u), b_pl, np_.output, ph, need[u.key],
-                 u.kind == "param" or u.key in program.positional)
+                 u.kind == "param" or u.key in program.positional, n.out if n.outputs else None, pointwise,
+                 loss_rule)
+        # a loss DTensor runs (nll_loss's rule): the target follows the logits' placement, moved
+        # there in forward and again by the backward op (which reads the target too)
+        if loss_rule and len(metas) > 1 and metas[0] is not None and metas[1] is not None:
+            xd, td = len(metas[0].shape), len(metas[1].shape)
+            t_pl = tuple(None if q is None else _norm(q, td) for q in np_.inputs[1])
+            for ax in range(len(axes)):
+                want = _loss_target(np_.inputs[0][ax], xd)
+                if sizes[ax] == 1 or want is None or t_pl[ax] is None:
+                    continue
+                mv = _moved(metas[1], t_pl, sizes, ax, t_pl[ax], want, backend)
+                if mv is not None:
+                    for phase in ph + (bwd,):
+                        add(mv[0], ax, mv[1], phase)
+        # a rule-less op Replicate on an axis where an input is Shard: DTensor keeps the split
+        # (a view, a broadcast), and the executor gathers each output to the plan's Replicate
+        # (``GraphExecutor._fix_output``); its gradient comes back Replicate, chunked for free
+        if np_.output is not None and _rule_less(n.target):
+            for ax in range(len(axes)):
+                if sizes[ax] == 1 or not isinstance(np_.output[ax], Replicate):
+                    continue
+                ins = [b[ax] for b in np_.inputs if b is not None]
+                if not any(isinstance(b, Shard) for b in ins) or any(isinstance(b, Partial) for b in ins):
+                    continue
+                for m in n.outputs:
+                    for phase in ph:
+                        add("all_gather", ax, _piece_bytes(m, np_.output, sizes, ax, "all_gather"), phase)
 
     # ---- vocab-parallel cross-entropy ----
     vocab_ce = set()
@@ -296,7 +437,10 @@ def part_collectives(graph: GraphIR, program: RankProgram, *, backend: str = "gl
                     if _ce_reduction(loss) == 1:
                         add("all_reduce", ax, 4, fwd)        # the kernel's global target count
                 elif loss.target in LOSS_TARGETS and loss.key not in vocab_ce:
-                    add("all_reduce", ax, DTYPE_BYTES[loss.out.dtype], bwd)
+                    xd = len(by_key[loss.inputs[0].key].outputs[loss.inputs[0].index or 0].shape)
+                    if not dtensor_loss(loss, nplan[loss.key], mesh, xd, fused) or \
+                            _loss_rows_sharded(nplan[loss.key], ax, xd):
+                        add("all_reduce", ax, DTYPE_BYTES[loss.out.dtype], bwd)
 
     # ---- ZeRO-3: each scope gathers the parameters it reads ----
     dp = mesh.size_of(DATA)
@@ -310,7 +454,7 @@ def part_collectives(graph: GraphIR, program: RankProgram, *, backend: str = "gl
                 u = by_key[r.key]
                 if u.kind == "param":
                     scopes.add((u.param_name or u.key, region_of.get(n.key)))
-        saved = _saved_params(graph, region_of, runs)
+        saved = _saved_params(graph, region_of, runs, need)
         for name, region in sorted(scopes, key=lambda s: (s[0], -1 if s[1] is None else s[1])):
             nb = lay[name].padded_numel(dp) * DTYPE_BYTES[lay[name].dtype]
             out.append(Collective("all_gather", axes[di], int(nb), fwd, "zero"))
@@ -346,6 +490,25 @@ def reducer_collectives(program: RankProgram, bucket_bytes: int, tp_rank: int) -
             out.append(Collective("all_gather", axis, bucket_comm_bytes(layouts, bucket, dp, "all_gather"),
                                   "step", "zero"))
     return out
+
+
+def dtensor_loss(n: NodeInfo, np_, mesh, logits_ndim: int, fused: Collection[str] = ()) -> bool:
+    """Whether ``n`` is a loss (``LOSS_TARGETS``) that DTensor's nll_loss rule runs (logits of
+    ``logits_ndim`` dims): not fused (``fused``), not vocab-parallel cross-entropy, both planned
+    input placements known."""
+    if n.target not in LOSS_TARGETS or n.key in fused or len(np_.inputs) < 2 or np_.inputs[0] is None \
+            or np_.inputs[1] is None:
+        return False
+    return not vocab_parallel_ce(n, np_, mesh, logits_ndim)
+
+
+def _loss_rows_sharded(np_, ax: int, logits_ndim: int) -> bool:
+    """Whether the logits of a loss DTensor runs are sharded over their rows on axis ``ax``
+    (a dim other than the classes): its loss is then Partial there, and nll_loss's backward
+    all-reduces its ``total_weight``; Replicate logits give a Replicate loss (the executor makes
+    it the plan's Partial for free)."""
+    p = np_.inputs[0][ax]
+    return isinstance(_loss_target(p, logits_ndim), Shard)
 
 
 def _ce_reduction(n: NodeInfo) -> int:

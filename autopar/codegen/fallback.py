@@ -24,8 +24,11 @@ a column-split weight silently yields a local output with half the channels labe
 
 Gradients (``grad_placements``): on an axis where the output is a Shard, an operand the op read
 Replicate gets only this rank's share of its gradient (a query shard's part of the keys' gradient,
-a channel shard's part of the input's): Partial, summed by the edge that fed it. A Partial operand
-(a bias added once per rank) gets the full gradient: Replicate.
+a channel shard's part of the input's): Partial, summed by the edge that fed it (the executor's,
+into the op), not by the local run's own move to the chosen placements, which on such an axis
+moved nothing: a parameter's summand stays Partial on the DATA axis there for the gradient
+reducer, which sums it over dp once. A Partial operand (a bias added once per rank) gets the full
+gradient: Replicate.
 
 ``aten._assert_tensor_metadata`` (torch.export writes it after dtype casts, e.g. in HF's mask
 building) is not run at all on shards: ``assert_global_metadata`` checks its size, stride, dtype,
@@ -199,7 +202,12 @@ def run_local(op, target: str, args, kwargs: dict, mesh):
     def local(a):
         if isinstance(a, DTensor):
             t, pl, grad_pl = next(it)
-            return edge(t, tuple(pl)).to_local(grad_placements=grad_pl)
+            # where the operand already has the chosen placement its (Partial) gradient goes back
+            # as it is: the edge that fed the operand reduces it, or keeps it Partial on DATA for
+            # the gradient reducer (a parameter's summand) -- reducing it here too would sum a
+            # parameter's gradient over dp twice
+            keep = tuple(i for i, (have, want) in enumerate(zip(t.placements, pl)) if have == want)
+            return edge(t, tuple(pl), keep).to_local(grad_placements=grad_pl)
         return a
     out = op(*fx.node.map_aggregate(args, local), **fx.node.map_aggregate(kwargs, local))
     if not isinstance(out, torch.Tensor):

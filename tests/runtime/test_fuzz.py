@@ -112,12 +112,45 @@ def _sdpa_seq_plan(case, world):
     return replace(plan, strategies=edited)
 
 
+# Cases whose collectives differed from codegen/expected.py's prediction (the numbers were right);
+# each now issues exactly the predicted collectives, as ``benchmarks/fuzz.py --predictions`` checks.
+_SMALL = dict(ffn=3, layers=1, seq=3, bias=False)
+_DP2 = dict(dp=2, tp=1, pp=1, recompute="none", zero=0)
+PREDICTED = {
+    # The batch-split stem convolution runs on local shards (codegen/fallback.py): it all-reduced
+    # its weight's and bias' dp gradient on the way back, which the gradient reducer then reduced
+    # again (dp traffic doubled, the sum undone by /dp). A norm over the channels (movedim: no
+    # planner rule, so Replicate on dp) leaves the executor to gather the moved view, which
+    # DTensor kept batch-sharded (GraphExecutor._fix_output); the residual add of that Replicate
+    # branch to the sharded stem chunks it, so its gradient comes back sharded: an all_gather,
+    # not the Partial all_reduce predicted.
+    "conv_channel_norm": _case(_spec(kind="conv1d", hidden=3, block=["conv"], norm="layernorm", channels=1,
+                                     kernel=1, **_SMALL), _DP2),
+    # A Linear over the channels (movedim) makes the logits Replicate on dp while the target is
+    # batch-sharded: DTensor's nll_loss rule gathers the target (forward, and again in its
+    # backward), the loss is Replicate (no total_weight all_reduce) and so is the logits' gradient.
+    "replicated_logits": _case(_spec(kind="conv1d", hidden=3, block=["linear"], channels=1, kernel=1, **_SMALL),
+                               _DP2),
+    # mse_loss' broadcast_tensors (no planner rule) has two batch-sharded outputs, both gathered;
+    # ZeRO-3 gathers a weight again in backward only where autograd keeps it: not the first
+    # Linear's, whose input needs no gradient. Full recompute, two micro-batches.
+    "mse_zero3": _case(_spec(kind="features", hidden=3, block=["linear"], features=3, loss="mse", **dict(_SMALL, seq=0)),
+                       dict(_DP2, zero=3, recompute="full", mbs=1)),
+    # One-row micro-batches whose rows the plan splits over tp=2: an uneven shard, which DTensor
+    # pads to equal chunks before all-gathering it (the gather moves two rows, not one).
+    "uneven_tp_shard": _case(_spec(kind="conv1d", hidden=4, block=["conv"], norm="rmsnorm", channels=1, kernel=1,
+                                   **_SMALL), dict(dp=1, tp=2, pp=1, recompute="none", mbs=1)),
+}
+
+
 @pytest.fixture(scope="module")
 def two_rank_regressions():
+    """The two-rank regressions below, in one launch."""
     sdpa = dict(SDPA_SEQ, plan=_sdpa_seq_plan(SDPA_SEQ, 2).to_json())
     named = {"conv_colwise": CONV_COLWISE, "noncontiguous_tp": NONCONTIGUOUS_TP,
-             "noncontiguous_dp": NONCONTIGUOUS_DP, "noncontiguous_pp": NONCONTIGUOUS_PP, "sdpa_seq": sdpa}
-    return dict(zip(named, run_cases(list(named.values()), 2)))
+             "noncontiguous_dp": NONCONTIGUOUS_DP, "noncontiguous_pp": NONCONTIGUOUS_PP, "sdpa_seq": sdpa,
+             **PREDICTED}
+    return dict(zip(named, run_cases(list(named.values()), 2, check_prediction=True)))
 
 
 @pytest.mark.parametrize("name", ["conv_colwise", "noncontiguous_tp", "noncontiguous_dp", "noncontiguous_pp",
@@ -131,6 +164,18 @@ def test_found_cases_on_two_ranks(name, two_rank_regressions):
         plan = json.loads(o.case["plan"])
         attn = next(s for s in plan["strategies"] if "scaled_dot_product_attention" in s["key"])
         assert attn["name"] == "seq"
+
+
+@pytest.mark.parametrize("name", list(PREDICTED))
+def test_found_cases_issue_the_predicted_collectives(name, two_rank_regressions):
+    """Numbers as one process, and every rank issued exactly what codegen/expected.py predicts
+    (kind, axis, bytes, phase; ``fuzz_runs._unpredicted``): in particular the stem convolution's
+    weight gradient crosses dp once, in the gradient reducer's bucket."""
+    o = two_rank_regressions[name]
+    assert o.status == "pass", f"{o.line()}\n{o.detail[-3000:]}"
+    assert not o.unpredicted, o.unpredicted
+    axis = "tp" if name == "uneven_tp_shard" else "dp"
+    assert o.traffic.get(axis), o.traffic
 
 
 def test_conv_split_over_both_axes_on_four_ranks():
