@@ -51,9 +51,9 @@ from autopar.build import Built, OptimizerFactory, as_tuple, batch_rows, build, 
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES
 from autopar.codegen.edges import edge
 from autopar.codegen.executor import GraphExecutor
-from autopar.codegen.fused import FusedKernels
 from autopar.codegen.program import RankProgram, compile_program
 from autopar.codegen.stages import cut_pipeline
+from autopar.engine import decide, forward_modules, make_runner
 from autopar.mesh import CONTEXT, DATA, PIPELINE
 from autopar.plan import Plan
 from autopar.runtime.checkpoint import CheckpointInfo, Checkpoints, TrainingState
@@ -118,6 +118,10 @@ class ParallelModel:
             axis: tuple(dist.get_process_group_ranks(whole.get_group(axis))) for axis in whole.mesh_dim_names},
             named={parts.context.group.group_name: CONTEXT} if parts.context is not None else None)
         self._pipeline: Optional[PipelineRunner] = None
+        # the engine (``autopar/engine.py``): decided from what every rank has alike, before any step
+        self.engine, self.engine_reason, modules = decide(parts.engine, self._train_graph, self.program, parts.cut,
+                                                          fused=parts.fused, context=parts.context, device=self.device)
+        self._modules: dict = {id(self._train_graph): modules}      # graph -> emitted module per part
         if parts.cut is None:
             self._train = self._executor(self._train_graph, self.program)
         else:                    # every rank alike: building the schedule makes process groups
@@ -339,13 +343,13 @@ class ParallelModel:
             out = forward_through_stages(
                 plan=self.plan, cut=cut, graph=graph, program=program, device_mesh=self.device_mesh,
                 stage_mesh=self.mesh, inputs=self._folded(inputs),
-                make_executor=lambda part, want: self._stage_executor(graph, program, part, want))
+                make_executor=lambda part, want: self._stage_executor(graph, program, part, want, cut))
             return out if self._context is None else self._context.unfold(out)
 
-    def _stage_executor(self, graph, program, part, want) -> GraphExecutor:
+    def _stage_executor(self, graph, program, part, want, cut) -> GraphExecutor:
         key = (id(graph), part)
         if key not in self._stage_executors:
-            self._stage_executors[key] = self._executor(graph, program, part, want)
+            self._stage_executors[key] = self._executor(graph, program, part, want, cut)
         return self._stage_executors[key]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -429,18 +433,13 @@ class ParallelModel:
         return self._recorder if self.record_collectives else contextlib.nullcontext()
 
     def _executor(self, graph, program: RankProgram, part: Optional[frozenset] = None,
-                  want: tuple = ()) -> GraphExecutor:
-        from autopar.trace import graph_on_device
-
+                  want: tuple = (), cut=None):
+        """The runner of ``part`` of ``graph``: its emitted module or a GraphExecutor (``engine.py``)."""
         self._warn_random_ops(graph)
-        gm = graph_on_device(graph, self.device)
-        spec_targets = {s.arg.name: s.target for s in graph.exported.graph_signature.input_specs
-                        if hasattr(s.arg, "name")}
-        constants = {n.name: graph.exported.constants[spec_targets[n.name]].to(self.device)
-                     for n in graph.nodes if n.kind == "buffer" and n.param_name is None}
-        fused = None if self._fused is None else FusedKernels(self._fused.implementation)
-        ex = GraphExecutor(gm, program, self.mesh, self.store, self._buffers, constants, self._log.paused,
-                           fused, part=part, want=want, context=self._context)
+        if id(graph) not in self._modules:    # a forward-only graph (pm(inputs)): emitted where covered
+            self._modules[id(graph)] = forward_modules(self.engine, graph, program, cut, fused=self._fused,
+                                                       context=self._context, device=self.device)
+        ex = make_runner(self, graph, program, part, want, self._modules[id(graph)].pop(part, None))
         self._made.append(ex)
         return ex
 
@@ -502,7 +501,8 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
                     resume: Optional[str] = None,
                     heartbeat_timeout_s: Optional[float] = 30.0,
                     dtype: Union[str, torch.dtype, None] = None,
-                    nvme_dir: Optional[str] = None) -> ParallelModel:
+                    nvme_dir: Optional[str] = None,
+                    engine: str = "auto") -> ParallelModel:
     """Plan (or take ``plan``) and compile ``model`` for the running world; see the module docstring.
 
     example_inputs / example_target: one GLOBAL batch (shapes fix the plan's batch and sequence).
@@ -542,13 +542,17 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
     nvme_dir: a directory on a fast local disk, for a plan that offloads the optimizer state to NVMe
         (``offload`` with ``nvme``; ``runtime/offload.py``): each rank keeps its files in its own
         subdirectory, removed at exit.
+    engine: what runs the graph (``autopar/engine.py``): "emitted" the generated ``fx.GraphModule``
+        per stage (``codegen/emit.py``), "interpreter" the ``GraphExecutor``, "auto" (default) the
+        emitted modules where they cover the plan, else the interpreter; ``pm.engine`` and
+        ``pm.engine_reason`` say which and why. "emitted" on a plan they do not cover raises.
     record_collectives: log DTensor's collectives into ``pm.collectives`` (a dispatch mode around
         forward and backward: a few microseconds per op; autopar's own reducer/ZeRO collectives are
         always logged).
     """
     with peer_failures("autoparallelize (setup)", timeout_s):
         checked = setup(model, example_inputs, loss_fn, optimizer, cluster, force, plan, seed, timeout_s,
-                        bucket_bytes, model_name, dp_mode, kernels, heartbeat_timeout_s, dtype, nvme_dir)
+                        bucket_bytes, model_name, dp_mode, kernels, heartbeat_timeout_s, dtype, nvme_dir, engine)
         return ParallelModel(functools.partial(build, checked), timeout_s=timeout_s,
                              example_target=example_target, record_collectives=record_collectives,
                              resume=resume)

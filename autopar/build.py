@@ -82,12 +82,17 @@ class Setup:
     watchdog: Any = None          # runtime/watchdog.Watchdog, under torchrun
     dtype: Optional[torch.dtype] = None   # the compute dtype asked for (None: the plan's / the parameters')
     nvme_dir: Optional[str] = None        # where an NVMe-offloading plan keeps its files
+    engine: str = "auto"                  # "auto" | "emitted" | "interpreter" (``autopar/engine.py``)
 
 
 def setup(model, example_inputs, loss_fn, optimizer, cluster, force, plan, seed, timeout_s, bucket_bytes,
            model_name, dp_mode, kernels, heartbeat_timeout_s: Optional[float] = None, dtype=None,
-           nvme_dir: Optional[str] = None) -> Setup:
+           nvme_dir: Optional[str] = None, engine: str = "auto") -> Setup:
     """Steps 1-2 of the module docstring: check the arguments, join the world, check --force."""
+    from autopar.engine import ENGINES
+
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r}: choose one of {', '.join(repr(e) for e in ENGINES)}")
     if dp_mode not in ("auto", "dtensor"):
         raise ValueError(f"dp_mode={dp_mode!r}: choose 'auto' or 'dtensor'")
     if kernels not in ("auto", "on", "off"):
@@ -106,7 +111,7 @@ def setup(model, example_inputs, loss_fn, optimizer, cluster, force, plan, seed,
     return Setup(model, as_tuple(example_inputs), loss_fn,
                   optimizer or autopar_adamw, cluster, force_, plan,
                   seed, timeout_s, bucket_bytes, model_name, dp_mode, kernels, fused, device_type, device, rank,
-                  world, watchdog, dtype, nvme_dir)
+                  world, watchdog, dtype, nvme_dir, engine)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +135,7 @@ class Built:
     precision: Precision = Precision(torch.float32, torch.float32)
     context: Optional[ContextRun] = None   # cp > 1: this rank's chunk of every sequence
     offload: Offload = dataclasses.field(default_factory=lambda: Offload(()))   # ``runtime/offload.py``
+    engine: str = "auto"               # the engine asked for (``autopar/engine.py``)
 
 
 def build(s: Setup, example_target: torch.Tensor) -> Built:
@@ -210,7 +216,7 @@ def build(s: Setup, example_target: torch.Tensor) -> Built:
     return Built(model=model, plan=plan_, train_graph=graph, mesh=mesh, program=program, store=store,
                   optimizer=opt, reducer=reducer, buffers=buffers, collective_log=clog, device=s.device,
                   fused=s.fused, device_mesh=device_mesh, cut=cut, loss_scale=loss_scale,
-                  precision=precision, context=context, offload=offload)
+                  precision=precision, context=context, offload=offload, engine=s.engine)
 
 
 def _context(plan: Plan, s: Setup) -> Optional[ContextRun]:

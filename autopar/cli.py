@@ -116,6 +116,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nvme-dir", default=None, metavar="DIR",
                    help="for a plan that offloads the optimizer state to NVMe (--force offload=optimizer+nvme): a "
                    "directory on a fast local disk; each rank's files are removed at the end")
+    p.add_argument("--engine", default="auto", choices=("auto", "emitted", "interpreter"),
+                   help="what runs the graph: the emitted fx.GraphModule per stage, the interpreter, or "
+                   "(auto, default) the emitted modules where they cover the plan")
 
     p = sub.add_parser("sweep", help="plan models at several GPU counts -> DIR/sweep.csv and PNG plots")
     p.add_argument("--models", required=True,
@@ -261,7 +264,8 @@ def cmd_run(args, console: Console) -> int:
                     force=args.force or None, json_path=args.json_path, batch=args.batch,
                     seq_len=args.seq_len, seed=args.seed, optimizer=args.optimizer, timeout_s=args.timeout,
                     checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                    resume=args.resume, memory=args.memory, dtype=args.dtype, nvme_dir=args.nvme_dir)
+                    resume=args.resume, memory=args.memory, dtype=args.dtype, nvme_dir=args.nvme_dir,
+                    engine=args.engine)
     except RankFailure:
         return 1  # run_command printed every rank's first error lines
     except KeyboardInterrupt:

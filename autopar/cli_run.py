@@ -43,7 +43,7 @@ def make_optimizer(name: str, params):
 def _train_rank(rank: int, world: int, model: str, steps: int, plan_json: Optional[str], force,
                 batch: Optional[int], seq_len: Optional[int], seed: int, timeout_s: float,
                 optimizer: str, checkpoint: Optional["CheckpointArgs"] = None, memory: bool = False,
-                dtype: Optional[str] = None, nvme_dir: Optional[str] = None) -> dict:
+                dtype: Optional[str] = None, nvme_dir: Optional[str] = None, engine: str = "auto") -> dict:
     from autopar.api import autoparallelize
     from autopar.models import build_model
     from autopar.plan import Plan
@@ -55,7 +55,7 @@ def _train_rank(rank: int, world: int, model: str, steps: int, plan_json: Option
                          timeout_s=timeout_s, model_name=model,
                          optimizer=lambda params: make_optimizer(optimizer, params),
                          resume=checkpoint.directory if checkpoint is not None and checkpoint.resume else None,
-                         dtype=dtype, nvme_dir=nvme_dir)
+                         dtype=dtype, nvme_dir=nvme_dir, engine=engine)
     measured: list = []
     step = None
     if memory:                    # the last step runs measured (``runtime/memory_measure.py``)
@@ -72,7 +72,8 @@ def _train_rank(rank: int, world: int, model: str, steps: int, plan_json: Option
         losses = train_steps(pm, b, steps, seed, checkpoint, step=step)    # pm.step reports progress
     finally:
         pm.close()                   # an NVMe offload's files go now
-    out = {"losses": losses, "first_step": pm.steps_done - len(losses) + 1}
+    out = {"losses": losses, "first_step": pm.steps_done - len(losses) + 1, "engine": pm.engine,
+           "engine_reason": pm.engine_reason}
     if measured:
         out["memory"] = measured[-1]
     if pm.resumed is not None:
@@ -224,7 +225,7 @@ def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = N
                 timeout_s: float = DEFAULT_RUN_TIMEOUT_S, optimizer: str = "adamw",
                 checkpoint_dir: Optional[str] = None, checkpoint_every: Optional[int] = None,
                 resume: bool = False, memory: bool = False, dtype: Optional[str] = None,
-                nvme_dir: Optional[str] = None) -> dict:
+                nvme_dir: Optional[str] = None, engine: str = "auto") -> dict:
     """``autopar run MODEL --nproc N --steps K``: train on N CPU ranks (planned by the solver for a
     "cpu" cluster of N, or ``plan_path``), then on one process; print and return the losses.
     ``optimizer``: "adamw", "lamb" or "lars" (``autopar.optim.LAMB`` / ``LARS``, per-tensor norms
@@ -239,11 +240,16 @@ def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = N
     category is printed next to the plan's prediction and returned as ``"memory"``
     (``runtime/memory_measure.py``). ``dtype`` (``--dtype``): "bf16"/"fp16" plan and run mixed
     precision (``runtime/precision.py``), the reference under ``torch.autocast``. ``nvme_dir``
-    (``--nvme-dir``): where a plan that offloads to NVMe keeps its files (removed at the end)."""
+    (``--nvme-dir``): where a plan that offloads to NVMe keeps its files (removed at the end).
+    ``engine`` (``--engine``): "auto", "emitted" or "interpreter" (``autopar/engine.py``)."""
     from autopar.plan import Plan
 
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"--optimizer {optimizer!r}: choose one of {OPTIMIZERS}")
+    from autopar.engine import ENGINES
+
+    if engine not in ENGINES:
+        raise ValueError(f"--engine {engine!r}: choose one of {', '.join(ENGINES)}")
     _check_trainable(model, batch, seq_len)
     checkpoint = _checkpoint_args(checkpoint_dir, checkpoint_every, resume, steps)
     plan_json = Plan.load(plan_path).to_json() if plan_path else None
@@ -258,7 +264,8 @@ def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = N
     t0 = time.monotonic()
     try:
         outs = spawn_ranks(_train_rank, nproc, (model, steps, plan_json, force, batch, seq_len, seed,
-                                               timeout_s, optimizer, checkpoint, memory, dtype, nvme_dir),
+                                               timeout_s, optimizer, checkpoint, memory, dtype, nvme_dir,
+                                               engine),
                            timeout_s=timeout_s)
     except RankFailure as e:
         print(f"autopar run {model} on {nproc} ranks failed; every rank was stopped.\n" + e.summary(),
@@ -277,6 +284,7 @@ def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = N
     diff = max((abs(a - b) for a, b in zip(losses, ref)), default=0.0)
     print("reference (1 process): " + ", ".join(f"{l:.6f}" for l in ref))
     print(f"max |loss - reference| = {diff:.3e}   ({nproc} ranks, {wall:.1f} s)")
+    print(f"engine: {outs[0]['engine']} ({outs[0]['engine_reason']})")
     from autopar.report import idle_axis_notes
 
     traffic = outs[0]["collectives"]
@@ -284,7 +292,7 @@ def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = N
         f"{axis}: {t['count']} collectives, {t['bytes'] / 1e6:.3f} MB" for axis, t in traffic.items()) or "nothing"))
     for note in idle_axis_notes(plan):
         print(f"note: {note}")
-    result = {"losses": losses, "first_step": first, "reference_losses": ref, "max_abs_diff": diff, "summary": plan.summary(),
+    result = {"losses": losses, "first_step": first, "engine": outs[0]["engine"], "reference_losses": ref, "max_abs_diff": diff, "summary": plan.summary(),
               "collectives": traffic, "plan": plan.to_dict()}
     if memory:
         result["memory"] = [r.to_json() for r in _memory_report(plan, model, batch, seq_len, optimizer, outs)]

@@ -204,7 +204,7 @@ def bench_rank(rank: int, world: int, cfg: dict, tp_plan_json: str) -> dict:
 
     pm_dp = autoparallelize(make_model(cfg), (ex_x,), loss_fn=lm_loss, example_target=ex_y, optimizer=adamw,
                             force="dp=2,tp=1,pp=1,zero=0,recompute=none", timeout_s=300,
-                            record_collectives=cfg["record"])
+                            record_collectives=cfg["record"], engine=cfg["engine"])
     steps["autopar_dp"] = (pm_dp.step, data)
 
     mesh = init_device_mesh("cpu", (world,))
@@ -222,7 +222,8 @@ def bench_rank(rank: int, world: int, cfg: dict, tp_plan_json: str) -> dict:
     steps["dtensor_tp"] = (tp_step, data)
 
     pm_tp = autoparallelize(make_model(cfg), (ex_x,), loss_fn=lm_loss, example_target=ex_y, optimizer=adamw,
-                            plan=Plan.from_json(tp_plan_json), timeout_s=300, record_collectives=cfg["record"])
+                            plan=Plan.from_json(tp_plan_json), timeout_s=300, record_collectives=cfg["record"],
+                            engine=cfg["engine"])
     steps["autopar_tp"] = (pm_tp.step, data)
 
     if cfg["pp"]:
@@ -239,6 +240,7 @@ def bench_rank(rank: int, world: int, cfg: dict, tp_plan_json: str) -> dict:
             fn, d = steps[name][:2]
             times[name] += _time_steps(fn, d[r * per_round:(r + 1) * per_round], 0)
     times["autopar_dp_plan"] = (pm_dp.plan.dp, pm_dp.plan.tp, pm_dp.plan.zero_stage)
+    times["engines"] = {"dp": pm_dp.engine, "tp": pm_tp.engine}
     if cfg["pp"]:
         times["autopar_pp_plan"] = steps["autopar_pp"][2]
     return times
@@ -253,7 +255,7 @@ def pipeline_engines(rank: int, world: int, cfg: dict, data, ex_x, ex_y) -> dict
 
     pm_pp = autoparallelize(make_model(cfg), (ex_x,), loss_fn=lm_loss, example_target=ex_y, optimizer=adamw,
                             force=f"pp={world},dp=1,tp=1,mbs=1,schedule=1f1b,zero=0,recompute=none",
-                            timeout_s=300, record_collectives=cfg["record"])
+                            timeout_s=300, record_collectives=cfg["record"], engine=cfg["engine"])
     plan = pm_pp.plan
     m = plan.num_micro_batches
     full = make_model(cfg)
@@ -279,7 +281,8 @@ def pipeline_engines(rank: int, world: int, cfg: dict, data, ex_x, ex_y) -> dict
     a, b = pm_pp.step(*data[0]), hand_step(*data[0])
     if abs(a - b) > 1e-4 * abs(b):
         raise AssertionError(f"autopar pp loss {a!r} != hand-cut pipeline loss {b!r}")
-    return {"torch_pp": (hand_step, data), "autopar_pp": (pm_pp.step, data, (plan.pp, plan.pipeline_schedule, m))}
+    return {"torch_pp": (hand_step, data),
+            "autopar_pp": (pm_pp.step, data, (plan.pp, plan.pipeline_schedule, m, pm_pp.engine))}
 
 
 def main() -> None:
@@ -297,6 +300,8 @@ def main() -> None:
                     help="keep autopar's DTensor collective log on (pm.collectives) while timing")
     ap.add_argument("--pp", action=argparse.BooleanOptionalAction, default=True,
                     help="also time pipeline parallel (autopar pp=2 1F1B vs hand-cut torch PipelineStages)")
+    ap.add_argument("--engine", default="auto", choices=("auto", "emitted", "interpreter"),
+                    help="autopar's engine (autoparallelize(engine=...)): emitted modules or the interpreter")
     args = ap.parse_args()
     cfg = dict(vars(args))
     world = 2
@@ -319,11 +324,12 @@ def main() -> None:
     engines = ("ddp", "autopar_dp", "dtensor_tp", "autopar_tp") + (("torch_pp", "autopar_pp") if args.pp else ())
     for k in engines:
         print(f"{k:<14}{med[k]:>14.4f}{min(res[k]):>9.4f}")
+    print(f"autopar engine: {args.engine} -> {res['engines']}")
     print(f"data parallel:   autopar / DDP         = {med['autopar_dp'] / med['ddp']:.3f}   "
           f"(plan dp,tp,zero = {res['autopar_dp_plan']})")
     print(f"tensor parallel: autopar / DTensor TP  = {med['autopar_tp'] / med['dtensor_tp']:.3f}")
     if args.pp:
-        pp, sched, m = res["autopar_pp_plan"]
+        pp, sched, m, _ = res["autopar_pp_plan"]
         print(f"pipeline (pp={pp}, {sched}, {m} micro-batches): autopar / hand-cut torch PipelineStages = "
               f"{med['autopar_pp'] / med['torch_pp']:.3f}")
     print(f"(model FLOPs per step ~{flops / 1e9:.1f} GFLOP; {flops / med['ddp'] / world / 1e9:.1f} GFLOP/s per "
