@@ -50,7 +50,9 @@ def _add_problem_args(p: argparse.ArgumentParser) -> None:
                    "gpt:hidden=4096,layers=32,heads=32,vocab=50304, or path/to/file.py:fn")
     p.add_argument("--batch", type=int, default=None, help="global batch size (default: the model's)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
-    p.add_argument("--force", default="", help="pin choices, e.g. tp=8,pp=8,dp=1,mbs=1,recompute=full,sp=off,zero=1 or cp=4,cpmode=ring")
+    p.add_argument("--force", default="", help="pin choices, e.g. tp=8,pp=8,dp=1,mbs=1,recompute=full,sp=off,zero=1 or cp=4,cpmode=ring; "
+                   "recompute: none, full, partial, selective (= ops:attention) or per op "
+                   "ops:attention+mlp_act+norm")
     p.add_argument("--json", dest="json_path", default=None, help="write the result as JSON to this file")
 
 

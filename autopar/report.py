@@ -71,8 +71,8 @@ def throughput_line(plan: Plan) -> str:
 
 def recompute_text(plan) -> str:
     """"full", or "full: first 3 layers/rank" for a per-layer choice."""
-    if plan.recompute_layers is None:
-        return plan.recompute
+    if plan.recompute_layers is None:      # "selective" = attention; "ops:a+b": those op classes per layer
+        return "selective (attention)" if plan.recompute == "selective" else plan.recompute
     return f"{plan.recompute}: first {plan.recompute_layers} layers/rank"
 
 

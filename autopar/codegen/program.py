@@ -28,8 +28,10 @@ local tensor. Any other producer is an error.
 
 Recompute regions: ``plan.recompute == "full"`` puts each layer's op nodes (same block and layer
 id, in graph order) in one ``torch.utils.checkpoint`` region (with ``plan.recompute_layers``: the
-layers ``Plan.recomputed_layers`` names only); ``"selective"`` wraps each attention
-core (``ATTENTION_CORE`` targets) alone.
+layers ``Plan.recomputed_layers`` names only); per-op recompute (``"selective"`` = ``"ops:attention"``,
+``"ops:attention+mlp_act"``, ...: ``autopar/recompute_ops.py``) wraps each region
+``solver/op_classes.layer_regions`` finds (a fused attention core alone; an MLP's up-projection
+and activation; a norm and the projection reading it), the ones the solver priced.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from autopar.ir import GraphIR, NodeInfo
 from autopar.mesh import DATA, TENSOR, Mesh, axis_position
 from autopar.placements import Partial, Placement, Replicate, Shard
 from autopar.plan import NodeStrategy, Plan, parse_offload
+from autopar.recompute_ops import recompute_classes
 
 log = logging.getLogger("autopar.codegen")
 
@@ -81,7 +84,7 @@ class ParamPlan:
 @dataclass(frozen=True)
 class Region:
     index: int
-    kind: str                      # "layer" | "attention"
+    kind: str                      # "layer" | op classes ("attention", "mlp_act+norm", ...)
     nodes: tuple[str, ...]         # FX names, graph order
 
 
@@ -165,8 +168,11 @@ def _batch_default(n: NodeInfo, graph: GraphIR, mesh: Mesh) -> Placements:
     return tuple(Shard(0) if carries and a == DATA else Replicate() for a in mesh.axes)
 
 
-def _regions(graph: GraphIR, recompute: str, layers: Optional[frozenset] = None) -> tuple[tuple[Region, ...], dict[str, int]]:
-    """``layers``: under "full", only these layer ids recompute (``Plan.recomputed_layers``)."""
+def _regions(graph: GraphIR, recompute: str, layers: Optional[frozenset] = None,
+             seq_len: Optional[int] = None) -> tuple[tuple[Region, ...], dict[str, int]]:
+    """``layers``: under "full", only these layer ids recompute (``Plan.recomputed_layers``).
+    Per-op recompute ("selective", "ops:..."): the regions ``solver/op_classes.py`` prices, one per
+    connected group of a class's ops in each layer (``seq_len``: finds an unfused attention core)."""
     regions: list[Region] = []
     of: dict[str, int] = {}
     if recompute == "full":
@@ -184,12 +190,15 @@ def _regions(graph: GraphIR, recompute: str, layers: Optional[frozenset] = None)
                 current.append(n.name)
         if current:
             regions.append(Region(len(regions), "layer", tuple(current)))
-    elif recompute == "selective":
-        for n in graph.nodes:
-            if n.kind == "op" and n.target in ATTENTION_CORE:
-                regions.append(Region(len(regions), "attention", (n.name,)))
+    elif recompute_classes(recompute):
+        from autopar.solver.op_classes import layer_regions
+        from autopar.solver.strategies import graph_facts
+
+        name_of = {n.key: n.name for n in graph.nodes}
+        for kind, keys in layer_regions(graph_facts(graph, seq_len), recompute_classes(recompute)):
+            regions.append(Region(len(regions), kind, tuple(name_of[k] for k in keys)))
     elif recompute != "none":
-        raise ValueError(f"plan.recompute={recompute!r} is not one of none, selective, full")
+        raise ValueError(f"plan.recompute={recompute!r} is not one of none, selective, full, ops:...")
     for r in regions:
         for name in r.nodes:
             of[name] = r.index
@@ -373,7 +382,7 @@ def compile_program(graph: GraphIR, plan: Plan, *, local_dp: Optional[frozenset[
                          "full trace (trace_model(..., collapse_repeats=False))")
     strategies = _strategies(plan)
     used = _used_keys(graph)
-    regions, region_of = _regions(graph, plan.recompute, plan.recomputed_layers())
+    regions, region_of = _regions(graph, plan.recompute, plan.recomputed_layers(), plan.seq_len)
     nodes: list[NodePlan] = []
     unplanned: list[str] = []
     param_tp: dict[str, Placement] = {}

@@ -82,6 +82,22 @@ def check_force(force: Force, graph: GraphIR, world: int, global_batch: int) -> 
         raise PlanningError(f"dp={force.dp} does not divide the global batch {global_batch}")
     if force.sequence_parallel and force.tp == 1:
         raise PlanningError("sequence parallelism needs tp > 1 (it shards the sequence over the tp group)")
+    _check_recompute_force(force, graph)
+
+
+def _check_recompute_force(force: Force, graph: GraphIR) -> None:
+    """A forced per-op recompute names classes the graph has (``op_classes``)."""
+    from autopar.recompute_ops import recompute_classes
+    from autopar.solver.op_classes import present_classes
+
+    cs = recompute_classes(force.recompute) if force.recompute else None
+    if not cs or cs == ("attention",):       # "selective" keeps meaning attention, as it always has
+        return
+    have = present_classes(graph)
+    missing = [c for c in cs if c not in have]
+    if missing:
+        raise PlanningError(f"recompute={force.recompute}: the model has no {', '.join(missing)} ops to recompute "
+                            f"(op classes found in its layers: {', '.join(have) or 'none'})")
 
 
 def _use_tp(n: int, world: int) -> str:
@@ -192,11 +208,12 @@ def _schedules(force: Force, pp: int, layers: int) -> list[tuple[str, int]]:
 # ---- enumeration ----------------------------------------------------------------------------------
 
 def outer_configs(force: Force, world: int, layers: int, has_block: bool, global_batch: int,
-                  cp_options=None, offload_free: bool = False) -> list[OuterConfig]:
+                  cp_options=None, offload_free: bool = False, recomputes=None) -> list[OuterConfig]:
     """Every configuration the forced values allow. ``cp_options(rest, tp)``: the (cp, mode)
     pairs for ``rest`` = dp x cp ranks (``context.cp_choices``; None: cp = 1 only). Each carries
     the forced offload (else "none"); ``offload_free`` (the search's offload pass) adds ZeRO-3
-    on a single data rank, which only params offload makes worth having."""
+    on a single data rank, which only params offload makes worth having. ``recomputes``: the
+    recompute candidates (``op_classes.recompute_candidates``; None: ``RECOMPUTES``)."""
     tps = [force.tp] if force.tp else _divisors(world)
     pps = [force.pp] if force.pp else [p for p in _divisors(world) if p <= layers and (has_block or p == 1)]
     out = []
@@ -206,12 +223,13 @@ def outer_configs(force: Force, world: int, layers: int, has_block: bool, global
                 continue
             rest = world // (tp * pp)
             for cp, cp_mode in (cp_options(rest, tp) if cp_options else [(1, "none")]):
-                out += _configs_of(force, tp, pp, rest // cp, cp, cp_mode, layers, global_batch, offload_free)
+                out += _configs_of(force, tp, pp, rest // cp, cp, cp_mode, layers, global_batch, offload_free,
+                                   recomputes)
     return out
 
 
 def _configs_of(force: Force, tp: int, pp: int, dp: int, cp: int, cp_mode: str, layers: int,
-                global_batch: int, offload_free: bool = False) -> list[OuterConfig]:
+                global_batch: int, offload_free: bool = False, recomputes=None) -> list[OuterConfig]:
     out: list[OuterConfig] = []
     if (force.dp and dp != force.dp) or global_batch % dp:
         return out
@@ -236,7 +254,7 @@ def _configs_of(force: Force, tp: int, pp: int, dp: int, cp: int, cp_mode: str, 
             ([False, True] if tp > 1 else [False])
         zeros = [force.zero_stage] if force.zero_stage is not None else \
             ([0, 1, 2, 3] if dp * cp > 1 else ([0, 3] if offload_free else [0]))
-        rcs = [force.recompute] if force.recompute else list(RECOMPUTES)
+        rcs = [force.recompute] if force.recompute else list(recomputes or RECOMPUTES)
         for sp in sps:
             if sp and tp == 1:
                 continue

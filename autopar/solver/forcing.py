@@ -17,7 +17,8 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 from autopar.mesh import CONTEXT, DATA, PIPELINE, TENSOR
-from autopar.plan import CONTEXT_MODES, PIPELINE_SCHEDULES, RECOMPUTE_CHOICES, offload_name, parse_offload
+from autopar.plan import CONTEXT_MODES, PIPELINE_SCHEDULES, offload_name, parse_offload
+from autopar.recompute_ops import canonical_recompute
 
 _INT_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "mbs": "micro_batch_size", "zero": "zero_stage",
              "microbatches": "num_micro_batches", "vpp": "virtual_stages", "cp": "context_parallel"}
@@ -72,10 +73,10 @@ def parse_force(spec: "str | dict | Force | None") -> Force:
                 raise ValueError(f"--force {k}={iv}: out of range" + (" (zero is 0..3)" if k == "zero" else " (must be >= 1)"))
             out[_INT_KEYS[k]] = iv
         elif k == "recompute":
-            choices = RECOMPUTE_CHOICES + ("partial",)      # partial: the solver picks the layers
-            if v not in choices:
-                raise ValueError(f"--force recompute={v!r}: choose one of {', '.join(choices)}")
-            out["recompute"] = v
+            try:                                            # partial: the solver picks the layers
+                out["recompute"] = canonical_recompute(str(v), extra=("partial",))
+            except ValueError as e:
+                raise ValueError(f"--force {e}") from None
         elif k == "schedule":
             if v not in PIPELINE_SCHEDULES:
                 raise ValueError(f"--force schedule={v!r}: choose one of {', '.join(PIPELINE_SCHEDULES)}")

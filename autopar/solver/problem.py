@@ -17,7 +17,7 @@ consumes layer i's output, so the trace's edges from the carried producer get we
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from autopar.cost.collectives import axis_link, collective_s
@@ -29,6 +29,7 @@ from autopar.solver.ilp import IlpEdge, IlpProblem, LinearConstraint
 from autopar.solver.reshard import grad_target, reshard_kind, reshard_s
 from autopar.solver.rules import arg, base_name
 from autopar.solver.runtime_profile import RuntimeProfile
+from autopar.solver.op_classes import all_op_sets, core_nodes, rc_costs, rc_lower_bounds
 from autopar.solver.saved import DROPOUT_MASK_BYTES_PER_ELEM, is_dropout, kept_tensors, saves_input
 from autopar.solver.context import attention_comm
 from autopar.solver.strategies import (GraphFacts, batch_scale, enumerate_strategies, ref_index,
@@ -107,6 +108,7 @@ class AxisTables:
     block_out: Optional[str]          # key of the block's output node
     count: int                        # repeats of the block (1 without a block)
     _edge_cache: dict = field(default_factory=dict)
+    op_sets: dict = field(default_factory=dict)   # recompute name -> op_classes.OpSet (per-op recompute)
 
     def edge_costs(self, e: EdgeSpec) -> list[list[EdgeCost]]:
         key = (e.u, e.v, e.pos, e.wrap)
@@ -135,16 +137,7 @@ def _block_info(facts: GraphFacts):
     return (cands[0] if len(cands) == 1 else None), w, count
 
 
-def _core_nodes(facts: GraphFacts) -> frozenset:
-    """Attention core: fused SDPA nodes and ops whose output has two sequence dims (scores)."""
-    core = set()
-    for k, p in facts.part.items():
-        n = facts.nodes[k]
-        if "scaled_dot_product" in n.target or "flash" in n.target:
-            core.add(k)
-        elif len(facts.seq_dims.get(k, ())) >= 2 and op_kind(n.target) != "free":
-            core.add(k)
-    return frozenset(core)
+_core_nodes = core_nodes      # attention core (``op_classes.core_nodes``)
 
 
 def causal_attention(n) -> bool:
@@ -224,7 +217,8 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
         costs[n.key] = row
     edges = _edges(facts, metas, set(keys), carried, block_out, count)
     return AxisTables(facts, t, sp, mbs, link, profile, tuple(keys), strategies, costs, weight, tuple(edges),
-                      metas, kinds, _core_nodes(facts), carried, block_out, count)
+                      metas, kinds, _core_nodes(facts), carried, block_out, count,
+                      op_sets=all_op_sets(facts, alias=t == 1))
 
 
 def _edges(facts: GraphFacts, metas: dict, present: set, carried, block_out, count) -> list[EdgeSpec]:
@@ -324,6 +318,9 @@ class PartCost:
     param_numel: float                # local parameter elements used only by this part
     window_fwd_s: float = 0.0         # compute that overlapped comm can hide behind (forward)
     window_bwd_s: float = 0.0         # ... (backward); = the compute, or its max for bounds
+    # per-operator recompute (block only): name -> op_classes.RcCost (re-run forward, its re-issued
+    # comm, the layer's saved bytes with the set's regions, one region's re-materialized bytes)
+    rc: Optional[dict] = None
 
     @property
     def fwd_s(self) -> float:
@@ -395,6 +392,8 @@ def summarize(tab: AxisTables, choice: dict) -> AxisSummary:
         _add(a["cb"], "tp:all_gather", ec.regather_s * scale)
     parts = {p: PartCost(v["fwd"], v["bwd"], v["cf"], v["cb"], v["saved"], v["core_f"], v["core_b"], v["mx"],
                          v["params"], v["fwd"], v["bwd"]) for p, v in acc.items()}
+    if tab.op_sets:
+        parts["block"] = replace(parts["block"], rc=rc_costs(tab, choice, parts["block"].saved_bytes))
     layer_in = 0.0
     if tab.block_out is not None and tab.block_out in choice:
         layer_in = tab.costs[tab.block_out][choice[tab.block_out]].out_bytes
@@ -445,6 +444,8 @@ def lower_bound_summary(tab: AxisTables, batch_only: bool = False) -> AxisSummar
             a["core_b"] += min(c.saved_bytes for c in cs)
     parts = {p: PartCost(v["fwd"], v["bwd"], {}, {}, v["saved"], v["core_f"], v["core_b"], v["mx"], v["params"],
                          v["wf"], v["wb"]) for p, v in acc.items()}
+    if tab.op_sets:
+        parts["block"] = replace(parts["block"], rc=rc_lower_bounds(tab, batch_only))
     layer_in = 0.0
     if tab.block_out is not None and tab.block_out in tab.costs:
         layer_in = min(c.out_bytes for c in tab.costs[tab.block_out])

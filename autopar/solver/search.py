@@ -68,6 +68,8 @@ from autopar.solver.ilp import IlpResult, LinearConstraint, solve_ilp
 from autopar.solver.problem import AxisSummary, AxisTables, PartCost, build_tables, ilp_problem, \
     lower_bound_summary, summarize
 from autopar.solver.runtime_profile import AUTOPAR_RUNTIME, RuntimeProfile, for_dtype
+from autopar.recompute_ops import is_per_op
+from autopar.solver.op_classes import RcCost, recompute_candidates, scaled_rc
 from autopar.solver.plan_parts import _dp_placements, _recompute_fields, model_flops, plan_stages
 from autopar.solver.strategies import GraphFacts, graph_facts
 from autopar.solver.offload_choice import best_variant, host_note, lean_memory
@@ -129,7 +131,7 @@ def _quick_summary(base: AxisSummary, cfg: OuterConfig) -> AxisSummary:
     parts = {}
     for k, p in base.parts.items():
         parts[k] = PartCost(0.0, 0.0, {}, {}, p.saved_bytes * f, 0.0, p.core_saved_bytes * f, p.max_out_bytes * f,
-                            p.param_numel / cfg.tp, 0.0, 0.0)
+                            p.param_numel / cfg.tp, 0.0, 0.0, scaled_rc(p.rc, f))
     return replace(base, t=cfg.tp, mbs=cfg.mbs, parts=parts, shared_param_numel=base.shared_param_numel / cfg.tp,
                    layer_input_bytes=base.layer_input_bytes * f, is_lower_bound=True)
 
@@ -144,6 +146,9 @@ def memory_constraints(tab: AxisTables, cfg: OuterConfig, unconstrained: Evaluat
     # activation offload: no saved tensor stays on the device but what the backward brings back,
     # the evaluation's resident bytes (``timing._rank_memory``), a constant of the choice here
     act_off = "activations" in cfg.classes
+    ops = tab.op_sets.get(cfg.recompute) if is_per_op(cfg.recompute) else None
+    drop = ops.drop if ops is not None else (tab.core if cfg.recompute == "selective" else frozenset())
+    extra = ops.extra if ops is not None else frozenset()
     out = []
     for st in unconstrained.stages:
         s = st.index
@@ -161,8 +166,11 @@ def memory_constraints(tab: AxisTables, cfg: OuterConfig, unconstrained: Evaluat
             else:
                 part = tab.facts.part[k]
                 if part == "block":
-                    keep = cfg.recompute == "none" or (cfg.recompute == "selective" and k not in tab.core)
+                    keep = cfg.recompute == "none" or (is_per_op(cfg.recompute) and k not in drop)
                     mult = lps if keep else 0
+                    if k in extra:          # held only as a recompute region's input
+                        coeffs.append(tuple(c.out_bytes * inflight * mult for c in tab.costs[k]))
+                        continue
                 else:
                     mult = 1 if (part == "pre" and first) or (part == "post" and last) else 0
                 coeffs.append(tuple(c.saved_bytes * inflight * mult for c in tab.costs[k]))
@@ -245,7 +253,8 @@ class _Searcher:
                               problem, self.global_batch)
 
         configs = outer_configs(self.force, world, layers, len(self.graph.blocks) == 1, self.global_batch,
-                                cp_options, offload_free=self.offload_pass)
+                                cp_options, offload_free=self.offload_pass,
+                                recomputes=recompute_candidates(self.table(1, False, 1)))
         if not configs:
             raise no_config_error(self.force, world, self.global_batch, layers)
         self.stats.configs = len(configs)
@@ -387,7 +396,10 @@ class _Searcher:
     def _constrained_bound(self, cfg: OuterConfig, sol: AxisSolution, lb_ev: Evaluation) -> float:
         lb = self._lb[_table_key(cfg)]
         blk = lb.parts["block"]
-        rc = {"none": 0.0, "selective": blk.core_fwd_s, "full": blk.fwd_compute_s}[cfg.recompute]   # not "partial"
+        if is_per_op(cfg.recompute):        # lower bounds: the regions' compute, no comm
+            rc = blk.core_fwd_s if blk.rc is None else blk.rc.get(cfg.recompute, RcCost(0.0, {}, 0.0, 0.0)).fwd_s
+        else:
+            rc = {"none": 0.0, "full": blk.fwd_compute_s}[cfg.recompute]   # not "partial"
         t_stage = (sol.summary.objective_s + sol.summary.count * rc) / cfg.pp
         lb_stage = max(st.time_per_microbatch_s for st in lb_ev.stages)
         span = cfg.m + pipeline_bubble_units(cfg.pp, cfg.m, cfg.schedule, cfg.v)

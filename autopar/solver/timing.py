@@ -5,8 +5,9 @@ the nodes before the block on the first stage, the nodes after it on the last) t
 
     t_stage = compute (fwd + bwd) + recompute + exposed TP comm + pipeline p2p + per-micro-batch ZeRO-2/3 comm
 
-with recompute "full" re-running each layer's forward (compute and its TP comm) and "selective"
-re-running the attention core's forward. Step time, per pipeline schedule (``cost.flops``):
+with recompute "full" re-running each layer's forward (compute and its TP comm) and per-operator
+recompute ("selective" = "ops:attention", "ops:..." in ``autopar/recompute_ops.py``) re-running
+its regions' forward (compute and the collectives inside them: ``op_classes.rc_costs``). Step time, per pipeline schedule (``cost.flops``):
 
     T = (m + U) * max_r t_rank  +  max_r exposed DP sync  +  max_r optimizer step
 
@@ -38,9 +39,10 @@ under ZeRO >= 1 (each rank updates its shard).
 Memory of stage s (``MemoryUse``): model states by ``cost.memory.model_state_bytes`` on the stage's
 local (tp-sharded) parameters; activations = in-flight micro-batches
 (``cost.memory.pipeline_inflight_microbatches``; 1F1B: ``pp - r``) x the
-bytes the stage's ops save per micro-batch (full recompute: each layer's input only; selective:
-minus the attention core's intermediates); other = a workspace of the largest single local output
-(one transient gradient), plus one layer's re-materialized activations under recompute, plus
+bytes the stage's ops save per micro-batch (full recompute: each layer's input only; per-operator:
+less what its regions drop, ``op_classes.op_set``); other = a workspace of the largest single local
+output (one transient gradient), plus one layer's (per-operator: one region's) re-materialized
+activations under recompute, plus
 ``ZERO3_PREFETCH_LAYERS`` layers of gathered parameters under ZeRO-3.
 
 Offload (``OuterConfig.offload``, classes of ``plan.OFFLOAD_CLASSES``): ``cost.offload`` moves the
@@ -67,6 +69,8 @@ from autopar.solver.balance import balance
 from autopar.solver.problem import AxisSummary, PartCost
 from autopar.solver.overlap import account as overlap_account, dp_sync as overlap_dp_sync
 from autopar.solver.runtime_profile import RuntimeProfile
+from autopar.recompute_ops import is_per_op
+from autopar.solver.op_classes import RcCost
 
 MEMORY_RESERVE_FRACTION = 0.05       # of HBM kept free for the CUDA context, NCCL buffers, fragmentation
 # Adam step traffic per parameter besides the gradient: read param 2 + master 4 + m 4 + v 4,
@@ -194,8 +198,9 @@ def _linear_terms(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfil
     a = t_of(blk)
     if cfg.recompute == "full":
         a += blk.fwd_compute_s + sum(blk.comm_fwd.values())
-    elif cfg.recompute == "selective":
-        a += blk.core_fwd_s
+    elif is_per_op(cfg.recompute):
+        rc = rc_of(blk, cfg.recompute)
+        a += blk.core_fwd_s if rc is None else rc.fwd_s + sum(rc.comm_fwd.values())
     rate = _state_bytes_per_param(cfg, profile)
     act = activation_bytes_per_layer(blk, summary, cfg.recompute)
     return a, t_of(pre), t_of(post), rate, act
@@ -427,8 +432,11 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
         k = recomputed_layers(cfg, lps, for_memory=False)
         recompute = k * blk.fwd_compute_s
         _merge(comm, blk.comm_fwd, k)            # the re-run forward repeats its TP comm
-    elif cfg.recompute == "selective":
-        recompute = lps * blk.core_fwd_s
+    elif is_per_op(cfg.recompute):
+        rc = rc_of(blk, cfg.recompute)
+        recompute = lps * (blk.core_fwd_s if rc is None else rc.fwd_s)
+        if rc is not None:
+            _merge(comm, rc.comm_fwd, lps)       # a region's forward collectives are issued again
     else:
         recompute = 0.0
     if cfg.pp > 1:
@@ -507,8 +515,9 @@ def activation_bytes_per_layer(blk: PartCost, summary: AxisSummary, recompute: s
     figure, the least; ``_rank_memory`` mixes them)."""
     if recompute in ("full", "partial"):
         return summary.layer_input_bytes
-    if recompute == "selective":
-        return blk.saved_bytes - blk.core_saved_bytes
+    if is_per_op(recompute):
+        rc = rc_of(blk, recompute)
+        return blk.saved_bytes - blk.core_saved_bytes if rc is None else rc.kept_bytes
     return blk.saved_bytes
 
 
@@ -524,13 +533,24 @@ def _other_bytes(summary: AxisSummary, cfg: OuterConfig, lps: Optional[float] = 
         cfg.recompute_layers is None or lps is None or cfg.recompute_layers >= lps)
     if cfg.recompute == "full" or partial_all:
         other += blk.saved_bytes
-    elif cfg.recompute == "selective":
-        other += blk.core_saved_bytes
+    elif is_per_op(cfg.recompute):
+        rc = rc_of(blk, cfg.recompute)
+        other += blk.core_saved_bytes if rc is None else rc.workspace_bytes
     if cfg.zero == 3 and "params" in cfg.classes:     # the rank's own rows are on the host too
         other += ZERO3_PREFETCH_LAYERS * blk.param_numel * param_bytes
     elif cfg.zero == 3 and cfg.data > 1:
         other += ZERO3_PREFETCH_LAYERS * blk.param_numel * param_bytes * (1 - 1 / cfg.data)
     return other
+
+
+def rc_of(blk: PartCost, recompute: str) -> Optional[RcCost]:
+    """The block's ``op_classes.RcCost`` under per-op ``recompute``. A set without regions in the
+    graph recomputes nothing; a summary without op sets (None) makes "selective" fall back to the
+    attention-core totals (``PartCost.core_*``)."""
+    if blk.rc is None:
+        return None
+    rc = blk.rc.get(recompute)
+    return rc if rc is not None else RcCost(0.0, {}, blk.saved_bytes, 0.0)
 
 
 def _saved_per_microbatch(summary: AxisSummary, cfg: OuterConfig, parts, lps: float) -> float:
