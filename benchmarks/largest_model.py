@@ -18,9 +18,9 @@ fits without). For each:
    on the meta model), then one more step under ``runtime.memory_measure.measure_step``: the device
    peak as the storage tracker counts it (offloaded tensors counted apart, as host memory). If any
    rank's peak is over B the planner was optimistic there: the layer count steps down (to the line
-   through the last two measured peaks, 5 % under B; the plan is solved again, capped there) until
-   a probe (1 step + the measured one) fits; then the timed run. The step time is the median over steps 2-3 of the
-   slowest rank's ``pm.step`` (barrier before each).
+   through the last two measured peaks, 5 % under B; the plan is solved again, capped there) until a
+   run fits. The step time is the median over steps 2-3 of the slowest rank's ``pm.step`` (barrier
+   before each), from the run that fit.
 
 Everything printed is planned or measured in this run; ratios are against this run's DDP. Absolute
 times swing with the machine's load: only ratios from one run are comparable. On CPU ranks "device"
@@ -155,10 +155,10 @@ def run_config(a, name: str, force: str, log) -> dict:
     if found is None:
         raise SystemExit(f"{name}: not even 1 layer fits {a.budget_mb} MiB per rank")
     planned, tried = found[0], []
-    while True:                  # probe (1 step + the measured one) until the measured peak fits
+    while True:                  # train (steps 2.. timed, then the measured one) until the peak fits
         layers, plan_json, params = found
         t0 = time.perf_counter()
-        res = train(a, layers, plan_json, 1)
+        res = train(a, layers, plan_json, a.steps)
         peak = max(r["peak"] for r in res)
         log(f"  {name}: {layers} layers ({params / 1e6:.1f} M parameters): measured device peak "
             f"{peak / MiB:.1f} MiB ({time.perf_counter() - t0:.0f} s)")
@@ -169,8 +169,6 @@ def run_config(a, name: str, force: str, log) -> dict:
         found = largest_planned(a, force, below=below + 1) if below >= 1 else None
         if found is None:
             raise SystemExit(f"{name}: no layer count trains within {a.budget_mb} MiB per rank")
-    res = train(a, layers, plan_json, a.steps)        # the timed run: steps 2.. timed, then measured
-    peak = max(r["peak"] for r in res)
     plan = Plan.from_json(plan_json)
     per_step = [max(r["times"][i] for r in res) for i in range(1, a.steps)]    # steps 2..: slowest rank
     losses = res[0]["losses"]
