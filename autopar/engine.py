@@ -35,8 +35,9 @@ class EngineError(ValueError):
 class EmittedRunner:
     """An emitted part (``emit.emit_part``, bound) behind the executor's interface."""
 
-    def __init__(self, gm: fx.GraphModule, recv: tuple, inputs: tuple) -> None:
+    def __init__(self, gm: fx.GraphModule, recv: tuple, inputs: tuple, part: Optional[frozenset] = None) -> None:
         self.gm = gm
+        self.part = part                    # the graph nodes it runs (None: all), as GraphExecutor.part
         self.recv = recv                    # names of the values read from outside the part
         self.inputs = inputs                # (placeholder key) per input placeholder, forward's order
 
@@ -153,7 +154,7 @@ def make_runner(pm, graph, program, part: Optional[frozenset], want: tuple, modu
         phs = [n for n in module.graph.nodes if n.op == "placeholder"]
         recv = tuple(n.name for n in phs if plans[n.name].kind != "input")
         inputs = tuple(plans[n.name].key for n in phs if plans[n.name].kind == "input")
-        return EmittedRunner(module, recv, inputs)
+        return EmittedRunner(module, recv, inputs, part)
     gm = graph_on_device(graph, pm.device)
     fused = None if pm._fused is None else FusedKernels(pm._fused.implementation)
     return GraphExecutor(gm, program, pm.mesh, pm.store, pm._buffers, constants, pm._log.paused,
