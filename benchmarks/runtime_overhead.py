@@ -285,8 +285,8 @@ def pipeline_engines(rank: int, world: int, cfg: dict, data, ex_x, ex_y) -> dict
             "autopar_pp": (pm_pp.step, data, (plan.pp, plan.pipeline_schedule, m, pm_pp.engine))}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_bench_args(ap: argparse.ArgumentParser) -> None:
+    """The model (BenchGPT's size, the batch) and the timing (steps, rounds, warm-up) arguments."""
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=8)
@@ -296,6 +296,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16, help="timed steps per engine")
     ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds the steps are split into")
     ap.add_argument("--warmup", type=int, default=2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_bench_args(ap)
     ap.add_argument("--record", action="store_true",
                     help="keep autopar's DTensor collective log on (pm.collectives) while timing")
     ap.add_argument("--pp", action=argparse.BooleanOptionalAction, default=True,

@@ -94,16 +94,10 @@ def bench_rank(rank: int, world: int, cfg: dict) -> dict:
 
 
 def main(argv=None) -> int:
+    from benchmarks.runtime_overhead import add_bench_args
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=16, help="timed steps per engine")
-    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds the steps are split into")
-    ap.add_argument("--warmup", type=int, default=2)
+    add_bench_args(ap)
     ap.add_argument("--nproc", type=int, default=2)
     args = ap.parse_args(argv)
     cfg = dict(vars(args))

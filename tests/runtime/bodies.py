@@ -74,15 +74,23 @@ def batches(b, n: int = STEPS):
 
 
 def train_job(rank: int, world: int, job: dict) -> dict:
+    """STEPS steps of ``job["plan"]``, then what the tests compare (and the engine that ran:
+    ``pm.engine``, ``pm.engine_reason``, the runner types). ``job["expect_error"]``: building must
+    raise; the error (type: message) is returned instead."""
     from autopar.api import autoparallelize
     from autopar.plan import Plan
 
     b = build(job.get("meta", False), job.get("spec", "gpt-tiny"))
     data = batches(b)
-    kwargs = {k: job[k] for k in ("bucket_bytes", "dp_mode", "nvme_dir") if k in job}
-    pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
-                         optimizer=sgd, plan=Plan.from_json(job["plan"]), seed=job.get("seed", 0),
-                         timeout_s=30, **kwargs)
+    kwargs = {k: job[k] for k in ("bucket_bytes", "dp_mode", "nvme_dir", "engine") if k in job}
+    try:
+        pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
+                             optimizer=sgd, plan=Plan.from_json(job["plan"]), seed=job.get("seed", 0),
+                             timeout_s=30, **kwargs)
+    except Exception as e:  # the test inspects what every rank raised
+        if not job.get("expect_error"):
+            raise
+        return {"error": f"{type(e).__name__}: {e}"}
     pm.reset_collectives()
     losses, grads = [], []
     for x, y in data[:STEPS]:
@@ -93,8 +101,8 @@ def train_job(rank: int, world: int, job: dict) -> dict:
     out = pm(data[STEPS][0]) if job.get("forward") else None
     pm.close()
     res = {"losses": losses, "issued": issued, "coord": tuple(pm.mesh.get_coordinate()),
-           "pp_rank": pm.coordinates.get("pp", 0),
-           "fallbacks": sorted(pm.fallbacks)}
+           "pp_rank": pm.coordinates.get("pp", 0), "fallbacks": sorted(pm.fallbacks),
+           "engine": pm.engine, "reason": pm.engine_reason, "runners": sorted({type(ex).__name__ for ex in pm._made})}
     if rank == 0:
         res.update(sd=sd, grads=grads, out=out)
     return res

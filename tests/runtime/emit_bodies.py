@@ -29,43 +29,11 @@ def emitted_vs_executor(rank: int, world: int, plan_json: str) -> dict:
     return {"want": float(want), "got": float(got), "code": gm.code if rank == 0 else ""}
 
 
-def engine_job(rank: int, world: int, job: dict) -> dict:
-    """``bodies.train_job`` with ``job["engine"]``: STEPS steps, then what the test compares; also
-    the engine that ran (``pm.engine``, ``pm.engine_reason``). ``job["expect_error"]``: building
-    must raise; the error (type: message) is returned instead."""
-    from autopar.api import autoparallelize
-    from autopar.plan import Plan
-    from bodies import STEPS, batches, build, sgd
-
-    b = build(job.get("meta", False), job.get("spec", "gpt-tiny"))
-    data = batches(b)
-    kwargs = {k: job[k] for k in ("dp_mode",) if k in job}
-    try:
-        pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
-                             optimizer=sgd, plan=Plan.from_json(job["plan"]), seed=job.get("seed", 0),
-                             timeout_s=30, engine=job["engine"], **kwargs)
-    except Exception as e:  # the test inspects what every rank raised
-        if not job.get("expect_error"):
-            raise
-        return {"error": f"{type(e).__name__}: {e}"}
-    pm.reset_collectives()
-    losses, grads = [], []
-    for x, y in data[:STEPS]:
-        losses.append(pm.step(x, y))
-        grads.append(pm.full_grad_dict())       # gathers outside the recorder: not in ``issued``
-    issued = [c.key() for c in pm.collectives]
-    sd = pm.full_state_dict()
-    out = pm(data[STEPS][0]) if job.get("forward") else None
-    res = {"losses": losses, "issued": issued, "coord": tuple(pm.mesh.get_coordinate()),
-           "pp_rank": pm.coordinates.get("pp", 0), "engine": pm.engine, "reason": pm.engine_reason,
-           "runners": sorted({type(ex).__name__ for ex in pm._made})}
-    if rank == 0:
-        res.update(sd=sd, grads=grads, out=out)
-    return res
-
-
 def engine_jobs(rank: int, world: int, jobs: list) -> list:
-    return [engine_job(rank, world, job) for job in jobs]
+    """``bodies.train_job`` per job, each with its ``job["engine"]``."""
+    from bodies import train_job
+
+    return [train_job(rank, world, job) for job in jobs]
 
 
 def gap_job(rank: int, world: int) -> dict:
