@@ -3,6 +3,7 @@
     python benchmarks/pipeline_bubble.py              # gpipe, 1f1b, interleaved_1f1b (vpp=2) x pp 2, 4 x m = pp, 2 pp
     python benchmarks/pipeline_bubble.py --quick      # one config (1f1b, pp=2, m=2): a smoke run
     python benchmarks/pipeline_bubble.py --pp 2 --steps 8 --spec "gpt:hidden=128,layers=8,heads=4,vocab=256,seq=64"
+    python benchmarks/pipeline_bubble.py --pp 2 --schedules 1f1b interleaved_zb zbv dualpipev
 
 For each configuration autopar plans the model with ``--force pp=P,dp=1,tp=1,mbs=MBS,schedule=S``
 (global batch = m * MBS, so the plan has m micro-batches) and runs it with ``autoparallelize`` on
@@ -35,7 +36,9 @@ import sys
 import time
 
 SPEC = "gpt:hidden=64,layers=8,heads=4,vocab=256,seq=32"
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_zb", 2), ("zbv", 2),
+             ("dualpipev", 2))
+DEFAULT_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 # ---- in the rank processes: timing hooks on torch's pipelining ---------------------------------
 
@@ -81,7 +84,8 @@ def install_hooks() -> None:
         if not getattr(fn, "__bench_wrapped__", False):
             setattr(cls, name, _timed(kind, fn))
     # every class the plans use must reach the wrapped methods (no override below them)
-    for cls in (schedules.ScheduleGPipe, schedules.Schedule1F1B, schedules.ScheduleInterleaved1F1B):
+    for cls in (schedules.ScheduleGPipe, schedules.Schedule1F1B, schedules.ScheduleInterleaved1F1B,
+                schedules.ScheduleInterleavedZeroBubble, schedules.ScheduleZBVZeroBubble, schedules.ScheduleDualPipeV):
         assert getattr(cls.step, "__bench_wrapped__", False), cls
     for name in ("forward_one_chunk", "backward_one_chunk"):
         assert getattr(getattr(stage.PipelineStage, name), "__bench_wrapped__", False), name
@@ -155,6 +159,7 @@ def make_jobs(spec: str, pp: int, mbs: int, ms: list[int], schedules) -> list[di
     from autopar.cost.hardware import resolve_cluster
     from autopar.models import build_model
     from autopar.solver import plan_model
+    from autopar.solver.errors import PlanningError
     from autopar.trace import trace_model
 
     jobs = []
@@ -164,8 +169,12 @@ def make_jobs(spec: str, pp: int, mbs: int, ms: list[int], schedules) -> list[di
         g = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target)
         for sched, v in schedules:
             force = f"pp={pp},dp=1,tp=1,mbs={mbs},schedule={sched}" + (f",vpp={v}" if v > 1 else "")
-            plan = plan_model(g, resolve_cluster("cpu", nodes=1, gpus_per_node=pp), global_batch=batch,
-                              seq_len=None, dtype="float32", force=force)
+            try:
+                plan = plan_model(g, resolve_cluster("cpu", nodes=1, gpus_per_node=pp), global_batch=batch,
+                                  seq_len=None, dtype="float32", force=force)
+            except PlanningError as e:           # e.g. DualPipeV with fewer than 2 pp micro-batches
+                print(f"skipped {sched}, pp={pp}, m={m}: {e}")
+                continue
             got = (plan.pp, plan.pipeline_schedule, plan.virtual_stages, plan.num_micro_batches)
             assert got == (pp, sched, v, m), (force, got)
             jobs.append({"name": f"{sched}|{pp}|{v}|{m}", "spec": spec, "batch": batch, "plan": plan.to_json(),
@@ -175,11 +184,17 @@ def make_jobs(spec: str, pp: int, mbs: int, ms: list[int], schedules) -> list[di
 
 def simulate(per_rank: list[list[tuple]], uniform: bool = False) -> list[float]:
     """Each rank's idle / compute if the actions each rank ran (in its order, ``(kind, stage, mb,
-    seconds)``) took their measured time (``uniform``: forward 1, backward 2, loss 0) and
-    nothing else took time: no transfer, no schedule bookkeeping. A forward waits for the previous
-    stage's forward of its micro-batch, a backward for the next stage's backward."""
-    dur = {"F": 1.0, "B": 2.0, "W": 0.0, "L": 0.0}
-    acts = [[(k, st, mb, dur[k] if uniform else d) for k, st, mb, d in r] for r in per_rank]
+    seconds)``) took their measured time (``uniform``: forward 1, backward 2, loss 0; a backward
+    split into an input pass B and a weight pass W: 1 each) and nothing else took time: no
+    transfer, no schedule bookkeeping. A forward waits for the previous stage's forward of its
+    micro-batch, a backward for the next stage's backward."""
+    split = {(st, mb) for r in per_rank for k, st, mb, _ in r if k == "W"}
+
+    def unit(k: str, st: int, mb: int) -> float:
+        if k in "BW":
+            return 1.0 if (st, mb) in split else 2.0 if k == "B" else 0.0
+        return 1.0 if k == "F" else 0.0
+    acts = [[(k, st, mb, unit(k, st, mb) if uniform else d) for k, st, mb, d in r] for r in per_rank]
     done: dict = {}
     free = [0.0] * len(acts)
     pos = [0] * len(acts)
@@ -270,8 +285,9 @@ def main(argv=None) -> int:
     ap.add_argument("--spec", default=SPEC, help="model spec (autopar.models.build_model)")
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes (= CPU ranks)")
     ap.add_argument("--mbs", type=int, default=1, help="micro-batch size")
-    ap.add_argument("--schedules", nargs="+", default=[s for s, _ in SCHEDULES],
-                    choices=[s for s, _ in SCHEDULES])
+    ap.add_argument("--schedules", nargs="+", default=list(DEFAULT_SCHEDULES),
+                    choices=[s for s, _ in SCHEDULES],
+                    help="default: the ones the solver picks freely; the zero-bubble ones run when forced")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per configuration")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds the timed steps are split into")
     ap.add_argument("--warmup", type=int, default=2)
