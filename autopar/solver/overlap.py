@@ -51,9 +51,11 @@ def overlapped_cost(comm_s: float, window_s: float, overlapped: bool, slowdown: 
     return comm_s - hidden + slowdown * hidden
 
 
-def dp_sync(cfg, numel: float, profile, link, win_f: float, win_b: float, slowdown: float):
+def dp_sync(cfg, numel: float, profile, link, win_f: float, win_b: float, slowdown: float,
+            tensors: float = 1.0):
     """(per-micro-batch comm, per-step sync, rows) of one rank's data-parallel traffic: dicts of
-    "dp:kind" -> cost seconds, rows ``(per, key, total, window, overlapped, reason)``."""
+    "dp:kind" -> cost seconds, rows ``(per, key, total, window, overlapped, reason)``. ``tensors``:
+    the rank's parameter tensors (ZeRO-3 under ``profile.gather_per_param``: one gather each)."""
     comm: dict = {}
     sync: dict = {}
     rows: list = []
@@ -63,6 +65,8 @@ def dp_sync(cfg, numel: float, profile, link, win_f: float, win_b: float, slowdo
     go, po = profile.grad_reduce_overlap, profile.param_gather_overlap
     rs = collective_s("reduce_scatter", grad_b, cfg.data, link)
     ag = collective_s("all_gather", param_b, cfg.data, link)
+    if cfg.zero == 3 and profile.gather_per_param and tensors > 1:
+        ag += (tensors - 1) * (cfg.data - 1) * link.latency_s     # a ring's latency per tensor gathered
     if cfg.zero == 0:
         ar = collective_s("all_reduce", grad_b, cfg.data, link)
         sync["dp:all_reduce"] = overlapped_cost(ar, win_b, go, slowdown)

@@ -321,6 +321,7 @@ class PartCost:
     # per-operator recompute (block only): name -> op_classes.RcCost (re-run forward, its re-issued
     # comm, the layer's saved bytes with the set's regions, one region's re-materialized bytes)
     rc: Optional[dict] = None
+    param_tensors: float = 0.0        # parameter tensors used only by this part (block: one layer's)
 
     @property
     def fwd_s(self) -> float:
@@ -343,11 +344,28 @@ class AxisSummary:
     count: int
     objective_s: float                # the ILP objective (whole model, per micro-batch)
     is_lower_bound: bool = False
+    shared_param_tensors: float = 0.0  # parameter tensors pre and post share (tied)
 
 
 def _add(d: dict, kind: str, s: float) -> None:
     if s > 0:
         d[kind] = d.get(kind, 0.0) + s
+
+
+def _param_tensors(tab: AxisTables) -> tuple[dict, float]:
+    """Parameter tensors per part (as ``param_numel`` is split) and those pre and post share: the
+    runtime's ZeRO-3 gathers one tensor per collective (``RuntimeProfile.gather_per_param``)."""
+    per, shared = dict.fromkeys(PARTS, 0.0), 0.0
+    for k in tab.keys:
+        if tab.kinds[k] == "param":
+            parts = tab.facts.param_parts[k]
+            if "block" in parts:
+                per["block"] += 1
+            elif parts >= {"pre", "post"}:
+                shared += 1
+            else:
+                per[next(iter(parts))] += 1
+    return per, shared
 
 
 def summarize(tab: AxisTables, choice: dict) -> AxisSummary:
@@ -390,15 +408,17 @@ def summarize(tab: AxisTables, choice: dict) -> AxisSummary:
         if ec.bwd_kind:
             _add(a["cb"], "tp:" + ec.bwd_kind, ec.bwd_s * scale)
         _add(a["cb"], "tp:all_gather", ec.regather_s * scale)
+    tensors, shared_tensors = _param_tensors(tab)
     parts = {p: PartCost(v["fwd"], v["bwd"], v["cf"], v["cb"], v["saved"], v["core_f"], v["core_b"], v["mx"],
-                         v["params"], v["fwd"], v["bwd"]) for p, v in acc.items()}
+                         v["params"], v["fwd"], v["bwd"], param_tensors=tensors[p]) for p, v in acc.items()}
     if tab.op_sets:
         parts["block"] = replace(parts["block"], rc=rc_costs(tab, choice, parts["block"].saved_bytes))
     layer_in = 0.0
     if tab.block_out is not None and tab.block_out in choice:
         layer_in = tab.costs[tab.block_out][choice[tab.block_out]].out_bytes
     obj = ilp_problem_objective(tab, choice)
-    return AxisSummary(tab.t, tab.sp, tab.mbs, parts, shared, layer_in, count, obj)
+    return AxisSummary(tab.t, tab.sp, tab.mbs, parts, shared, layer_in, count, obj,
+                       shared_param_tensors=shared_tensors)
 
 
 def ilp_problem_objective(tab: AxisTables, choice: dict) -> float:
@@ -442,12 +462,14 @@ def lower_bound_summary(tab: AxisTables, batch_only: bool = False) -> AxisSummar
         if k in tab.core:           # saved - core_saved must bound the non-core bytes from below
             a["core_f"] += min(c.fwd_s for c in cs)
             a["core_b"] += min(c.saved_bytes for c in cs)
+    tensors, shared_tensors = _param_tensors(tab)
     parts = {p: PartCost(v["fwd"], v["bwd"], {}, {}, v["saved"], v["core_f"], v["core_b"], v["mx"], v["params"],
-                         v["wf"], v["wb"]) for p, v in acc.items()}
+                         v["wf"], v["wb"], param_tensors=tensors[p]) for p, v in acc.items()}
     if tab.op_sets:
         parts["block"] = replace(parts["block"], rc=rc_lower_bounds(tab, batch_only))
     layer_in = 0.0
     if tab.block_out is not None and tab.block_out in tab.costs:
         layer_in = min(c.out_bytes for c in tab.costs[tab.block_out])
     obj = sum(tab.weight[k] * min(c.total_s for c in tab.costs[k]) for k in tab.keys)
-    return AxisSummary(tab.t, tab.sp, tab.mbs, parts, shared, layer_in, tab.count, obj, is_lower_bound=True)
+    return AxisSummary(tab.t, tab.sp, tab.mbs, parts, shared, layer_in, tab.count, obj, is_lower_bound=True,
+                       shared_param_tensors=shared_tensors)

@@ -37,6 +37,11 @@ and why (``StepTime.overlap``, the report's "Communication" table).
   state's per parameter (``for_dtype``: 2 and 12 for 16-bit plans, 4 and 8 for fp32 ones).
 - ``grad_bytes``: bytes per gradient element stored and reduced. Megatron with bf16 accumulates and
   reduces gradients in fp32 (``accumulate_allreduce_grads_in_fp32`` is forced on with bf16).
+- ``gather_per_param``: ZeRO-3 all-gathers each parameter tensor in its own collective (autopar's
+  ``runtime/params.py``: one per tensor and scope, and again in the backward), so each pays the
+  link's latency: T tensors on a rank cost ``(T - 1) * (dp - 1) * latency`` more than one
+  collective of their bytes, forward and backward alike. Off: one collective per layer or bucket
+  (FSDP, Megatron), whose latency the bytes' term dominates.
 """
 from __future__ import annotations
 
@@ -54,6 +59,7 @@ class RuntimeProfile:
     host_copy_overlap: bool = False       # offload copies overlapped with compute
     param_bytes: int = 2                  # bytes per parameter element on the device (16-bit)
     optimizer_bytes: int = 12             # optimizer state per parameter (fp32 master + Adam's moments)
+    gather_per_param: bool = False        # ZeRO-3 all-gathers one parameter tensor per collective
 
 
 def for_dtype(profile: RuntimeProfile, dtype: str) -> RuntimeProfile:
@@ -77,7 +83,7 @@ def for_dtype(profile: RuntimeProfile, dtype: str) -> RuntimeProfile:
 # compute stream, so they are exposed; bf16 gradients.
 AUTOPAR_RUNTIME = RuntimeProfile(
     name="autopar", tp_overlap_kinds=(), grad_reduce_overlap=True, param_gather_overlap=False,
-    grad_bytes=2)
+    grad_bytes=2, gather_per_param=True)
 
 # Megatron-Core with --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap (the flags of
 # the published H100 weak-scaling runs), bf16 with fp32 gradient accumulation/reduction.

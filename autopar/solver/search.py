@@ -131,7 +131,7 @@ def _quick_summary(base: AxisSummary, cfg: OuterConfig) -> AxisSummary:
     parts = {}
     for k, p in base.parts.items():
         parts[k] = PartCost(0.0, 0.0, {}, {}, p.saved_bytes * f, 0.0, p.core_saved_bytes * f, p.max_out_bytes * f,
-                            p.param_numel / cfg.tp, 0.0, 0.0, scaled_rc(p.rc, f))
+                            p.param_numel / cfg.tp, 0.0, 0.0, scaled_rc(p.rc, f), p.param_tensors)
     return replace(base, t=cfg.tp, mbs=cfg.mbs, parts=parts, shared_param_numel=base.shared_param_numel / cfg.tp,
                    layer_input_bytes=base.layer_input_bytes * f, is_lower_bound=True)
 

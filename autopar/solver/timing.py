@@ -444,8 +444,10 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
         pp_link = stage_link(cluster, cfg.data * cfg.tp)
         comm["pp:p2p"] = 2 * cfg.v * collective_s("p2p", summary.layer_input_bytes, 2, pp_link)
     numel = sum(c * p.param_numel for p, c, _ in parts) + (summary.shared_param_numel if (first or last) else 0.0)
+    tensors = sum(c * p.param_tensors for p, c, _ in parts) + (summary.shared_param_tensors if (first or last) else 0.0)
     param_b = numel * profile.param_bytes
-    dp_comm, dp_sync, dp_rows = overlap_dp_sync(cfg, numel, profile, dp_link, win_f, win_b, cluster.overlap_slowdown)
+    dp_comm, dp_sync, dp_rows = overlap_dp_sync(cfg, numel, profile, dp_link, win_f, win_b, cluster.overlap_slowdown,
+                                                tensors)
     comm.update(dp_comm)
     mem = _rank_memory(summary, cfg, profile, r, parts, numel, lps)
     cls = cfg.classes

@@ -192,3 +192,28 @@ def test_cluster_field_defaults_file_and_calibrate(tmp_path):
     p.write_text(calibration_toml(c, measured_dict(cal, 10.0, 12.0)))
     assert load_cluster(p).overlap_slowdown == pytest.approx(0.5)
     assert tomllib.loads(p.read_text())["measured"]["overlap"]["both_s"] == pytest.approx(0.15)
+
+
+def test_zero3_gathers_pay_a_latency_per_parameter_tensor():
+    """autopar's ZeRO-3 all-gathers each parameter tensor alone (``gather_per_param``): with 10
+    tensors per layer, 2 layers, dp=4 and a 1 ms latency link, the forward's gathers cost
+    (20 - 1) x (4 - 1) x 1 ms more than one collective of the same bytes; an FSDP-like profile
+    (one collective per layer or bucket) does not pay it."""
+    from autopar.solver.overlap import dp_sync
+
+    link = LinkSpec("test", busbw_Bps=1e9, latency_s=1e-3, source="test")
+    cfg = OuterConfig(tp=1, pp=1, dp=4, mbs=1, m=1, recompute="none", zero=3, sp=False)
+    numel, tensors = 2e6, 20.0
+    per_param, _, _ = dp_sync(cfg, numel, AUTOPAR_RUNTIME, link, 0.0, 0.0, 0.0, tensors)
+    bucketed, _, _ = dp_sync(cfg, numel, replace(AUTOPAR_RUNTIME, gather_per_param=False), link, 0.0, 0.0, 0.0, tensors)
+    extra = (tensors - 1) * (4 - 1) * 1e-3
+    # forward and backward each gather all tensors (nothing overlapped in autopar's runtime)
+    assert per_param["dp:all_gather"] - bucketed["dp:all_gather"] == pytest.approx(2 * extra)
+    assert per_param["dp:reduce_scatter"] == pytest.approx(bucketed["dp:reduce_scatter"])
+
+    blk = replace(_summary({}).parts["block"], param_tensors=10.0)
+    summ = replace(_summary({}), parts={**_summary({}).parts, "block": blk})
+    ev = evaluate(summ, cfg, replace(_cluster(0.0), intra=link, inter=link), AUTOPAR_RUNTIME, 1e15, all_stages=True)
+    base = evaluate(_summary({}), cfg, replace(_cluster(0.0), intra=link, inter=link), AUTOPAR_RUNTIME, 1e15,
+                    all_stages=True)
+    assert ev.step.total_s - base.step.total_s == pytest.approx(2 * extra)
