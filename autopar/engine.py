@@ -22,10 +22,11 @@ from typing import Optional
 
 from torch import fx
 
+from autopar.codegen.stages import TARGET_KEY
+
 log = logging.getLogger("autopar.runtime")
 
 ENGINES = ("auto", "emitted", "interpreter")
-TARGET_KEY = "|target|0"
 
 
 class EngineError(ValueError):
@@ -40,6 +41,8 @@ class EmittedRunner:
         self.part = part                    # the graph nodes it runs (None: all), as GraphExecutor.part
         self.recv = recv                    # names of the values read from outside the part
         self.inputs = inputs                # (placeholder key) per input placeholder, forward's order
+        # per input placeholder: the model input's index, or None for the target
+        self._slots = tuple(None if k == TARGET_KEY else int(k.rsplit("|", 1)[1]) for k in inputs)
 
     @property
     def fallbacks(self) -> set:
@@ -52,13 +55,12 @@ class EmittedRunner:
     def run(self, inputs, target=None, seed: Optional[dict] = None) -> list:
         seed = seed or {}
         args = [seed[name] for name in self.recv]
-        for key in self.inputs:
-            if key == TARGET_KEY:
+        for i in self._slots:
+            if i is None:
                 if target is None:
                     raise ValueError("this graph computes the loss: pass the target")
                 args.append(target)
             else:
-                i = int(key.rsplit("|", 1)[1])
                 if i >= len(inputs):
                     raise ValueError(f"the graph takes {i + 1}+ inputs, got {len(inputs)}")
                 args.append(inputs[i])
@@ -88,7 +90,8 @@ def emission_gap(graph, program, cut, *, fused=None, context=None, device="cpu")
                 "interpreter's ContextRun (codegen/context_run.py)"), {}
     if fused is not None:
         return ("fused kernels (kernels='on', or 'auto' on CUDA): the substitution is decided per node from the "
-                "operands' run-time placements (codegen/fused.py)"), {}
+                "operands' run-time placements (codegen/fused.py); pass kernels='off' to train on the emitted "
+                "modules"), {}
     specs = graph.exported.graph_signature.output_specs
     mutated = [s.target for s in specs if s.kind == OutputKind.BUFFER_MUTATION]
     if mutated:

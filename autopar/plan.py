@@ -27,7 +27,7 @@ from autopar.comm_overlap import CommOverlap, overlap_from_dicts
 from autopar.mesh import CONTEXT, DATA, PIPELINE, TENSOR, Mesh
 from autopar.placements import Placement, Replicate, format_placements, parse_placements
 from autopar.plan_schema import parse_plan_json, schema_message, schema_problems
-from autopar.recompute_ops import valid_recompute
+from autopar.recompute_ops import recompute_problem
 
 SCHEMA_VERSION = 1
 
@@ -472,8 +472,9 @@ def plan_problems(p: Plan) -> list[str]:
             out.append(f"{name}={v!r} is not a positive integer")
     if not _is_int(p.zero_stage) or not 0 <= p.zero_stage <= 3:
         out.append(f"zero_stage={p.zero_stage!r} is not 0, 1, 2 or 3")
-    if not valid_recompute(p.recompute):     # per-op: "ops:attention+mlp_act" (``recompute_ops.py``)
-        out.append(f"recompute={p.recompute!r} is not one of {', '.join(RECOMPUTE_CHOICES)} or a canonical ops:...")
+    why = recompute_problem(str(p.recompute))     # per-op: "ops:attention+mlp_act" (``recompute_ops.py``)
+    if why:
+        out.append(why)
     if p.recompute_layers is not None and (p.recompute != "full" or not _is_int(p.recompute_layers)
                                            or p.recompute_layers < 1):
         out.append(f"recompute_layers={p.recompute_layers!r} needs recompute 'full' and a positive integer")

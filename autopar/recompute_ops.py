@@ -79,8 +79,10 @@ def is_per_op(value: str) -> bool:
     return bool(cs)
 
 
-def valid_recompute(value) -> bool:
+def recompute_problem(value) -> Optional[str]:
+    """Why ``value`` is not a plan's recompute in canonical spelling (None: it is), saying what to write."""
     try:
-        return isinstance(value, str) and canonical_recompute(value) == value
-    except ValueError:
-        return False
+        canonical = canonical_recompute(value)
+    except ValueError as e:
+        return str(e)
+    return None if canonical == value else f"recompute={value!r}: write {canonical!r} (the canonical spelling)"

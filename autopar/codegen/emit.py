@@ -66,8 +66,7 @@ from torch import fx, nn
 from autopar.codegen import fallback
 from autopar.codegen.emit_runtime import (StageRuntime, buffer, fmt, forced_local_op, local_op, norm, param,
                                           parse, pin, place, recompute, redistribute, replicated_input,
-                                          strided_split, vocab_parallel_cross_entropy, wrap_plain)
-from autopar.codegen.emit_runtime import has_dtensor_rule
+                                          strided_split, vocab_parallel_cross_entropy, wrap_plain, has_dtensor_rule)
 from autopar.codegen.program import RankProgram, axis_index, compile_program
 from autopar.codegen.stages import PipelineCut, wire_placements
 from autopar.codegen.vocab_ce import VOCAB_CE_TARGET
@@ -77,7 +76,6 @@ from autopar.mesh import DATA, TENSOR
 from autopar.placements import Partial, Replicate, Shard
 
 __all__ = ["emit_stage", "emit_part", "bind", "constants_of", "emit_plan", "fmt", "parse", "StageRuntime"]
-_norm = norm
 
 
 def _tensor_meta(n: fx.Node):

@@ -6,6 +6,7 @@ emitted module issues the same collectives in the same order as the interpreter.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 from typing import Optional
@@ -31,7 +32,9 @@ def fmt(placements) -> str:
     return "".join("_" if p is None else str(p) for p in placements)
 
 
+@functools.lru_cache(maxsize=None)
 def parse(text: str) -> tuple:
+    """``"S(0)_"`` -> ``(Shard(0), None)`` (cached: the emitted code passes the same strings every step)."""
     return tuple(None if t == "_" else parse_placement(t) for t in re.findall(r"S\(\d+\)|R|P|_", text))
 
 

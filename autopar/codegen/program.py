@@ -47,13 +47,6 @@ from autopar.recompute_ops import recompute_classes
 
 log = logging.getLogger("autopar.codegen")
 
-ATTENTION_CORE = frozenset({
-    "aten.scaled_dot_product_attention.default",
-    "aten._scaled_dot_product_flash_attention.default",
-    "aten._scaled_dot_product_efficient_attention.default",
-    "aten._scaled_dot_product_flash_attention_for_cpu.default",
-})
-
 Placements = tuple[Optional[Placement], ...]   # one per mesh axis (plan.mesh_axes order); None = keep
 
 

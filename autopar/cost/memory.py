@@ -38,9 +38,12 @@ SCHEDULES = PIPELINE_SCHEDULES
 
 
 def model_state_bytes(num_params: int, dp: int, zero_stage: int, *, param_bytes: float = 2,
-                      grad_bytes: float = 2, optimizer_bytes_per_param: float = 12) -> dict[str, float]:
+                      grad_bytes: float = 2, optimizer_bytes_per_param: float = 12,
+                      full_grads: bool = False) -> dict[str, float]:
     """Per-device bytes of "params", "grads" and "optimizer" under ZeRO ``zero_stage`` (0-3) with
-    ``dp`` data-parallel ranks (module docstring). Use grad_bytes=4 for fp32 gradient accumulation."""
+    ``dp`` data-parallel ranks (module docstring). Use grad_bytes=4 for fp32 gradient accumulation.
+    ``full_grads``: the device holds the full local gradients whatever the stage (a runtime that
+    accumulates micro-batches before one reduction: ``solver.timing.accumulates_full_grads``)."""
     if zero_stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage}")
     if dp < 1:
@@ -50,7 +53,7 @@ def model_state_bytes(num_params: int, dp: int, zero_stage: int, *, param_bytes:
     optim = float(num_params) * optimizer_bytes_per_param
     return {
         "params": params / dp if zero_stage >= 3 else params,
-        "grads": grads / dp if zero_stage >= 2 else grads,
+        "grads": grads / dp if zero_stage >= 2 and not full_grads else grads,
         "optimizer": optim / dp if zero_stage >= 1 else optim,
     }
 

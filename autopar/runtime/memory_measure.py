@@ -413,11 +413,8 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     classes = cfg.classes
 
     def states(numel: float) -> dict:
-        out = model_state_bytes(int(numel), cfg.dp, cfg.zero, param_bytes=per["params"], grad_bytes=per["grads"],
-                                optimizer_bytes_per_param=per["optimizer"])
-        if accumulates_full_grads(cfg):           # micro-batches accumulate the full gradients
-            out["grads"] = numel * per["grads"]
-        return out
+        return model_state_bytes(int(numel), cfg.dp, cfg.zero, param_bytes=per["params"], grad_bytes=per["grads"],
+                                 optimizer_bytes_per_param=per["optimizer"], full_grads=accumulates_full_grads(cfg))
 
     total = states(st.param_numel)
     parts = rank_parts(summary, st.layers, st.has_pre, st.has_post)

@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 from autopar.codegen.shards import local_ranges
 from autopar.codegen.stages import wire_placements
 from autopar.placements import to_torch
-from autopar.plan import split_backward_problem, stage_rank
+from autopar.plan import ZERO_BUBBLE_SCHEDULES, split_backward_problem, stage_rank
 
 # plan.EXECUTED_SCHEDULES -> torch's class (tests/runtime/test_pipeline.py checks they agree)
 SCHEDULES = {
@@ -110,9 +110,11 @@ class StageModule(nn.Module):
 
     def __init__(self, index: int, run: Callable[[Sequence, dict], list], recv: Sequence[str],
                  send: Sequence[str], wires: dict, last: int,
-                 on_send: Optional[Callable[[int, str], None]] = None, leaves: Sequence = ()) -> None:
+                 on_send: Optional[Callable[[int, str], None]] = None, leaves: Sequence = (),
+                 split_backward: bool = False) -> None:
         super().__init__()
         self._leaves = tuple(leaves)
+        self._split_backward = split_backward    # a zero-bubble schedule: input and weight passes
         self.index = index
         self._last = last                 # the last stage's index: its ``send`` goes to the loss, not P2P
         self._run = run
@@ -134,8 +136,8 @@ class StageModule(nn.Module):
         else:
             outs = self._run(args, {})
         sent = tuple(self._wires[name].send(v) for name, v in zip(self.send, outs))
-        # a zero-bubble input pass detaches the outputs in place, which a view (``to_local``) refuses
-        sent = tuple(_NotView.apply(t) if t._is_view() else t for t in sent)
+        if self._split_backward:     # its input pass detaches the outputs in place, which a view refuses
+            sent = tuple(_NotView.apply(t) if t._is_view() else t for t in sent)
         if self._on_send is not None and self.index < self._last:
             self._on_send(sum(t.numel() * t.element_size() for t in sent), "forward")
         return sent
@@ -349,7 +351,7 @@ def build_pipeline(*, plan, cut, graph, program, device_mesh, stage_mesh, store,
         module = StageModule(s, lambda inputs, seed, ex=ex: ex.run(inputs, None, seed), sc.recv, sc.send,
                              wires, n_stages - 1, on_send,
                              leaves=[store.by_name[n].local for n in sorted(cut.params_of(graph, [s]))
-                                     if n in store.by_name])
+                                     if n in store.by_name], split_backward=schedule in ZERO_BUBBLE_SCHEDULES)
         # static metadata (input_args / output_args): torch's dynamic inference would run the stage
         # once more on the first micro-batch, updating BatchNorm statistics a second time
         ins = tuple(wires[n].example for n in sc.recv) if s else tuple(example(n) for n in cut.inputs)

@@ -4,6 +4,8 @@ parallel, pipeline schedule and stages per rank) the forced choices allow, and a
 (``no_config_error``). ``search.py`` evaluates what ``outer_configs`` lists."""
 from __future__ import annotations
 
+from typing import Optional
+
 from autopar.cost.flops import pipeline_schedule_problem
 from autopar.ir import GraphIR
 from autopar.plan import V_SCHEDULES, parse_offload, split_backward_problem
@@ -53,7 +55,7 @@ def model_dims(graph: GraphIR) -> dict:
     return {"heads": heads, "hidden": hidden, "layers": layers}
 
 
-def check_force(force: Force, graph: GraphIR, world: int, global_batch: int) -> None:
+def check_force(force: Force, graph: GraphIR, world: int, global_batch: int, seq_len: Optional[int] = None) -> None:
     dims = model_dims(graph)
     if force.offload not in (None, "none") and "params" in parse_offload(force.offload) \
             and force.zero_stage not in (None, 3):
@@ -82,10 +84,10 @@ def check_force(force: Force, graph: GraphIR, world: int, global_batch: int) -> 
         raise PlanningError(f"dp={force.dp} does not divide the global batch {global_batch}")
     if force.sequence_parallel and force.tp == 1:
         raise PlanningError("sequence parallelism needs tp > 1 (it shards the sequence over the tp group)")
-    _check_recompute_force(force, graph)
+    _check_recompute_force(force, graph, seq_len)
 
 
-def _check_recompute_force(force: Force, graph: GraphIR) -> None:
+def _check_recompute_force(force: Force, graph: GraphIR, seq_len: Optional[int]) -> None:
     """A forced per-op recompute names classes the graph has (``op_classes``)."""
     from autopar.recompute_ops import recompute_classes
     from autopar.solver.op_classes import present_classes
@@ -93,7 +95,7 @@ def _check_recompute_force(force: Force, graph: GraphIR) -> None:
     cs = recompute_classes(force.recompute) if force.recompute else None
     if not cs or cs == ("attention",):       # "selective" keeps meaning attention, as it always has
         return
-    have = present_classes(graph)
+    have = present_classes(graph, seq_len)
     missing = [c for c in cs if c not in have]
     if missing:
         raise PlanningError(f"recompute={force.recompute}: the model has no {', '.join(missing)} ops to recompute "

@@ -138,7 +138,7 @@ def account(bottleneck, dp_stage, m: int, profile, cluster) -> tuple[CommOverlap
             hidden = min(total, window) if over else 0.0
             add(key, total * scale, window * scale if over else 0.0, hidden * scale, (total - hidden) * scale,
                 s * hidden * scale, _WHY[reason][0 if over else 1], True)
-            covered[(per, key)] = covered.get((per, key), 0.0) + (total - hidden + s * hidden) * scale
+            covered[(per, key)] = covered.get((per, key), 0.0) + overlapped_cost(total, window, over, s) * scale
     for src, scale, per in ((bottleneck.comm, m, MB), (dp_stage.dp_sync, 1, STEP)):
         for key, v in src.items():
             rest = v * scale - covered.get((per, key), 0.0)

@@ -137,7 +137,6 @@ def _block_info(facts: GraphFacts):
     return (cands[0] if len(cands) == 1 else None), w, count
 
 
-_core_nodes = core_nodes      # attention core (``op_classes.core_nodes``)
 
 
 def causal_attention(n) -> bool:
@@ -217,7 +216,7 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
         costs[n.key] = row
     edges = _edges(facts, metas, set(keys), carried, block_out, count)
     return AxisTables(facts, t, sp, mbs, link, profile, tuple(keys), strategies, costs, weight, tuple(edges),
-                      metas, kinds, _core_nodes(facts), carried, block_out, count,
+                      metas, kinds, core_nodes(facts), carried, block_out, count,
                       op_sets=all_op_sets(facts, alias=t == 1))
 
 
@@ -352,40 +351,28 @@ def _add(d: dict, kind: str, s: float) -> None:
         d[kind] = d.get(kind, 0.0) + s
 
 
-def _param_tensors(tab: AxisTables) -> tuple[dict, float]:
-    """Parameter tensors per part (as ``param_numel`` is split) and those pre and post share: the
-    runtime's ZeRO-3 gathers one tensor per collective (``RuntimeProfile.gather_per_param``)."""
-    per, shared = dict.fromkeys(PARTS, 0.0), 0.0
-    for k in tab.keys:
-        if tab.kinds[k] == "param":
-            parts = tab.facts.param_parts[k]
-            if "block" in parts:
-                per["block"] += 1
-            elif parts >= {"pre", "post"}:
-                shared += 1
-            else:
-                per[next(iter(parts))] += 1
-    return per, shared
+def _param_part(tab: AxisTables, k: str) -> str:
+    """The part parameter ``k`` is counted in: "block", "pre" or "post", or "shared" (read by both
+    pre and post: tied)."""
+    parts = tab.facts.param_parts[k]
+    if "block" in parts:
+        return "block"
+    return "shared" if parts >= {"pre", "post"} else next(iter(parts))
 
 
 def summarize(tab: AxisTables, choice: dict) -> AxisSummary:
     """``choice``: key -> strategy index."""
-    acc = {p: dict(fwd=0.0, bwd=0.0, cf={}, cb={}, saved=0.0, core_f=0.0, core_b=0.0, mx=0.0, params=0.0)
-           for p in PARTS}
-    shared = 0.0
+    acc = {p: dict(fwd=0.0, bwd=0.0, cf={}, cb={}, saved=0.0, core_f=0.0, core_b=0.0, mx=0.0, params=0.0,
+                   tensors=0.0) for p in PARTS + ("shared",)}
     count = tab.count
     for k in tab.keys:
         c = tab.costs[k][choice[k]]
         kind = tab.kinds[k]
         if kind in ("param", "buffer", "input"):
             if kind == "param":
-                parts = tab.facts.param_parts[k]
-                if "block" in parts:
-                    acc["block"]["params"] += c.param_numel
-                elif parts >= {"pre", "post"}:
-                    shared += c.param_numel
-                else:
-                    acc[next(iter(parts))]["params"] += c.param_numel
+                a = acc[_param_part(tab, k)]
+                a["params"] += c.param_numel
+                a["tensors"] += 1
             continue
         a = acc[tab.facts.part[k]]
         a["fwd"] += c.fwd_s
@@ -408,17 +395,17 @@ def summarize(tab: AxisTables, choice: dict) -> AxisSummary:
         if ec.bwd_kind:
             _add(a["cb"], "tp:" + ec.bwd_kind, ec.bwd_s * scale)
         _add(a["cb"], "tp:all_gather", ec.regather_s * scale)
-    tensors, shared_tensors = _param_tensors(tab)
+    shared = acc.pop("shared")
     parts = {p: PartCost(v["fwd"], v["bwd"], v["cf"], v["cb"], v["saved"], v["core_f"], v["core_b"], v["mx"],
-                         v["params"], v["fwd"], v["bwd"], param_tensors=tensors[p]) for p, v in acc.items()}
+                         v["params"], v["fwd"], v["bwd"], param_tensors=v["tensors"]) for p, v in acc.items()}
     if tab.op_sets:
         parts["block"] = replace(parts["block"], rc=rc_costs(tab, choice, parts["block"].saved_bytes))
     layer_in = 0.0
     if tab.block_out is not None and tab.block_out in choice:
         layer_in = tab.costs[tab.block_out][choice[tab.block_out]].out_bytes
     obj = ilp_problem_objective(tab, choice)
-    return AxisSummary(tab.t, tab.sp, tab.mbs, parts, shared, layer_in, count, obj,
-                       shared_param_tensors=shared_tensors)
+    return AxisSummary(tab.t, tab.sp, tab.mbs, parts, shared["params"], layer_in, count, obj,
+                       shared_param_tensors=shared["tensors"])
 
 
 def ilp_problem_objective(tab: AxisTables, choice: dict) -> float:
@@ -432,21 +419,15 @@ def lower_bound_summary(tab: AxisTables, batch_only: bool = False) -> AxisSummar
     strategies, edges at 0, and the overlap windows at their maximum (so exposed communication,
     ``max(0, comm - window)``, is bounded below too). Used to prune outer configurations before
     their ILP is solved."""
-    acc = {p: dict(fwd=0.0, bwd=0.0, saved=0.0, core_f=0.0, core_b=0.0, mx=0.0, params=0.0, wf=0.0, wb=0.0)
-           for p in PARTS}
-    shared = 0.0
+    acc = {p: dict(fwd=0.0, bwd=0.0, saved=0.0, core_f=0.0, core_b=0.0, mx=0.0, params=0.0, wf=0.0, wb=0.0,
+                   tensors=0.0) for p in PARTS + ("shared",)}
     for k in tab.keys:
         cs = tab.costs[k]
         kind = tab.kinds[k]
         if kind == "param":
-            m = min(c.param_numel for c in cs)
-            parts = tab.facts.param_parts[k]
-            if "block" in parts:
-                acc["block"]["params"] += m
-            elif parts >= {"pre", "post"}:
-                shared += m
-            else:
-                acc[next(iter(parts))]["params"] += m
+            a = acc[_param_part(tab, k)]
+            a["params"] += min(c.param_numel for c in cs)
+            a["tensors"] += 1
             continue
         if kind in ("buffer", "input"):
             continue
@@ -462,14 +443,14 @@ def lower_bound_summary(tab: AxisTables, batch_only: bool = False) -> AxisSummar
         if k in tab.core:           # saved - core_saved must bound the non-core bytes from below
             a["core_f"] += min(c.fwd_s for c in cs)
             a["core_b"] += min(c.saved_bytes for c in cs)
-    tensors, shared_tensors = _param_tensors(tab)
+    shared = acc.pop("shared")
     parts = {p: PartCost(v["fwd"], v["bwd"], {}, {}, v["saved"], v["core_f"], v["core_b"], v["mx"], v["params"],
-                         v["wf"], v["wb"], param_tensors=tensors[p]) for p, v in acc.items()}
+                         v["wf"], v["wb"], param_tensors=v["tensors"]) for p, v in acc.items()}
     if tab.op_sets:
         parts["block"] = replace(parts["block"], rc=rc_lower_bounds(tab, batch_only))
     layer_in = 0.0
     if tab.block_out is not None and tab.block_out in tab.costs:
         layer_in = min(c.out_bytes for c in tab.costs[tab.block_out])
     obj = sum(tab.weight[k] * min(c.total_s for c in tab.costs[k]) for k in tab.keys)
-    return AxisSummary(tab.t, tab.sp, tab.mbs, parts, shared, layer_in, tab.count, obj, is_lower_bound=True,
-                       shared_param_tensors=shared_tensors)
+    return AxisSummary(tab.t, tab.sp, tab.mbs, parts, shared["params"], layer_in, tab.count, obj, is_lower_bound=True,
+                       shared_param_tensors=shared["tensors"])

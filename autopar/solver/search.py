@@ -503,7 +503,7 @@ def solve(graph: GraphIR, cluster: ClusterSpec, *, global_batch: int, seq_len: O
                                 "block traced once (trace_model(..., collapse_repeats=True), the default); "
                                 "this graph traces every layer")
         force = replace(force, pp=1)
-    check_force(force, graph, world, global_batch)
+    check_force(force, graph, world, global_batch, seq_len)
     if force.offload not in (None, "none") and "params" in parse_offload(force.offload) and force.zero_stage is None:
         force = replace(force, zero_stage=3)     # params offload runs under ZeRO-3 only
     budget = float(memory_budget_bytes) if memory_budget_bytes is not None else default_budget_bytes(cluster)

@@ -211,7 +211,7 @@ def _state_bytes_per_param(cfg: OuterConfig, profile: RuntimeProfile) -> float:
     offloaded with one micro-batch cost a constant, ``_grads_const``)."""
     n = 1_000_000
     st = model_state_bytes(n, cfg.data, cfg.zero, param_bytes=profile.param_bytes, grad_bytes=profile.grad_bytes,
-                           optimizer_bytes_per_param=profile.optimizer_bytes)
+                           optimizer_bytes_per_param=profile.optimizer_bytes, full_grads=accumulates_full_grads(cfg))
     cls = cfg.classes
     if "optimizer" in cls:
         st["optimizer"] = 0.0
@@ -219,8 +219,6 @@ def _state_bytes_per_param(cfg: OuterConfig, profile: RuntimeProfile) -> float:
         st["params"] = 0.0
     if "grads" in cls and cfg.m == 1:
         st["grads"] = 0.0
-    elif accumulates_full_grads(cfg):
-        st["grads"] = n * profile.grad_bytes
     return sum(st.values()) / n
 
 
@@ -567,9 +565,8 @@ def _saved_per_microbatch(summary: AxisSummary, cfg: OuterConfig, parts, lps: fl
 def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile, r: int, parts, numel: float,
                  lps: float) -> MemoryUse:
     states = model_state_bytes(int(numel), cfg.data, cfg.zero, param_bytes=profile.param_bytes,
-                               grad_bytes=profile.grad_bytes, optimizer_bytes_per_param=profile.optimizer_bytes)
-    if accumulates_full_grads(cfg):
-        states["grads"] = numel * profile.grad_bytes
+                               grad_bytes=profile.grad_bytes, optimizer_bytes_per_param=profile.optimizer_bytes,
+                               full_grads=accumulates_full_grads(cfg))
     inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
     per_mb = _saved_per_microbatch(summary, cfg, parts, lps)
     activations = inflight * per_mb

@@ -108,6 +108,8 @@ def _check(name: str, results: list, plans: dict, world: int) -> None:
             assert sent[("all_reduce", "pp")] == STEPS, sent
     else:
         assert sent[("send", "pp")] == 0
+    if plan.dp > 1:                                         # the data-parallel axis carried gradients
+        assert Counter(k[1] for k in results[0]["issued"])["dp"] > 0, name
 
 
 def _predicted(spec: str, plan, res: dict) -> list:
@@ -127,9 +129,6 @@ def test_two_ranks(two_ranks, name):
 @pytest.mark.parametrize("name", list(PLANS_4))
 def test_four_ranks(four_ranks, name):
     _check(name, four_ranks[name], PLANS_4, 4)
-    spec, force, _ = PLANS_4[name]
-    if _plan(spec, force, 4).dp > 1:                        # the data-parallel axis carried gradients
-        assert Counter(k[1] for k in four_ranks[name][0]["issued"])["dp"] > 0
 
 
 def test_runtime_schedules_are_the_plans_executed_ones():

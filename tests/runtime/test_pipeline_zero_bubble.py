@@ -75,7 +75,7 @@ def four_ranks():
 
 
 def _check_zero_bubble(name: str, results: list, plans: dict, world: int) -> None:
-    _check(name, results, plans, world)      # one process's training, forward, predicted collectives
+    _check(name, results, plans, world)      # one process's training, forward, predicted collectives, dp traffic
     spec, force, (pp, schedule, _, _) = plans[name]
     n = len(_plan(spec, force, world).stages)
     tied_across = stage_rank(schedule, pp, 0) != stage_rank(schedule, pp, n - 1)
@@ -91,9 +91,6 @@ def test_two_ranks(two_ranks, name):
 @pytest.mark.parametrize("name", list(PLANS_4))
 def test_four_ranks(four_ranks, name):
     _check_zero_bubble(name, four_ranks[name], PLANS_4, 4)
-    spec, force, _ = PLANS_4[name]
-    if _plan(spec, force, 4).dp > 1:                        # the data-parallel axis carried gradients
-        assert Counter(k[1] for k in four_ranks[name][0]["issued"])["dp"] > 0
 
 
 def test_runtime_refuses_on_every_rank(four_ranks):
