@@ -140,6 +140,15 @@ PREDICTED = {
     # pads to equal chunks before all-gathering it (the gather moves two rows, not one).
     "uneven_tp_shard": _case(_spec(kind="conv1d", hidden=4, block=["conv"], norm="rmsnorm", channels=1, kernel=1,
                                    **_SMALL), dict(dp=1, tp=2, pp=1, recompute="none", mbs=1)),
+    # The pooling mean over the spatial dim the last residual add is split on (tp Shard(2) ->
+    # Partial) gets its gradient Replicate and expands it: the add's output gradient is Replicate
+    # (no edge wraps it back into the Shard), so the add hands Replicate to the conv branch's
+    # batch-sharded silu, a free chunk -- not the predicted Shard(2) -> Shard(0) move, all-gathered
+    # on gloo (codegen/expected_grads.py). ``fuzz.py --seed 6`` found it (the spec's
+    # layers=2, ffn=8 and seq=8 only repeat it); full recompute, one-row micro-batches.
+    "mean_of_sharded_add": _case(_spec(kind="conv2d", hidden=7, block=["conv"], norm="rms_hand", act="silu",
+                                       channels=1, kernel=3, out=12, **dict(_SMALL, seq=4, bias=True)),
+                                 dict(dp=1, tp=2, pp=1, recompute="full", mbs=1)),
 }
 
 
@@ -174,7 +183,7 @@ def test_found_cases_issue_the_predicted_collectives(name, two_rank_regressions)
     o = two_rank_regressions[name]
     assert o.status == "pass", f"{o.line()}\n{o.detail[-3000:]}"
     assert not o.unpredicted, o.unpredicted
-    axis = "tp" if name == "uneven_tp_shard" else "dp"
+    axis = "tp" if name in ("uneven_tp_shard", "mean_of_sharded_add") else "dp"
     assert o.traffic.get(axis), o.traffic
 
 
