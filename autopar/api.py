@@ -241,6 +241,7 @@ class ParallelModel:
         if host is not None:
             host.end_step()
         self.reducer.gather_params()
+        self.store.weights_changed()
         return float(loss) / scale
 
     def _grad_scale(self) -> float:

@@ -19,7 +19,10 @@ backward, per edge whose value needs a gradient: the consumer's gradient placeme
     Two consumers hand back another G than ``input_grads``: an elementwise op (DTensor's
     pointwise rule) whose output is Shard(d) chunks a Replicate input that is not broadcast along
     d into that shard itself, so its G is the shard (the edge all-gathers it, not Partial); a loss
-    DTensor runs (nll_loss's rule) hands back the logits' gradient as it read them.
+    DTensor runs (nll_loss's rule) hands back the logits' gradient as it read them; a sum/mean
+    over a sharded dim (output Partial) hands back Replicate (its backward expands the Replicate
+    gradient), and so does an add/sub that such a gradient reaches through edges the runtime does
+    not wrap (``expected_grads.py``): those edges then move nothing where the plan says Shard.
 rule-less ops (no planner rule, ``solver/rules.find_rule``): the planner makes them Replicate on
     dp while their inputs stay batch-sharded (``solver/plan_parts._dp_placements``); DTensor keeps
     the split (a view, a broadcast) and the executor gathers each output to Replicate
@@ -46,7 +49,9 @@ local-dp mode (tp == 1, ``program.local_dp_nodes``): only edges into nodes that 
 recompute: every forward collective of a node inside a recompute region is issued again in
     backward (non-reentrant checkpoint, early stop off); ZeRO-3 gathers of parameters read in a
     region too.
-ZeRO (dp > 1), per parameter read per scope (main graph or region): ZeRO-3 all_gather of its rows.
+ZeRO (dp > 1), per parameter read per scope (main graph or region): ZeRO-3 all_gather of its rows
+    (one per gather group instead, for the parameters in one, ``gather_groups.py``: forward, and
+    backward for a region's replay or the group's saved weights, ``runtime/reshard.py``).
     Per gradient bucket (``buckets.py``): all_reduce (ZeRO 0/1) or reduce_scatter (2/3); after the
     optimizer step all_gather (ZeRO 1/2).
 
@@ -71,6 +76,7 @@ from dataclasses import dataclass
 from typing import Collection, Optional, Sequence
 
 from autopar.codegen.expected_context import context_collectives
+from autopar.codegen.expected_grads import replicate_grads
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES, ParamLayout, bucket_comm_bytes, plan_buckets
 from autopar.codegen.program import RankProgram, axis_index, compile_program, local_dp_nodes
 from autopar.codegen.shards import chunk_range
@@ -318,10 +324,12 @@ def part_collectives(graph: GraphIR, program: RankProgram, *, backend: str = "gl
         return nplan[n.key].output
 
     def edge(meta: TensorMeta, a_pl, b_pl, consumer_out, ph, grad: bool, is_param: bool,
-             out_meta: Optional[TensorMeta] = None, elementwise: bool = False, as_read: bool = False):
+             out_meta: Optional[TensorMeta] = None, elementwise: bool = False, as_read: bool = False,
+             rep: Collection[int] = ()):
         """Producer placements ``a_pl`` -> consumer input ``b_pl`` (the consumer's output
         ``consumer_out``, of ``out_meta``; ``elementwise``: the consumer is a pointwise op;
-        ``as_read``: the consumer hands back the gradient in the placement it read, a loss)."""
+        ``as_read``: the consumer hands back the gradient in the placement it read, a loss;
+        ``rep``: axes where it hands it back Replicate, ``expected_grads.replicate_grads``)."""
         if a_pl is None or b_pl is None:
             return
         nd = len(meta.shape)
@@ -337,7 +345,7 @@ def part_collectives(graph: GraphIR, program: RankProgram, *, backend: str = "gl
                     add(k[0], ax, k[1], phase)
             if not grad or consumer_out is None or consumer_out[ax] is None:
                 continue
-            g = b_pl[ax] if as_read else _grad_placement(
+            g = Replicate() if ax in rep else b_pl[ax] if as_read else _grad_placement(
                 b_pl[ax], _norm(consumer_out[ax], od), (meta, out_meta) if elementwise and out_meta is not None else None)
             t = Replicate() if isinstance(a_pl[ax], Partial) else a_pl[ax]
             if is_param and ax == di and isinstance(g, Partial):
@@ -348,6 +356,8 @@ def part_collectives(graph: GraphIR, program: RankProgram, *, backend: str = "gl
                 add(kb[0], ax, kb[1], bwd)
 
     # ---- DTensor edges ----
+    rep_grads = {} if program.local_dp else replicate_grads(
+        graph, nplan, out_placement, sizes, di, need, program.positional, lambda k: runs(k) and k not in received)
     for n in graph.nodes:
         if n.kind != "op" or not runs(n.key) or n.key in received:
             continue
@@ -366,7 +376,7 @@ def part_collectives(graph: GraphIR, program: RankProgram, *, backend: str = "gl
         loss_rule = x0 is not None and bool(x0.outputs) and dtensor_loss(
             n, np_, mesh, len(x0.outputs[n.inputs[0].index or 0].shape), fused)
         metas = []
-        for r, b_pl in zip(n.inputs, np_.inputs):
+        for i, (r, b_pl) in enumerate(zip(n.inputs, np_.inputs)):
             u = by_key[r.key]
             metas.append(None)
             if not u.outputs:
@@ -376,7 +386,7 @@ def part_collectives(graph: GraphIR, program: RankProgram, *, backend: str = "gl
                 continue                                   # consumed through getitem
             edge(meta, out_placement(u), b_pl, np_.output, ph, need[u.key],
                  u.kind == "param" or u.key in program.positional, n.out if n.outputs else None, pointwise,
-                 loss_rule)
+                 loss_rule, rep_grads.get((n.key, i), ()))
         # a loss DTensor runs (nll_loss's rule): the target follows the logits' placement, moved
         # there in forward and again by the backward op (which reads the target too)
         if loss_rule and len(metas) > 1 and metas[0] is not None and metas[1] is not None:
@@ -455,11 +465,21 @@ def part_collectives(graph: GraphIR, program: RankProgram, *, backend: str = "gl
                 if u.kind == "param":
                     scopes.add((u.param_name or u.key, region_of.get(n.key)))
         saved = _saved_params(graph, region_of, runs, need)
+        group = {p.name: p.group for p in program.params}
+        grouped: dict[tuple, int] = {}     # (phase, group) -> bytes: one gather each (gather_groups.py)
         for name, region in sorted(scopes, key=lambda s: (s[0], -1 if s[1] is None else s[1])):
-            nb = lay[name].padded_numel(dp) * DTYPE_BYTES[lay[name].dtype]
-            out.append(Collective("all_gather", axes[di], int(nb), fwd, "zero"))
+            nb = int(lay[name].padded_numel(dp) * DTYPE_BYTES[lay[name].dtype])
+            g = group.get(name, -1)
+            if g >= 0:
+                grouped[(fwd, g)] = grouped.get((fwd, g), 0) + nb
+            else:
+                out.append(Collective("all_gather", axes[di], nb, fwd, "zero"))
             if region is not None or name in saved:        # replayed / re-gathered (reshard.py)
-                out.append(Collective("all_gather", axes[di], int(nb), bwd, "zero"))
+                if g >= 0:
+                    grouped[(bwd, g)] = grouped.get((bwd, g), 0) + nb
+                else:
+                    out.append(Collective("all_gather", axes[di], nb, bwd, "zero"))
+        out += [Collective("all_gather", axes[di], nb, phase, "zero") for (phase, _), nb in sorted(grouped.items())]
     return out
 
 

@@ -39,6 +39,7 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from autopar.codegen.gather_groups import gather_groups
 from autopar.ir import GraphIR, NodeInfo
 from autopar.mesh import DATA, TENSOR, Mesh, axis_position
 from autopar.placements import Partial, Placement, Replicate, Shard
@@ -72,6 +73,7 @@ class ParamPlan:
     tp: Placement          # storage placement on the TENSOR axis (Replicate or Shard)
     uses: int              # parameter nodes of the graph that read it and have users
     strided: int = 1       # k > 1: rows are k equal blocks, each Shard(0)-split on TENSOR (fused QKV)
+    group: int = -1        # ZeRO-3 forward gather group (``gather_groups.py``); -1: gathered alone
 
 
 @dataclass(frozen=True)
@@ -420,9 +422,10 @@ def compile_program(graph: GraphIR, plan: Plan, *, local_dp: Optional[frozenset[
         if param_tp.get(name) != Shard(0):
             raise NotImplementedError(f"parameter {name} feeds a strided split but is stored "
                                       f"{param_tp.get(name)} on {TENSOR}, not Shard(0) (column parallel)")
+    groups = gather_groups(graph, region_of) if plan.zero_stage == 3 else {}
     params = tuple(ParamPlan(name=name, shape=tuple(shape), dtype=dtype,
                              tp=param_tp.get(name, Replicate()), uses=param_uses.get(name, 0),
-                             strided=strided.get(name, 1))
+                             strided=strided.get(name, 1), group=groups.get(name, -1))
                    for name, (shape, dtype) in param_meta.items())
     if unplanned:
         log.info("plan has no strategy for %d op nodes (DTensor propagates): %s", len(unplanned),

@@ -29,7 +29,9 @@ has (p - 1) chunk forwards of idle when m >= 2p - 1, and 2p - 1 - m more below t
 ZBV to max(2p - 1, m) micro-batches); DualPipeV's ``OVERLAP_F_B`` runs F then B on one stream in
 torch 2.13 (no real overlap), which gives ZBV's figure. The ZB paper's "zero" bubble for ZB-V needs
 the optimizer post-validation that lets steps overlap; torch has no such overlap, so the fill of
-(p - 1) chunk forwards stays.
+(p - 1) chunk forwards stays. These are the bubbles only: what splitting the backward costs besides
+(host time per weight-pass group, recompute regions replayed per pass, the gradients held from B
+to W) is ``cost.split_backward``, which the step model adds to each rank.
 """
 from __future__ import annotations
 

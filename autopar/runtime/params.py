@@ -102,6 +102,7 @@ class ParamContext:
                                    # (the reducer's overlap: ``GradReducer._on_full_grad``)
     device: Any = None             # where the graph runs (torch.device)
     host_params: bool = False      # ZeRO-3 with parameter offload: the rows live in host memory
+    groups: Any = None             # ZeRO-3 with dp > 1: runtime/prefetch.GroupGathers (forward gathers by group)
 
     @property
     def gathers(self) -> bool:
@@ -152,11 +153,14 @@ class _UseParam(torch.autograd.Function):
     docstring."""
 
     @staticmethod
-    def forward(ctx, local, slot: ParamSlot, pctx: ParamContext):
+    def forward(ctx, local, slot: ParamSlot, pctx: ParamContext, gathered=None):
         from torch.distributed.tensor import DTensor
 
         ctx.slot, ctx.pctx = slot, pctx
-        full = gather_rows(slot, local, pctx) if pctx.gathers else local.view_as(local)
+        if gathered is not None:                 # by its group (``runtime/prefetch.py``)
+            full = gathered
+        else:
+            full = gather_rows(slot, local, pctx) if pctx.gathers else local.view_as(local)
         if pctx.reshard is not None:
             pctx.reshard.register(slot, full)
         return DTensor.from_local(full, pctx.mesh, pctx.placements(slot.name),
@@ -179,8 +183,8 @@ class _UseParam(torch.autograd.Function):
         g = g.contiguous()
         if pctx.gathers:
             _add_summand(slot, pctx, g)
-            return None, None, None
-        return g, None, None
+            return None, None, None, None
+        return g, None, None, None
 
 
 def _add_summand(slot: ParamSlot, pctx: ParamContext, g: torch.Tensor) -> None:
@@ -203,10 +207,10 @@ class _UseParamLocal(torch.autograd.Function):
     Its gradient is this rank's summand (the loss is the global one, computed under DTensor)."""
 
     @staticmethod
-    def forward(ctx, local, slot: ParamSlot, pctx: ParamContext):
+    def forward(ctx, local, slot: ParamSlot, pctx: ParamContext, gathered=None):
         ctx.slot, ctx.pctx = slot, pctx
         if pctx.gathers:
-            full = gather_rows(slot, local, pctx)
+            full = gathered if gathered is not None else gather_rows(slot, local, pctx)
             pctx.reshard.register(slot, full)
             return full
         return local.view_as(local)
@@ -217,8 +221,8 @@ class _UseParamLocal(torch.autograd.Function):
         g = g.contiguous()
         if pctx.gathers:
             _add_summand(slot, pctx, g)
-            return None, None, None
-        return g, None, None
+            return None, None, None, None
+        return g, None, None, None
 
 
 class ParamStore:
@@ -281,6 +285,11 @@ class ParamStore:
             else:
                 opt = local
             slots.append(ParamSlot(p, layout, tp_ranges, mine, local, opt))
+        if ctx.gathers and dp > 1:
+            from autopar.runtime.prefetch import GroupGathers
+
+            ctx.groups = GroupGathers(slots, ctx)
+            ctx.reshard.gather_group = ctx.groups.gather_now
         return cls(slots, ctx, aliases)
 
     @classmethod
@@ -317,8 +326,11 @@ class ParamStore:
             # region's replay runs inside the backward and is not one: non-reentrant checkpoint
             # backpropagates through the forward's nodes, the replay only refills their saved tensors
             slot.open_scopes += 1
+        gathered = None
+        if ctx.groups is not None:          # a recompute region's replay (in backward): no prefetch
+            gathered = ctx.groups.take(slot, prefetch=not _in_backward())
         fn = _UseParamLocal if ctx.local_dp else _UseParam
-        return fn.apply(slot.local, slot, ctx)
+        return fn.apply(slot.local, slot, ctx, gathered)
 
     def optimizer_params(self) -> list[nn.Parameter]:
         return [s.stepped for s in self.slots]
@@ -357,6 +369,13 @@ class ParamStore:
             s.host_grad = None
             s.reduced = None
             s.open_scopes = 0
+        self.weights_changed()
+
+    def weights_changed(self) -> None:
+        """The rows may have changed (a step's start and end): gathered tensors not read yet are
+        dropped (``runtime/prefetch.py``)."""
+        if self.ctx.groups is not None:
+            self.ctx.groups.invalidate()
 
     # ---- full tensors (collective: every rank calls) -------------------------------------------
     def full_tensor(self, slot: ParamSlot, which: str = "param") -> torch.Tensor:

@@ -11,6 +11,8 @@ re-gathered tensor is held until that parameter's own backward (``release``: aft
 consumer's backward has run) and is shared by all its saved views, so each parameter read in a
 scope is gathered once more in backward if, and only if, a consumer saved it
 (``codegen/expected.py`` predicts exactly these gathers: ``solver/saved.saves_param_operand``).
+A parameter of a gather group (``codegen/gather_groups.py``) is re-gathered with the rest of its
+group's saved weights, in one collective, when the backward first needs one of them.
 
 Deterministic on every rank: records are found by storage address (DTensor's local views, made
 below autograd, have no ``_base``), confirmed by a weak reference to the gathered buffer whose
@@ -68,6 +70,10 @@ class Reshard(Observed):
         self._gathered: dict[int, tuple] = {}      # storage address -> (slot, weakref to the gathered buffer)
         self._held: dict[str, torch.Tensor] = {}   # re-gathered in this backward, until the slot's backward
         self._observers: list = []                  # see ``observing``
+        # gather groups (``runtime/prefetch.py``): ``gather_group(slots) -> {name: tensor}`` in one
+        # collective; per group, the slots whose saved views were packed in this step
+        self.gather_group = None
+        self._packed: dict[int, dict] = {}
 
     def register(self, slot, full: torch.Tensor) -> None:
         """``full`` is ``slot``'s gathered tensor (called by ``_UseParam`` on every forward gather)."""
@@ -82,14 +88,17 @@ class Reshard(Observed):
     @contextlib.contextmanager
     def hooks(self):
         """Around a step's forward and backward."""
-        self._gathered.clear()
-        self._held.clear()
+        self._clear()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
-            self._gathered.clear()
-            self._held.clear()
+            self._clear()
+
+    def _clear(self) -> None:
+        self._gathered.clear()
+        self._held.clear()
+        self._packed.clear()
 
     def _pack(self, t: torch.Tensor):
         from torch.distributed.tensor import DTensor
@@ -105,6 +114,8 @@ class Reshard(Observed):
         if root is None or root.untyped_storage().data_ptr() != address:
             return t
         slot = entry[0]
+        if self.gather_group is not None and slot.plan.group >= 0:
+            self._packed.setdefault(slot.plan.group, {})[slot.name] = slot
         spec = (t.device_mesh, tuple(t.placements), t.shape, t.stride()) if isinstance(t, DTensor) else None
         return _Resharded(slot, tuple(local.size()), tuple(local.stride()), local.storage_offset(), spec)
 
@@ -114,6 +125,12 @@ class Reshard(Observed):
         from torch.distributed.tensor import DTensor
 
         full = self._held.get(saved.slot.name)
+        if full is None and self.gather_group is not None and saved.slot.plan.group >= 0:
+            # the first saved weight of its group this backward needs: the group's saved weights in
+            # one collective, each held until its own backward (they all follow in this backward)
+            group = self._packed.get(saved.slot.plan.group, {})
+            self._held.update(self.gather_group([s for n, s in group.items() if n not in self._held]))
+            full = self._held.get(saved.slot.name)
         if full is None:
             full = self._held[saved.slot.name] = self._gather(saved.slot)
         local = full.as_strided(saved.size, saved.stride, saved.offset)

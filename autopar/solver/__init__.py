@@ -46,10 +46,11 @@ The outer search and the pipeline (``search``, ``timing``; formulas in ``cost.fl
 ----------------------------------------------------------------------------------------------------------
 For each (tp, pp, dp, mbs, ZeRO, recompute, sp, cp with its kind: ``context.cp_choices``) and,
 when pp > 1, each schedule s with its stages
-per rank v -- gpipe, 1f1b (v = 1); interleaved_1f1b, interleaved_zb (v = 2, 4, ... with pp v <= L);
-zbv, dualpipev (v = 2) -- that torch can run with m micro-batches (m >= pp; interleaved
-m % max(1, m // pp) = 0; dualpipev m >= 2 pp), the rank cut n_0..n_{pp-1} (layers per rank,
-sum L, each >= v) is
+per rank v -- 1f1b (v = 1); interleaved_1f1b, interleaved_zb (v = 2, 4, ... with pp v <= L);
+zbv (v = 2); gpipe and dualpipev only when forced -- that torch can run with m micro-batches
+(m >= pp; interleaved m % max(1, m // pp) = 0; dualpipev m >= 2 pp) and, for the zero-bubble ones,
+the runtime runs with the recompute chosen (``plan.split_backward_problem``), the rank cut
+n_0..n_{pp-1} (layers per rank, sum L, each >= v) is
 
     minimize   max_r t_r(n_r)            t_r = n_r a + [r holds stage 0] e_pre + [r holds the last stage] e_post
     subject to M_r(n_r) <= B             M_r = n_r (k_state + I_s(r) k_act) + c_r       (timing.choose_cuts)
@@ -65,6 +66,8 @@ dualpipev, rank r runs stages r and 2 pp - 1 - r (V). The step time is
 with the bubble U_s in units of the slowest rank's micro-batch time: p - 1 (gpipe, 1f1b), (p - 1)/v
 (interleaved_1f1b), (p - 1)/(3v) (interleaved_zb), (p - 1 + max(0, 2p - 1 - m))/6 (zbv, dualpipev),
 ``cost.flops.pipeline_bubble_units``; the configuration minimizing T with every rank within B wins.
+The zero-bubble schedules' split backward adds to t_r its host time and recompute replays and to
+M_r the gradients held from the input to the weight pass (``cost.split_backward``).
 
 Column- and row-parallel linears, sequence parallelism, vocab-parallel embeddings and losses are
 not written anywhere: they fall out of the einsum rules and the resharding costs.

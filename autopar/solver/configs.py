@@ -191,16 +191,17 @@ def _schedules(force: Force, pp: int, layers: int) -> list[tuple[str, int]]:
     # every rank with the same cut, so 1f1b is never slower and never larger (exact pruning).
     out = [("1f1b", 1)] + ([("gpipe", 1)] if force.schedule == "gpipe" else [])
     out += [("interleaved_1f1b", v) for v in vs]
-    # the zero-bubble schedules only when forced. The runtime runs them exactly (runtime/pipeline.py;
-    # not with recompute regions that issue collectives: plan.split_backward_problem), but the step
-    # time here does not count what their split backward adds (a recompute region replayed in both
-    # passes, the intermediate nodes run twice, the saved graph held from B to W)
-    if force.schedule == "interleaved_zb":
-        out += [("interleaved_zb", v) for v in vs]
-    # dualpipev: torch 2.13 runs its overlapped F&B one after the other, so it has zbv's bubble,
-    # needs m >= 2 pp and holds one more chunk per rank (never better than zbv)
-    if 2 * pp <= layers and force.schedule in ("zbv", "dualpipev"):
-        out += [(force.schedule, 2)]
+    # the zero-bubble schedules (run exactly by runtime/pipeline.py): the step model prices their
+    # split backward (cost.split_backward: host time, recompute regions replayed per weight-pass
+    # group, gradients held from B to W), so they compete freely; the combinations the runtime
+    # refuses (recompute regions issuing collectives) are filtered in _configs_of
+    out += [("interleaved_zb", v) for v in vs]
+    if 2 * pp <= layers:
+        out += [("zbv", 2)]
+    # dualpipev only when forced: torch 2.13 runs its overlapped F&B one after the other, so it has
+    # zbv's bubble, needs m >= 2 pp and holds one more chunk per rank (never better than zbv)
+    if 2 * pp <= layers and force.schedule == "dualpipev":
+        out += [("dualpipev", 2)]
     if force.virtual_stages is not None and force.virtual_stages not in vs + [1]:
         out += [(s, force.virtual_stages) for s in ("interleaved_1f1b", "interleaved_zb")]
     return [(s, v) for s, v in out if (force.schedule is None or s == force.schedule)
@@ -263,7 +264,9 @@ def _configs_of(force: Force, tp: int, pp: int, dp: int, cp: int, cp_mode: str, 
             for z in zeros:
                 for rc in rcs:
                     for sched, v in scheds:
-                        if split_backward_problem(sched, rc, tp, cp, dp, z, force.offload or "none"):
+                        # the offload pass may add params offload to ZeRO-3 later (offload_choice): check it
+                        off = force.offload or ("optimizer+params" if offload_free and z == 3 else "none")
+                        if split_backward_problem(sched, rc, tp, cp, dp, z, off):
                             continue             # the runtime refuses it
                         out.append(OuterConfig(tp, pp, dp, mbs, m, rc, z, sp, sched, v,
                                                cp=cp, cp_mode=cp_mode, offload=force.offload or "none"))

@@ -52,10 +52,11 @@ def overlapped_cost(comm_s: float, window_s: float, overlapped: bool, slowdown: 
 
 
 def dp_sync(cfg, numel: float, profile, link, win_f: float, win_b: float, slowdown: float,
-            tensors: float = 1.0):
+            groups: float = 1.0):
     """(per-micro-batch comm, per-step sync, rows) of one rank's data-parallel traffic: dicts of
-    "dp:kind" -> cost seconds, rows ``(per, key, total, window, overlapped, reason)``. ``tensors``:
-    the rank's parameter tensors (ZeRO-3 under ``profile.gather_per_param``: one gather each)."""
+    "dp:kind" -> cost seconds, rows ``(per, key, total, window, overlapped, reason)``. ``groups``:
+    the rank's ZeRO-3 gather groups (its layers, the embedding's and the head's parameters), one
+    all-gather each per pass: ``(groups - 1) * (dp - 1)`` latencies over one collective of the bytes."""
     comm: dict = {}
     sync: dict = {}
     rows: list = []
@@ -65,8 +66,8 @@ def dp_sync(cfg, numel: float, profile, link, win_f: float, win_b: float, slowdo
     go, po = profile.grad_reduce_overlap, profile.param_gather_overlap
     rs = collective_s("reduce_scatter", grad_b, cfg.data, link)
     ag = collective_s("all_gather", param_b, cfg.data, link)
-    if cfg.zero == 3 and profile.gather_per_param and tensors > 1:
-        ag += (tensors - 1) * (cfg.data - 1) * link.latency_s     # a ring's latency per tensor gathered
+    if cfg.zero == 3:                # a ring's latency per collective beyond the first
+        ag += max(0.0, groups - 1) * (cfg.data - 1) * link.latency_s
     if cfg.zero == 0:
         ar = collective_s("all_reduce", grad_b, cfg.data, link)
         sync["dp:all_reduce"] = overlapped_cost(ar, win_b, go, slowdown)
@@ -84,9 +85,10 @@ def dp_sync(cfg, numel: float, profile, link, win_f: float, win_b: float, slowdo
         both = go and po
         exp_b = overlapped_cost(ag + rs, win_b, both, slowdown)
         share = ag / (ag + rs) if ag + rs > 0 else 0.0
-        comm["dp:all_gather"] = overlapped_cost(ag, win_f, po, slowdown) + exp_b * share
+        po_f = po or profile.zero3_prefetch       # the forward's next group is prefetched
+        comm["dp:all_gather"] = overlapped_cost(ag, win_f, po_f, slowdown) + exp_b * share
         comm["dp:reduce_scatter"] = exp_b * (1 - share)
-        rows += [(MB, "dp:all_gather", ag, win_f, po, "gather_fwd"),
+        rows += [(MB, "dp:all_gather", ag, win_f, po_f, "gather_fwd"),
                  (MB, "dp:all_gather", ag, win_b * share, both, "gather_bwd"),
                  (MB, "dp:reduce_scatter", rs, win_b * (1 - share), both, "rs_z3")]
     return comm, sync, rows

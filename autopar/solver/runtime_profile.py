@@ -37,11 +37,10 @@ and why (``StepTime.overlap``, the report's "Communication" table).
   state's per parameter (``for_dtype``: 2 and 12 for 16-bit plans, 4 and 8 for fp32 ones).
 - ``grad_bytes``: bytes per gradient element stored and reduced. Megatron with bf16 accumulates and
   reduces gradients in fp32 (``accumulate_allreduce_grads_in_fp32`` is forced on with bf16).
-- ``gather_per_param``: ZeRO-3 all-gathers each parameter tensor in its own collective (autopar's
-  ``runtime/params.py``: one per tensor and scope, and again in the backward), so each pays the
-  link's latency: T tensors on a rank cost ``(T - 1) * (dp - 1) * latency`` more than one
-  collective of their bytes, forward and backward alike. Off: one collective per layer or bucket
-  (FSDP, Megatron), whose latency the bytes' term dominates.
+- ``zero3_prefetch``: ZeRO-3's forward gathers the next layer's parameters while this one computes
+  (autopar's ``runtime/prefetch.py``), so they overlap the forward; FSDP-like runtimes get the same
+  from ``param_gather_overlap``. Every runtime here gathers one layer (a group or bucket) per
+  collective, each paying the link's latency (``overlap.dp_sync``).
 """
 from __future__ import annotations
 
@@ -59,7 +58,7 @@ class RuntimeProfile:
     host_copy_overlap: bool = False       # offload copies overlapped with compute
     param_bytes: int = 2                  # bytes per parameter element on the device (16-bit)
     optimizer_bytes: int = 12             # optimizer state per parameter (fp32 master + Adam's moments)
-    gather_per_param: bool = False        # ZeRO-3 all-gathers one parameter tensor per collective
+    zero3_prefetch: bool = False          # ZeRO-3's forward gathers prefetched one layer ahead
 
 
 def for_dtype(profile: RuntimeProfile, dtype: str) -> RuntimeProfile:
@@ -76,14 +75,15 @@ def for_dtype(profile: RuntimeProfile, dtype: str) -> RuntimeProfile:
 
 # autopar's own runtime (runtime/reducer.py, runtime/params.py), as it runs: ZeRO 0-2 gradient
 # buckets are reduced asynchronously during the last backward; parameter all-gathers are issued
-# when needed and waited for (ZeRO-1/2 after the optimizer step, ZeRO-3 at each use, no prefetch),
-# so they are not overlapped, and nor is ZeRO-3's reduce-scatter (after the backward: timing.py
-# hides ZeRO-3's backward traffic only when both flags hold); tensor-parallel collectives are
+# when needed and waited for (ZeRO-1/2 after the optimizer step, ZeRO-3's backward re-gathers at
+# each use), so they are not overlapped, and nor is ZeRO-3's reduce-scatter (after the backward:
+# timing.py hides ZeRO-3's backward traffic only when both flags hold); ZeRO-3's forward gathers a
+# layer at a time with the next one prefetched (``zero3_prefetch``); tensor-parallel collectives are
 # issued synchronously by the executor; offload's copies (``runtime/offload.py``) are issued on the
 # compute stream, so they are exposed; bf16 gradients.
 AUTOPAR_RUNTIME = RuntimeProfile(
     name="autopar", tp_overlap_kinds=(), grad_reduce_overlap=True, param_gather_overlap=False,
-    grad_bytes=2, gather_per_param=True)
+    grad_bytes=2, zero3_prefetch=True)
 
 # Megatron-Core with --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap (the flags of
 # the published H100 weak-scaling runs), bf16 with fp32 gradient accumulation/reduction.

@@ -6,11 +6,12 @@ Space: tp | world, pp | world with pp <= layers of the repeated block, dp = worl
 dividing the global batch, micro-batch size a power of two dividing global_batch / dp (every
 pipeline needs m >= pp micro-batches), recompute in none/selective/full, ZeRO 0..3 (1..3 only with
 dp > 1), sequence parallelism on/off (only with tp > 1), and for pp > 1 the pipeline schedule with
-its stages per rank v: 1f1b and gpipe (v = 1), interleaved_1f1b and interleaved_zb (v = 2, 4, 8, ...
-with pp v <= layers), zbv and dualpipev (v = 2), each where ``cost.flops.pipeline_schedule_problem``
-allows it (torch's own checks). The stage cut is not enumerated: ``timing.choose_cuts`` picks the
-fastest cut that fits for each configuration (uneven: the embedding's and head's ranks get fewer
-layers). Forced choices restrict it.
+its stages per rank v: 1f1b (v = 1), interleaved_1f1b and interleaved_zb (v = 2, 4, 8, ... with
+pp v <= layers), zbv (v = 2), gpipe and dualpipev only when forced, each where
+``cost.flops.pipeline_schedule_problem`` allows it (torch's own checks) and, zero-bubble ones, where
+``plan.split_backward_problem`` does (their split backward priced by ``cost.split_backward``).
+The stage cut is not enumerated: ``timing.choose_cuts`` picks the fastest cut that fits for each
+configuration (uneven: the embedding's and head's ranks get fewer layers). Forced choices restrict it.
 
 Exact by branch and bound, with true lower bounds at each level:
 1. a memory bound per configuration from one tp=1, mbs=1 table (batch-dim activations scale

@@ -7,7 +7,7 @@ the nodes before the block on the first stage, the nodes after it on the last) t
 
 with recompute "full" re-running each layer's forward (compute and its TP comm) and per-operator
 recompute ("selective" = "ops:attention", "ops:..." in ``autopar/recompute_ops.py``) re-running
-its regions' forward (compute and the collectives inside them: ``op_classes.rc_costs``). Step time, per pipeline schedule (``cost.flops``):
+its regions' forward (compute and collectives: ``op_classes.rc_costs``; a zero-bubble split backward: ``cost.split_backward``). Step time (``cost.flops``):
 
     T = (m + U) * max_r t_rank  +  max_r exposed DP sync  +  max_r optimizer step
 
@@ -24,26 +24,24 @@ it (``runtime_profile.py``; ``overlap.account`` says per collective how much is 
   2: reduce_scatter(grads) every micro-batch (in t_stage) + all_gather(params)
   3: all_gather(params) fwd and bwd + reduce_scatter(grads), every micro-batch (in t_stage)
 Gradients are ``profile.grad_bytes`` per element, parameters ``profile.param_bytes`` (2 for 16-bit
-plans, 4 for fp32 ones: ``runtime_profile.for_dtype``). Under context
-parallelism the group that syncs gradients and shards ZeRO state is the dp x cp ranks
-(``OuterConfig.data``): a cp rank holds the same parameters as its dp peers.
+plans, 4 for fp32 ones: ``runtime_profile.for_dtype``). Under context parallelism the group that
+syncs gradients and shards ZeRO state is the dp x cp ranks (``OuterConfig.data``): a cp rank holds
+the same parameters as its dp peers.
 
 Pipeline p2p: each micro-batch sends its activation forward and its gradient backward across
 each of a rank's v stage boundaries (one ``layer_input_bytes`` message each way), not overlapped.
 
 Optimizer step (memory bound): per local parameter it reads the 16-bit param, the gradient, the
 fp32 master copy and the two Adam moments and writes the param, master and moments back
-(``OPTIMIZER_BYTES_PER_PARAM`` + grad bytes), at HBM bandwidth x memory efficiency, divided by dp
-under ZeRO >= 1 (each rank updates its shard).
+(``OPTIMIZER_BYTES_PER_PARAM`` + grad bytes), at HBM bandwidth x memory efficiency, / dp under ZeRO >= 1.
 
 Memory of stage s (``MemoryUse``): model states by ``cost.memory.model_state_bytes`` on the stage's
 local (tp-sharded) parameters; activations = in-flight micro-batches
-(``cost.memory.pipeline_inflight_microbatches``; 1F1B: ``pp - r``) x the
-bytes the stage's ops save per micro-batch (full recompute: each layer's input only; per-operator:
-less what its regions drop, ``op_classes.op_set``); other = a workspace of the largest single local
-output (one transient gradient), plus one layer's (per-operator: one region's) re-materialized
-activations under recompute, plus
-``ZERO3_PREFETCH_LAYERS`` layers of gathered parameters under ZeRO-3.
+(``cost.memory.pipeline_inflight_microbatches``; 1F1B: ``pp - r``) x the bytes the stage's ops save
+per micro-batch (full recompute: each layer's input only; per-operator: less what its regions drop,
+``op_classes.op_set``); other = a workspace of the largest single local output (one transient
+gradient), plus one layer's (per-operator: one region's) re-materialized activations under
+recompute, plus ``ZERO3_PREFETCH_LAYERS`` layers of gathered parameters under ZeRO-3.
 
 Offload (``OuterConfig.offload``, classes of ``plan.OFFLOAD_CLASSES``): ``cost.offload`` moves the
 rank's bytes to the host / NVMe and adds its exposed transfers: per micro-batch ("host:h2d",
@@ -62,6 +60,7 @@ from autopar.cost.collectives import axis_link, collective_s, stage_link
 from autopar.cost.flops import pipeline_bubble_fraction, pipeline_bubble_units, pipeline_step_time_s
 from autopar.cost.hardware import ClusterSpec
 from autopar.cost.memory import model_state_bytes, pipeline_inflight_microbatches, reducer_transient_bytes
+from autopar.cost.split_backward import rank_held_affine, rank_held_bytes, rank_split_times
 from autopar.cost.offload import (bucket_bytes, offload_memory, offload_microbatch_times, offload_step_times,
                                   optimizer_rows)
 from autopar.plan import V_SCHEDULES, MemoryUse, StepTime, parse_offload
@@ -247,11 +246,12 @@ def _memory_affine(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfi
             + (summary.shared_param_numel if (hp or hh) else 0.0)
         extra_act = (pre.saved_bytes if hp else 0.0) + (post.saved_bytes if hh else 0.0)
         out_b = max([blk.max_out_bytes] + ([pre.max_out_bytes] if hp else []) + ([post.max_out_bytes] if hh else []))
+        out_b += rank_held_affine(cfg, summary, r)[1]       # zero-bubble: gradients held from B to W
         if "activations" in cfg.classes:          # one layer and the embedding / head stay on the device
-            slopes.append(rate * blk.param_numel)
+            slopes.append(rate * blk.param_numel + rank_held_affine(cfg, summary, r)[0])
             consts.append(rate * extra_numel + act + extra_act + out_b + other_blk + _grads_const(cfg))
         else:
-            slopes.append(rate * blk.param_numel + inflight * act)
+            slopes.append(rate * blk.param_numel + inflight * act + rank_held_affine(cfg, summary, r)[0])
             consts.append(rate * extra_numel + inflight * extra_act + out_b + other_blk + _grads_const(cfg))
     return slopes, consts
 
@@ -442,10 +442,12 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
         pp_link = stage_link(cluster, cfg.data * cfg.tp)
         comm["pp:p2p"] = 2 * cfg.v * collective_s("p2p", summary.layer_input_bytes, 2, pp_link)
     numel = sum(c * p.param_numel for p, c, _ in parts) + (summary.shared_param_numel if (first or last) else 0.0)
-    tensors = sum(c * p.param_tensors for p, c, _ in parts) + (summary.shared_param_tensors if (first or last) else 0.0)
+    # ZeRO-3 gather groups (codegen/gather_groups.py): one per layer and per part with parameters;
+    # a tied parameter (read by the first and the last part) is gathered alone
+    groups = sum(c for p, c, _ in parts if p.param_tensors) + (summary.shared_param_tensors if (first or last) else 0.0)
     param_b = numel * profile.param_bytes
     dp_comm, dp_sync, dp_rows = overlap_dp_sync(cfg, numel, profile, dp_link, win_f, win_b, cluster.overlap_slowdown,
-                                                tensors)
+                                                groups)
     comm.update(dp_comm)
     mem = _rank_memory(summary, cfg, profile, r, parts, numel, lps)
     cls = cfg.classes
@@ -455,6 +457,7 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
         _merge(comm, offload_microbatch_times(cls, host_params_bytes=param_b / cfg.data if cfg.zero == 3 else param_b,
                                               saved_bytes=saved, forward_window_s=win_f if over else 0.0,
                                               backward_window_s=win_b if over else 0.0, pcie_Bps=cluster.pcie_Bps), 1.0)
+    compute, recompute = rank_split_times(cfg, summary, gpu, r, lps, compute, recompute)   # zero-bubble's split
     t_stage = compute + recompute + sum(comm.values())
     opt = numel * (OPTIMIZER_BYTES_PER_PARAM + profile.grad_bytes) / (gpu.hbm_Bps * gpu.memory_efficiency)
     if cfg.zero >= 1:
@@ -570,7 +573,8 @@ def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile
     inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
     per_mb = _saved_per_microbatch(summary, cfg, parts, lps)
     activations = inflight * per_mb
-    other = max(p.max_out_bytes for p, _, _ in parts) + _other_bytes(summary, cfg, lps, param_bytes=profile.param_bytes)
+    other = max(p.max_out_bytes for p, _, _ in parts) + _other_bytes(summary, cfg, lps, param_bytes=profile.param_bytes) \
+        + rank_held_bytes(cfg, summary, r, lps)
     host = nvme = 0
     if cfg.classes:
         # activation offload sends every saved tensor to the host (``runtime/offload.py``: all of

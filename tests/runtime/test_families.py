@@ -116,6 +116,24 @@ def test_families_really_communicate(two_ranks):
     assert {"all_gather", "reduce_scatter"} <= kinds
 
 
+def test_zero3_gathers_a_layer_per_collective(two_ranks, tiny_full):
+    """ZeRO-3's forward gathers one group per collective (``runtime/prefetch.py``): gpt-tiny's 28
+    parameter tensors in 5 all-gathers per step -- the position embedding, each of the 2 layers,
+    the final norm, and the tied token embedding alone (the embedding and the head both read it) --
+    moving what one gather per tensor moves: each tensor's rows padded to 2 equal chunks, fp32."""
+    import math
+
+    from bodies import STEPS
+
+    shapes = {n.param_name: n.out.shape for n in tiny_full.nodes if n.kind == "param"}
+    assert len(shapes) == 28
+    padded = sum(2 * math.ceil(s[0] / 2) * math.prod(s[1:]) * 4 for s in shapes.values())
+    for res in two_ranks["zero3_meta_init"][0]:
+        fwd = [k for k in res["issued"] if k[:2] == ("all_gather", "dp") and k[3] == "forward"]
+        assert len(fwd) == 5 * STEPS, fwd
+        assert sum(k[2] for k in fwd) == padded * STEPS
+
+
 def test_vocab_parallel_loss_keeps_logits_sharded(two_ranks, four_ranks, tiny_full):
     """The vocab-parallel cross-entropy (loss_parallel) all-reduces one value per row three times
     on tp (row max, sum-exp, target logit) and never gathers the logits; with dp it all-reduces the

@@ -194,26 +194,33 @@ def test_cluster_field_defaults_file_and_calibrate(tmp_path):
     assert tomllib.loads(p.read_text())["measured"]["overlap"]["both_s"] == pytest.approx(0.15)
 
 
-def test_zero3_gathers_pay_a_latency_per_parameter_tensor():
-    """autopar's ZeRO-3 all-gathers each parameter tensor alone (``gather_per_param``): with 10
-    tensors per layer, 2 layers, dp=4 and a 1 ms latency link, the forward's gathers cost
-    (20 - 1) x (4 - 1) x 1 ms more than one collective of the same bytes; an FSDP-like profile
-    (one collective per layer or bucket) does not pay it."""
+def test_zero3_gathers_pay_a_latency_per_layer():
+    """ZeRO-3 gathers one group (a layer's parameters) per collective (``codegen/gather_groups.py``),
+    and autopar's runtime prefetches the forward's next group (``zero3_prefetch``). With 2 groups,
+    dp=4 and a 1 ms latency link each pass costs (2 - 1) x (4 - 1) x 1 ms more than one collective
+    of the same bytes; a forward window longer than the gather hides the forward's (contention 0
+    here), never the backward's (autopar waits for its re-gathers)."""
     from autopar.solver.overlap import dp_sync
 
     link = LinkSpec("test", busbw_Bps=1e9, latency_s=1e-3, source="test")
     cfg = OuterConfig(tp=1, pp=1, dp=4, mbs=1, m=1, recompute="none", zero=3, sp=False)
-    numel, tensors = 2e6, 20.0
-    per_param, _, _ = dp_sync(cfg, numel, AUTOPAR_RUNTIME, link, 0.0, 0.0, 0.0, tensors)
-    bucketed, _, _ = dp_sync(cfg, numel, replace(AUTOPAR_RUNTIME, gather_per_param=False), link, 0.0, 0.0, 0.0, tensors)
-    extra = (tensors - 1) * (4 - 1) * 1e-3
-    # forward and backward each gather all tensors (nothing overlapped in autopar's runtime)
-    assert per_param["dp:all_gather"] - bucketed["dp:all_gather"] == pytest.approx(2 * extra)
-    assert per_param["dp:reduce_scatter"] == pytest.approx(bucketed["dp:reduce_scatter"])
+    numel = 2e6
+    one = 2 * numel * 3 / 4 / 1e9 + 3 * 1e-3          # all-gather of 4 MB bf16 over 4 ranks: bytes + latency
+    exposed, _, _ = dp_sync(cfg, numel, AUTOPAR_RUNTIME, link, 0.0, 0.0, 0.0, 2.0)
+    assert exposed["dp:all_gather"] == pytest.approx(2 * (one + (2 - 1) * 3e-3))     # forward + backward
+    single, _, _ = dp_sync(cfg, numel, AUTOPAR_RUNTIME, link, 0.0, 0.0, 0.0, 1.0)
+    assert single["dp:all_gather"] == pytest.approx(2 * one)
+    hidden, _, _ = dp_sync(cfg, numel, AUTOPAR_RUNTIME, link, 1.0, 0.0, 0.0, 2.0)
+    assert hidden["dp:all_gather"] == pytest.approx(one + (2 - 1) * 3e-3)
+    waited, _, _ = dp_sync(cfg, numel, replace(AUTOPAR_RUNTIME, zero3_prefetch=False), link, 1.0, 0.0, 0.0, 2.0)
+    assert waited["dp:all_gather"] == pytest.approx(exposed["dp:all_gather"])
+    assert exposed["dp:reduce_scatter"] == pytest.approx(single["dp:reduce_scatter"])
 
+    # the step: two layers with parameter tensors are two groups. 2 layers of 1e9 parameters gather
+    # 3 s per pass, longer than the 2 s forward window, so both passes pay the group's latency
     blk = replace(_summary({}).parts["block"], param_tensors=10.0)
     summ = replace(_summary({}), parts={**_summary({}).parts, "block": blk})
     ev = evaluate(summ, cfg, replace(_cluster(0.0), intra=link, inter=link), AUTOPAR_RUNTIME, 1e15, all_stages=True)
     base = evaluate(_summary({}), cfg, replace(_cluster(0.0), intra=link, inter=link), AUTOPAR_RUNTIME, 1e15,
                     all_stages=True)
-    assert ev.step.total_s - base.step.total_s == pytest.approx(2 * extra)
+    assert ev.step.total_s - base.step.total_s == pytest.approx(2 * (2 - 1) * 3e-3)

@@ -31,14 +31,18 @@ def _rank_times(plan):
 
 
 def test_interleaving_wins_with_few_micro_batches_and_ample_memory():
+    # free: the zero-bubble interleaved schedule (its split backward costs nothing on an
+    # uncalibrated GPU, whose per-node host overhead is 0: tests/solver/test_zero_bubble_choice.py)
     plan = _plan()
     assert plan.num_micro_batches == plan.pp == 4
-    assert plan.pipeline_schedule == "interleaved_1f1b" and plan.virtual_stages > 1
+    assert plan.pipeline_schedule == "interleaved_zb" and plan.virtual_stages > 1
     assert plan.pipeline_schedule in EXECUTED_SCHEDULES       # a free plan is one the runtime runs
     assert len(plan.stages) == plan.pp * plan.virtual_stages
+    inter = _plan(PIN + ",schedule=interleaved_1f1b")
+    assert inter.virtual_stages > 1
     one = _plan(PIN + ",schedule=1f1b")
-    assert plan.step_time.total_s < one.step_time.total_s
-    assert plan.step_time.bubble_s < one.step_time.bubble_s
+    assert plan.step_time.total_s < inter.step_time.total_s < one.step_time.total_s
+    assert plan.step_time.bubble_s < inter.step_time.bubble_s < one.step_time.bubble_s
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved_1f1b", "interleaved_zb", "zbv"])

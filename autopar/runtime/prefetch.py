@@ -1,0 +1,111 @@
+"""ZeRO-3's forward gathers by group, the next group prefetched (``codegen/gather_groups.py``).
+
+``GroupGathers.take(slot)`` is what ``ParamStore.use`` asks first for a parameter of a group: the
+gathered tensor (this rank's tp-local part, whole over dp). On the first read of a group it
+all-gathers every parameter of the group in ONE collective (their dp row chunks, each padded as
+``params.gather_rows`` pads it, concatenated), copies each out into a tensor of its own (so
+``runtime/reshard.py`` still finds a saved weight by its storage), and starts gathering the next
+group of this rank asynchronously; the next read of that group waits for it. Each tensor is handed
+out once; the group's collective is the only one its parameters cost in that forward.
+
+Collective order: every dp rank runs the same program, so each issues the same gathers, prefetches
+included, at the same points; gloo and NCCL match concurrent collectives of a group by issue order.
+
+Lifetime: a gathered tensor lives from its group's gather to its one read (then the scope holds it,
+as before); a prefetched group until its first read. ``invalidate`` (the step's start and end: the
+optimizer changes the rows) waits for a gather in flight and drops what was not read, so a forward
+never sees rows of an earlier step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from autopar.mesh import DATA
+
+
+@dataclass
+class _Flight:
+    """One group's all-gather, issued."""
+    slots: tuple                  # params.ParamSlot, in the order of the send buffer
+    out: torch.Tensor             # dp x (sum of the padded chunk sizes)
+    work: Any                     # the async work handle (None: already complete)
+
+
+class GroupGathers:
+    def __init__(self, slots, ctx) -> None:
+        self.ctx = ctx
+        groups: dict[int, list] = {}
+        for s in slots:
+            if s.plan.group >= 0:
+                groups.setdefault(s.plan.group, []).append(s)
+        self.groups = {g: tuple(groups[g]) for g in sorted(groups)}
+        order = list(self.groups)
+        self.next = dict(zip(order, order[1:]))
+        self._ready: dict[str, torch.Tensor] = {}
+        self._flights: dict[int, _Flight] = {}
+
+    def take(self, slot, prefetch: bool = True) -> Optional[torch.Tensor]:
+        """``slot``'s gathered tensor, or None when it is not gathered by group (the caller gathers
+        it alone). ``prefetch``: start gathering the next group (in the forward; a recompute
+        region's replay in the backward reads its group alone)."""
+        g = slot.plan.group
+        if g not in self.groups:
+            return None
+        if slot.name not in self._ready:
+            if g not in self._flights:
+                if any(s.name in self._ready for s in self.groups[g]):
+                    return None                      # read again while its group is half read
+                self._flights[g] = self._issue(self.groups[g], async_op=False)
+            self._ready.update(self._land(self._flights.pop(g)))
+            nxt = self.next.get(g) if prefetch else None
+            if nxt is not None and nxt not in self._flights and \
+                    not any(s.name in self._ready for s in self.groups[nxt]):
+                self._flights[nxt] = self._issue(self.groups[nxt], async_op=True)
+        return self._ready.pop(slot.name, None)
+
+    def invalidate(self) -> None:
+        """Drop every gathered tensor not read yet (after waiting for the gathers in flight)."""
+        for f in self._flights.values():
+            if f.work is not None:
+                f.work.wait()
+        self._flights.clear()
+        self._ready.clear()
+
+    def gather_now(self, slots) -> dict[str, torch.Tensor]:
+        """``slots`` gathered in one collective, now: name -> gathered tensor (the backward's
+        re-gather of a group's saved weights, ``runtime/reshard.py``)."""
+        return self._land(self._issue(tuple(slots), async_op=False))
+
+    def _issue(self, slots: tuple, async_op: bool) -> _Flight:
+        ctx = self.ctx
+        pieces = []
+        for s in slots:
+            chunk = s.local.detach()
+            if ctx.host_params or (ctx.device is not None and chunk.device != ctx.device):
+                chunk = chunk.to(ctx.device, non_blocking=True)
+            size = s.layout.chunk_rows(ctx.dp) * s.layout.row_numel
+            flat = chunk.reshape(-1)
+            if flat.numel() != size:
+                flat = torch.cat([flat, flat.new_zeros(size - flat.numel())])
+            pieces.append(flat)
+        send = torch.cat(pieces)
+        out = torch.empty(ctx.dp * send.numel(), dtype=send.dtype, device=send.device)
+        work = dist.all_gather_single(out, send, group=ctx.dp_group, async_op=async_op)
+        ctx.log.add("all_gather", DATA, out.numel() * out.element_size(), "zero")
+        return _Flight(slots, out, work if async_op else None)
+
+    def _land(self, f: _Flight) -> dict[str, torch.Tensor]:
+        if f.work is not None:
+            f.work.wait()
+        rows = f.out.view(self.ctx.dp, -1)
+        out, off = {}, 0
+        for s in f.slots:
+            lay = s.layout
+            size = lay.chunk_rows(self.ctx.dp) * lay.row_numel
+            out[s.name] = rows[:, off:off + size].contiguous().view(-1)[: lay.numel].view(lay.local_shape)
+            off += size
+        return out
