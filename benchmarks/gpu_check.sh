@@ -15,6 +15,8 @@
 # (default ./out); "bench" reads the descriptor mode "tests" chose from $OUT/attention_desc.txt.
 # DRY_RUN=1 rehearses the plumbing on a CPU (tests collected, not run; the scripts' --dry-run):
 # tests/kernels/test_kernel_benchmark.py runs it, so the lent GPU's minutes go to the check.
+# BENCH_ARGS and FUSED_ARGS (default empty) append options to step 3's and step 4's command lines
+# (e.g. BENCH_ARGS="--only adamw" FUSED_ARGS="--batch 1": the rehearsal's shorter dry runs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -61,10 +63,10 @@ if [[ "$STAGE" != tests ]]; then
   export AUTOPAR_ATTENTION_DESC=$(cat "$OUT/attention_desc.txt" 2>/dev/null || echo host)
   echo "attention descriptors: $AUTOPAR_ATTENTION_DESC"
   timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/kernels.py --quick --budget-s "${BENCH_BUDGET:-240}" \
-    --json "$OUT/kernels.json" "${SCRIPT_DRY[@]}" 2>&1 | tee "$OUT/kernels_bench.log"
+    --json "$OUT/kernels.json" "${SCRIPT_DRY[@]}" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/kernels_bench.log"
   echo "benchmark exit: ${PIPESTATUS[0]}"
   # not yet run on a GPU: the first lent GPU confirms it before kernels="auto" becomes the default
-  timeout "${FUSED_TIMEOUT:-200}" python3 benchmarks/fused_step_gpu.py "${SCRIPT_DRY[@]}" 2>&1 | tee "$OUT/fused_step.log"
+  timeout "${FUSED_TIMEOUT:-200}" python3 benchmarks/fused_step_gpu.py "${SCRIPT_DRY[@]}" ${FUSED_ARGS:-} 2>&1 | tee "$OUT/fused_step.log"
   echo "fused step exit: ${PIPESTATUS[0]}"
   if [[ "${DRY_RUN:-0}" == 1 ]]; then CALIBRATE=(--help); else CALIBRATE=(--budget-s "${CAL_BUDGET:-90}" --out "$OUT/cluster.toml"); fi
   timeout "${CAL_TIMEOUT:-150}" python3 -m autopar.cli calibrate "${CALIBRATE[@]}" 2>&1 | tee "$OUT/calibrate.log"
