@@ -12,6 +12,10 @@ Plan, codegen and runtime share this vocabulary; nothing below the Plan spells a
 
 Axis roles: the names below are the roles the planner gives axes. Code that needs the axis that
 carries the batch asks for ``DATA`` by name, so a mesh that lacks it (a size-1 axis) still reads.
+
+Tensor parallelism may span several axes (2-D / 2.5-D / 3-D tensor parallelism): ``TENSOR`` ("tp")
+is the innermost, "tp2" and "tp3" outer ones (``TENSOR_AXES``, outermost first); a stage mesh
+such as ("dp", "tp2", "tp") of shape (dp, q2, q1) has a total tensor degree of q2 * q1.
 """
 from __future__ import annotations
 
@@ -22,8 +26,50 @@ from typing import Optional
 PIPELINE = "pp"   # pipeline stages (outermost: a stage's ranks are contiguous)
 DATA = "dp"       # data parallel: the batch dim, gradient reduction, ZeRO shards
 CONTEXT = "cp"    # context parallel: the sequence split over ranks (ring attention, Ulysses)
-TENSOR = "tp"     # tensor parallel (Megatron 1-D; sequence parallel shares it)
+TENSOR = "tp"     # tensor parallel (Megatron 1-D; sequence parallel shares it): the innermost tensor axis
+TENSOR2 = "tp2"   # outer tensor-parallel axes (2-D / 3-D tensor parallelism)
+TENSOR3 = "tp3"
+TENSOR_AXES = (TENSOR3, TENSOR2, TENSOR)      # every tensor-parallel axis, outermost first
 ROLES = (PIPELINE, DATA, CONTEXT, TENSOR)
+
+
+def is_int(v) -> bool:
+    """An int that is not a bool."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def tensor_axes(axes) -> tuple[str, ...]:
+    """The tensor-parallel axes among ``axes`` (a ``Mesh``'s, a plan's ``mesh_axes``, a
+    DeviceMesh's ``mesh_dim_names``), in the order ``axes`` names them."""
+    return tuple(a for a in (axes or ()) if a in TENSOR_AXES)
+
+
+def tensor_mode(axes, shape) -> str:
+    """The tensor-parallel family of a stage mesh: "1d" (one tensor axis or none), "2d" (two),
+    "3d" (three of one size), "2.5d" (three: a depth d over a q x q grid, d != q; with d = q
+    it is the 3-D mesh)."""
+    sizes = [n for a, n in zip(axes, shape) if a in TENSOR_AXES]
+    if len(sizes) <= 1:
+        return "1d"
+    if len(sizes) == 2:
+        return "2d"
+    return "3d" if len(set(sizes)) == 1 else "2.5d"
+
+
+def tensor_axes_problem(axes, shape, tp: int) -> str:
+    """Why a stage mesh's tensor axes do not fit the total tensor degree ``tp`` ("" when they do):
+    they must appear outermost first (tp3, tp2, tp) and their sizes multiply to ``tp``."""
+    tensor = tensor_axes(axes)
+    if tensor != tuple(a for a in TENSOR_AXES if a in tensor):
+        want = [a for a in TENSOR_AXES if a in tensor]
+        return (f"mesh_axes {list(axes)} name the tensor axes {list(tensor)} out of order; list them "
+                f"outermost first: {want}")
+    if tensor and tensor != (TENSOR,):      # one "tp" axis alone: its size is checked as a degree
+        sizes = [n for a, n in zip(axes, shape) if a in TENSOR_AXES]
+        if math.prod(sizes) != tp:
+            return (f"the tensor axes {dict(zip(tensor, sizes))} hold {math.prod(sizes)} ranks but tp={tp}; "
+                    f"tp is the total tensor degree: set tp={math.prod(sizes)} or resize the tensor axes")
+    return ""
 
 
 def axis_position(axes, role: str) -> Optional[int]:
@@ -46,7 +92,7 @@ class Mesh:
             raise ValueError(f"mesh axes {self.axes} and shape {self.shape} differ in length")
         if len(set(self.axes)) != len(self.axes):
             raise ValueError(f"mesh axes {self.axes} repeat a name")
-        bad = [(a, n) for a, n in zip(self.axes, self.shape) if not isinstance(n, int) or isinstance(n, bool) or n < 1]
+        bad = [(a, n) for a, n in zip(self.axes, self.shape) if not is_int(n) or n < 1]
         if bad:
             raise ValueError(f"mesh axis sizes must be positive integers, got {bad}")
 

@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from autopar.comm_overlap import CommOverlap, overlap_from_dicts
-from autopar.mesh import CONTEXT, DATA, PIPELINE, TENSOR, Mesh
+from autopar.mesh import CONTEXT, DATA, PIPELINE, TENSOR, TENSOR_AXES, Mesh, tensor_axes, tensor_axes_problem, tensor_mode
+from autopar.mesh import is_int as _is_int
 from autopar.placements import Placement, Replicate, format_placements, parse_placements
 from autopar.plan_schema import parse_plan_json, schema_message, schema_problems
 from autopar.recompute_ops import recompute_problem
@@ -75,7 +76,7 @@ def split_backward_problem(schedule: str, recompute: str, tp: int, cp: int, dp: 
 # Context parallelism: how attention crosses the cp ranks ("none": cp == 1)
 CONTEXT_MODES = ("ring", "ulysses")
 
-STAGE_AXES = (DATA, TENSOR)      # the axes a stage's mesh may name (``mesh_axes``), in any order
+STAGE_AXES = (DATA,) + TENSOR_AXES   # the axes a stage's mesh may name (tensor axes outermost first)
 
 SUMMARY_KEYS = (
     "data_parallel", "tensor_parallel", "pipeline_parallel", "sequence_parallel", "zero_stage",
@@ -279,9 +280,7 @@ class Plan:
             "recompute_layers": self.recompute_layers,
             "context_parallel": self.context_parallel,
             "context_parallel_mode": self.context_parallel_mode,
-            # the tensor-parallel family: Megatron 1-D is the one the search has (2-D/2.5-D/3-D are
-            # costed in cost/tensor_parallel.py, not searched)
-            "tensor_parallel_mode": "1d",
+            "tensor_parallel_mode": tensor_mode(self.mesh_axes, self.mesh_shape),   # solver/tensor_axes.py
         }
 
     def recomputed_layers(self) -> Optional[frozenset[int]]:
@@ -441,10 +440,6 @@ def _json_kind(v: Any) -> str:
 _DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, float) or isinstance(b, float):
         return isinstance(a, (int, float)) and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
@@ -454,9 +449,10 @@ def _same(a: Any, b: Any) -> bool:
 def plan_problems(p: Plan) -> list[str]:
     """Every way the fields of ``p`` disagree with each other or have the wrong type (empty: none).
 
-    Degrees are positive ints; the mesh's axes are among ``STAGE_AXES`` ("dp", "tp"), each with
-    its degree as size, and its product is dp * tp; micro-batches times their size times dp is the global batch; the
-    cluster has the plan's world size; strategy keys are unique and give one or more placements,
+    Degrees are positive ints; the mesh's axes are among ``STAGE_AXES`` (dp; tensor axes tp3, tp2, tp
+    in that order, sizes multiplying to tp), each with its degree as size, and its product is
+    dp * tp; micro-batches times their size times dp is the global batch; the cluster has the
+    plan's world size; strategy keys are unique and give one or more placements,
     at most one per mesh axis. Pipeline: the schedule is one of PIPELINE_SCHEDULES with a consistent
     ``virtual_stages`` (1 for gpipe/1f1b, >= 2 for the interleaved ones, 2 for zbv/dualpipev);
     pp == 1 means no pipeline: "1f1b" with 1 virtual stage; there are pp * virtual_stages stages,
@@ -501,8 +497,8 @@ def plan_problems(p: Plan) -> list[str]:
     if len(p.mesh_axes) != len(p.mesh_shape) or len(set(p.mesh_axes)) != len(p.mesh_axes):
         out.append(f"mesh_axes {list(p.mesh_axes)} and mesh_shape {list(p.mesh_shape)} do not pair up")
     elif not set(p.mesh_axes) <= set(STAGE_AXES):
-        out.append(f"mesh_axes {list(p.mesh_axes)} name axes other than {' and '.join(STAGE_AXES)} (the pipeline "
-                   "axis is the pp field, outermost)")
+        out.append(f"mesh_axes {list(p.mesh_axes)} name axes other than {DATA} and {TENSOR} (or the outer tensor "
+                   f"axes {', '.join(TENSOR_AXES[:-1])}; the pipeline axis is the pp field, outermost)")
     elif not all(_is_int(n) and n >= 1 for n in p.mesh_shape):
         out.append(f"mesh_shape {list(p.mesh_shape)} has a size that is not a positive integer")
     else:
@@ -513,8 +509,9 @@ def plan_problems(p: Plan) -> list[str]:
                 if size != degree * cp:
                     out.append(f"mesh axis {axis}={size} but dp * cp = {degree * cp} (the graph's data axis "
                                "holds the context-parallel ranks too)")
-            elif degree is not None and degree != size:
+            elif degree is not None and degree != size and (axis != TENSOR or tensor_axes(p.mesh_axes) == (TENSOR,)):
                 out.append(f"mesh axis {axis}={size} but {axis}={degree}")
+        out += [w for w in (tensor_axes_problem(p.mesh_axes, p.mesh_shape, p.tp),) if w]
         if cp > 1 and DATA not in p.mesh_axes:
             out.append(f"context_parallel={cp} needs a {DATA} axis in mesh_axes (of size dp * cp)")
         if math.prod(p.mesh_shape) != p.dp * p.tp * cp:

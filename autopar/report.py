@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from autopar.mesh import DATA
+from autopar.mesh import DATA, tensor_mode
 from autopar.placements import Partial, Shard, format_placements
 from autopar.plan import NodeStrategy, Plan, stage_rank
 
@@ -88,7 +88,9 @@ def degrees_table(plan: Plan) -> Table:
     mesh = plan.mesh.describe()
     schedule = plan.pipeline_schedule if plan.pp > 1 else "-"
     cp = f"{plan.context_parallel} {plan.context_parallel_mode}" if plan.context_parallel > 1 else "1"
-    t.add_row(str(plan.dp), str(plan.tp), str(plan.pp), cp, schedule, str(plan.virtual_stages),
+    family = tensor_mode(plan.mesh_axes, plan.mesh_shape)          # 2-D / 2.5-D / 3-D: tp2, tp3 axes
+    tp = str(plan.tp) if family == "1d" else f"{plan.tp} {family}"
+    t.add_row(str(plan.dp), tp, str(plan.pp), cp, schedule, str(plan.virtual_stages),
               "on" if plan.sequence_parallel else "off",
               str(plan.zero_stage), str(plan.micro_batch_size), str(plan.num_micro_batches), recompute_text(plan),
               plan.offload, escape(mesh))

@@ -97,7 +97,7 @@ class _Emitter:
         self.grad: dict[str, bool] = {}       # name -> the value may require grad (from a parameter)
         self.root = nn.Module()
         self.root.rt = None
-        self.param_tp = {p.name: p.tp for p in program.params}
+        self.param_storage = {p.name: p.placements(self.axes) for p in program.params}   # per mesh axis
 
     def plain(self, name: str) -> bool:
         """Local-dp mode: the value is a plain tensor of the local batch."""
@@ -111,8 +111,7 @@ class _Emitter:
         if p is None:
             return None
         if p.kind == "param":
-            return tuple(self.param_tp.get(p.param_name, Replicate()) if i == self.tensor else Replicate()
-                         for i in range(len(self.axes)))
+            return self.param_storage.get(p.param_name, tuple(Replicate() for _ in self.axes))
         if p.output is None or any(x is None for x in p.output):
             return None
         return norm(p.output, ndim)

@@ -73,13 +73,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Collection, Optional, Sequence
+from typing import Collection, Mapping, Optional, Sequence
 
 from autopar.codegen.expected_context import context_collectives
 from autopar.codegen.expected_grads import replicate_grads
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES, ParamLayout, bucket_comm_bytes, plan_buckets
 from autopar.codegen.program import RankProgram, axis_index, compile_program, local_dp_nodes
-from autopar.codegen.shards import chunk_range
+from autopar.codegen.shards import chunk_range, local_shape
 from autopar.cost.compute import op_kind
 from autopar import placements
 from autopar.ir import DTYPE_BYTES, GraphIR, NodeInfo, TensorMeta
@@ -245,6 +245,15 @@ def _needs_grad(graph: GraphIR, received: Collection[str] = ()) -> dict[str, boo
     return need
 
 
+def _read_moved(stored, read, di: Optional[int]) -> bool:
+    """Whether a parameter stored with placements ``stored`` and read as ``read`` (one per mesh
+    axis; None: kept) is redistributed on an axis other than DATA."""
+    if stored is None or read is None:
+        return False
+    return any(i != di and a is not None and b is not None and a != b
+               for i, (a, b) in enumerate(zip(stored, read)))
+
+
 def _saved_params(graph: GraphIR, region_of: dict, runs=lambda key: True, need: Optional[dict] = None) -> set:
     """Parameters that an op outside recompute regions keeps for backward (directly or through
     views): ZeRO-3 gathers each of them once more in backward (``runtime/reshard.py``). ``runs``:
@@ -271,9 +280,10 @@ def _saved_params(graph: GraphIR, region_of: dict, runs=lambda key: True, need: 
 
 
 def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                         backend: str = "gloo", tp_rank: int = 0, dp_mode: str = "auto",
+                         backend: str = "gloo", tp_rank: "int | Mapping[str, int]" = 0, dp_mode: str = "auto",
                          program: Optional[RankProgram] = None, fused: Collection[str] = ()) -> list[Collective]:
-    """One step's collectives on a rank with TENSOR-axis coordinate ``tp_rank`` (``graph``: the FULL trace
+    """One step's collectives on a rank with TENSOR-axis coordinate ``tp_rank`` (or its coordinates
+    by axis name, for outer tensor axes: ``param_layouts``) (``graph``: the FULL trace
     at one global micro-batch, i.e. the global batch when the plan has one). ``dp_mode`` as
     ``autoparallelize``'s: in local-dp mode only the nodes that reduce over the batch run on
     DTensors, so only their edges communicate. ``fused``: keys of the nodes that ran through a fused
@@ -318,9 +328,8 @@ def part_collectives(graph: GraphIR, program: RankProgram, *, backend: str = "gl
     def out_placement(n: NodeInfo) -> Optional[tuple]:
         if n.key in received:
             return received[n.key]
-        if n.kind == "param":
-            tp = params[n.param_name or n.key].tp
-            return tuple(tp if a == ti else Replicate() for a in range(len(axes)))
+        if n.kind == "param":                      # its storage placement on every tensor axis
+            return params[n.param_name or n.key].placements(axes)
         return nplan[n.key].output
 
     def edge(meta: TensorMeta, a_pl, b_pl, consumer_out, ph, grad: bool, is_param: bool,
@@ -464,29 +473,43 @@ def part_collectives(graph: GraphIR, program: RankProgram, *, backend: str = "gl
                 u = by_key[r.key]
                 if u.kind == "param":
                     scopes.add((u.param_name or u.key, region_of.get(n.key)))
-        saved = _saved_params(graph, region_of, runs, need)
+        # a parameter read with another placement on a tensor axis than it is stored with (stored
+        # Shard on tp2, read Replicate) is redistributed first: its consumers keep that new
+        # tensor, not the gathered rows, so nothing is gathered again in backward
+        moved = {u.param_name or u.key for n in graph.nodes if n.kind == "op"
+                 for r, want in zip(n.inputs, nplan[n.key].inputs or ())
+                 if (u := by_key[r.key]).kind == "param" and _read_moved(nplan[u.key].output, want, di)}
+        saved = _saved_params(graph, region_of, runs, need) - moved
         group = {p.name: p.group for p in program.params}
-        grouped: dict[tuple, int] = {}     # (phase, group) -> bytes: one gather each (gather_groups.py)
+        # (pass, group) -> bytes: one gather each (gather_groups.py); the pass, not the phase, tells
+        # a forward gather from a backward one (a pipeline logs both as "pipeline")
+        grouped: dict[tuple, int] = {}
         for name, region in sorted(scopes, key=lambda s: (s[0], -1 if s[1] is None else s[1])):
             nb = int(lay[name].padded_numel(dp) * DTYPE_BYTES[lay[name].dtype])
             g = group.get(name, -1)
             if g >= 0:
-                grouped[(fwd, g)] = grouped.get((fwd, g), 0) + nb
+                grouped[(0, g)] = grouped.get((0, g), 0) + nb
             else:
                 out.append(Collective("all_gather", axes[di], nb, fwd, "zero"))
             if region is not None or name in saved:        # replayed / re-gathered (reshard.py)
                 if g >= 0:
-                    grouped[(bwd, g)] = grouped.get((bwd, g), 0) + nb
+                    grouped[(1, g)] = grouped.get((1, g), 0) + nb
                 else:
                     out.append(Collective("all_gather", axes[di], nb, bwd, "zero"))
-        out += [Collective("all_gather", axes[di], nb, phase, "zero") for (phase, _), nb in sorted(grouped.items())]
+        out += [Collective("all_gather", axes[di], nb, bwd if back else fwd, "zero")
+                for (back, _), nb in sorted(grouped.items())]
     return out
 
 
-def param_layouts(program: RankProgram, tp_rank: int) -> list[ParamLayout]:
-    """The ``ParamLayout`` of each of ``program``'s parameters on TENSOR-axis coordinate ``tp_rank``."""
-    tp = program.mesh.size_of(TENSOR)
-    return [ParamLayout(p.name, _tp_local_shape(p, tp, tp_rank), p.dtype) for p in program.params]
+def param_layouts(program: RankProgram, tp_rank: "int | Mapping[str, int]") -> list[ParamLayout]:
+    """The ``ParamLayout`` of each of ``program``'s parameters on a rank: ``tp_rank`` is its
+    TENSOR-axis coordinate (an int; any outer tensor axis at 0) or its coordinates by axis name
+    (``{"tp2": 1, "tp": 0}``; an axis not named: 0). The layout is the part of the parameter the
+    rank's coordinates on every tensor axis select (``ParamPlan.storage``)."""
+    mesh = program.mesh
+    coords = dict(tp_rank) if isinstance(tp_rank, Mapping) else {TENSOR: tp_rank}
+    coord = tuple(coords.get(a, 0) for a in mesh.axes)
+    return [ParamLayout(p.name, _tp_local_shape(p, mesh, coord), p.dtype) for p in program.params]
 
 
 def reducer_collectives(program: RankProgram, bucket_bytes: int, tp_rank: int) -> list[Collective]:
@@ -556,17 +579,12 @@ def vocab_parallel_ce(n: NodeInfo, np_, mesh, ndim: int) -> bool:
         isinstance(q, Replicate) or (isinstance(q, Shard) and q.dim != 1) for a, q in enumerate(pl) if a != ti)
 
 
-def _tp_local_shape(p, tp: int, tp_rank: int) -> tuple[int, ...]:
+def _tp_local_shape(p, mesh, coord: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the part of ``p`` that mesh coordinate ``coord`` stores (strided rows: TENSOR's)."""
     if not p.shape:
         return ()
-    shape = list(p.shape)
-    if isinstance(p.tp, Shard):
-        d = p.tp.dim % len(shape)
-        if d == 0 and p.strided > 1:
-            m = shape[0] // p.strided
-            a, b = chunk_range(m, tp, tp_rank)
-            shape[0] = (b - a) * p.strided
-        else:
-            a, b = chunk_range(shape[d], tp, tp_rank)
-            shape[d] = b - a
+    shape = list(local_shape(p.shape, p.placements(mesh.axes), mesh.shape, coord))
+    if isinstance(p.tp, Shard) and p.tp.dim % len(shape) == 0 and p.strided > 1:
+        a, b = chunk_range(p.shape[0] // p.strided, mesh.size_of(TENSOR), coord[mesh.axes.index(TENSOR)])
+        shape[0] = (b - a) * p.strided
     return tuple(shape)

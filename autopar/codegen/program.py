@@ -14,8 +14,11 @@ Reading a Plan (conventions agreed with the solver):
   placement on a multi-axis plan is read as the placement on the TENSOR axis; the other axes are
   then left to DTensor ("keep": ``None`` in ``NodePlan``), and inputs get Shard(0) on the DATA axis
   when they carry the batch.
-- Parameters: the TENSOR-axis placement of the parameter node's output is how the parameter is
-  stored and used (``ParamPlan.tp``). On the DATA axis a parameter is Replicate (ZeRO 0-2) or
+- Parameters: the parameter node's output placement on each tensor axis (``TENSOR`` and the outer
+  tensor axes "tp2", "tp3" of 2-D/3-D tensor parallelism, ``autopar.mesh.TENSOR_AXES``) is how the
+  parameter is stored and used (``ParamPlan.storage``; ``ParamPlan.tp`` is the TENSOR entry). A
+  parameter stored Shard on an outer axis and read Replicate there is all-gathered at each use
+  (its gradient reduce-scattered back: DTensor's). On the DATA axis a parameter is Replicate (ZeRO 0-2) or
   Shard(0) (ZeRO-3), which the runtime realizes itself (``runtime/params.py``); any other DATA
   placement of a parameter is an error.
 - Nodes without a strategy (getitem, views the solver skipped) keep what DTensor propagates.
@@ -24,7 +27,9 @@ Strided shards (Megatron's fused QKV): a split into k equal chunks whose input i
 along the split dim (the solver's "strided" split) can only be local if each rank holds 1/t of
 EVERY chunk. The column-parallel linear that produces the split input then stores its weight rows
 (and bias) as k blocks each split over tp (``ParamPlan.strided = k``), and the split runs on the
-local tensor. Any other producer is an error.
+local tensor. Any other producer is an error. Strided splits and vocab-parallel cross-entropy are
+TENSOR-axis layouts only: a plan that splits a dim sharded on an outer tensor axis, or class-shards
+a cross-entropy's logits there, is refused (ValueError).
 
 Recompute regions: ``plan.recompute == "full"`` puts each layer's op nodes (same block and layer
 id, in graph order) in one ``torch.utils.checkpoint`` region (with ``plan.recompute_layers``: the
@@ -41,7 +46,7 @@ from typing import Optional
 
 from autopar.codegen.gather_groups import gather_groups
 from autopar.ir import GraphIR, NodeInfo
-from autopar.mesh import DATA, TENSOR, Mesh, axis_position
+from autopar.mesh import DATA, TENSOR, Mesh, axis_position, tensor_axes
 from autopar.placements import Partial, Placement, Replicate, Shard
 from autopar.plan import NodeStrategy, Plan, parse_offload
 from autopar.recompute_ops import recompute_classes
@@ -74,6 +79,23 @@ class ParamPlan:
     uses: int              # parameter nodes of the graph that read it and have users
     strided: int = 1       # k > 1: rows are k equal blocks, each Shard(0)-split on TENSOR (fused QKV)
     group: int = -1        # ZeRO-3 forward gather group (``gather_groups.py``); -1: gathered alone
+    # (axis, storage placement) per tensor axis of the stage mesh (``autopar.mesh.TENSOR_AXES``),
+    # outermost first, TENSOR's being ``tp``; () = stored ``tp`` on TENSOR, Replicate elsewhere
+    storage: tuple[tuple[str, Placement], ...] = ()
+
+    def __post_init__(self) -> None:
+        for axis, p in self.storage:
+            if axis == TENSOR and p != self.tp:
+                raise ValueError(f"parameter {self.name}: storage {p} on {TENSOR} but tp={self.tp}")
+
+    def on(self, axis: str) -> Placement:
+        """The storage placement on mesh axis ``axis`` (Replicate on DATA and non-tensor axes: ZeRO's
+        rows are the runtime's own)."""
+        return next((p for a, p in self.storage if a == axis), self.tp if axis == TENSOR else Replicate())
+
+    def placements(self, axes) -> tuple[Placement, ...]:
+        """The storage placement on each of ``axes`` (a mesh's axis names, in its order)."""
+        return tuple(self.on(a) for a in axes)
 
 
 @dataclass(frozen=True)
@@ -215,8 +237,36 @@ def _split_chunks(n: NodeInfo) -> tuple[int, int]:
     return dim, k
 
 
+def _outer_tensor_layouts(graph: GraphIR, ins_of: dict, mesh: Mesh) -> None:
+    """Raise ValueError for a node that would need a strided split or vocab-parallel cross-entropy
+    on an outer tensor axis ("tp2", "tp3"): both are TENSOR-axis layouts only (module docstring)."""
+    outer = [(a, axis_index(mesh, a)) for a in tensor_axes(mesh.axes) if a != TENSOR and mesh.size_of(a) > 1]
+    if not outer:
+        return
+    by_key = {n.key: n for n in graph.nodes}
+    for n in graph.nodes:
+        ins = ins_of.get(n.name)
+        if n.kind != "op" or not ins or ins[0] is None:
+            continue
+        for axis, i in outer:
+            p = on_axis(ins[0], i)
+            if not isinstance(p, Shard):
+                continue
+            if n.target in SPLIT_TARGETS and p.dim % len(n.out.shape) == _split_chunks(n)[0]:
+                raise ValueError(f"node {n.key}: splits dim {p.dim}, which is sharded on the tensor axis {axis}; "
+                                 f"a split of a sharded dim runs only on {TENSOR} (a strided layout): re-plan "
+                                 f"with that split's input Replicate on {axis} or move the shard to {TENSOR}")
+            logits = by_key[n.inputs[0].key].outputs if n.inputs else ()
+            nd = len(logits[n.inputs[0].index or 0].shape) if logits else 0
+            if n.target == "aten.cross_entropy_loss.default" and nd >= 2 and p.dim % nd == 1:
+                raise ValueError(f"node {n.key}: cross-entropy logits class-sharded (Shard(1)) on the tensor axis "
+                                 f"{axis}; vocab-parallel cross-entropy runs only on {TENSOR}: re-plan with the "
+                                 f"logits' classes Replicate on {axis}")
+
+
 def _strided_splits(graph: GraphIR, ins_of: dict, mesh: Mesh) -> tuple[dict[str, int], dict[str, int]]:
     """Split nodes run on local chunks (name -> k) and the parameters stored strided (name -> k)."""
+    _outer_tensor_layouts(graph, ins_of, mesh)
     splits: dict[str, int] = {}
     params: dict[str, int] = {}
     if mesh.size_of(TENSOR) == 1:
@@ -367,7 +417,7 @@ def compile_program(graph: GraphIR, plan: Plan, *, local_dp: Optional[frozenset[
     local_dp: ``local_dp_nodes(global graph, plan)`` to run in local-dp mode (``graph`` is then
     the trace at the local batch), None for DTensor everywhere."""
     mesh = plan.stage_mesh
-    di, ti = axis_index(mesh, DATA), axis_index(mesh, TENSOR)
+    di = axis_index(mesh, DATA)
     parse_offload(plan.offload)                  # a clear ValueError for a bad value
     if not 0 <= plan.zero_stage <= 3:
         raise ValueError(f"plan.zero_stage={plan.zero_stage} is not 0..3")
@@ -380,7 +430,7 @@ def compile_program(graph: GraphIR, plan: Plan, *, local_dp: Optional[frozenset[
     regions, region_of = _regions(graph, plan.recompute, plan.recomputed_layers(), plan.seq_len)
     nodes: list[NodePlan] = []
     unplanned: list[str] = []
-    param_tp: dict[str, Placement] = {}
+    param_storage: dict[str, tuple] = {}       # name -> ((tensor axis, storage placement), ...)
     param_meta: dict[str, tuple] = {}
     param_uses: dict[str, int] = {}
     for n in graph.nodes:
@@ -397,15 +447,16 @@ def compile_program(graph: GraphIR, plan: Plan, *, local_dp: Optional[frozenset[
             out = default if out is None else with_axis(out, di, default[di])
         if n.kind == "param":
             _param_dp_check(on_axis(out, di), n.key)
-            tp = on_axis(out, ti, Replicate())
-            if isinstance(tp, Partial):
-                raise ValueError(f"parameter node {n.key}: a Partial placement on {TENSOR} is not a way "
-                                 "to store a parameter")
+            storage = tuple((a, on_axis(out, axis_index(mesh, a), Replicate())) for a in tensor_axes(mesh.axes))
+            for a, p in storage:
+                if isinstance(p, Partial):
+                    raise ValueError(f"parameter node {n.key}: a Partial placement on {a} is not a way "
+                                     "to store a parameter")
             name = n.param_name or n.key
             param_meta.setdefault(name, (n.out.shape, n.out.dtype))
             if n.key in used:
                 param_uses[name] = param_uses.get(name, 0) + 1
-                param_tp.setdefault(name, tp)
+                param_storage.setdefault(name, storage)
         if n.kind == "op" and s is None and n.target != "getitem":
             unplanned.append(n.key)
         nodes.append(NodePlan(name=n.name, key=n.key, kind=n.kind, target=n.target,
@@ -418,14 +469,21 @@ def compile_program(graph: GraphIR, plan: Plan, *, local_dp: Optional[frozenset[
     splits, strided = _strided_splits(graph, {n.name: n.inputs for n in nodes if n.inputs}, mesh)
     if splits:
         nodes = [replace(n, strided=splits.get(n.name, 0)) for n in nodes]
+    param_tp = {name: dict(st).get(TENSOR, Replicate()) for name, st in param_storage.items()}
     for name, k in strided.items():
         if param_tp.get(name) != Shard(0):
             raise NotImplementedError(f"parameter {name} feeds a strided split but is stored "
                                       f"{param_tp.get(name)} on {TENSOR}, not Shard(0) (column parallel)")
+        outer = [a for a, p in param_storage[name] if a != TENSOR and isinstance(p, Shard)
+                 and p.dim % len(param_meta[name][0]) == 0]
+        if outer:
+            raise ValueError(f"parameter {name} is stored strided (fused QKV rows, on {TENSOR}) and also "
+                             f"Shard(0) on {outer[0]}; re-plan with its rows Replicate on {outer[0]}")
     groups = gather_groups(graph, region_of) if plan.zero_stage == 3 else {}
     params = tuple(ParamPlan(name=name, shape=tuple(shape), dtype=dtype,
                              tp=param_tp.get(name, Replicate()), uses=param_uses.get(name, 0),
-                             strided=strided.get(name, 1), group=groups.get(name, -1))
+                             strided=strided.get(name, 1), group=groups.get(name, -1),
+                             storage=param_storage.get(name, ()))
                    for name, (shape, dtype) in param_meta.items())
     if unplanned:
         log.info("plan has no strategy for %d op nodes (DTensor propagates): %s", len(unplanned),

@@ -3,15 +3,19 @@
 How data parallelism and ZeRO are realized (the design in one place):
 
 - The graph runs on DTensors over the plan's mesh. Below, dp is its DATA axis and tp its
-  TENSOR axis (``autopar.mesh``; looked up by name in the DeviceMesh, a missing one has size 1;
-  any other axis holds parameters Replicate). Activations carry the batch as Shard(0) on dp, so
+  tensor axes (``autopar.mesh.TENSOR_AXES``: "tp", and "tp2"/"tp3" of 2-D/3-D tensor parallelism;
+  looked up by name in the DeviceMesh, a missing one has size 1; any other axis holds parameters
+  Replicate). The "tp-local" tensor is the part of the full tensor a rank's coordinates on all
+  tensor axes select (``ParamPlan.storage``, nested in mesh order as DTensor does). Activations
+  carry the batch as Shard(0) on dp, so
   every shape literal baked into the exported graph stays global and any loss reduction is exact
   (a mean over the batch is Partial on dp, then reduced).
-- A parameter is stored as a PLAIN tensor: its tp-local shard (the plan's tp placement), full over
+- A parameter is stored as a PLAIN tensor: its tp-local shard (the plan's storage), full over
   dp for ZeRO 0-2, only this dp rank's rows of it for ZeRO-3 (``codegen/buckets.py`` chunking).
 - Each graph scope that reads a parameter calls ``_UseParam``: forward wraps the tp-local tensor as
-  a DTensor (its tp placement on tp, Replicate elsewhere) (ZeRO-3: all-gathers the rows over dp first); backward
-  receives the gradient DTensor, brings its tp placement back to the storage placement (e.g. a
+  a DTensor (its storage placement on each tensor axis, Replicate elsewhere) (ZeRO-3: all-gathers
+  the rows over dp first); backward receives the gradient DTensor, brings its placement on every
+  tensor axis back to the storage placement (e.g. a
   layer-norm weight under sequence parallelism gets a Partial-on-tp gradient: all-reduce on tp)
   and keeps it Partial on dp -- the per-rank summand. DTensor thus never reduces over dp; the
   ``GradReducer`` does, bucketed: all-reduce (ZeRO 0/1) or reduce-scatter into row chunks (ZeRO
@@ -33,8 +37,8 @@ from torch import nn
 from autopar.codegen.buckets import ParamLayout
 from autopar.codegen.program import ParamPlan
 from autopar.codegen.shards import chunk_range, contiguous_stride, local_ranges, slice_of
-from autopar.mesh import DATA, TENSOR, axis_position
-from autopar.placements import Replicate, Shard, to_torch
+from autopar.mesh import DATA, TENSOR, axis_position, tensor_axes
+from autopar.placements import Shard, to_torch
 from autopar.runtime.collectives import CollectiveLog
 from autopar.runtime.init import InitRule, generate
 
@@ -44,7 +48,7 @@ class ParamSlot:
     """One parameter on this rank (mutable runtime holder)."""
     plan: ParamPlan
     layout: ParamLayout            # tp-local shape
-    tp_ranges: tuple               # ranges of the full tensor this tp rank holds
+    tp_ranges: tuple               # ranges of the full tensor this rank's tensor coordinates select
     rows: tuple[int, int]          # this dp rank's rows of the tp-local tensor (ZeRO chunks)
     local: nn.Parameter            # ZeRO 0-2: the tp-local tensor; ZeRO-3: its rows ``rows``
     opt_param: nn.Parameter        # what the optimizer updates
@@ -91,12 +95,13 @@ class ParamContext:
     zero_stage: int
     log: CollectiveLog
     dp_group: object               # the DATA axis' group (None: the mesh has no DATA axis)
-    tp_placements: dict = field(default_factory=dict)   # name -> torch placement on tp
+    storage: dict = field(default_factory=dict)   # name -> torch placements per mesh axis (DATA: Replicate)
     local_dp: bool = False         # plain tensors (local-dp mode), no DTensor
     data_axis: Optional[int] = None     # positions of the DATA and TENSOR axes in ``mesh``
     tensor_axis: Optional[int] = None
     tp: int = 1                    # the TENSOR axis' size
     tp_group: object = None        # its group, when tp > 1
+    tensor_groups: dict = field(default_factory=dict)   # every tensor axis of size > 1 -> its group
     reshard: Any = None            # ZeRO-3 with dp > 1: runtime/reshard.Reshard (gathered weights not kept)
     on_full_grad: Any = None       # ZeRO-3 with dp > 1: called with the slot after each scope's summand
                                    # (the reducer's overlap: ``GradReducer._on_full_grad``)
@@ -111,16 +116,12 @@ class ParamContext:
         return self.zero_stage == 3 and (self.dp > 1 or self.host_params)
 
     def placements(self, name: str, on_dp=None) -> tuple:
-        """Torch placements of parameter ``name`` per mesh axis: its storage placement on tp,
-        ``on_dp`` (default Replicate) on dp, Replicate on any other axis."""
-        from torch.distributed.tensor import Replicate as TReplicate
-
-        out = [TReplicate()] * self.mesh.ndim
+        """Torch placements of parameter ``name`` per mesh axis: its storage placement on each
+        tensor axis, ``on_dp`` (default Replicate) on dp, Replicate on any other axis."""
+        out = self.storage[name]
         if self.data_axis is not None and on_dp is not None:
-            out[self.data_axis] = on_dp
-        if self.tensor_axis is not None:
-            out[self.tensor_axis] = self.tp_placements[name]
-        return tuple(out)
+            out = out[:self.data_axis] + (on_dp,) + out[self.data_axis + 1:]
+        return out
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -149,8 +150,8 @@ def gather_rows(slot: ParamSlot, chunk: torch.Tensor, ctx: ParamContext, record:
 
 
 class _UseParam(torch.autograd.Function):
-    """Stored parameter -> DTensor (its tp placement on tp, Replicate elsewhere); see the module
-    docstring."""
+    """Stored parameter -> DTensor (its storage placement on each tensor axis, Replicate elsewhere);
+    see the module docstring."""
 
     @staticmethod
     def forward(ctx, local, slot: ParamSlot, pctx: ParamContext, gathered=None):
@@ -248,10 +249,13 @@ class ParamStore:
         coord, sizes = tuple(mesh.get_coordinate()), tuple(mesh.shape)
         dp, dp_rank = (sizes[di], coord[di]) if di is not None else (1, 0)
         tp, tp_rank = (sizes[ti], coord[ti]) if ti is not None else (1, 0)
+        axes = tuple(mesh.mesh_dim_names)
         ctx = ParamContext(mesh=mesh, dp=dp, zero_stage=zero_stage, log=log,
                            dp_group=mesh.get_group(DATA) if di is not None else None, local_dp=local_dp,
                            data_axis=di, tensor_axis=ti, tp=tp,
                            tp_group=mesh.get_group(TENSOR) if tp > 1 else None,
+                           tensor_groups={a: mesh.get_group(a) for a in tensor_axes(axes)
+                                          if sizes[axes.index(a)] > 1},
                            device=torch.device(device), host_params=host_params)
         if ctx.gathers:
             from autopar.runtime.reshard import Reshard
@@ -259,10 +263,10 @@ class ParamStore:
             ctx.reshard = Reshard(lambda slot: gather_rows(slot, slot.local, ctx))
         slots = []
         for p in plans:
-            ctx.tp_placements[p.name] = to_torch(p.tp)
-            storage = tuple(p.tp if i == ti else Replicate() for i in range(len(sizes)))
+            storage = p.placements(axes)
+            ctx.storage[p.name] = tuple(to_torch(q) for q in storage)
             tp_ranges = local_ranges(p.shape, storage, sizes, coord)
-            rows = tp_local_rows(p, tp, tp_rank)
+            rows = held_rows(p, tp_ranges, tp, tp_rank)
             layout = ParamLayout(p.name, ((len(rows),) + tuple(b - a for a, b in tp_ranges[1:]))
                                  if p.shape else (), p.dtype)
             mine = layout.row_range(dp, dp_rank) if zero_stage >= 1 else (0, layout.rows)
@@ -337,15 +341,13 @@ class ParamStore:
 
     def shard_groups(self) -> dict[nn.Parameter, tuple]:
         """Per optimizer parameter, the process groups whose ranks hold the rest of its tensor:
-        tp where its tp placement is a Shard, dp under ZeRO 1-3 (the optimizer sees rows). An
-        optimizer with per-tensor norms (``autopar.optim.LAMB``) all-reduces them over these."""
+        each tensor axis where its storage placement is a Shard, dp under ZeRO 1-3 (the optimizer
+        sees rows). An optimizer with per-tensor norms (``autopar.optim.LAMB``) all-reduces them
+        over these."""
         ctx = self.ctx
-        tp_group = ctx.tp_group
         out = {}
         for s in self.slots:
-            groups = []
-            if tp_group is not None and ctx.tp_placements[s.name].is_shard():
-                groups.append(tp_group)
+            groups = [g for a, g in ctx.tensor_groups.items() if isinstance(s.plan.on(a), Shard)]
             if ctx.zero_stage >= 1 and ctx.dp > 1:
                 groups.append(ctx.dp_group)
             out[s.stepped] = tuple(groups)
@@ -419,7 +421,7 @@ class ParamStore:
             tp_rank = self.ctx.mesh.get_coordinate()[ctx.tensor_axis] if ctx.tensor_axis is not None else 0
             cols = tuple(slot.tp_ranges[1:])
             tp_local = torch.cat([slice_of(full, ((a, b),) + cols)
-                                  for a, b in row_runs(tp_local_rows(p, ctx.tp, tp_rank))])
+                                  for a, b in row_runs(held_rows(p, slot.tp_ranges, ctx.tp, tp_rank))])
         else:
             tp_local = full.reshape(())
         a, b = slot.rows
@@ -449,6 +451,17 @@ class ParamStore:
         """Every parameter name of the original module (tied names too) -> full tensor."""
         full = {s.name: self.full_tensor(s, which) for s in self.slots}
         return {alias: full[canon] for alias, canon in self.aliases.items() if canon in full}
+
+
+def held_rows(p: ParamPlan, ranges: tuple, tp: int, tp_rank: int) -> list[int]:
+    """Rows (dim 0) of the full parameter this rank holds, in local order: ``ranges[0]`` of its
+    ``local_ranges`` over every tensor axis, or the strided rows of TENSOR coordinate ``tp_rank``
+    (fused QKV; ``program.py`` refuses a strided parameter whose rows another axis shards)."""
+    if not p.shape:
+        return [0]
+    if p.strided > 1:
+        return tp_local_rows(p, tp, tp_rank)
+    return list(range(*ranges[0]))
 
 
 def tp_local_rows(p: ParamPlan, tp: int, tp_rank: int) -> list[int]:

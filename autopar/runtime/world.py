@@ -19,11 +19,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from autopar.mesh import CONTEXT, DATA, PIPELINE, TENSOR, Mesh
+from autopar.mesh import CONTEXT, DATA, PIPELINE, TENSOR_AXES, Mesh
 from autopar.plan import Plan
 
 DEFAULT_TIMEOUT_S = 120.0
-RUNTIME_ROLES = (PIPELINE, DATA, TENSOR)      # the mesh axes the runtime runs
+RUNTIME_ROLES = (PIPELINE, DATA) + TENSOR_AXES   # the mesh axes the runtime runs (tp2, tp3: 2-D / 3-D tp)
 
 
 class PlanMismatchError(RuntimeError):

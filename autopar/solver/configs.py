@@ -4,6 +4,7 @@ parallel, pipeline schedule and stages per rank) the forced choices allow, and a
 (``no_config_error``). ``search.py`` evaluates what ``outer_configs`` lists."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 from autopar.cost.flops import pipeline_schedule_problem
@@ -11,6 +12,7 @@ from autopar.ir import GraphIR
 from autopar.plan import V_SCHEDULES, parse_offload, split_backward_problem
 from autopar.solver.errors import PlanningError
 from autopar.solver.forcing import Force
+from autopar.solver.tensor_axes import tensor_shape
 from autopar.solver.timing import OuterConfig
 
 # Largest stages per rank the search tries unless vpp is forced: each doubling halves the
@@ -55,6 +57,12 @@ def model_dims(graph: GraphIR) -> dict:
     return {"heads": heads, "hidden": hidden, "layers": layers}
 
 
+# why a multi-axis tensor mesh runs without sequence parallelism (measured, torch 2.13 on CPU)
+NO_SEQUENCE_SPLIT_WHY = ("DTensor's sharding propagation of a linear whose input is split along the sequence "
+                         "on a mesh of three axes takes 10-55 s per placement signature, against 0.1 s "
+                         "without the sequence split")
+
+
 def check_force(force: Force, graph: GraphIR, world: int, global_batch: int, seq_len: Optional[int] = None) -> None:
     dims = model_dims(graph)
     if force.offload not in (None, "none") and "params" in parse_offload(force.offload) \
@@ -64,7 +72,23 @@ def check_force(force: Force, graph: GraphIR, world: int, global_batch: int, seq
     for name, v in (("tp", force.tp), ("pp", force.pp), ("dp", force.dp)):
         if v is not None and world % v:
             raise PlanningError(f"{name}={v} does not divide the {world} GPUs of the cluster")
-    if force.tp is not None and force.tp > 1:
+    mode = force.tensor_parallel_mode
+    if mode not in (None, "1d"):
+        if force.tp is None:
+            raise PlanningError(f"tpmode={mode} needs the total tensor degree: force tp too, e.g. "
+                                f"tp={ {'2d': 4, '2.5d': 8, '3d': 8}[mode] },tpmode={mode}")
+        shape = tensor_shape(mode, force.tp)
+        if force.sequence_parallel:
+            raise PlanningError(f"tpmode={mode} with sp=on: {NO_SEQUENCE_SPLIT_WHY}; drop sp (or use tpmode=1d)")
+        for q in sorted(set(shape)):
+            if dims["hidden"] and dims["hidden"] % q:
+                raise PlanningError(f"tpmode={mode} lays tp={force.tp} out as {'x'.join(map(str, shape))}, and "
+                                    f"{q} does not divide the hidden size {dims['hidden']}; force a tp whose "
+                                    f"{mode} sides divide it, or tpmode=1d")
+        if dims["heads"] and dims["heads"] % shape[-1]:
+            raise PlanningError(f"tpmode={mode} splits the {dims['heads']} attention heads over the inner "
+                                f"axis of {shape[-1]} ranks, which does not divide them; force another tp or tpmode")
+    elif force.tp is not None and force.tp > 1:
         if dims["heads"] and dims["heads"] % force.tp:
             raise PlanningError(f"tp={force.tp} does not divide the {dims['heads']} attention "
                                 f"head{'s' if dims['heads'] > 1 else ''}; {_use_tp(dims['heads'], world)}")
@@ -221,13 +245,16 @@ def outer_configs(force: Force, world: int, layers: int, has_block: bool, global
     pps = [force.pp] if force.pp else [p for p in _divisors(world) if p <= layers and (has_block or p == 1)]
     out = []
     for tp in tps:
+        shape = tensor_shape(force.tensor_parallel_mode, tp)     # () for one axis (tensor_axes.py)
         for pp in pps:
             if world % (tp * pp):
                 continue
             rest = world // (tp * pp)
             for cp, cp_mode in (cp_options(rest, tp) if cp_options else [(1, "none")]):
-                out += _configs_of(force, tp, pp, rest // cp, cp, cp_mode, layers, global_batch, offload_free,
-                                   recomputes)
+                # several tensor axes: no sequence parallelism (NO_SEQUENCE_SPLIT_WHY)
+                out += [replace(c, tp_shape=shape) if shape else c
+                        for c in _configs_of(force, tp, pp, rest // cp, cp, cp_mode, layers, global_batch,
+                                             offload_free, recomputes) if not (shape and c.sp)]
     return out
 
 

@@ -9,7 +9,10 @@ interleaved_1f1b, interleaved_zb, zbv, dualpipev) and ``vpp=K`` the stages per p
 optimizer, grads, params, activations, nvme; "none" forbids offload), e.g. offload=optimizer+grads.
 
 ``cp=N`` splits every sequence over N context-parallel ranks and ``cpmode=ring|ulysses`` pins how
-attention crosses them (``solver/context.py``)."""
+attention crosses them (``solver/context.py``).
+
+``tpmode=1d|2d|2.5d|3d`` lays the forced tp ranks out as one tensor axis or as a q x q, d x q x q or
+q x q x q mesh of them (``solver/tensor_axes.py``); it needs tp forced too."""
 from __future__ import annotations
 
 import math
@@ -41,6 +44,7 @@ class Force:
     virtual_stages: Optional[int] = None     # stages per pipeline rank ("vpp")
     context_parallel: Optional[int] = None   # cp ranks per sequence
     context_parallel_mode: Optional[str] = None   # "ring" | "ulysses" ("cpmode")
+    tensor_parallel_mode: Optional[str] = None    # "1d" | "2d" | "2.5d" | "3d" ("tpmode"; solver/tensor_axes.py)
 
     def items(self) -> tuple[tuple[str, str], ...]:
         return tuple((f.name, str(getattr(self, f.name))) for f in fields(self) if getattr(self, f.name) is not None)
@@ -88,10 +92,7 @@ def parse_force(spec: "str | dict | Force | None") -> Force:
                 mode = parse_tp_mode(v)
             except ValueError as e:
                 raise ValueError(f"--force tpmode={v}: {e}") from None
-            if mode != "1d":
-                raise ValueError(f"--force tpmode={v}: the {mode} tensor-parallel family is costed "
-                                 "(autopar/cost/tensor_parallel.py, benchmarks/tp_crossover.py) but not searched "
-                                 "or executed yet; use tpmode=1d (Megatron) or drop tpmode")
+            out["tensor_parallel_mode"] = mode
         elif k == "cpmode":
             if v not in CONTEXT_MODES:
                 raise ValueError(f"--force cpmode={v!r}: choose one of {', '.join(CONTEXT_MODES)}")

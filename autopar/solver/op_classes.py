@@ -311,13 +311,13 @@ def rc_costs(tab, choice: dict, saved_bytes: float) -> dict:
             fwd += c.fwd_s
             for kd, s in c.comm_fwd:
                 if s > 0:
-                    kd = kd if ":" in kd else "tp:" + kd
+                    kd = kd if ":" in kd else f"{tab.axis}:{kd}"
                     comm[kd] = comm.get(kd, 0.0) + s
         for e in in_block:
             if e.v in os.members and e.u in choice:
                 ec = tab.edge_costs(e)[choice[e.u]][choice[e.v]]
                 if ec.fwd_kind and ec.fwd_s > 0:
-                    kd = "tp:" + ec.fwd_kind
+                    kd = f"{tab.axis}:{ec.fwd_kind}"
                     comm[kd] = comm.get(kd, 0.0) + ec.fwd_s * e.weight / count
         saved = lambda k: tab.costs[k][choice[k]].saved_bytes if k in tab.costs else 0.0
         kept = saved_bytes - sum(saved(k) for k in os.drop) \

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from autopar.comm_overlap import CommOverlap
 from autopar.cost.collectives import collective_s
+from autopar.mesh import TENSOR_AXES
 
 MB, STEP = "mb", "step"      # a row per micro-batch (x m on the slowest rank) or per step
 
@@ -99,13 +100,13 @@ def _upstream(key: str, profile) -> tuple[str, bool]:
     axis, _, kind = key.partition(":")
     if axis == "pp":
         return "exposed: pipeline sends/receives wait on the neighbouring stage (not overlapped)", True
-    if axis == "tp":
+    if axis in TENSOR_AXES:
         if kind in profile.tp_overlap_kinds:
             return ("remainder after TP comm overlap pipelines it with the adjacent GEMM (max(0, comm - GEMM) "
                     "per edge, solver/problem.py; hidden part and contention not carried here)"), False
         if profile.tp_overlap_kinds:
             return f"exposed: the runtime's TP overlap pipelines only {'/'.join(profile.tp_overlap_kinds)}", True
-        return f"exposed: tp {kind} is synchronous in this runtime", True
+        return f"exposed: {axis} {kind} is synchronous in this runtime", True
     if axis == "cp":
         if kind == "ring":
             return ("remainder after each ring rotation overlaps one attention block "

@@ -24,6 +24,7 @@ from autopar.cost.collectives import axis_link, collective_s
 from autopar.cost.compute import backward_factor, op_kind, op_time_s
 from autopar.cost.hardware import ClusterSpec, LinkSpec
 from autopar.ir import DTYPE_BYTES, SDPA_TARGET, TensorMeta
+from autopar.mesh import TENSOR
 from autopar.placements import Shard
 from autopar.solver.ilp import IlpEdge, IlpProblem, LinearConstraint
 from autopar.solver.reshard import grad_target, reshard_kind, reshard_s
@@ -109,6 +110,7 @@ class AxisTables:
     count: int                        # repeats of the block (1 without a block)
     _edge_cache: dict = field(default_factory=dict)
     op_sets: dict = field(default_factory=dict)   # recompute name -> op_classes.OpSet (per-op recompute)
+    axis: str = TENSOR                # the mesh axis these tables are for (names its collectives)
 
     def edge_costs(self, e: EdgeSpec) -> list[list[EdgeCost]]:
         key = (e.u, e.v, e.pos, e.wrap)
@@ -149,15 +151,29 @@ def causal_attention(n) -> bool:
     return bool(arg(n, 5, "is_causal", False)) and len(n.inputs) <= 3
 
 
+@dataclass(frozen=True)
+class AxisBackground:
+    """What the other tensor axes' choices mean to the tables of one more axis
+    (``solver/tensor_axes.py``): the tables' metas are already local to them (the caller's
+    ``cache["metas"]``); ``work`` scales a node's FLOPs, bytes moved and in-op collective bytes by
+    the share of it each rank keeps; ``allowed(key, strategy)`` drops strategies that shard a dim
+    another axis shards; ``link`` is this axis' link; ``axis`` names its collectives."""
+    axis: str
+    link: LinkSpec
+    work: dict                        # op key -> share of the op's work per rank (1: all of it)
+    allowed: object                   # (key, Strategy) -> bool
+
+
 def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs: int, dtype: str,
                  profile: RuntimeProfile, cache: Optional[dict] = None, cp: int = 1,
-                 cp_mode: str = "none") -> AxisTables:
+                 cp_mode: str = "none", background: Optional[AxisBackground] = None) -> AxisTables:
     """``cache``: a dict the caller keeps per (mbs, cp, dtype) to share metas and rule proposals
     between tables of different t / sp. ``cp`` > 1: each rank holds 1/cp of every sequence's
     tokens (token dims and FLOPs scaled), and attention adds its ``cp_mode`` exchange
-    (``solver/context.py``)."""
+    (``solver/context.py``). ``background``: the tables of an outer tensor axis, given the
+    other axes' choices (``AxisBackground``)."""
     gpu = cluster.gpu
-    link = axis_link(cluster, (1, t), 1)
+    link = axis_link(cluster, (1, t), 1) if background is None else background.link
     cp_link = axis_link(cluster, (1, cp, t), 1)
     cache = {} if cache is None else cache
     if "metas" not in cache:
@@ -176,6 +192,8 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
         if n.kind != "op" and not facts.consumers[n.key]:
             continue                      # e.g. the untraced twin of a tied weight
         strats = enumerate_strategies(facts, n, metas, t, sp, cache["protos"])
+        if background is not None:
+            strats = [x for x in strats if background.allowed(n.key, x)]
         if not strats:
             continue
         keys.append(n.key)
@@ -190,8 +208,9 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
             continue
         kind = op_kind(n.target)
         kinds[n.key] = kind
-        flops = n.flops * batch_scale(facts, n, mbs / cp)
-        nbytes = scaled_bytes_moved(facts, n, mbs / cp, dtype)
+        share = 1.0 if background is None else background.work.get(n.key, 1.0)
+        flops = n.flops * batch_scale(facts, n, mbs / cp) * share
+        nbytes = scaled_bytes_moved(facts, n, mbs / cp, dtype) * share
         grad = facts.needs_grad.get(n.key, False)
         saves = n.key in kept
         mask = is_dropout(n) and grad
@@ -201,8 +220,9 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
             compute = op_time_s(flops * s.compute_scale, nbytes * s.compute_scale, dtype, gpu, kind, causal)
             fwd = compute + overhead          # the node's whole host cost of a step, counted once
             bwd = compute * backward_factor(kind) if grad else 0.0
-            cf = tuple((c.kind, collective_s(c.kind, c.nbytes, t, link)) for c in s.comms if c.phase == "fwd")
-            cb = tuple((c.kind, collective_s(c.kind, c.nbytes, t, link)) for c in s.comms if c.phase == "bwd" and grad)
+            cf = tuple((c.kind, collective_s(c.kind, c.nbytes * share, t, link)) for c in s.comms if c.phase == "fwd")
+            cb = tuple((c.kind, collective_s(c.kind, c.nbytes * share, t, link)) for c in s.comms
+                       if c.phase == "bwd" and grad)
             if cp > 1 and n.target == SDPA_TARGET:
                 q, k, v = (metas[r.key][0].nbytes / (t if isinstance(p, Shard) else 1)
                            for r, p in zip(facts.inputs[n.key][:3], s.inputs))
@@ -217,7 +237,7 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
     edges = _edges(facts, metas, set(keys), carried, block_out, count)
     return AxisTables(facts, t, sp, mbs, link, profile, tuple(keys), strategies, costs, weight, tuple(edges),
                       metas, kinds, core_nodes(facts), carried, block_out, count,
-                      op_sets=all_op_sets(facts, alias=t == 1))
+                      op_sets=all_op_sets(facts, alias=t == 1), axis=TENSOR if background is None else background.axis)
 
 
 def _edges(facts: GraphFacts, metas: dict, present: set, carried, block_out, count) -> list[EdgeSpec]:
@@ -378,9 +398,9 @@ def summarize(tab: AxisTables, choice: dict) -> AxisSummary:
         a["fwd"] += c.fwd_s
         a["bwd"] += c.bwd_s
         for kd, s in c.comm_fwd:
-            _add(a["cf"], kd if ":" in kd else "tp:" + kd, s)
+            _add(a["cf"], kd if ":" in kd else f"{tab.axis}:{kd}", s)
         for kd, s in c.comm_bwd:
-            _add(a["cb"], kd if ":" in kd else "tp:" + kd, s)
+            _add(a["cb"], kd if ":" in kd else f"{tab.axis}:{kd}", s)
         a["saved"] += c.saved_bytes
         a["mx"] = max(a["mx"], c.out_bytes)
         if k in tab.core:
@@ -391,10 +411,10 @@ def summarize(tab: AxisTables, choice: dict) -> AxisSummary:
         a = acc[e.part]
         scale = e.weight / count if e.part == "block" else e.weight
         if ec.fwd_kind:
-            _add(a["cf"], "tp:" + ec.fwd_kind, ec.fwd_s * scale)
+            _add(a["cf"], f"{tab.axis}:{ec.fwd_kind}", ec.fwd_s * scale)
         if ec.bwd_kind:
-            _add(a["cb"], "tp:" + ec.bwd_kind, ec.bwd_s * scale)
-        _add(a["cb"], "tp:all_gather", ec.regather_s * scale)
+            _add(a["cb"], f"{tab.axis}:{ec.bwd_kind}", ec.bwd_s * scale)
+        _add(a["cb"], f"{tab.axis}:all_gather", ec.regather_s * scale)
     shared = acc.pop("shared")
     parts = {p: PartCost(v["fwd"], v["bwd"], v["cf"], v["cb"], v["saved"], v["core_f"], v["core_b"], v["mx"],
                          v["params"], v["fwd"], v["bwd"], param_tensors=v["tensors"]) for p, v in acc.items()}

@@ -64,6 +64,7 @@ from autopar.plan import ClusterRef, NodeStrategy, Plan, parse_offload
 from autopar.mesh import DATA, TENSOR
 from autopar.solver.configs import check_force, no_config_error, outer_configs
 from autopar.solver.context import check_context_force, context_problem, cp_choices
+from autopar.solver.tensor_axes import axis_names, solve_axes
 from autopar.solver.errors import InfeasibleError, PlanningError
 from autopar.solver.ilp import IlpResult, LinearConstraint, solve_ilp
 from autopar.solver.problem import AxisSummary, AxisTables, PartCost, build_tables, ilp_problem, \
@@ -103,6 +104,9 @@ class AxisSolution:
     choice: dict                     # key -> strategy index
     summary: AxisSummary
     ilp: Optional[IlpResult]
+    # more than one tensor axis (``tensor_axes.py``): tables and choice above are the innermost
+    # axis'; here (axis, tables, choice) of the outer ones, outermost last
+    axes: tuple = ()
 
 
 @dataclass
@@ -121,8 +125,9 @@ class SearchResult:
 # ---- bounds ---------------------------------------------------------------------------------------
 
 def _table_key(cfg: OuterConfig) -> tuple:
-    """What a configuration's tp-axis tables depend on: (tp, sp, mbs, cp, cp mode)."""
-    return (cfg.tp, cfg.sp, cfg.mbs, cfg.cp, cfg.cp_mode)
+    """What a configuration's tp-axis tables depend on: (tp, sp, mbs, cp, cp mode, tensor shape).
+    Its bounds come from the one-axis tables of the total tp (``table``)."""
+    return (cfg.tp, cfg.sp, cfg.mbs, cfg.cp, cfg.cp_mode, cfg.tp_shape)
 
 
 def _quick_summary(base: AxisSummary, cfg: OuterConfig) -> AxisSummary:
@@ -200,7 +205,7 @@ class _Searcher:
         self.offload_pass = False
         self.blocked: Optional[Evaluation] = None
 
-    def table(self, tp: int, sp: bool, mbs: int, cp: int = 1, cp_mode: str = "none") -> AxisTables:
+    def table(self, tp: int, sp: bool, mbs: int, cp: int = 1, cp_mode: str = "none", tp_shape=()) -> AxisTables:
         key = (tp, sp, mbs, cp, cp_mode)
         if key not in self.tables:
             cache = self._caches.setdefault((mbs, cp), {})
@@ -216,8 +221,13 @@ class _Searcher:
         self.stats.ilp_max_constraints = max(self.stats.ilp_max_constraints, r.num_constraints)
         self.stats.solver = r.solver
 
-    def solution(self, tp: int, sp: bool, mbs: int, cp: int = 1, cp_mode: str = "none") -> AxisSolution:
-        key = (tp, sp, mbs, cp, cp_mode)
+    def solution(self, tp: int, sp: bool, mbs: int, cp: int = 1, cp_mode: str = "none",
+                 tp_shape=()) -> AxisSolution:
+        key = (tp, sp, mbs, cp, cp_mode, tp_shape)
+        if key not in self.solutions and tp_shape:
+            cfg = OuterConfig(tp, 1, 1, mbs, 1, "none", 0, sp, cp=cp, cp_mode=cp_mode, tp_shape=tp_shape)
+            tab, choice, summary, outer = solve_axes(self, cfg)
+            self.solutions[key] = AxisSolution(tab, choice, summary, None, outer)
         if key not in self.solutions:
             tab = self.table(*key)
             if all(len(tab.strategies[k]) == 1 for k in tab.keys):
@@ -231,6 +241,8 @@ class _Searcher:
         return self.solutions[key]
 
     def constrained(self, cfg: OuterConfig, base: AxisSolution, ev: Evaluation) -> Optional[AxisSolution]:
+        if base.axes:                 # several tensor axes: no memory-constrained ILP (tensor_axes.py)
+            return None
         tab = base.tables
         cons = memory_constraints(tab, cfg, ev, self.profile, self.budget, base.summary.layer_input_bytes)
         if any(c.rhs < 0 for c in cons):
@@ -447,11 +459,14 @@ def _build_plan(s: _Searcher, ev: Evaluation, sol: AxisSolution, seq_len, solve_
     cfg = ev.config
     tab = sol.tables
     dpp, dp_read = _dp_placements(s.facts, tab.keys, cfg.zero)
+    outer = tuple(reversed(sol.axes))          # outermost first, as the mesh lists them
     strategies = []
     for k in tab.keys:
         st = tab.strategies[k][sol.choice[k]]
-        ins = tuple((dp_read.get(r.key, Replicate()), pl) for r, pl in zip(s.facts.inputs[k], st.inputs))
-        strategies.append(NodeStrategy(k, (dpp[k], st.output), ins, st.name))
+        sts = [t.strategies[k][c[k]] for _, t, c in outer] + [st]
+        ins = tuple((dp_read.get(r.key, Replicate()),) + tuple(x.inputs[i] for x in sts)
+                    for i, r in enumerate(s.facts.inputs[k][:len(st.inputs)]))
+        strategies.append(NodeStrategy(k, (dpp[k],) + tuple(x.output for x in sts), ins, st.name))
     full = evaluate(sol.summary, cfg, s.cluster, s.profile, s.budget, all_stages=True)
     stages = plan_stages(full, sol.summary)
     notes = [f"runtime profile: {s.profile.name}",
@@ -478,7 +493,8 @@ def _build_plan(s: _Searcher, ev: Evaluation, sol: AxisSolution, seq_len, solve_
         context_parallel=cfg.cp, context_parallel_mode=cfg.cp_mode,
         pipeline_schedule=cfg.schedule, virtual_stages=cfg.v,
         micro_batch_size=cfg.mbs, num_micro_batches=cfg.m, offload=cfg.offload, **_recompute_fields(full),
-        mesh_axes=(DATA, TENSOR), mesh_shape=(cfg.data, cfg.tp), strategies=tuple(strategies), stages=stages,
+        mesh_axes=(DATA,) + (axis_names(cfg.tp_shape) if cfg.tp_shape else (TENSOR,)),
+        mesh_shape=(cfg.data,) + (cfg.tp_shape or (cfg.tp,)), strategies=tuple(strategies), stages=stages,
         step_time=full.step, memory=full.memory, model_flops_per_step=model_flops(s.graph, s.global_batch),
         solve_time_s=solve_time_s, forced=s.force.items(), notes=tuple(notes))
 

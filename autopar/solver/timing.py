@@ -63,13 +63,14 @@ from autopar.cost.memory import model_state_bytes, pipeline_inflight_microbatche
 from autopar.cost.split_backward import rank_held_affine, rank_held_bytes, rank_split_times
 from autopar.cost.offload import (bucket_bytes, offload_memory, offload_microbatch_times, offload_step_times,
                                   optimizer_rows)
-from autopar.plan import V_SCHEDULES, MemoryUse, StepTime, parse_offload
+from autopar.plan import V_SCHEDULES, MemoryUse, StepTime
 from autopar.solver.balance import balance
 from autopar.solver.problem import AxisSummary, PartCost
 from autopar.solver.overlap import account as overlap_account, dp_sync as overlap_dp_sync
 from autopar.solver.runtime_profile import RuntimeProfile
 from autopar.recompute_ops import is_per_op
 from autopar.solver.op_classes import RcCost
+from autopar.solver.outer_config import OuterConfig
 
 MEMORY_RESERVE_FRACTION = 0.05       # of HBM kept free for the CUDA context, NCCL buffers, fragmentation
 # Adam step traffic per parameter besides the gradient: read param 2 + master 4 + m 4 + v 4,
@@ -78,44 +79,6 @@ OPTIMIZER_BYTES_PER_PARAM = 28
 ZERO3_PREFETCH_LAYERS = 2            # gathered layers resident at once under ZeRO-3 (current + prefetch)
 HOST_MEMORY_RESERVE_FRACTION = 0.1   # of host RAM kept for the OS, the data loader, pinned buffers (rough)
 MOMENTS = 2                          # optimizer moments the planner assumes (AdamW)
-
-
-@dataclass(frozen=True)
-class OuterConfig:
-    tp: int
-    pp: int
-    dp: int
-    mbs: int
-    m: int                 # micro-batches per step
-    recompute: str         # "none" | "selective" | "full" | "partial" (full on some layers: below)
-    zero: int              # 0..3
-    sp: bool
-    schedule: str = "1f1b"     # pipeline schedule (plan.PIPELINE_SCHEDULES); "1f1b" when pp == 1
-    v: int = 1                 # stages per pp rank (virtual stages)
-    # "partial": the first ``recompute_layers`` layers of each pipeline rank recompute in full, the
-    # others keep their activations; None: not chosen yet (``evaluate`` picks the fewest that fit)
-    recompute_layers: Optional[int] = None
-    cp: int = 1                # context-parallel ranks per sequence (``solver/context.py``)
-    cp_mode: str = "none"      # "ring" | "ulysses" when cp > 1
-    offload: str = "none"      # canonical ``plan.offload_name`` of the offloaded classes
-
-    @property
-    def classes(self) -> tuple:
-        """The offloaded tensor classes (``plan.parse_offload``)."""
-        return () if self.offload == "none" else parse_offload(self.offload)
-
-    @property
-    def data(self) -> int:
-        """Ranks that hold the same parameters and split the tokens: dp x cp (gradient sync, ZeRO)."""
-        return self.dp * self.cp
-
-    def short(self) -> str:
-        pipe = f", schedule={self.schedule}" + (f", vpp={self.v}" if self.v > 1 else "") if self.pp > 1 else ""
-        rc = self.recompute + (f":{self.recompute_layers}" if self.recompute_layers is not None else "")
-        ctx = f", cp={self.cp} ({self.cp_mode})" if self.cp > 1 else ""
-        return (f"tp={self.tp}, pp={self.pp}, dp={self.dp}{ctx}, mbs={self.mbs}, zero={self.zero}, "
-                f"recompute={rc}, sp={'on' if self.sp else 'off'}{pipe}"
-                + (f", offload={self.offload}" if self.offload != "none" else ""))
 
 
 @dataclass(frozen=True)

@@ -126,3 +126,47 @@ def hand_plan(graph: GraphIR, *, dp: int, tp: int, family: str = "megatron", zer
                                        tuple((i[0], p) for i, p in zip(s.inputs, ins_tp)),
                                        _name(family, s, t)))
     return replace(base, strategies=tuple(strategies), sequence_parallel=family == "megatron_sp")
+
+
+def _outer_storage(shape: tuple, inner) -> object:
+    """A parameter's storage on an outer tensor axis: Shard along the first dim ``inner`` (its
+    placement on "tp") does not shard; Replicate when there is none."""
+    taken = inner.dim % len(shape) if isinstance(inner, Shard) and shape else None
+    free = [d for d in range(len(shape)) if d != taken]
+    return S(free[0]) if free else R
+
+
+def tensor_2d_plan(graph: GraphIR, *, outer: int = 2, inner: int = 2, family: str = "megatron", dp: int = 1,
+                   zero: int = 0) -> Plan:
+    """A hand plan on the stage mesh ("tp2", "tp") = (outer, inner) (with dp > 1: ("dp", "tp2", "tp")):
+    on "tp" the placements of ``hand_plan(graph, dp=1, tp=inner, family=family)``; on "tp2" (and
+    on "dp") those a dp=outer plan puts on its data axis (activations split over the batch, the
+    loss Partial), except that every parameter is STORED Shard on "tp2" along a dim "tp" does not
+    shard (``_outer_storage``) and read Replicate there: the runtime all-gathers it on "tp2" at
+    each use, DTensor's backward reduce-scatters its gradient. ``Plan.tp`` is the total tensor
+    degree, outer * inner; ``zero``: the ZeRO stage over dp."""
+    from autopar.mesh import DATA, TENSOR, TENSOR2
+
+    batch, tensor = hand_plan(graph, dp=outer, tp=1), hand_plan(graph, dp=1, tp=inner, family=family)
+    di = batch.mesh_axes.index(DATA)
+    ti = tensor.mesh_axes.index(TENSOR) if TENSOR in tensor.mesh_axes else None
+    by_key = {s.key: s for s in batch.strategies}
+    shapes = {n.key: n.out.shape for n in graph.nodes if n.kind == "param"}
+    lead = 1 if dp > 1 else 0                # the dp axis' placements: the batch plan's, as tp2's
+
+    def tp(pl):
+        return R if ti is None else pl[ti]
+
+    strategies = []
+    for s in tensor.strategies:
+        if "@" in s.key:
+            continue
+        b = by_key[s.key]
+        o2 = _outer_storage(shapes[s.key], tp(s.output)) if s.key in shapes else b.output[di]
+        out = (b.output[di],) * lead + (o2, tp(s.output))
+        ins = tuple((x[di],) * lead + (x[di], tp(y)) for x, y in zip(b.inputs, s.inputs))
+        strategies.append(NodeStrategy(s.key, out, ins, s.name))
+    world = dp * outer * inner
+    return replace(tensor, mesh_axes=(DATA,) * lead + (TENSOR2, TENSOR), mesh_shape=(dp,) * lead + (outer, inner),
+                   dp=dp, tp=outer * inner, zero_stage=zero, micro_batch_size=graph.batch_size // dp,
+                   strategies=tuple(strategies), cluster=replace(tensor.cluster, gpus_per_node=world))

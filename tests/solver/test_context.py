@@ -138,11 +138,11 @@ def test_a_one_sequence_trace_cannot_split_its_tokens():
                    force=parse_force("cp=2"))
 
 
-@pytest.mark.parametrize("spec, words", [("tpmode=2d", ["2d tensor-parallel family is costed", "tpmode=1d"]),
-                                         ("tpmode=4d", ["tpmode=4d", "1d, 2d, 2.5d, 3d"])])
-def test_tensor_parallel_modes_other_than_1d_are_refused_by_name(spec, words):
+def test_tensor_parallel_modes_are_read_and_unknown_ones_refused_by_name():
     assert parse_force("tpmode=1d,tp=2").tp == 2
+    assert parse_force("tpmode=2D,tp=4").tensor_parallel_mode == "2d"       # searched: solver/tensor_axes.py
+    assert parse_force("tpmode=2p5d,tp=8").tensor_parallel_mode == "2.5d"
     with pytest.raises(ValueError) as e:
-        parse_force(spec)
-    for w in words:
+        parse_force("tpmode=4d")
+    for w in ["tpmode=4d", "1d, 2d, 2.5d, 3d"]:
         assert w in str(e.value), str(e.value)

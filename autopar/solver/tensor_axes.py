@@ -1,0 +1,199 @@
+"""Tensor parallelism over several mesh axes: 2-D (q x q), 2.5-D (d x q x q), 3-D (q x q x q).
+
+The tensor-parallel group of ``tp`` ranks is laid out as one mesh axis ("1d", Megatron) or as
+several (``tensor_shape``): "2d" q x q (SUMMA / Optimus), "2.5d" d x q x q (Tesseract: d
+layers of a q x q grid), "3d" q x q x q. The axes are named ``mesh.TENSOR_AXES`` from the inside
+out: "tp" innermost (adjacent ranks), then "tp2", "tp3". Each node gets a placement on EVERY axis,
+and DTensor runs the combination: what the families' papers do with explicit broadcasts and
+reductions, the placements do with the all-gathers, reduce-scatters and all-reduces DTensor's
+redistribution issues on each axis (e.g. SUMMA's broadcasts of A and B blocks are, byte for byte,
+an all-gather of the activation along one axis and of the weight along the other).
+
+Solved per axis (the ILP's strategy space would grow as s^k with k axes):
+1. the innermost axis alone, on the whole tensors (the 1-D tables of its size);
+2. each outer axis with the inner choices fixed (``AxisBackground``): its tables are built on the
+   tensors as one rank of the solved axes holds them (each node's outputs divided along the dims
+   they shard), its nodes' work scaled by the share each rank keeps, and its strategies never shard
+   a dim another axis already shards (nested shards of one dim are left out);
+3. the innermost axis again, given the outer axes' choices, so that its costs are those of the
+   local tensors too.
+The combined summary is step 3's (compute and memory per rank are those of all axes' shards)
+with every axis' collectives added, named by axis ("tp:all_reduce", "tp2:all_gather", ...).
+This is coordinate descent, not the joint optimum: a choice on one axis is never revisited after
+the others are fixed. The memory-constrained ILP is per axis and not run here: a configuration
+whose multi-axis plan does not fit is dropped. Sequence parallelism applies to the innermost axis.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Optional
+
+from autopar.cost.collectives import axis_link
+from autopar.cost.tensor_parallel import parse_tp_mode
+from autopar.ir import TensorMeta
+from autopar.mesh import TENSOR, TENSOR_AXES
+from autopar.placements import Partial, Replicate, Shard
+from autopar.solver.errors import PlanningError
+from autopar.solver.ilp import solve_ilp
+from autopar.solver.problem import AxisBackground, AxisSummary, AxisTables, build_tables, ilp_problem, summarize
+
+CROSS_ENTROPY = "aten.cross_entropy_loss.default"
+EMBEDDING = "aten.embedding.default"
+
+
+def tensor_shape(mode: Optional[str], tp: int) -> tuple[int, ...]:
+    """The tensor mesh of ``tp`` ranks for ``mode``, outermost axis first; () for "1d" (one axis).
+    PlanningError, naming the fix, when ``tp`` has no such shape."""
+    if mode is None or parse_tp_mode(mode) == "1d":
+        return ()
+    mode = parse_tp_mode(mode)
+    if mode == "2d":
+        q = math.isqrt(tp)
+        if q >= 2 and q * q == tp:
+            return (q, q)
+        raise PlanningError(f"tpmode=2d lays tp out as q x q ranks, and tp={tp} is not a square of q >= 2; "
+                            "force tp=4, 9, 16, ... (or tpmode=1d)")
+    if mode == "3d":
+        q = round(tp ** (1 / 3))
+        if q >= 2 and q ** 3 == tp:
+            return (q, q, q)
+        raise PlanningError(f"tpmode=3d lays tp out as q x q x q ranks, and tp={tp} is not a cube of q >= 2; "
+                            "force tp=8, 27, 64, ... (or tpmode=2d / 2.5d)")
+    # 2.5d: d x q x q with depth d >= 2; the widest grid q (the papers' d <= q keeps the grid wide)
+    for q in range(math.isqrt(tp), 1, -1):
+        if tp % (q * q) == 0 and tp // (q * q) >= 2:
+            return (tp // (q * q), q, q)
+    raise PlanningError(f"tpmode=2.5d lays tp out as d x q x q ranks (d, q >= 2), and tp={tp} has no such shape; "
+                        "force tp=8, 16, 18, 32, ... (or tpmode=1d / 2d)")
+
+
+def axis_names(shape: tuple[int, ...]) -> tuple[str, ...]:
+    """The mesh axes of a tensor shape (outermost first): ("tp2", "tp") for 2-D, ... ."""
+    if len(shape) > len(TENSOR_AXES):
+        raise ValueError(f"at most {len(TENSOR_AXES)} tensor axes, got the shape {shape}")
+    return TENSOR_AXES[len(TENSOR_AXES) - len(shape):]
+
+
+def _local_metas(metas: dict, solved: dict) -> dict:
+    """``metas`` as one rank of the ``solved`` axes holds them: each node's outputs divided along
+    the dim its chosen output placement shards on each axis (``solved``: axis -> (tables, choice))."""
+    out = dict(metas)
+    for tab, choice in solved.values():
+        for k in tab.keys:
+            p = tab.strategies[k][choice[k]].output
+            if isinstance(p, Shard):
+                out[k] = tuple(_split(m, p.dim, tab.t) for m in out[k])
+    return out
+
+
+def _split(m: TensorMeta, dim: int, t: int) -> TensorMeta:
+    if not m.shape:
+        return m
+    d = dim % len(m.shape)
+    return TensorMeta(m.shape[:d] + (max(1, m.shape[d] // t),) + m.shape[d + 1:], m.dtype)
+
+
+def _sharded_dims(solved: dict) -> dict:
+    """key -> (output dims, per-input dims, whether the output is Partial) of the ``solved`` axes."""
+    out: dict = {}
+    for tab, choice in solved.values():
+        for k in tab.keys:
+            s = tab.strategies[k][choice[k]]
+            o, ins, partial = out.get(k, (frozenset(), (), False))
+            ins = ins or tuple(frozenset() for _ in s.inputs)
+            o = o | ({s.output.dim} if isinstance(s.output, Shard) else set())
+            ins = tuple(d | ({p.dim} if isinstance(p, Shard) else set()) for d, p in zip(ins, s.inputs))
+            out[k] = (o, ins, partial or isinstance(s.output, Partial))
+    return out
+
+
+def _work(solved: dict) -> dict:
+    """op key -> the share of its work one rank of the ``solved`` axes does."""
+    out: dict = {}
+    for tab, choice in solved.values():
+        for k in tab.keys:
+            out[k] = out.get(k, 1.0) * tab.strategies[k][choice[k]].compute_scale
+    return out
+
+
+def _allowed(graph_nodes: dict, sharded: dict):
+    """The strategy filter of an axis given the others (module docstring): no dim sharded twice,
+    no strided split (the runtime realizes it on "tp" only), no vocab-parallel loss off "tp" (the
+    loss may split its rows only), and a vocab-parallel embedding (a Partial output: DTensor masks
+    the ids out of one axis' vocab range) only where no other axis splits its table, and the
+    other way round."""
+    def allowed(key: str, s) -> bool:
+        if s.name == "strided":
+            return False
+        dims_out, dims_in, partial = sharded.get(key, (frozenset(), (), False))
+        if isinstance(s.output, Shard) and s.output.dim in dims_out:
+            return False
+        if any(isinstance(p, Shard) and p.dim in dims for p, dims in zip(s.inputs, dims_in)):
+            return False
+        n = graph_nodes.get(key)
+        if n is None:
+            return True
+        if n.target == EMBEDDING and s.inputs:
+            table_split = bool(dims_in and dims_in[0])
+            if (isinstance(s.output, Partial) and (table_split or dims_out)) or \
+                    (partial and not isinstance(s.inputs[0], Replicate)):
+                return False
+        return not (n.target == CROSS_ENTROPY and s.inputs and isinstance(s.inputs[0], Shard)
+                    and s.inputs[0].dim != 0)
+    return allowed
+
+
+def _tables(searcher, cfg, axis: str, t: int, solved: dict, link) -> AxisTables:
+    base = searcher._caches[(cfg.mbs, cfg.cp)]
+    metas = _local_metas(base["metas"], solved)
+    cache = {"metas": metas, "protos": dict(base["protos"]), "kept": base["kept"]}
+    nodes = {n.key: n for n in searcher.facts.graph.nodes}
+    bg = AxisBackground(axis, link, _work(solved), _allowed(nodes, _sharded_dims(solved)))
+    return build_tables(searcher.facts, searcher.cluster, t, cfg.sp and axis == TENSOR, cfg.mbs, searcher.dtype,
+                        searcher.profile, cache, cp=cfg.cp, cp_mode=cfg.cp_mode, background=bg)
+
+
+def _solve(searcher, tab: AxisTables) -> dict:
+    if all(len(tab.strategies[k]) == 1 for k in tab.keys):
+        return {k: 0 for k in tab.keys}
+    r = solve_ilp(ilp_problem(tab))
+    searcher._record(r)
+    return {k: r.choice[i] for i, k in enumerate(tab.keys)}
+
+
+def solve_axes(searcher, cfg):
+    """(inner tables, inner choice, combined summary, ((axis, tables, choice) of the outer axes))
+    for ``cfg.tp_shape`` (module docstring)."""
+    shape = cfg.tp_shape
+    names = axis_names(shape)
+    mesh_shape = (1,) + tuple(shape)
+    links = {a: axis_link(searcher.cluster, mesh_shape, i + 1) for i, a in enumerate(names)}
+    inner_t = shape[-1]
+    first = searcher.solution(inner_t, cfg.sp, cfg.mbs, cfg.cp, cfg.cp_mode)      # the whole tensors
+    solved = {TENSOR: (first.tables, first.choice)}
+    for axis, t in reversed(tuple(zip(names[:-1], shape[:-1]))):                 # tp2, then tp3
+        tab = _tables(searcher, cfg, axis, t, solved, links[axis])
+        solved[axis] = (tab, _solve(searcher, tab))
+    outer = {a: v for a, v in solved.items() if a != TENSOR}
+    inner_tab = _tables(searcher, cfg, TENSOR, inner_t, outer, links[TENSOR])
+    inner_choice = _solve(searcher, inner_tab)
+    summary = _combine(summarize(inner_tab, inner_choice),
+                       [summarize(tab, choice) for tab, choice in outer.values()], cfg.tp)
+    return inner_tab, inner_choice, summary, tuple((a, tab, choice) for a, (tab, choice) in outer.items())
+
+
+def _combine(inner: AxisSummary, outers: list[AxisSummary], tp: int) -> AxisSummary:
+    """``inner`` (tables local to every axis) with the outer axes' collectives added. Its ILP
+    objective stays the inner axis' (a lower bound of the whole)."""
+    parts = {}
+    for name, p in inner.parts.items():
+        cf, cb = dict(p.comm_fwd), dict(p.comm_bwd)
+        for o in outers:
+            for src, dst in ((o.parts[name].comm_fwd, cf), (o.parts[name].comm_bwd, cb)):
+                for k, sec in src.items():
+                    dst[k] = dst.get(k, 0.0) + sec
+        parts[name] = replace(p, comm_fwd=cf, comm_bwd=cb)
+    return replace(inner, t=tp, parts=parts)
+
+

@@ -1,0 +1,78 @@
+"""Tensor parallelism over several mesh axes in the planner (``solver/tensor_axes.py``): the mesh of
+each family, the per-axis solve, the plan it writes, and the errors of forced shapes that cannot work."""
+from __future__ import annotations
+
+import pytest
+
+from autopar.cost.hardware import make_cluster
+from autopar.placements import Shard
+from autopar.plan import plan_problems
+from autopar.solver import plan_model
+from autopar.solver.errors import PlanningError
+from autopar.solver.forcing import parse_force
+from autopar.solver.tensor_axes import axis_names, tensor_shape
+from solver_helpers import traced
+
+GPT = "gpt:hidden=4096,layers=4,heads=32,vocab=50304,seq=2048"
+
+
+def _plan(force: str, spec: str = GPT, gpus: int = 8):
+    g, b = traced(spec, 8)
+    return plan_model(g, make_cluster("h100", 1, gpus), global_batch=8, seq_len=b.seq_len, force=parse_force(force))
+
+
+@pytest.mark.parametrize("mode,tp,shape", [("1d", 8, ()), ("2d", 4, (2, 2)), ("2d", 16, (4, 4)),
+                                           ("2.5d", 8, (2, 2, 2)), ("2.5d", 16, (4, 2, 2)),
+                                           ("2.5d", 32, (2, 4, 4)), ("3d", 8, (2, 2, 2)), ("3d", 27, (3, 3, 3))])
+def test_family_meshes(mode, tp, shape):
+    assert tensor_shape(mode, tp) == shape
+
+
+@pytest.mark.parametrize("mode,tp,fix", [("2d", 8, "tp=4, 9, 16"), ("2d", 2, "tp=4, 9, 16"),
+                                         ("3d", 16, "tp=8, 27, 64"), ("2.5d", 4, "tp=8, 16")])
+def test_a_tp_without_the_family_shape_says_which_tp_would(mode, tp, fix):
+    with pytest.raises(PlanningError, match=fix):
+        tensor_shape(mode, tp)
+
+
+def test_axis_names_are_inside_out():
+    assert axis_names((2, 2)) == ("tp2", "tp") and axis_names((2, 2, 2)) == ("tp3", "tp2", "tp")
+
+
+@pytest.mark.parametrize("force,axes,shape", [("tp=4,tpmode=2d,dp=2", ("dp", "tp2", "tp"), (2, 2, 2)),
+                                              ("tp=8,tpmode=3d", ("dp", "tp3", "tp2", "tp"), (1, 2, 2, 2))])
+def test_forced_families_split_on_every_axis_and_never_one_dim_twice(force, axes, shape):
+    p = _plan(force)
+    assert (p.mesh_axes, p.mesh_shape) == (axes, shape) and not plan_problems(p)
+    assert p.idle_axes() == ()                         # every tensor axis shards something
+    for s in p.strategies:
+        for pls in (s.output, *s.inputs):
+            dims = [x.dim for x in pls[1:] if isinstance(x, Shard)]
+            assert len(dims) == len(set(dims)), (s.key, pls)      # no nested shard of one dim
+    # every matrix of a layer is stored split over some tensor axis
+    for name in ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"):
+        w = next(s for s in p.strategies if f"{name}|param" in s.key)
+        assert any(isinstance(x, Shard) for x in w.output[1:]), (name, w)
+
+
+def test_the_second_axis_costs_what_it_moves():
+    """The 2-D plan's step carries collectives on both tensor axes, and its compute per rank is
+    split about as the 1-D plan's over the same 4 ranks (per rank: a quarter of 4 sequences'
+    work, up to the ops one axis cannot split); here it moves more than Megatron's 1-D layout,
+    so it is slower."""
+    two = _plan("tp=4,tpmode=2d,dp=2")
+    one = _plan("tp=4,dp=2")
+    kinds = {k.split(":")[0] for k, _ in two.step_time.comm_s}
+    assert {"tp", "tp2"} <= kinds, two.step_time.comm_s
+    assert two.step_time.compute_s == pytest.approx(one.step_time.compute_s, rel=0.25)
+    assert two.step_time.total_s > one.step_time.total_s
+
+
+def test_forced_tpmode_needs_tp_and_sides_that_divide_the_model():
+    with pytest.raises(PlanningError, match="force tp too"):
+        _plan("tpmode=2d")
+    with pytest.raises(PlanningError, match="not a square"):
+        _plan("tp=8,tpmode=2d")
+    odd = "gpt:hidden=96,layers=2,heads=3,vocab=128,seq=16"
+    with pytest.raises(PlanningError, match="does not divide the hidden size 96|attention heads"):
+        _plan("tp=4,tpmode=2d", spec=odd, gpus=4)
