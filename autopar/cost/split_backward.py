@@ -172,5 +172,5 @@ def rank_held_bytes(cfg, summary, rank: int, layers: float) -> float:
 
 def rank_held_affine(cfg, summary, rank: int) -> tuple[float, float]:
     """``rank_held_bytes`` as (per layer, constant)."""
-    return rank_held_bytes(cfg, summary, rank, 1.0) - rank_held_bytes(cfg, summary, rank, 0.0), \
-        rank_held_bytes(cfg, summary, rank, 0.0)
+    const = rank_held_bytes(cfg, summary, rank, 0.0)
+    return rank_held_bytes(cfg, summary, rank, 1.0) - const, const

@@ -128,25 +128,41 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+def on_device(chunk: torch.Tensor, ctx: ParamContext) -> torch.Tensor:
+    """``chunk`` where the graph runs (rows in host memory, parameter offload, are copied up)."""
+    if ctx.host_params or (ctx.device is not None and chunk.device != ctx.device):
+        chunk = torch.empty(chunk.shape, dtype=chunk.dtype, device=ctx.device).copy_(chunk, non_blocking=True)
+    return chunk
+
+
+def padded_rows(slot: ParamSlot, chunk: torch.Tensor, dp: int) -> torch.Tensor:
+    """This rank's row chunk of ``slot``, flat, padded to the equal chunk every dp rank sends."""
+    size = slot.layout.chunk_rows(dp) * slot.layout.row_numel
+    send = chunk.reshape(-1)
+    if send.numel() != size:
+        padded = torch.zeros(size, dtype=chunk.dtype, device=chunk.device)
+        padded[: send.numel()] = send
+        send = padded
+    return send.contiguous()
+
+
+def unpadded(slot: ParamSlot, gathered: torch.Tensor) -> torch.Tensor:
+    """The tp-local tensor of ``slot`` from its gathered, padded dp chunks (flat, rank order)."""
+    return gathered[: slot.layout.numel].view(slot.layout.local_shape)
+
+
 def gather_rows(slot: ParamSlot, chunk: torch.Tensor, ctx: ParamContext, record: bool = True) -> torch.Tensor:
     """All-gather the dp row chunks of ``slot`` into its tp-local tensor (ZeRO-3); rows in host
     memory (parameter offload) are copied up first."""
-    if ctx.host_params or (ctx.device is not None and chunk.device != ctx.device):
-        chunk = torch.empty(chunk.shape, dtype=chunk.dtype, device=ctx.device).copy_(chunk, non_blocking=True)
+    chunk = on_device(chunk, ctx)
     if ctx.dp == 1:
         return chunk.view(slot.layout.local_shape)
-    lay = slot.layout
-    c, rn = lay.chunk_rows(ctx.dp), lay.row_numel
-    send = chunk.reshape(-1)
-    if send.numel() != c * rn:
-        padded = torch.zeros(c * rn, dtype=chunk.dtype, device=chunk.device)
-        padded[: send.numel()] = send
-        send = padded
-    out = torch.empty(ctx.dp * c * rn, dtype=chunk.dtype, device=chunk.device)
-    dist.all_gather_single(out, send.contiguous(), group=ctx.dp_group)
+    send = padded_rows(slot, chunk, ctx.dp)
+    out = torch.empty(ctx.dp * send.numel(), dtype=chunk.dtype, device=chunk.device)
+    dist.all_gather_single(out, send, group=ctx.dp_group)
     if record:
         ctx.log.add("all_gather", DATA, out.numel() * out.element_size(), "zero")
-    return out[: lay.numel].view(lay.local_shape)
+    return unpadded(slot, out)
 
 
 class _UseParam(torch.autograd.Function):

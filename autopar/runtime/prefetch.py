@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.mesh import DATA
+from autopar.runtime.params import on_device, padded_rows, unpadded
 
 
 @dataclass
@@ -33,6 +34,9 @@ class _Flight:
     slots: tuple                  # params.ParamSlot, in the order of the send buffer
     out: torch.Tensor             # dp x (sum of the padded chunk sizes)
     work: Any                     # the async work handle (None: already complete)
+    # held until the landing, so that it is freed there (the backend holds it until the collective
+    # completes: freed at a time of its thread's choosing otherwise, and the peak memory with it)
+    send: Optional[torch.Tensor] = None
 
 
 class GroupGathers:
@@ -82,30 +86,20 @@ class GroupGathers:
 
     def _issue(self, slots: tuple, async_op: bool) -> _Flight:
         ctx = self.ctx
-        pieces = []
-        for s in slots:
-            chunk = s.local.detach()
-            if ctx.host_params or (ctx.device is not None and chunk.device != ctx.device):
-                chunk = chunk.to(ctx.device, non_blocking=True)
-            size = s.layout.chunk_rows(ctx.dp) * s.layout.row_numel
-            flat = chunk.reshape(-1)
-            if flat.numel() != size:
-                flat = torch.cat([flat, flat.new_zeros(size - flat.numel())])
-            pieces.append(flat)
-        send = torch.cat(pieces)
+        send = torch.cat([padded_rows(s, on_device(s.local.detach(), ctx), ctx.dp) for s in slots])
         out = torch.empty(ctx.dp * send.numel(), dtype=send.dtype, device=send.device)
         work = dist.all_gather_single(out, send, group=ctx.dp_group, async_op=async_op)
         ctx.log.add("all_gather", DATA, out.numel() * out.element_size(), "zero")
-        return _Flight(slots, out, work if async_op else None)
+        return _Flight(slots, out, work if async_op else None, send)
 
     def _land(self, f: _Flight) -> dict[str, torch.Tensor]:
         if f.work is not None:
             f.work.wait()
+        f.send = None
         rows = f.out.view(self.ctx.dp, -1)
         out, off = {}, 0
         for s in f.slots:
-            lay = s.layout
-            size = lay.chunk_rows(self.ctx.dp) * lay.row_numel
-            out[s.name] = rows[:, off:off + size].contiguous().view(-1)[: lay.numel].view(lay.local_shape)
+            size = s.layout.chunk_rows(self.ctx.dp) * s.layout.row_numel
+            out[s.name] = unpadded(s, rows[:, off:off + size].contiguous().view(-1))   # its own storage
             off += size
         return out

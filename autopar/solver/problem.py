@@ -18,7 +18,7 @@ consumes layer i's output, so the trace's edges from the carried producer get we
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Callable, Optional
 
 from autopar.cost.collectives import axis_link, collective_s
 from autopar.cost.compute import backward_factor, op_kind, op_time_s
@@ -161,7 +161,7 @@ class AxisBackground:
     axis: str
     link: LinkSpec
     work: dict                        # op key -> share of the op's work per rank (1: all of it)
-    allowed: object                   # (key, Strategy) -> bool
+    allowed: Callable[[str, object], bool]   # (key, Strategy) -> whether this axis may use it
 
 
 def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs: int, dtype: str,

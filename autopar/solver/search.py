@@ -205,7 +205,7 @@ class _Searcher:
         self.offload_pass = False
         self.blocked: Optional[Evaluation] = None
 
-    def table(self, tp: int, sp: bool, mbs: int, cp: int = 1, cp_mode: str = "none", tp_shape=()) -> AxisTables:
+    def table(self, tp: int, sp: bool, mbs: int, cp: int = 1, cp_mode: str = "none") -> AxisTables:
         key = (tp, sp, mbs, cp, cp_mode)
         if key not in self.tables:
             cache = self._caches.setdefault((mbs, cp), {})
@@ -225,11 +225,10 @@ class _Searcher:
                  tp_shape=()) -> AxisSolution:
         key = (tp, sp, mbs, cp, cp_mode, tp_shape)
         if key not in self.solutions and tp_shape:
-            cfg = OuterConfig(tp, 1, 1, mbs, 1, "none", 0, sp, cp=cp, cp_mode=cp_mode, tp_shape=tp_shape)
-            tab, choice, summary, outer = solve_axes(self, cfg)
+            tab, choice, summary, outer = solve_axes(self, tp_shape, sp, mbs, cp, cp_mode)
             self.solutions[key] = AxisSolution(tab, choice, summary, None, outer)
         if key not in self.solutions:
-            tab = self.table(*key)
+            tab = self.table(tp, sp, mbs, cp, cp_mode)
             if all(len(tab.strategies[k]) == 1 for k in tab.keys):
                 choice = {k: 0 for k in tab.keys}
                 ilp = None
@@ -316,7 +315,7 @@ class _Searcher:
         lb_memory: dict = {}                        # cfg -> (tie, lower-bound memory) of evaluated ones
         for i, (triple, cfgs) in enumerate(sorted(by_triple.items())):
             self.progress("bounds", i, len(by_triple))
-            lb = self._lb[triple] = lower_bound_summary(self.table(*triple))
+            lb = self._lb[triple] = lower_bound_summary(self.table(*triple[:5]))    # one axis of the total tp
             for cfg in cfgs:
                 heapq.heappush(heap, (step_time_lower_bound(lb, cfg, self.cluster, self.profile), order, cfg, -1, None))
                 order += 1

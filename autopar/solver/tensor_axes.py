@@ -144,14 +144,14 @@ def _allowed(graph_nodes: dict, sharded: dict):
     return allowed
 
 
-def _tables(searcher, cfg, axis: str, t: int, solved: dict, link) -> AxisTables:
-    base = searcher._caches[(cfg.mbs, cfg.cp)]
+def _tables(searcher, axis: str, t: int, solved: dict, link, sp: bool, mbs: int, cp: int, cp_mode: str) -> AxisTables:
+    base = searcher._caches[(mbs, cp)]
     metas = _local_metas(base["metas"], solved)
     cache = {"metas": metas, "protos": dict(base["protos"]), "kept": base["kept"]}
     nodes = {n.key: n for n in searcher.facts.graph.nodes}
     bg = AxisBackground(axis, link, _work(solved), _allowed(nodes, _sharded_dims(solved)))
-    return build_tables(searcher.facts, searcher.cluster, t, cfg.sp and axis == TENSOR, cfg.mbs, searcher.dtype,
-                        searcher.profile, cache, cp=cfg.cp, cp_mode=cfg.cp_mode, background=bg)
+    return build_tables(searcher.facts, searcher.cluster, t, sp and axis == TENSOR, mbs, searcher.dtype,
+                        searcher.profile, cache, cp=cp, cp_mode=cp_mode, background=bg)
 
 
 def _solve(searcher, tab: AxisTables) -> dict:
@@ -162,24 +162,24 @@ def _solve(searcher, tab: AxisTables) -> dict:
     return {k: r.choice[i] for i, k in enumerate(tab.keys)}
 
 
-def solve_axes(searcher, cfg):
+def solve_axes(searcher, shape: tuple[int, ...], sp: bool, mbs: int, cp: int, cp_mode: str):
     """(inner tables, inner choice, combined summary, ((axis, tables, choice) of the outer axes))
-    for ``cfg.tp_shape`` (module docstring)."""
-    shape = cfg.tp_shape
+    for the tensor mesh ``shape`` (module docstring)."""
     names = axis_names(shape)
+    tables = dict(sp=sp, mbs=mbs, cp=cp, cp_mode=cp_mode)
     mesh_shape = (1,) + tuple(shape)
     links = {a: axis_link(searcher.cluster, mesh_shape, i + 1) for i, a in enumerate(names)}
     inner_t = shape[-1]
-    first = searcher.solution(inner_t, cfg.sp, cfg.mbs, cfg.cp, cfg.cp_mode)      # the whole tensors
+    first = searcher.solution(inner_t, sp, mbs, cp, cp_mode)                       # the whole tensors
     solved = {TENSOR: (first.tables, first.choice)}
     for axis, t in reversed(tuple(zip(names[:-1], shape[:-1]))):                 # tp2, then tp3
-        tab = _tables(searcher, cfg, axis, t, solved, links[axis])
+        tab = _tables(searcher, axis, t, solved, links[axis], **tables)
         solved[axis] = (tab, _solve(searcher, tab))
     outer = {a: v for a, v in solved.items() if a != TENSOR}
-    inner_tab = _tables(searcher, cfg, TENSOR, inner_t, outer, links[TENSOR])
+    inner_tab = _tables(searcher, TENSOR, inner_t, outer, links[TENSOR], **tables)
     inner_choice = _solve(searcher, inner_tab)
     summary = _combine(summarize(inner_tab, inner_choice),
-                       [summarize(tab, choice) for tab, choice in outer.values()], cfg.tp)
+                       [summarize(tab, choice) for tab, choice in outer.values()], math.prod(shape))
     return inner_tab, inner_choice, summary, tuple((a, tab, choice) for a, (tab, choice) in outer.items())
 
 
