@@ -95,3 +95,52 @@ def to_torch(p: Placement):
     if isinstance(p, Replicate):
         return TReplicate()
     return TPartial(p.reduce_op)
+
+
+# ---- several axes: one move per axis, in a fixed order ----------------------------------------------
+
+def _order(src: Placement, dst: Placement) -> int:
+    """Where a move on one axis goes: free local steps (a chunk of a Replicate, a Replicate made
+    Partial) 0, reduce-scatter 1, all-to-all 2 (these keep or shrink what a rank holds), all-reduce 3,
+    all-gather 4 (these grow it)."""
+    if isinstance(src, Replicate):
+        return 0
+    if isinstance(src, Partial):
+        return 1 if isinstance(dst, Shard) else 3
+    return 2 if isinstance(dst, Shard) else 4
+
+
+def _sharded_twice(pl: tuple) -> bool:
+    dims = [p.dim for p in pl if isinstance(p, Shard)]
+    return len(dims) != len(set(dims))
+
+
+def redistribute_steps(src: tuple, dst: tuple) -> Optional[list[tuple[int, Placement]]]:
+    """The single-axis moves ``(axis, placement)`` that take placements ``src`` to ``dst``, in the
+    order autopar's runtime runs them (``codegen/edges.redistribute``) and its prediction counts
+    them (``codegen/expected.py``): the free local steps first, then the collectives that keep or
+    shrink what a rank holds, then those that grow it (``_order``), axes outermost first within
+    each. A Shard made Partial is gathered to Replicate first. A move that would shard one tensor
+    dim on two axes waits; when every remaining move would, an axis that shards such a dim is
+    gathered to Replicate first. Shard dims are compared as given: pass them normalized (>= 0).
+    None when ``src`` or ``dst`` already shards a dim on two axes (DTensor's nested shards, left
+    to DTensor's own redistribution). Two Partials count as the same placement."""
+    if len(src) != len(dst) or _sharded_twice(src) or _sharded_twice(dst):
+        return None
+    cur, out = list(src), []
+    for _ in range(4 * len(cur) + 1):
+        todo = [a for a in range(len(cur)) if cur[a] != dst[a]
+                and not (isinstance(cur[a], Partial) and isinstance(dst[a], Partial))]
+        if not todo:
+            return out
+        nxt = {a: Replicate() if isinstance(cur[a], Shard) and isinstance(dst[a], Partial) else dst[a] for a in todo}
+        ok = [(_order(cur[a], nxt[a]), a) for a in todo
+              if not _sharded_twice(tuple(cur[:a]) + (nxt[a],) + tuple(cur[a + 1:]))]
+        if ok:
+            a = min(ok)[1]
+            cur[a] = nxt[a]
+        else:                       # every move waits on a dim another axis shards: free one
+            a = next(b for b in todo if isinstance(cur[b], Shard))
+            cur[a] = Replicate()
+        out.append((a, cur[a]))
+    return None

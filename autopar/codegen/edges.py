@@ -13,7 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate as TReplicate, Shard as TShard
 
 from autopar.codegen.program import Placements
-from autopar.placements import Partial, Shard, to_torch
+from autopar.placements import Partial, Replicate, Shard, redistribute_steps, to_torch
 
 
 def _grad_placements(placements) -> tuple:
@@ -34,7 +34,7 @@ class _Edge(torch.autograd.Function):
         back = tuple(have if i in ctx.keep and have.is_partial() else want
                      for i, (have, want) in enumerate(zip(g.placements, ctx.back)))
         if tuple(g.placements) != back:
-            g = _contiguous(g).redistribute(g.device_mesh, back)
+            g = redistribute(g, back)
         return g, None, None
 
 
@@ -60,19 +60,47 @@ def release_masks(out) -> None:
 
 
 def redistribute(x: DTensor, target: tuple) -> DTensor:
-    """``x.redistribute`` that also turns Replicate into Partial(sum) (each rank holds 1/n of the
-    value: a bias added after a row-parallel matmul), which DTensor keeps internal."""
+    """``x`` in torch placements ``target``, one mesh axis at a time in the order
+    ``placements.redistribute_steps`` gives (the one ``expected.py`` counts and the planner prices
+    axis by axis; DTensor's own multi-axis redistribution may all-reduce where a reduce-scatter
+    is planned, or gather on one axis a tensor still whole on another). A Replicate made
+    Partial(sum) is local: each rank keeps 1/n of the value (a bias added after a row-parallel
+    matmul), which DTensor keeps internal. Nested shards of one dim are left to DTensor."""
+    mesh = x.device_mesh
+    steps = redistribute_steps(_plan_placements(x.placements, x.ndim), _plan_placements(target, x.ndim))
+    if steps is None:
+        return _nested(x, target)
+    for ax, p in steps:
+        have = tuple(x.placements)
+        want = target[ax] if p == _plan_placements((target[ax],), x.ndim)[0] else TReplicate()
+        nxt = have[:ax] + (want,) + have[ax + 1:]
+        if want.is_partial() and not have[ax].is_partial():
+            x = DTensor.from_local(x.to_local() / mesh.size(ax), mesh, nxt, run_check=False,
+                                   shape=x.shape, stride=x.stride())
+        else:
+            x = _contiguous(x).redistribute(mesh, nxt)
+    return x if tuple(x.placements) == tuple(target) else _contiguous(x).redistribute(mesh, target)
+
+
+def _nested(x: DTensor, target: tuple) -> DTensor:
+    """DTensor's redistribution, Replicate -> Partial(sum) made local first."""
     mesh = x.device_mesh
     to_partial = [i for i, p in enumerate(target) if p.is_partial() and not x.placements[i].is_partial()]
-    if not to_partial:
-        return _contiguous(x).redistribute(mesh, target)
     first = tuple(TReplicate() if i in to_partial else p for i, p in enumerate(target))
     if tuple(x.placements) != first:
         x = _contiguous(x).redistribute(mesh, first)
+    if not to_partial:
+        return x
     local = x.to_local()
     for i in to_partial:
         local = local / mesh.size(i)
     return DTensor.from_local(local, mesh, target, run_check=False, shape=x.shape, stride=x.stride())
+
+
+def _plan_placements(pl, ndim: int) -> tuple:
+    """Torch placements as autopar's (Shard dims made >= 0; every Partial one Partial)."""
+    return tuple(Shard(p.dim % max(ndim, 1)) if p.is_shard() else Partial() if p.is_partial() else Replicate()
+                 for p in pl)
 
 
 def resolve(x: DTensor, want: Optional[Placements]) -> tuple:

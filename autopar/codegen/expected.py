@@ -9,7 +9,10 @@ tp the TENSOR axis (``autopar.mesh``), found by name (a mesh without one: size 1
 forward, per tensor edge producer u -> consumer n (input i), per mesh axis a of size > 1:
     ``reshard_kind(out(u)[a], in(n, i)[a])`` (``placements.py``: S->R all_gather, P->R
     all_reduce, P->S reduce_scatter, S(i)->S(j) all_to_all -- all_gather on gloo, R->S and R->P
-    free). A getitem's edge is its producer's output -> the getitem's output. A parameter's
+    free), one axis at a time in ``placements.redistribute_steps``' order (free steps, then
+    reduce-scatters and all-to-alls, then all-reduces and all-gathers; ``edges.redistribute``
+    runs that order), each on the piece a rank holds then. A getitem's edge is its producer's
+    output -> the getitem's output. A parameter's
     output is its tp storage placement on tp, Replicate elsewhere: dp sharding is ZeRO's, below.
 backward, per edge whose value needs a gradient: the consumer's gradient placement G
     (``input_grads``: R for a Partial input, Partial for a Replicate input of a node whose output
@@ -57,7 +60,7 @@ ZeRO (dp > 1), per parameter read per scope (main graph or region): ZeRO-3 all_g
 
 ``nbytes`` as ``autopar.cost.collectives``, of the piece the collective moves: the tensor divided
 by its shard counts on the other axes, an uneven shard padded to equal chunks as DTensor pads it
-(``_piece_bytes``; a rule-less op's gathered output is taken as even). ZeRO-3's backward re-gather
+(``edge_bytes.py``; a rule-less op's gathered output is taken as even). ZeRO-3's backward re-gather
 counts the parameters autograd keeps (``_saves``: a matmul keeps a weight only for its input's
 gradient). Not predicted: ops DTensor has no rule for that must gather
 (``ParallelModel.fallbacks`` names them), and reshardings DTensor inserts inside an op whose
@@ -71,12 +74,12 @@ Pipelined plans (pp > 1): ``expected_pipeline.py`` applies these rules to each s
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Collection, Mapping, Optional, Sequence
+from typing import Collection, Mapping, Optional
 
 from autopar.codegen.expected_context import context_collectives
 from autopar.codegen.expected_grads import replicate_grads
+from autopar.codegen.edge_bytes import edge_moves, moved as _moved, norm as _norm, piece_bytes as _piece_bytes
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES, ParamLayout, bucket_comm_bytes, plan_buckets
 from autopar.codegen.program import RankProgram, axis_index, compile_program, local_dp_nodes
 from autopar.codegen.shards import chunk_range, local_shape
@@ -117,53 +120,6 @@ def reshard_kind(src: Placement, dst: Placement, backend: str) -> Optional[str]:
     if k == "all_to_all" and backend == "gloo":
         return "all_gather"            # DTensor on a CPU group: all-gather + local chunk
     return k
-
-
-def _norm(p: Placement, ndim: int) -> Placement:
-    return Shard(p.dim + ndim) if isinstance(p, Shard) and p.dim < 0 else p
-
-
-def _piece_bytes(meta: TensorMeta, pl: Sequence[Placement], sizes: Sequence[int], axis: int, kind: str,
-                 src: Optional[Placement] = None, dst: Optional[Placement] = None) -> int:
-    """Bytes a collective on ``axis`` moves for a tensor with placements ``pl`` elsewhere, moving
-    it from ``src`` to ``dst`` on ``axis`` (``kind``: ``placements.reshard_kind``'s). A shard that
-    does not divide evenly is padded to equal chunks first, as DTensor does: an all_gather's output
-    and a reduce_scatter's input hold n x ceil(d / n) along the sharded dim (n ranks), an
-    all_to_all pads the old shard dim to ceil(d / n) and the new one to n x ceil(d / n) (gloo:
-    all-gathered, n x that)."""
-    shape = list(meta.shape)
-    for b, p in enumerate(pl):
-        if b != axis and isinstance(p, Shard) and shape:
-            d = p.dim % len(shape)
-            a, e = chunk_range(shape[d], sizes[b], 0)
-            shape[d] = e - a
-    n = sizes[axis]
-
-    def padded(p: Optional[Placement], chunks: int) -> None:     # dim of shard p: ``chunks`` padded chunks
-        if isinstance(p, Shard) and shape:
-            d = p.dim % len(shape)
-            shape[d] = -(-shape[d] // n) * chunks
-
-    if kind == "all_gather":
-        padded(src, n)
-    elif kind == "reduce_scatter":
-        padded(dst, n)
-    elif kind in ("all_to_all", "all_to_all_gloo"):
-        padded(src, 1 if kind == "all_to_all" else n)
-        padded(dst, n)
-    return math.prod(shape) * DTYPE_BYTES[meta.dtype]
-
-
-def _moved(meta: TensorMeta, pl: Sequence[Placement], sizes: Sequence[int], axis: int, src: Placement,
-           dst: Placement, backend: str) -> Optional[tuple[str, int]]:
-    """(kind as logged, bytes) of moving a tensor with placements ``pl`` elsewhere from ``src`` to
-    ``dst`` on ``axis``; None when nothing moves."""
-    k = placements.reshard_kind(src, dst)
-    if k is None:
-        return None
-    if k == "all_to_all" and backend == "gloo":
-        return "all_gather", _piece_bytes(meta, pl, sizes, axis, "all_to_all_gloo", src, dst)
-    return k, _piece_bytes(meta, pl, sizes, axis, k, src, dst)
 
 
 def _grad_placement(b: Placement, out: Placement, elementwise: Optional[tuple] = None) -> Placement:
@@ -345,24 +301,24 @@ def part_collectives(graph: GraphIR, program: RankProgram, *, backend: str = "gl
         od = len(out_meta.shape) if out_meta is not None else nd
         a_pl = tuple(None if x is None else _norm(x, nd) for x in a_pl)
         b_pl = tuple(None if x is None else _norm(x, nd) for x in b_pl)
-        for ax in range(len(axes)):
-            if sizes[ax] == 1 or a_pl[ax] is None or b_pl[ax] is None:
-                continue
-            k = _moved(meta, a_pl, sizes, ax, a_pl[ax], b_pl[ax], backend)
-            if k is not None:
-                for phase in ph:
-                    add(k[0], ax, k[1], phase)
-            if not grad or consumer_out is None or consumer_out[ax] is None:
-                continue
+        live = [ax for ax in range(len(axes)) if sizes[ax] > 1 and a_pl[ax] is not None and b_pl[ax] is not None]
+        src = tuple(Replicate() if x is None else x for x in a_pl)
+        moves(meta, src, tuple(b_pl[ax] if ax in live else src[ax] for ax in range(len(axes))), ph)
+        if not grad or consumer_out is None:
+            return
+        tgt = tuple(Replicate() if isinstance(x, Partial) else x for x in src)
+        g_pl = list(tgt)
+        for ax in (a for a in live if consumer_out[a] is not None):
             g = Replicate() if ax in rep else b_pl[ax] if as_read else _grad_placement(
                 b_pl[ax], _norm(consumer_out[ax], od), (meta, out_meta) if elementwise and out_meta is not None else None)
-            t = Replicate() if isinstance(a_pl[ax], Partial) else a_pl[ax]
-            if is_param and ax == di and isinstance(g, Partial):
-                continue                                   # the reducer's summand
-            tgt = tuple(Replicate() if isinstance(x, Partial) else x for x in a_pl)
-            kb = _moved(meta, tgt, sizes, ax, g, t, backend)
-            if kb is not None:
-                add(kb[0], ax, kb[1], bwd)
+            if not (is_param and ax == di and isinstance(g, Partial)):     # else the reducer's summand
+                g_pl[ax] = g
+        moves(meta, tuple(g_pl), tgt, (bwd,))
+
+    def moves(meta: TensorMeta, src: tuple, dst: tuple, ph) -> None:
+        for kind, ax, nbytes in edge_moves(meta, src, dst, sizes, backend):
+            for phase in ph:
+                add(kind, ax, nbytes, phase)
 
     # ---- DTensor edges ----
     rep_grads = {} if program.local_dp else replicate_grads(

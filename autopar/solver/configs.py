@@ -63,6 +63,37 @@ NO_SEQUENCE_SPLIT_WHY = ("DTensor's sharding propagation of a linear whose input
                          "without the sequence split")
 
 
+def _family_problem(shape: tuple[int, ...], dims: dict) -> str:
+    """Why the multi-axis tensor mesh ``shape`` does not fit the model ("" when it does): every
+    side must divide the hidden size, the inner one the attention heads."""
+    for q in sorted(set(shape)):
+        if dims["hidden"] and dims["hidden"] % q:
+            return f"{q} does not divide the hidden size {dims['hidden']}"
+    if dims["heads"] and dims["heads"] % shape[-1]:
+        return f"its inner axis of {shape[-1]} ranks does not divide the {dims['heads']} attention heads"
+    return ""
+
+
+def tensor_shapes(force: Force, tp: int, dims: Optional[dict]) -> list[tuple[int, ...]]:
+    """The tensor meshes the search tries for ``tp`` ranks (``tensor_axes.tensor_shape``; ():
+    one axis): the forced family's; else one axis and, for a model with a hidden size
+    (``model_dims``) and no forced sequence parallelism, each multi-axis family of ``tp`` that fits
+    it (2-D q x q, 2.5-D d x q x q with the widest grid, 3-D q x q x q; one shape once)."""
+    if force.tensor_parallel_mode is not None:
+        return [tensor_shape(force.tensor_parallel_mode, tp)]
+    out: list[tuple[int, ...]] = [()]
+    if dims is None or not dims["hidden"] or force.sequence_parallel or tp < 4:
+        return out
+    for mode in ("2d", "2.5d", "3d"):
+        try:
+            shape = tensor_shape(mode, tp)
+        except PlanningError:
+            continue
+        if shape not in out and not _family_problem(shape, dims):
+            out.append(shape)
+    return out
+
+
 def check_force(force: Force, graph: GraphIR, world: int, global_batch: int, seq_len: Optional[int] = None) -> None:
     dims = model_dims(graph)
     if force.offload not in (None, "none") and "params" in parse_offload(force.offload) \
@@ -80,14 +111,10 @@ def check_force(force: Force, graph: GraphIR, world: int, global_batch: int, seq
         shape = tensor_shape(mode, force.tp)
         if force.sequence_parallel:
             raise PlanningError(f"tpmode={mode} with sp=on: {NO_SEQUENCE_SPLIT_WHY}; drop sp (or use tpmode=1d)")
-        for q in sorted(set(shape)):
-            if dims["hidden"] and dims["hidden"] % q:
-                raise PlanningError(f"tpmode={mode} lays tp={force.tp} out as {'x'.join(map(str, shape))}, and "
-                                    f"{q} does not divide the hidden size {dims['hidden']}; force a tp whose "
-                                    f"{mode} sides divide it, or tpmode=1d")
-        if dims["heads"] and dims["heads"] % shape[-1]:
-            raise PlanningError(f"tpmode={mode} splits the {dims['heads']} attention heads over the inner "
-                                f"axis of {shape[-1]} ranks, which does not divide them; force another tp or tpmode")
+        problem = _family_problem(shape, dims)
+        if problem:
+            raise PlanningError(f"tpmode={mode} lays tp={force.tp} out as {'x'.join(map(str, shape))}, and {problem}; "
+                                f"force another tp or tpmode (tpmode=1d: one axis)")
     elif force.tp is not None and force.tp > 1:
         if dims["heads"] and dims["heads"] % force.tp:
             raise PlanningError(f"tp={force.tp} does not divide the {dims['heads']} attention "
@@ -235,26 +262,24 @@ def _schedules(force: Force, pp: int, layers: int) -> list[tuple[str, int]]:
 # ---- enumeration ----------------------------------------------------------------------------------
 
 def outer_configs(force: Force, world: int, layers: int, has_block: bool, global_batch: int,
-                  cp_options=None, offload_free: bool = False, recomputes=None) -> list[OuterConfig]:
+                  cp_options=None, offload_free: bool = False, recomputes=None,
+                  dims: Optional[dict] = None) -> list[OuterConfig]:
     """Every configuration the forced values allow. ``cp_options(rest, tp)``: the (cp, mode)
     pairs for ``rest`` = dp x cp ranks (``context.cp_choices``; None: cp = 1 only). Each carries
     the forced offload (else "none"); ``offload_free`` (the search's offload pass) adds ZeRO-3
     on a single data rank, which only params offload makes worth having. ``recomputes``: the
-    recompute candidates (``op_classes.recompute_candidates``; None: ``RECOMPUTES``)."""
+    recompute candidates (``op_classes.recompute_candidates``; None: ``RECOMPUTES``). ``dims``
+    (``model_dims``): the multi-axis tensor families are tried too (``tensor_shapes``)."""
     tps = [force.tp] if force.tp else _divisors(world)
     pps = [force.pp] if force.pp else [p for p in _divisors(world) if p <= layers and (has_block or p == 1)]
     out = []
-    for tp in tps:
-        shape = tensor_shape(force.tensor_parallel_mode, tp)     # () for one axis (tensor_axes.py)
-        for pp in pps:
-            if world % (tp * pp):
-                continue
-            rest = world // (tp * pp)
-            for cp, cp_mode in (cp_options(rest, tp) if cp_options else [(1, "none")]):
+    for tp, pp in ((tp, pp) for tp in tps for pp in pps if world % (tp * pp) == 0):
+        rest = world // (tp * pp)
+        for cp, cp_mode in (cp_options(rest, tp) if cp_options else [(1, "none")]):
+            base = _configs_of(force, tp, pp, rest // cp, cp, cp_mode, layers, global_batch, offload_free, recomputes)
+            for shape in tensor_shapes(force, tp, dims):      # () for one axis (tensor_axes.py)
                 # several tensor axes: no sequence parallelism (NO_SEQUENCE_SPLIT_WHY)
-                out += [replace(c, tp_shape=shape) if shape else c
-                        for c in _configs_of(force, tp, pp, rest // cp, cp, cp_mode, layers, global_batch,
-                                             offload_free, recomputes) if not (shape and c.sp)]
+                out += [replace(c, tp_shape=shape) if shape else c for c in base if not (shape and c.sp)]
     return out
 
 

@@ -62,9 +62,9 @@ from autopar.ir import GraphIR
 from autopar.placements import Replicate
 from autopar.plan import ClusterRef, NodeStrategy, Plan, parse_offload
 from autopar.mesh import DATA, TENSOR
-from autopar.solver.configs import check_force, no_config_error, outer_configs
+from autopar.solver.configs import check_force, model_dims, no_config_error, outer_configs
 from autopar.solver.context import check_context_force, context_problem, cp_choices
-from autopar.solver.tensor_axes import axis_names, solve_axes
+from autopar.solver.tensor_axes import axis_names, solve_axes, with_outer_axes
 from autopar.solver.errors import InfeasibleError, PlanningError
 from autopar.solver.ilp import IlpResult, LinearConstraint, solve_ilp
 from autopar.solver.problem import AxisSummary, AxisTables, PartCost, build_tables, ilp_problem, \
@@ -240,8 +240,8 @@ class _Searcher:
         return self.solutions[key]
 
     def constrained(self, cfg: OuterConfig, base: AxisSolution, ev: Evaluation) -> Optional[AxisSolution]:
-        if base.axes:                 # several tensor axes: no memory-constrained ILP (tensor_axes.py)
-            return None
+        """The memory-constrained ILP; with several tensor axes, of the inner axis given the outer
+        axes' choices (its tables hold the tensors as one rank of them does: ``tensor_axes.py``)."""
         tab = base.tables
         cons = memory_constraints(tab, cfg, ev, self.profile, self.budget, base.summary.layer_input_bytes)
         if any(c.rhs < 0 for c in cons):
@@ -252,7 +252,7 @@ class _Searcher:
         if ilp.status != "optimal":
             return None
         choice = {k: ilp.choice[i] for i, k in enumerate(tab.keys)}
-        return AxisSolution(tab, choice, summarize(tab, choice), ilp)
+        return AxisSolution(tab, choice, with_outer_axes(summarize(tab, choice), base.axes, cfg.tp), ilp, base.axes)
 
     def run(self) -> tuple[Evaluation, AxisSolution]:
         world = self.cluster.num_gpus
@@ -266,7 +266,7 @@ class _Searcher:
 
         configs = outer_configs(self.force, world, layers, len(self.graph.blocks) == 1, self.global_batch,
                                 cp_options, offload_free=self.offload_pass,
-                                recomputes=recompute_candidates(self.table(1, False, 1)))
+                                recomputes=recompute_candidates(self.table(1, False, 1)), dims=model_dims(self.graph))
         if not configs:
             raise no_config_error(self.force, world, self.global_batch, layers)
         self.stats.configs = len(configs)

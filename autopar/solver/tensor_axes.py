@@ -20,8 +20,9 @@ Solved per axis (the ILP's strategy space would grow as s^k with k axes):
 The combined summary is step 3's (compute and memory per rank are those of all axes' shards)
 with every axis' collectives added, named by axis ("tp:all_reduce", "tp2:all_gather", ...).
 This is coordinate descent, not the joint optimum: a choice on one axis is never revisited after
-the others are fixed. The memory-constrained ILP is per axis and not run here: a configuration
-whose multi-axis plan does not fit is dropped. Sequence parallelism applies to the innermost axis.
+the others are fixed. A configuration whose plan does not fit runs the memory-constrained ILP
+(``search.memory_constraints``) on the inner axis' tables of step 3, the outer axes' choices kept.
+Sequence parallelism applies to the innermost axis.
 """
 from __future__ import annotations
 
@@ -178,14 +179,17 @@ def solve_axes(searcher, shape: tuple[int, ...], sp: bool, mbs: int, cp: int, cp
     outer = {a: v for a, v in solved.items() if a != TENSOR}
     inner_tab = _tables(searcher, TENSOR, inner_t, outer, links[TENSOR], **tables)
     inner_choice = _solve(searcher, inner_tab)
-    summary = _combine(summarize(inner_tab, inner_choice),
-                       [summarize(tab, choice) for tab, choice in outer.values()], math.prod(shape))
-    return inner_tab, inner_choice, summary, tuple((a, tab, choice) for a, (tab, choice) in outer.items())
+    axes = tuple((a, tab, choice) for a, (tab, choice) in outer.items())
+    return inner_tab, inner_choice, with_outer_axes(summarize(inner_tab, inner_choice), axes, math.prod(shape)), axes
 
 
-def _combine(inner: AxisSummary, outers: list[AxisSummary], tp: int) -> AxisSummary:
-    """``inner`` (tables local to every axis) with the outer axes' collectives added. Its ILP
-    objective stays the inner axis' (a lower bound of the whole)."""
+def with_outer_axes(inner: AxisSummary, axes: tuple, tp: int) -> AxisSummary:
+    """``inner`` (tables local to every axis) with the collectives of the outer ``axes`` ((axis,
+    tables, choice) each; () for one axis: ``inner`` as it is) added. Its ILP objective stays the
+    inner axis' (a lower bound of the whole)."""
+    if not axes:
+        return inner
+    outers = [summarize(tab, choice) for _, tab, choice in axes]
     parts = {}
     for name, p in inner.parts.items():
         cf, cb = dict(p.comm_fwd), dict(p.comm_bwd)

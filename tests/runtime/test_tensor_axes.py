@@ -292,15 +292,19 @@ def test_2d_full_state_dict_and_checkpoint_round_trip(ran_2d):
 
 
 @pytest.mark.slow
-def test_the_planners_2d_plan_trains_like_one_process(ran_2d, plan_solver):
+def test_the_planners_2d_plan_trains_like_one_process(ran_2d, plan_solver, tiny_full):
     """A 2-D plan the solver made (its own placements on tp2 and tp, not a hand plan) trains like
-    one process, with traffic on both tensor axes. Its collectives are not compared with
-    ``expected_collectives``: where both axes shard one tensor, DTensor's redistribution sometimes
-    moves it otherwise than axis by axis (an all-reduce on tp where a reduce-scatter is predicted,
-    a tp2 gather of a tensor still whole on tp), which the prediction does not model yet."""
+    one process, with traffic on both tensor axes, and issues exactly the predicted collectives:
+    where both axes move one tensor, ``edges.redistribute`` runs one axis at a time in the order
+    the prediction counts (DTensor's own multi-axis plan all-reduced on tp where a reduce-scatter
+    was planned, and gathered on tp2 a tensor still whole on tp)."""
+    from autopar.codegen.expected import expected_collectives
+
     assert plan_solver.mesh_axes == ("dp", "tp2", "tp") and plan_solver.mesh_shape == (1, 2, 2)
     assert plan_solver.summary()["tensor_parallel_mode"] == "2d" and plan_solver.idle_axes() == ()
     runs = [r["solver"] for r in ran_2d]
     check_against_reference(runs, _reference())
     for r in runs:
         assert r["traffic"]["tp"] > 0 and r["traffic"]["tp2"] > 0, r["traffic"]
+    check_collectives_per_rank(runs, lambda res: expected_collectives(
+        tiny_full, plan_solver, tp_rank=dict(zip(res["names"], res["coord"]))))

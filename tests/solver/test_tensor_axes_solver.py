@@ -76,3 +76,69 @@ def test_forced_tpmode_needs_tp_and_sides_that_divide_the_model():
     odd = "gpt:hidden=96,layers=2,heads=3,vocab=128,seq=16"
     with pytest.raises(PlanningError, match="does not divide the hidden size 96|attention heads"):
         _plan("tp=4,tpmode=2d", spec=odd, gpus=4)
+
+
+# ---- the free search over families -----------------------------------------------------------------
+
+DIMS = {"hidden": 4096, "heads": 32, "layers": 4}
+
+
+@pytest.mark.parametrize("force,tp,dims,shapes", [
+    ("", 16, DIMS, [(), (4, 4), (4, 2, 2)]),             # 16: 2-D 4 x 4, 2.5-D 4 x 2 x 2, not a cube
+    ("", 8, DIMS, [(), (2, 2, 2)]),                      # 8: 2.5-D's widest grid is the 3-D mesh
+    ("", 2, DIMS, [()]),                                 # too few ranks for two axes
+    ("tpmode=1d", 16, DIMS, [()]),
+    ("sp=on", 16, DIMS, [()]),                           # several axes run without sp (configs.py)
+    ("tpmode=2d,tp=16", 16, DIMS, [(4, 4)]),
+    ("", 16, {"hidden": 96, "heads": 6, "layers": 2}, [(), (4, 2, 2)]),   # 2-D's inner 4: not 6 heads
+    ("", 4, {"hidden": 96, "heads": 6, "layers": 2}, [(), (2, 2)]),
+    ("", 16, None, [()]),                                # no model facts: one axis
+])
+def test_the_free_search_tries_each_family_that_fits(force, tp, dims, shapes):
+    from autopar.solver.configs import tensor_shapes
+
+    assert tensor_shapes(parse_force(force), tp, dims) == shapes
+
+
+def test_outer_configs_list_the_families_without_sequence_parallelism():
+    from autopar.solver.configs import outer_configs
+    from autopar.solver.forcing import Force
+
+    configs = outer_configs(Force(tp=16), 16, 4, True, 16, dims=DIMS)
+    assert {c.tp_shape for c in configs} == {(), (4, 4), (4, 2, 2)}
+    assert not any(c.sp for c in configs if c.tp_shape) and any(c.sp for c in configs if not c.tp_shape)
+    assert {c.tp_shape for c in outer_configs(Force(tp=16), 16, 4, True, 16)} == {()}
+
+
+def test_the_search_picks_a_family_where_it_pays():
+    """tp=16 over two nodes of 8 A100s (a hidden-4096 GPT, 4 sequences): one axis of 16 puts every
+    Megatron all-reduce on the inter-node link; the free search (tp forced, the family free)
+    chooses a multi-axis mesh, predicted faster than the forced 1-D plan of the same degree."""
+    spec = "gpt:hidden=4096,layers=2,heads=32,vocab=50304,seq=512"
+    g, b = traced(spec, 4)
+    cluster = make_cluster("a100-80g", 2, 8)
+    free = plan_model(g, cluster, global_batch=4, seq_len=b.seq_len, force=parse_force("tp=16"))
+    one = plan_model(g, cluster, global_batch=4, seq_len=b.seq_len, force=parse_force("tp=16,tpmode=1d"))
+    assert free.summary()["tensor_parallel_mode"] != "1d" and len(free.mesh_axes) >= 3, free.mesh_axes
+    assert free.step_time.total_s < one.step_time.total_s
+    assert not plan_problems(free)
+
+
+def test_a_two_axis_plan_over_budget_is_fitted_by_the_constrained_ilp():
+    """Everything but the per-operator choice forced (2-D, dp 2, mbs 4, no recompute, ZeRO or
+    offload): at 90% of the unconstrained plan's memory the memory-constrained ILP on the inner
+    axis (outer axis kept) finds placements that fit, where the search used to drop the configuration."""
+    from autopar.solver.search import solve
+
+    g, b = traced(GPT, 8)
+    cluster = make_cluster("h100", 1, 8)
+    force = parse_force("tp=4,tpmode=2d,dp=2,mbs=4,recompute=none,zero=0,offload=none,sp=off")
+    free = solve(g, cluster, global_batch=8, seq_len=b.seq_len, force=force)
+    budget = 0.9 * free.evaluation.memory.total_bytes
+    tight = solve(g, cluster, global_batch=8, seq_len=b.seq_len, force=force, memory_budget_bytes=int(budget))
+    assert tight.stats.ilp_constrained >= 1 and tight.evaluation.memory.total_bytes <= budget
+    assert tight.plan.summary()["tensor_parallel_mode"] == "2d" and not plan_problems(tight.plan)
+    for s in tight.plan.strategies:
+        for pls in (s.output, *s.inputs):
+            dims = [x.dim for x in pls[1:] if isinstance(x, Shard)]
+            assert len(dims) == len(set(dims)), (s.key, pls)
