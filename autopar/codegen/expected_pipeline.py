@@ -33,12 +33,12 @@ from typing import Collection, Optional
 
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES
 from autopar.codegen.expected_context import context_collectives
-from autopar.codegen.expected import (Collective, _norm, _piece_bytes, param_layouts, part_collectives,
-                                      reducer_collectives)
-from autopar.codegen.program import RankProgram, axis_index, compile_program, local_dp_nodes
+from autopar.codegen.edge_bytes import norm as _norm, piece_bytes as _piece_bytes
+from autopar.codegen.expected import Collective, param_layouts, part_collectives, reducer_collectives
+from autopar.codegen.program import RankProgram, compile_program, local_dp_nodes
 from autopar.codegen.stages import PipelineCut, cut_pipeline, expected_sends, wire_placements
 from autopar.ir import GraphIR
-from autopar.mesh import PIPELINE, TENSOR
+from autopar.mesh import PIPELINE, TENSOR_AXES
 from autopar.placements import Partial
 from autopar.plan import Plan, stage_rank
 
@@ -52,6 +52,13 @@ def rank_program(graph: GraphIR, plan: Plan, cut: PipelineCut, pp_rank: int, dp_
     program = compile_program(graph, plan, local_dp=keys)
     held = cut.params_of(graph, _stages_of(plan, cut, pp_rank))
     return dataclasses.replace(program, params=tuple(p for p in program.params if p.name in held))
+
+
+def tensor_coords(mesh, coord: tuple[int, ...]) -> dict[str, int]:
+    """The rank's coordinate on each tensor axis of the stage mesh (``mesh.TENSOR_AXES``: "tp" and any
+    outer "tp2" / "tp3"), by axis name, from its stage-mesh coordinate ``coord``: the ``tp_rank``
+    ``expected.part_collectives`` / ``param_layouts`` / ``reducer_collectives`` take."""
+    return {a: int(c) for a, c in zip(mesh.axes, coord) if a in TENSOR_AXES}
 
 
 def _stages_of(plan: Plan, cut: PipelineCut, pp_rank: int) -> list[int]:
@@ -71,8 +78,7 @@ def expected_pipeline_collectives(graph: GraphIR, plan: Plan, *, pp_rank: int, c
     if program is None:
         program = rank_program(graph, plan, cut, pp_rank, dp_mode)
     mesh = program.mesh
-    ti = axis_index(mesh, TENSOR)
-    tp_rank = coord[ti] if ti is not None else 0
+    tp_rank = tensor_coords(mesh, coord)
     key_of = {n.name: n.key for n in graph.nodes}
     nplan = {n.key: n for n in program.nodes}
     by_key = {n.key: n for n in graph.nodes}
@@ -124,9 +130,10 @@ def _send_redistributions(program: RankProgram, send, key_of: dict, nplan: dict,
 
 
 def _tied(graph: GraphIR, plan: Plan, cut: PipelineCut, program: RankProgram, pp_rank: int,
-          tp_rank: int) -> list[Collective]:
+          tp_rank: dict[str, int]) -> list[Collective]:
     """``PipelineRunner._sum_tied_grads``: per parameter this rank holds that stages on another
-    pipeline rank hold too, an all_reduce of its tp-local gradient over those ranks."""
+    pipeline rank hold too, an all_reduce of its tensor-local gradient over those ranks (``tp_rank``:
+    the rank's coordinate on each tensor axis, ``tensor_coords``)."""
     holders: dict[str, set[int]] = {}
     for sc in cut.stages:
         for name in cut.params_of(graph, [sc.index]):

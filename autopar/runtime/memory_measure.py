@@ -381,7 +381,7 @@ def plan_evaluation(plan, graph, cluster=None):
                   virtual_stages=plan.virtual_stages if plan.pp > 1 else None,
                   context_parallel=plan.context_parallel,
                   context_parallel_mode=plan.context_parallel_mode if plan.context_parallel > 1 else None,
-                  offload=plan.offload)
+                  offload=plan.offload, tensor_parallel_mode=plan.summary()["tensor_parallel_mode"])
     res = solve(graph, cluster, global_batch=plan.global_batch, seq_len=plan.seq_len, dtype=plan.dtype,
                 memory_budget_bytes=plan.cluster.memory_budget_bytes, force=force)
     cfg = res.evaluation.config

@@ -283,9 +283,9 @@ class _Searcher:
             qkey = (cfg.tp, cfg.mbs, cfg.cp)
             if qkey not in quick:
                 quick[qkey] = _quick_summary(base, cfg)
-            # the quick summary and the memory model do not depend on sp (sp only changes the
-            # tables of bound 2), so the sp=on configuration has the sp=off one's bound: compute once
-            nkey = replace(cfg, sp=False) if cfg.sp else cfg
+            # the quick summary and the memory model depend neither on sp (sp only changes the
+            # tables of bound 2) nor on the tensor mesh's shape: one bound per the rest
+            nkey = replace(cfg, sp=False, tp_shape=()) if cfg.sp or cfg.tp_shape else cfg
             need = need_of.get(nkey)
             if need is None:
                 q = quick[qkey]
@@ -313,9 +313,12 @@ class _Searcher:
         heap: list = []
         order = 0
         lb_memory: dict = {}                        # cfg -> (tie, lower-bound memory) of evaluated ones
+        lb_of: dict = {}                            # one-axis cfg -> (its table-bound evaluation, memory)
         for i, (triple, cfgs) in enumerate(sorted(by_triple.items())):
             self.progress("bounds", i, len(by_triple))
-            lb = self._lb[triple] = lower_bound_summary(self.table(*triple[:5]))    # one axis of the total tp
+            if triple[:5] not in self._lb:          # one axis of the total tp, whatever the mesh's shape
+                self._lb[triple[:5]] = lower_bound_summary(self.table(*triple[:5]))
+            lb = self._lb[triple[:5]]
             for cfg in cfgs:
                 heapq.heappush(heap, (step_time_lower_bound(lb, cfg, self.cluster, self.profile), order, cfg, -1, None))
                 order += 1
@@ -338,12 +341,17 @@ class _Searcher:
             if level == -1:
                 done += 1
                 self.progress("search", done, total)
-                lb = self._lb[_table_key(cfg)]
-                ev = evaluate(lb, cfg, self.cluster, self.profile, self.budget)
-                need = ev.memory.total_bytes
-                if self.offload_pass:      # time: without offload (a bound); memory: the leanest variant
-                    need = lean_memory(lambda c: evaluate(lb, c, self.cluster, self.profile,
-                                                          self.budget).memory.total_bytes, cfg)
+                lb = self._lb[_table_key(cfg)[:5]]
+                one_axis = replace(cfg, tp_shape=()) if cfg.tp_shape else cfg      # the same bound
+                if one_axis not in lb_of:
+                    ev = evaluate(lb, one_axis, self.cluster, self.profile, self.budget)
+                    need = ev.memory.total_bytes
+                    if self.offload_pass:  # time: without offload (a bound); memory: the leanest variant
+                        need = lean_memory(lambda c: evaluate(lb, c, self.cluster, self.profile,
+                                                              self.budget).memory.total_bytes, one_axis)
+                    lb_of[one_axis] = (ev, need)
+                ev, need = lb_of[one_axis]
+                ev = replace(ev, config=cfg) if cfg.tp_shape else ev
                 lb_memory[cfg] = (tie, need)
                 if need > self.budget:
                     self.stats.pruned_memory += 1
@@ -406,7 +414,7 @@ class _Searcher:
             self.blocked = ev
 
     def _constrained_bound(self, cfg: OuterConfig, sol: AxisSolution, lb_ev: Evaluation) -> float:
-        lb = self._lb[_table_key(cfg)]
+        lb = self._lb[_table_key(cfg)[:5]]
         blk = lb.parts["block"]
         if is_per_op(cfg.recompute):        # lower bounds: the regions' compute, no comm
             rc = blk.core_fwd_s if blk.rc is None else blk.rc.get(cfg.recompute, RcCost(0.0, {}, 0.0, 0.0)).fwd_s
