@@ -13,7 +13,8 @@ fits without). For each:
 1. plan: the largest layer count whose plan fits the per-rank device budget B, as the planner says
    (``solver.search.solve`` on the meta model: doubling, then bisection). The host budget G
    (``ClusterSpec.host_memory_bytes``, per node) bounds what offload may keep in host memory; NVMe
-   is off (``nvme_bytes=0``).
+   is off (``nvme_bytes=0``) unless ``--nvme-gb`` gives a disk budget per node (ZeRO-Infinity's tier:
+   the optimizer state in files under ``--nvme-dir``, written and read by the runtime).
 2. train: that model with that plan for 3 steps on N gloo ranks (fp32, AdamW, autopar's own init
    on the meta model), then one more step under ``runtime.memory_measure.measure_step``: the device
    peak as the storage tracker counts it (offloaded tensors counted apart, as host memory). If any
@@ -34,8 +35,10 @@ import argparse
 import csv
 import dataclasses
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -64,7 +67,7 @@ def plan_for(a, layers: int, force: str):
     g = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
                     model_name=spec_of(a, layers))
     cluster = dataclasses.replace(resolve_cluster("cpu", nodes=1, gpus_per_node=a.nproc),
-                                  host_memory_bytes=a.host_gb * 1e9, nvme_bytes=0.0)
+                                  host_memory_bytes=a.host_gb * 1e9, nvme_bytes=a.nvme_gb * 1e9)
     try:
         res = solve(g, cluster, global_batch=a.batch, seq_len=a.seq, dtype="float32",
                     memory_budget_bytes=a.budget_mb * MiB, force=parse_force(force.format(n=a.nproc)))
@@ -113,7 +116,7 @@ def train_rank(rank: int, world: int, job: dict) -> dict:
     pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
                          plan=Plan.from_json(job["plan"]), seed=0, timeout_s=job["timeout_s"],
                          model_name=job["spec"], record_collectives=False,
-                         bucket_bytes=job["bucket_bytes"])
+                         bucket_bytes=job["bucket_bytes"], nvme_dir=job["nvme_dir"])
     x, y = b.make_batch(job["batch"], torch.Generator().manual_seed(0))
     times, losses = [], []
     try:
@@ -135,7 +138,7 @@ def train(a, layers: int, plan_json: str, steps: int) -> list:
     from autopar.runtime.launch import spawn_ranks
 
     job = {"spec": spec_of(a, layers), "batch": a.batch, "seq": a.seq, "plan": plan_json, "steps": steps,
-           "timeout_s": 900, "bucket_bytes": int(a.bucket_mb * MiB)}
+           "timeout_s": 900, "bucket_bytes": int(a.bucket_mb * MiB), "nvme_dir": a.nvme_dir if a.nvme_gb else None}
     return spawn_ranks(train_rank, a.nproc, (job,), timeout_s=900, grace_s=120)
 
 
@@ -194,7 +197,8 @@ def print_table(rows: list[dict], a) -> None:
     from rich.table import Table
 
     t = Table(title=f"largest GPT (hidden {a.hidden}) within {a.budget_mb} MiB device memory per rank, "
-                    f"{a.nproc} ranks, host budget {a.host_gb:g} GB, fp32 AdamW")
+                    f"{a.nproc} ranks, host budget {a.host_gb:g} GB"
+                    + (f", NVMe {a.nvme_gb:g} GB" if a.nvme_gb else "") + ", fp32 AdamW")
     for c in ("config", "layers", "params (M)", "plan (tp/pp/dp mbs, zero, recompute, offload)",
               "device peak / budget (MiB)", "host peak (MiB, all ranks)", "step (s)", "params vs DDP",
               "step time vs DDP", "time/param vs DDP"):
@@ -229,12 +233,25 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=4, help="global batch")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket (the planner assumes 25)")
+    p.add_argument("--nvme-gb", type=float, default=0.0, help="NVMe budget per node, GB (0: no NVMe tier)")
+    p.add_argument("--nvme-dir", default=None, help="the NVMe tier's directory (with --nvme-gb; default: a temporary one)")
     p.add_argument("--max-layers", type=int, default=4096)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--quick", action="store_true", help="tiny budget and models (< 60 s; the test)")
     a = p.parse_args(argv)
     if a.quick:
         a.budget_mb, a.host_gb, a.hidden, a.vocab, a.seq, a.bucket_mb = 8, 0.1, 64, 256, 32, 0.5
+    made = a.nvme_gb and a.nvme_dir is None
+    if made:
+        a.nvme_dir = tempfile.mkdtemp(prefix="autopar-nvme-")
+    try:
+        return _run(a)
+    finally:
+        if made:
+            shutil.rmtree(a.nvme_dir, ignore_errors=True)
+
+
+def _run(a) -> int:
     t_start, load0 = time.perf_counter(), os.getloadavg()[0]
     log = lambda s: print(s, flush=True)                 # noqa: E731
     rows = []

@@ -11,8 +11,10 @@ optimizer, grads, params, activations, nvme; "none" forbids offload), e.g. offlo
 ``cp=N`` splits every sequence over N context-parallel ranks and ``cpmode=ring|ulysses`` pins how
 attention crosses them (``solver/context.py``).
 
-``tpmode=1d|2d|2.5d|3d`` lays the forced tp ranks out as one tensor axis or as a q x q, d x q x q or
-q x q x q mesh of them (``solver/tensor_axes.py``); it needs tp forced too."""
+``tpmode=1d|2d|2.5d|3d`` lays the tp ranks out as one tensor axis or as a q x q, d x q x q or
+q x q x q mesh of them (``solver/tensor_axes.py``); the multi-axis modes need tp forced too. Not
+forced, the search tries each family that fits (``configs.tensor_shapes``); ``tpmode=1d`` keeps it
+to one axis."""
 from __future__ import annotations
 
 import math

@@ -9,7 +9,9 @@ dp > 1), sequence parallelism on/off (only with tp > 1), and for pp > 1 the pipe
 its stages per rank v: 1f1b (v = 1), interleaved_1f1b and interleaved_zb (v = 2, 4, 8, ... with
 pp v <= layers), zbv (v = 2), gpipe and dualpipev only when forced, each where
 ``cost.flops.pipeline_schedule_problem`` allows it (torch's own checks) and, zero-bubble ones, where
-``plan.split_backward_problem`` does (their split backward priced by ``cost.split_backward``).
+``plan.split_backward_problem`` does (their split backward priced by ``cost.split_backward``),
+and for tp >= 4 without sequence parallelism the multi-axis tensor meshes of ``tp`` that fit the
+model (2-D q x q, 2.5-D d x q x q, 3-D q x q x q: ``configs.tensor_shapes``, ``tensor_axes.py``).
 The stage cut is not enumerated: ``timing.choose_cuts`` picks the fastest cut that fits for each
 configuration (uneven: the embedding's and head's ranks get fewer layers). Forced choices restrict it.
 
@@ -208,13 +210,18 @@ class _Searcher:
     def table(self, tp: int, sp: bool, mbs: int, cp: int = 1, cp_mode: str = "none") -> AxisTables:
         key = (tp, sp, mbs, cp, cp_mode)
         if key not in self.tables:
-            cache = self._caches.setdefault((mbs, cp), {})
+            cache = self.cache(mbs, cp)
             self.tables[key] = build_tables(self.facts, self.cluster, tp, sp, mbs, self.dtype, self.profile, cache,
                                             cp=cp, cp_mode=cp_mode)
             self.stats.tables_built += 1
         return self.tables[key]
 
-    def _record(self, r: IlpResult) -> None:
+    def cache(self, mbs: int, cp: int) -> dict:
+        """The traced metas and strategy prototypes shared by the tables of one (micro-batch, cp)."""
+        return self._caches.setdefault((mbs, cp), {})
+
+    def record(self, r: IlpResult) -> None:
+        """Count an ILP solve in the search's statistics."""
         self.stats.ilp_solves += 1
         self.stats.ilp_time_s += r.solve_time_s
         self.stats.ilp_max_variables = max(self.stats.ilp_max_variables, r.num_variables)
@@ -234,7 +241,7 @@ class _Searcher:
                 ilp = None
             else:
                 ilp = solve_ilp(ilp_problem(tab))
-                self._record(ilp)
+                self.record(ilp)
                 choice = {k: ilp.choice[i] for i, k in enumerate(tab.keys)}
             self.solutions[key] = AxisSolution(tab, choice, summarize(tab, choice), ilp)
         return self.solutions[key]
@@ -247,7 +254,7 @@ class _Searcher:
         if any(c.rhs < 0 for c in cons):
             return None
         ilp = solve_ilp(ilp_problem(tab, cons))
-        self._record(ilp)
+        self.record(ilp)
         self.stats.ilp_constrained += 1
         if ilp.status != "optimal":
             return None

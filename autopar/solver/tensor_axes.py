@@ -146,7 +146,7 @@ def _allowed(graph_nodes: dict, sharded: dict):
 
 
 def _tables(searcher, axis: str, t: int, solved: dict, link, sp: bool, mbs: int, cp: int, cp_mode: str) -> AxisTables:
-    base = searcher._caches[(mbs, cp)]
+    base = searcher.cache(mbs, cp)
     metas = _local_metas(base["metas"], solved)
     cache = {"metas": metas, "protos": dict(base["protos"]), "kept": base["kept"]}
     nodes = {n.key: n for n in searcher.facts.graph.nodes}
@@ -159,7 +159,7 @@ def _solve(searcher, tab: AxisTables) -> dict:
     if all(len(tab.strategies[k]) == 1 for k in tab.keys):
         return {k: 0 for k in tab.keys}
     r = solve_ilp(ilp_problem(tab))
-    searcher._record(r)
+    searcher.record(r)
     return {k: r.choice[i] for i, k in enumerate(tab.keys)}
 
 

@@ -3,6 +3,7 @@ single-process reference they are compared with."""
 from __future__ import annotations
 
 import functools
+import math
 from collections import Counter
 from typing import Optional
 
@@ -76,9 +77,12 @@ def batches(b, n: int = STEPS):
 def train_job(rank: int, world: int, job: dict) -> dict:
     """STEPS steps of ``job["plan"]``, then what the tests compare (and the engine that ran:
     ``pm.engine``, ``pm.engine_reason``, the runner types). ``job["expect_error"]``: building must
-    raise; the error (type: message) is returned instead."""
+    raise; the error (type: message) is returned instead. ``job["timeout_s"]``: the process
+    groups' timeout (default 30 s). Also per rank: the mesh axes' names, the bytes each axis
+    carried and each parameter's (local, full) element counts."""
     from autopar.api import autoparallelize
     from autopar.plan import Plan
+    from autopar.runtime.collectives import traffic_by_axis
 
     b = build(job.get("meta", False), job.get("spec", "gpt-tiny"))
     data = batches(b)
@@ -86,7 +90,7 @@ def train_job(rank: int, world: int, job: dict) -> dict:
     try:
         pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
                              optimizer=sgd, plan=Plan.from_json(job["plan"]), seed=job.get("seed", 0),
-                             timeout_s=30, **kwargs)
+                             timeout_s=job.get("timeout_s", 30), **kwargs)
     except Exception as e:  # the test inspects what every rank raised
         if not job.get("expect_error"):
             raise
@@ -101,8 +105,11 @@ def train_job(rank: int, world: int, job: dict) -> dict:
     out = pm(data[STEPS][0]) if job.get("forward") else None
     pm.close()
     res = {"losses": losses, "issued": issued, "coord": tuple(pm.mesh.get_coordinate()),
-           "pp_rank": pm.coordinates.get("pp", 0), "fallbacks": sorted(pm.fallbacks),
-           "engine": pm.engine, "reason": pm.engine_reason, "runners": sorted({type(ex).__name__ for ex in pm._made})}
+           "names": tuple(pm.mesh.mesh_dim_names), "pp_rank": pm.coordinates.get("pp", 0),
+           "fallbacks": sorted(pm.fallbacks), "engine": pm.engine, "reason": pm.engine_reason,
+           "runners": sorted({type(ex).__name__ for ex in pm._made}),
+           "traffic": {a: t["bytes"] for a, t in traffic_by_axis(pm.collectives).items()},
+           "local": {s.name: (s.local.numel(), math.prod(s.plan.shape) if s.plan.shape else 1) for s in pm.store.slots}}
     if rank == 0:
         res.update(sd=sd, grads=grads, out=out)
     return res

@@ -25,8 +25,7 @@ import pytest
 from autopar.plan import Plan
 from autopar.runtime.collectives import traffic_by_axis
 from autopar.runtime.launch import spawn_ranks
-from bodies import BATCH, STEPS, batches, build, check_against_reference, check_collectives_per_rank, full_trace, \
-    reference, sgd
+from bodies import BATCH, check_against_reference, check_collectives_per_rank, full_trace, reference, train_job
 
 BIG = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 WORLD = 8
@@ -98,36 +97,9 @@ def test_pipeline_prediction_takes_every_tensor_coordinate(plan_pp):
 
 # ---- one 8-rank launch ---------------------------------------------------------------------------
 
-def _train_job(rank: int, world: int, plan_json: str) -> dict:
-    """3 SGD steps of the plan: what the tests compare, the collectives issued, the traffic per
-    axis and each parameter's (local, full) element counts."""
-    from autopar.api import autoparallelize
-
-    b = build(False)
-    data = batches(b)
-    pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
-                         optimizer=sgd, plan=Plan.from_json(plan_json), timeout_s=120)
-    pm.reset_collectives()
-    losses, grads = [], []
-    for x, y in data[:STEPS]:
-        losses.append(pm.step(x, y))
-        grads.append(pm.full_grad_dict())       # gathers outside the recorder: not in ``issued``
-    res = {"losses": losses, "issued": [c.key() for c in pm.collectives], "coord": tuple(pm.mesh.get_coordinate()),
-           "names": tuple(pm.mesh.mesh_dim_names), "pp_rank": pm.coordinates.get("pp", 0),
-           "traffic": {a: t["bytes"] for a, t in traffic_by_axis(pm.collectives).items()},
-           "local": {s.name: (s.local.numel(), math.prod(s.plan.shape) if s.plan.shape else 1)
-                     for s in pm.store.slots}}
-    sd = pm.full_state_dict()
-    out = pm(data[STEPS][0])
-    pm.close()
-    if rank == 0:
-        res.update(sd=sd, grads=grads, out=out)
-    return res
-
-
 @pytest.fixture(scope="module")
 def ran_pp(plan_pp):
-    return spawn_ranks(_train_job, WORLD, (plan_pp.to_json(),), timeout_s=150)
+    return spawn_ranks(train_job, WORLD, ({"plan": plan_pp.to_json(), "timeout_s": 120},), timeout_s=150)
 
 
 
