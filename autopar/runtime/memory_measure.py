@@ -363,11 +363,13 @@ def measure_step(pm, inputs, targets) -> tuple[float, StepMemory]:
 
 def plan_evaluation(plan, graph, cluster=None):
     """The solver's evaluation of ``plan``'s configuration on ``graph`` (every pipeline rank) and
-    its tp-axis summary: the plan's choices forced, the same cluster and budget. ``graph``: the
+    its tp-axis summary: the plan's choices forced, the same cluster and budget, and the plan's own
+    per-operator placements (``solver/plan_choice.py``; the solve's where the tables lack one). ``graph``: the
     model traced with its loss at the plan's global batch (repeated blocks collapsed, as planning
     traces it)."""
     from autopar.cost.hardware import resolve_cluster
     from autopar.solver.forcing import Force
+    from autopar.solver.plan_choice import own_summary
     from autopar.solver.search import solve
     from autopar.solver.timing import evaluate
 
@@ -389,8 +391,9 @@ def plan_evaluation(plan, graph, cluster=None):
         from dataclasses import replace
 
         cfg = replace(cfg, recompute="partial", recompute_layers=plan.recompute_layers)
-    ev = evaluate(res.solution.summary, cfg, res.cluster, res.profile, res.budget_bytes, all_stages=True)
-    return ev, res.solution.summary, res.profile
+    summary = own_summary(res.solution, plan) or res.solution.summary     # the plan's own placements
+    ev = evaluate(summary, cfg, res.cluster, res.profile, res.budget_bytes, all_stages=True)
+    return ev, summary, res.profile
 
 
 def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimizer: str = "adamw",
