@@ -7,6 +7,7 @@ hand back a Partial gradient (Megatron's "f"): the all-reduce then happens on th
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -67,19 +68,28 @@ def redistribute(x: DTensor, target: tuple) -> DTensor:
     Partial(sum) is local: each rank keeps 1/n of the value (a bias added after a row-parallel
     matmul), which DTensor keeps internal. Nested shards of one dim are left to DTensor."""
     mesh = x.device_mesh
-    steps = redistribute_steps(_plan_placements(x.placements, x.ndim), _plan_placements(target, x.ndim))
+    planned = _plan_placements(target, x.ndim)
+    steps = _steps(_plan_placements(x.placements, x.ndim), planned)
     if steps is None:
         return _nested(x, target)
     for ax, p in steps:
         have = tuple(x.placements)
-        want = target[ax] if p == _plan_placements((target[ax],), x.ndim)[0] else TReplicate()
+        want = target[ax] if p == planned[ax] else TReplicate()     # else the Replicate on the way
         nxt = have[:ax] + (want,) + have[ax + 1:]
         if want.is_partial() and not have[ax].is_partial():
             x = DTensor.from_local(x.to_local() / mesh.size(ax), mesh, nxt, run_check=False,
                                    shape=x.shape, stride=x.stride())
         else:
             x = _contiguous(x).redistribute(mesh, nxt)
+    # two Partials count as one placement in the steps: another reduce op is DTensor's to convert
     return x if tuple(x.placements) == tuple(target) else _contiguous(x).redistribute(mesh, target)
+
+
+@functools.lru_cache(maxsize=None)
+def _steps(have: tuple, want: tuple) -> Optional[tuple]:
+    """``redistribute_steps``, once per pair of placements (every edge of every step asks)."""
+    steps = redistribute_steps(have, want)
+    return None if steps is None else tuple(steps)
 
 
 def _nested(x: DTensor, target: tuple) -> DTensor:

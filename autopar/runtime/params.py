@@ -135,9 +135,14 @@ def on_device(chunk: torch.Tensor, ctx: ParamContext) -> torch.Tensor:
     return chunk
 
 
+def chunk_numel(slot: ParamSlot, dp: int) -> int:
+    """Elements of the equal (padded) row chunk every dp rank holds of ``slot``."""
+    return slot.layout.chunk_rows(dp) * slot.layout.row_numel
+
+
 def padded_rows(slot: ParamSlot, chunk: torch.Tensor, dp: int) -> torch.Tensor:
     """This rank's row chunk of ``slot``, flat, padded to the equal chunk every dp rank sends."""
-    size = slot.layout.chunk_rows(dp) * slot.layout.row_numel
+    size = chunk_numel(slot, dp)
     send = chunk.reshape(-1)
     if send.numel() != size:
         padded = torch.zeros(size, dtype=chunk.dtype, device=chunk.device)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.mesh import DATA
-from autopar.runtime.params import on_device, padded_rows, unpadded
+from autopar.runtime.params import chunk_numel, on_device, padded_rows, unpadded
 
 
 @dataclass
@@ -99,7 +99,7 @@ class GroupGathers:
         rows = f.out.view(self.ctx.dp, -1)
         out, off = {}, 0
         for s in f.slots:
-            size = s.layout.chunk_rows(self.ctx.dp) * s.layout.row_numel
+            size = chunk_numel(s, self.ctx.dp)
             out[s.name] = unpadded(s, rows[:, off:off + size].contiguous().view(-1))   # its own storage
             off += size
         return out

@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from autopar.mesh import DATA
-from autopar.runtime.params import ParamSlot, ParamStore
+from autopar.runtime.params import ParamSlot, ParamStore, chunk_numel
 
 
 @dataclasses.dataclass
@@ -196,7 +196,7 @@ class GradReducer:
         """The send buffer in rank-major layout: [rank 0's padded rows of each parameter][rank 1's
         ...], in ``reduce_dtype`` if set. Each full summand is dropped once copied in."""
         dp, first = self.dp, slots[0].local
-        widths = [s.layout.chunk_rows(dp) * s.layout.row_numel for s in slots]
+        widths = [chunk_numel(s, dp) for s in slots]
         send = torch.empty(dp, sum(widths), dtype=self.reduce_dtype or first.dtype,
                            device=self.store.ctx.device or first.device)
         offset = 0

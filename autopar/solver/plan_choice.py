@@ -29,7 +29,7 @@ def plan_choice(tab: AxisTables, strategies: dict, axis: int) -> Optional[dict]:
             return None
         out, ins = ns.output[axis], tuple(p[axis] for p in ns.inputs)
         same = [j for j, st in enumerate(tab.strategies[k])
-                if st.output == out and tuple(st.inputs) == ins[:len(st.inputs)]]
+                if st.output == out and tuple(st.inputs) == ins]
         if not same:
             return None
         choice[k] = next((j for j in same if tab.strategies[k][j].name == ns.name), same[0])
@@ -41,11 +41,10 @@ def own_summary(solution, plan) -> Optional[AxisSummary]:
     of the plan's forced configuration); None when the tables do not hold every choice."""
     strategies = {s.key: s for s in plan.strategies}
     axes = tuple(plan.mesh_axes)
-    if TENSOR not in axes:
+    if TENSOR not in axes or any(a not in axes for a, _, _ in solution.axes):
         return None
     inner = plan_choice(solution.tables, strategies, axes.index(TENSOR))
-    outer = tuple((a, tab, plan_choice(tab, strategies, axes.index(a))) for a, tab, _ in solution.axes
-                  if a in axes)
-    if inner is None or len(outer) != len(solution.axes) or any(c is None for _, _, c in outer):
+    outer = tuple((a, tab, plan_choice(tab, strategies, axes.index(a))) for a, tab, _ in solution.axes)
+    if inner is None or any(c is None for _, _, c in outer):
         return None
     return with_outer_axes(summarize(solution.tables, inner), outer, plan.tp)

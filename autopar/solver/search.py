@@ -127,9 +127,14 @@ class SearchResult:
 # ---- bounds ---------------------------------------------------------------------------------------
 
 def _table_key(cfg: OuterConfig) -> tuple:
-    """What a configuration's tp-axis tables depend on: (tp, sp, mbs, cp, cp mode, tensor shape).
-    Its bounds come from the one-axis tables of the total tp (``table``)."""
-    return (cfg.tp, cfg.sp, cfg.mbs, cfg.cp, cfg.cp_mode, cfg.tp_shape)
+    """What a configuration's tp-axis tables depend on: (tp, sp, mbs, cp, cp mode, tensor shape)."""
+    return _bound_key(cfg) + (cfg.tp_shape,)
+
+
+def _bound_key(cfg: OuterConfig) -> tuple:
+    """What its bounds depend on: the one-axis tables of the total tp (``table``), whatever the
+    tensor mesh's shape."""
+    return (cfg.tp, cfg.sp, cfg.mbs, cfg.cp, cfg.cp_mode)
 
 
 def _quick_summary(base: AxisSummary, cfg: OuterConfig) -> AxisSummary:
@@ -321,11 +326,12 @@ class _Searcher:
         order = 0
         lb_memory: dict = {}                        # cfg -> (tie, lower-bound memory) of evaluated ones
         lb_of: dict = {}                            # one-axis cfg -> (its table-bound evaluation, memory)
-        for i, (triple, cfgs) in enumerate(sorted(by_triple.items())):
+        for i, (_, cfgs) in enumerate(sorted(by_triple.items())):
             self.progress("bounds", i, len(by_triple))
-            if triple[:5] not in self._lb:          # one axis of the total tp, whatever the mesh's shape
-                self._lb[triple[:5]] = lower_bound_summary(self.table(*triple[:5]))
-            lb = self._lb[triple[:5]]
+            key = _bound_key(cfgs[0])
+            if key not in self._lb:
+                self._lb[key] = lower_bound_summary(self.table(*key))
+            lb = self._lb[key]
             for cfg in cfgs:
                 heapq.heappush(heap, (step_time_lower_bound(lb, cfg, self.cluster, self.profile), order, cfg, -1, None))
                 order += 1
@@ -348,7 +354,7 @@ class _Searcher:
             if level == -1:
                 done += 1
                 self.progress("search", done, total)
-                lb = self._lb[_table_key(cfg)[:5]]
+                lb = self._lb[_bound_key(cfg)]
                 one_axis = replace(cfg, tp_shape=()) if cfg.tp_shape else cfg      # the same bound
                 if one_axis not in lb_of:
                     ev = evaluate(lb, one_axis, self.cluster, self.profile, self.budget)
@@ -421,7 +427,7 @@ class _Searcher:
             self.blocked = ev
 
     def _constrained_bound(self, cfg: OuterConfig, sol: AxisSolution, lb_ev: Evaluation) -> float:
-        lb = self._lb[_table_key(cfg)[:5]]
+        lb = self._lb[_bound_key(cfg)]
         blk = lb.parts["block"]
         if is_per_op(cfg.recompute):        # lower bounds: the regions' compute, no comm
             rc = blk.core_fwd_s if blk.rc is None else blk.rc.get(cfg.recompute, RcCost(0.0, {}, 0.0, 0.0)).fwd_s

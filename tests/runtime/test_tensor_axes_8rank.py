@@ -102,13 +102,9 @@ def ran_pp(plan_pp):
     return spawn_ranks(train_job, WORLD, ({"plan": plan_pp.to_json(), "timeout_s": 120},), timeout_s=150)
 
 
-
-
-
 @functools.lru_cache(maxsize=None)
 def _reference():
     return reference(False, 0)
-
 
 
 @pytest.mark.slow
@@ -125,8 +121,8 @@ def test_pipelined_2d_plan_trains_like_one_process(ran_pp):
 
 def _quarters(local: dict) -> set:
     """The big matrices of ``local`` (name -> (local, full) element counts), each asserted to hold
-    1/4 of its elements: sharded on tp2 and tp along two dims, whole on tp3 (the planner does not
-    nest two axes' shards in one dim)."""
+    1/4 of its elements: sharded on two tensor axes along two dims (the planner does not nest two
+    axes' shards in one dim; on the 3-D mesh the third axis keeps them whole)."""
     big = {n: v for n, v in local.items() if n.endswith(BIG)}
     for name, (mine, full) in big.items():
         assert mine * 4 == full, (name, mine, full)
@@ -162,8 +158,6 @@ def test_3d_predicted_storage_and_traffic_use_every_tensor_axis(plan_3d, tiny_fu
         assert len(_quarters(local)) == 8
         traffic = traffic_by_axis(expected_collectives(tiny_full, plan_3d, tp_rank=coords))
         assert all(traffic.get(a, {"bytes": 0})["bytes"] > 0 for a in ("tp3", "tp2", "tp")), (coords, traffic)
-
-
 
 
 # ---- the collectives, against the prediction -----------------------------------------------------
