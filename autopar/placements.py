@@ -144,3 +144,11 @@ def redistribute_steps(src: tuple, dst: tuple) -> Optional[list[tuple[int, Place
             cur[a] = Replicate()
         out.append((a, cur[a]))
     return None
+
+
+def gathers_only(src: tuple, dst: tuple) -> bool:
+    """Whether ``redistribute_steps(src, dst)`` is all-gathers only, at least one (every step a
+    Shard made Replicate): an edge whose consumer saves the value may keep ``src``'s piece and
+    gather it again in backward (``runtime/regather.py``)."""
+    steps = redistribute_steps(src, dst)
+    return bool(steps) and all(isinstance(src[ax], Shard) and isinstance(p, Replicate) for ax, p in steps)

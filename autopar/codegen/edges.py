@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate as TReplicate, Shard as TShard
 
 from autopar.codegen.program import Placements
-from autopar.placements import Partial, Replicate, Shard, redistribute_steps, to_torch
+from autopar.placements import Partial, Replicate, Shard, gathers_only, redistribute_steps, to_torch
 
 
 def _grad_placements(placements) -> tuple:
@@ -134,16 +134,25 @@ def resolve_placements(have: tuple, ndim: int, want: Optional[Placements]) -> tu
     return tuple(out)
 
 
-def edge(x: DTensor, target: tuple, keep_partial_axes: tuple[int, ...] = ()) -> DTensor:
+def edge(x: DTensor, target: tuple, keep_partial_axes: tuple[int, ...] = (), regather=None) -> DTensor:
     """``x`` in ``target`` placements; see the module docstring for the backward. A gradient that
     is Partial on an axis of ``keep_partial_axes`` stays Partial (a parameter's summand on dp is
-    reduced by the bucketed reducer, not here)."""
+    reduced by the bucketed reducer, not here). ``regather``: a ``runtime/regather.Regather`` to
+    register the result with when the edge only all-gathers (its consumer saves it: the shard is
+    kept for backward instead)."""
     same = tuple(x.placements) == target
     if not (x.requires_grad and torch.is_grad_enabled()):
-        return x if same else redistribute(x, target)
-    mesh = x.device_mesh
-    guard = any(isinstance(p, TReplicate) and mesh.size(i) > 1 and i not in keep_partial_axes
-                for i, p in enumerate(target))
-    if same and not guard:
-        return x
-    return _Edge.apply(x, target, keep_partial_axes)
+        out = x if same else redistribute(x, target)
+    else:
+        mesh = x.device_mesh
+        guard = any(isinstance(p, TReplicate) and mesh.size(i) > 1 and i not in keep_partial_axes
+                    for i, p in enumerate(target))
+        out = x if same and not guard else _Edge.apply(x, target, keep_partial_axes)
+    if regather is not None and not same and torch.is_grad_enabled() and _gathers_only(
+            _plan_placements(x.placements, x.ndim), _plan_placements(target, x.ndim)):
+        regather.register(x, target, out)
+    return out
+
+
+_gathers_only = functools.lru_cache(maxsize=None)(gathers_only)     # per pair of placements, once
+

@@ -65,8 +65,9 @@ from torch import fx, nn
 
 from autopar.codegen import fallback
 from autopar.codegen.emit_runtime import (StageRuntime, buffer, fmt, forced_local_op, local_op, norm, param,
-                                          parse, pin, place, recompute, redistribute, replicated_input,
-                                          strided_split, vocab_parallel_cross_entropy, wrap_plain, has_dtensor_rule)
+                                          parse, pin, place, recompute, redistribute, redistribute_saved,
+                                          replicated_input, strided_split, vocab_parallel_cross_entropy, wrap_plain,
+                                          has_dtensor_rule)
 from autopar.codegen.program import RankProgram, axis_index, compile_program
 from autopar.codegen.stages import PipelineCut, wire_placements
 from autopar.codegen.vocab_ce import VOCAB_CE_TARGET
@@ -198,6 +199,8 @@ class _Emitter:
             resolved = tuple(h if w is None or (isinstance(w, Partial) and isinstance(h, Partial)) else w
                              for h, w in zip(have, want)) if have is not None else None
             if resolved is None or resolved != have:
+                if i in p.regather:
+                    return g.call_function(redistribute_saved, (rt, v, fmt(want), p.target), kw)
                 return g.call_function(redistribute, (v, fmt(want)), kw)
             if self.grad.get(a.name, False) and any(isinstance(w, Replicate) and n > 1 and j != keep_axis
                                                     for j, (w, n) in enumerate(zip(resolved, self.sizes))):

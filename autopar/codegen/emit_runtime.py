@@ -62,6 +62,7 @@ class StageRuntime:
         self.fallbacks: set[str] = set()          # op targets run on local tensors (as the executor's)
         self.probed: set = set()
         self.local_sigs: set = set()
+        self.regather = getattr(params, "regather", None)   # a ParamStore's (``runtime/regather.py``)
 
 
 def axis_index_of(mesh, role: str) -> Optional[int]:
@@ -103,13 +104,24 @@ def wrap_plain(rt: StageRuntime, x, placements: str):
     return DTensor.from_local(x, rt.mesh, pl, run_check=False)
 
 
-def redistribute(x, placements: str, keep_partial_grad: Optional[str] = None):
+def redistribute(x, placements: str, keep_partial_grad: Optional[str] = None, regather=None):
     """``x`` in ``placements`` (``edges.edge``: autograd-correct). ``keep_partial_grad``: the axis
-    on which a parameter's gradient stays Partial (the reducer sums it)."""
+    on which a parameter's gradient stays Partial (the reducer sums it); ``regather``: see
+    ``redistribute_saved``."""
     if not isinstance(x, DTensor):
         return x
     keep = (axis_index_of(x.device_mesh, keep_partial_grad),) if keep_partial_grad else ()
-    return edge(x, resolve_placements(tuple(x.placements), x.ndim, parse(placements)), keep)
+    return edge(x, resolve_placements(tuple(x.placements), x.ndim, parse(placements)), keep, regather)
+
+
+def redistribute_saved(rt: StageRuntime, x, placements: str, target_op: str,
+                       keep_partial_grad: Optional[str] = None):
+    """``redistribute`` into an input its consumer (of ``target_op``) saves as it is
+    (``NodePlan.regather``): a value only all-gathered is kept as its shard for backward
+    (``runtime/regather.py``)."""
+    if rt.regather is None or not isinstance(x, DTensor):
+        return redistribute(x, placements, keep_partial_grad)
+    return redistribute(rt.regather.cast_for(x, target_op), placements, keep_partial_grad, rt.regather)
 
 
 def replicated_input(x, placements: str, keep_partial_grad: Optional[str] = None):

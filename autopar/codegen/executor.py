@@ -133,6 +133,7 @@ class GraphExecutor:
         self.device = (torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda"
                        else torch.device(mesh.device_type))
         self.fallbacks: set[str] = set()        # op targets run on local tensors
+        self._regather = getattr(params, "regather", None)   # a ParamStore's (``runtime/regather.py``)
         self._probed: set = set()
         self._fallback_sigs: set = set()
         self.log_paused = log_paused            # context manager: probes are not logged
@@ -415,7 +416,8 @@ class GraphExecutor:
 
         def arg(n: fx.Node):
             counter[0] += 1
-            return self._edged(*self._operand(p, n, counter[0] - 1, env, scope))
+            i = counter[0] - 1
+            return self._edged(*self._operand(p, n, i, env, scope), saved_by=p.target if i in p.regather else None)
 
         args = fx.node.map_arg(node_args, arg)
         kwargs = fx.node.map_arg(node_kwargs, arg)
@@ -456,8 +458,16 @@ class GraphExecutor:
             return v, None, is_param
         return v, resolve(v, p.inputs[i] if i < len(p.inputs) else None), is_param
 
-    def _edged(self, v, placements: Optional[tuple], is_param: bool):
-        return v if placements is None else edge(v, placements, self._param_keep if is_param else ())
+    def _edged(self, v, placements: Optional[tuple], is_param: bool, saved_by: Optional[str] = None):
+        """``v`` through its edge; ``saved_by``: the target of a consumer that saves it as it is
+        (``NodePlan.regather``), so a gathered value is kept as its shard for backward
+        (``runtime/regather.py``)."""
+        if placements is None:
+            return v
+        regather = self._regather if saved_by is not None else None
+        if regather is not None:
+            v = regather.cast_for(v, saved_by)
+        return edge(v, placements, self._param_keep if is_param else (), regather)
 
     def _run_plain(self, node: fx.Node, node_args, node_kwargs, env, scope):
         """Local-dp mode: the op on plain tensors of the local batch (see ``program.py``)."""

@@ -81,7 +81,7 @@ from autopar.codegen.expected_context import context_collectives
 from autopar.codegen.expected_grads import replicate_grads
 from autopar.codegen.edge_bytes import edge_moves, moved as _moved, norm as _norm, piece_bytes as _piece_bytes
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES, ParamLayout, bucket_comm_bytes, plan_buckets
-from autopar.codegen.program import RankProgram, axis_index, compile_program, local_dp_nodes
+from autopar.codegen.program import RankProgram, axis_index, compile_program, local_dp_nodes, needs_grad
 from autopar.codegen.shards import chunk_range, local_shape
 from autopar.cost.compute import op_kind
 from autopar import placements
@@ -90,7 +90,7 @@ from autopar.mesh import DATA, TENSOR
 from autopar.placements import Partial, Placement, Replicate, Shard
 from autopar.plan import Plan
 from autopar.solver.rules import _ELEMENTWISE as ELEMENTWISE, base_name, find_rule
-from autopar.solver.saved import saves_operand
+from autopar.solver.saved import saves_operand_given
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,6 @@ class Collective:
         return (self.kind, self.axis, self.nbytes, self.phase)
 
 
-FLOAT = frozenset({"float64", "float32", "float16", "bfloat16"})
 VOCAB_CE_TARGET = "aten.cross_entropy_loss.default"
 LOSS_TARGETS = frozenset({"aten.cross_entropy_loss.default", "aten.nll_loss.default",
                           "aten.nll_loss_nd.default", "aten.nll_loss_forward.default"})
@@ -165,40 +164,10 @@ def _rule_less(target: str) -> bool:
     return find_rule(target) is None and target != "getitem"
 
 
-# tensor operand positions of ops whose backward keeps one operand only for the other's gradient:
-# autograd saves operand i of the pair when the OTHER one requires grad (mm: self for mat2's
-# gradient, mat2 for self's); a convolution saves input and weight whenever either does
-_GRAD_PAIRS = {"linear": (0, 1), "mm": (0, 1), "bmm": (0, 1), "matmul": (0, 1), "addmm": (1, 2),
-               "addbmm": (1, 2), "baddbmm": (1, 2), "addmv": (1, 2), "mv": (0, 1), "mul": (0, 1)}
-
-
 def _saves(n: NodeInfo, i: int, need: dict) -> bool:
     """Whether autograd keeps ``n``'s tensor input ``i`` for backward (``need``: which values need a
-    gradient; ``saves_operand`` assumes all of them do)."""
-    if not saves_operand(n.target, i):
-        return False
-    pair = _GRAD_PAIRS.get(base_name(n.target))
-    if pair is None or i not in pair:
-        return True
-    other = pair[1 - pair.index(i)]
-    return other < len(n.inputs) and need.get(n.inputs[other].key, False)
-
-
-def _needs_grad(graph: GraphIR, received: Collection[str] = ()) -> dict[str, bool]:
-    """Whether each node's value needs a gradient; ``received``: values a pipeline stage receives
-    (they require a gradient when floating point)."""
-    need: dict[str, bool] = {}
-    for n in graph.nodes:
-        if n.key in received:
-            need[n.key] = bool(n.outputs) and n.out.dtype in FLOAT
-        elif n.kind == "param":
-            need[n.key] = True
-        elif n.kind == "op":
-            need[n.key] = bool(n.outputs) and n.outputs[0].dtype in FLOAT and any(
-                need.get(r.key, False) for r in n.inputs)
-        else:
-            need[n.key] = False
-    return need
+    gradient)."""
+    return saves_operand_given(n.target, i, lambda j: j < len(n.inputs) and need.get(n.inputs[j].key, False))
 
 
 def _read_moved(stored, read, di: Optional[int]) -> bool:
@@ -214,8 +183,8 @@ def _saved_params(graph: GraphIR, region_of: dict, runs=lambda key: True, need: 
     """Parameters that an op outside recompute regions keeps for backward (directly or through
     views): ZeRO-3 gathers each of them once more in backward (``runtime/reshard.py``). ``runs``:
     whether a node runs (a pipeline stage's part); ``need``: which values need a gradient
-    (``_needs_grad``; a linear over the model's inputs keeps no weight)."""
-    need = _needs_grad(graph) if need is None else need
+    (``needs_grad``; a linear over the model's inputs keeps no weight)."""
+    need = needs_grad(graph) if need is None else need
     users: dict = {}
     for n in graph.nodes:
         if n.kind == "op" and region_of.get(n.key) is None and runs(n.key):
@@ -273,7 +242,7 @@ def part_collectives(graph: GraphIR, program: RankProgram, *, backend: str = "gl
     nplan = {n.key: n for n in program.nodes}
     params = {p.name: p for p in program.params}
     received = received or {}
-    need = _needs_grad(graph, received)
+    need = needs_grad(graph, received)
     region_of = {n.key: n.region for n in program.nodes}
     runs = (lambda key: True) if part is None else frozenset(part).__contains__
     out: list[Collective] = []
@@ -290,11 +259,13 @@ def part_collectives(graph: GraphIR, program: RankProgram, *, backend: str = "gl
 
     def edge(meta: TensorMeta, a_pl, b_pl, consumer_out, ph, grad: bool, is_param: bool,
              out_meta: Optional[TensorMeta] = None, elementwise: bool = False, as_read: bool = False,
-             rep: Collection[int] = ()):
+             rep: Collection[int] = (), regather: bool = False):
         """Producer placements ``a_pl`` -> consumer input ``b_pl`` (the consumer's output
         ``consumer_out``, of ``out_meta``; ``elementwise``: the consumer is a pointwise op;
         ``as_read``: the consumer hands back the gradient in the placement it read, a loss;
-        ``rep``: axes where it hands it back Replicate, ``expected_grads.replicate_grads``)."""
+        ``rep``: axes where it hands it back Replicate, ``expected_grads.replicate_grads``;
+        ``regather``: the consumer saves the value as it is, so all-gathers only are issued again
+        in backward, ``runtime/regather.py``)."""
         if a_pl is None or b_pl is None:
             return
         nd = len(meta.shape)
@@ -303,7 +274,10 @@ def part_collectives(graph: GraphIR, program: RankProgram, *, backend: str = "gl
         b_pl = tuple(None if x is None else _norm(x, nd) for x in b_pl)
         live = [ax for ax in range(len(axes)) if sizes[ax] > 1 and a_pl[ax] is not None and b_pl[ax] is not None]
         src = tuple(Replicate() if x is None else x for x in a_pl)
-        moves(meta, src, tuple(b_pl[ax] if ax in live else src[ax] for ax in range(len(axes))), ph)
+        dst = tuple(b_pl[ax] if ax in live else src[ax] for ax in range(len(axes)))
+        moves(meta, src, dst, ph)
+        if regather and placements.gathers_only(src, dst):
+            moves(meta, src, dst, (bwd,))
         if not grad or consumer_out is None:
             return
         tgt = tuple(Replicate() if isinstance(x, Partial) else x for x in src)
@@ -351,7 +325,7 @@ def part_collectives(graph: GraphIR, program: RankProgram, *, backend: str = "gl
                 continue                                   # consumed through getitem
             edge(meta, out_placement(u), b_pl, np_.output, ph, need[u.key],
                  u.kind == "param" or u.key in program.positional, n.out if n.outputs else None, pointwise,
-                 loss_rule, rep_grads.get((n.key, i), ()))
+                 loss_rule, rep_grads.get((n.key, i), ()), i in np_.regather and n.key not in fused)
         # a loss DTensor runs (nll_loss's rule): the target follows the logits' placement, moved
         # there in forward and again by the backward op (which reads the target too)
         if loss_rule and len(metas) > 1 and metas[0] is not None and metas[1] is not None:

@@ -42,14 +42,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Collection, Optional
 
 from autopar.codegen.gather_groups import gather_groups
 from autopar.ir import GraphIR, NodeInfo
 from autopar.mesh import DATA, TENSOR, Mesh, axis_position, tensor_axes
 from autopar.placements import Partial, Placement, Replicate, Shard
 from autopar.plan import NodeStrategy, Plan, parse_offload
+from autopar.cost.compute import op_kind
 from autopar.recompute_ops import recompute_classes
+from autopar.solver.saved import regathered_operand
+
+FLOAT = frozenset({"float64", "float32", "float16", "bfloat16"})
 
 log = logging.getLogger("autopar.codegen")
 
@@ -68,6 +72,9 @@ class NodePlan:
     param_name: Optional[str] = None
     strided: int = 0                           # a split of k equal chunks of a strided tp shard: k
     dtensor: bool = True                       # local-dp mode: False = runs on plain local tensors
+    # tensor input positions whose edge, when it only all-gathers, keeps the shard for backward and
+    # gathers again there (``solver/saved.regathered_operand``, ``runtime/regather.py``)
+    regather: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -428,6 +435,9 @@ def compile_program(graph: GraphIR, plan: Plan, *, local_dp: Optional[frozenset[
     strategies = _strategies(plan)
     used = _used_keys(graph)
     regions, region_of = _regions(graph, plan.recompute, plan.recomputed_layers(), plan.seq_len)
+    # offloaded activations: what is saved goes to the host as it is (no shard kept on the device)
+    regather = {} if "activations" in parse_offload(plan.offload) else _regathered(
+        graph, region_of, zero3=plan.zero_stage == 3)
     nodes: list[NodePlan] = []
     unplanned: list[str] = []
     param_storage: dict[str, tuple] = {}       # name -> ((tensor axis, storage placement), ...)
@@ -461,7 +471,7 @@ def compile_program(graph: GraphIR, plan: Plan, *, local_dp: Optional[frozenset[
             unplanned.append(n.key)
         nodes.append(NodePlan(name=n.name, key=n.key, kind=n.kind, target=n.target,
                               inputs=ins, output=out, region=region_of.get(n.name),
-                              param_name=n.param_name))
+                              param_name=n.param_name, regather=regather.get(n.key, ())))
     if plan.strategies and any(n.key == TRAINING_TARGET_KEY for n in graph.nodes):
         check_plan_fits(graph, plan)        # after the per-node checks above, which say more
     if local_dp is not None:
@@ -497,6 +507,50 @@ def compile_program(graph: GraphIR, plan: Plan, *, local_dp: Optional[frozenset[
     return RankProgram(mesh=mesh, zero_stage=plan.zero_stage, recompute=plan.recompute,
                        nodes=tuple(nodes), params=params, regions=regions, unplanned=tuple(unplanned),
                        local_dp=local_dp is not None, positions=positions, positional=positional)
+
+
+def needs_grad(graph: GraphIR, received: Collection[str] = ()) -> dict[str, bool]:
+    """Whether each node's value needs a gradient; ``received``: values a pipeline stage receives
+    (they require a gradient when floating point)."""
+    need: dict[str, bool] = {}
+    for n in graph.nodes:
+        if n.key in received:
+            need[n.key] = bool(n.outputs) and n.out.dtype in FLOAT
+        elif n.kind == "param":
+            need[n.key] = True
+        elif n.kind == "op":
+            need[n.key] = bool(n.outputs) and n.outputs[0].dtype in FLOAT and any(
+                need.get(r.key, False) for r in n.inputs)
+        else:
+            need[n.key] = False
+    return need
+
+
+def _regathered(graph: GraphIR, region_of: dict, zero3: bool) -> dict[str, tuple[int, ...]]:
+    """Op key -> its ``NodePlan.regather`` positions. None inside recompute regions (the replay
+    gathers again anyway, under ``torch.utils.checkpoint``'s own saved-tensor hooks), nor, under
+    ZeRO-3, for a parameter (or a view of one): the shard kept would be ZeRO-3's gathered rows,
+    which ``runtime/reshard.py`` frees after the forward."""
+    need = needs_grad(graph)
+    by_key = {n.key: n for n in graph.nodes}
+
+    def param_view(key: str) -> bool:
+        n = by_key[key]
+        while n.kind == "op" and op_kind(n.target) == "free" and n.inputs:
+            n = by_key[n.inputs[0].key]
+        return n.kind == "param"
+
+    out = {}
+    for n in graph.nodes:
+        if n.kind != "op" or region_of.get(n.name) is not None or not need.get(n.key, False):
+            continue
+        def grad(j, n=n):
+            return j < len(n.inputs) and need.get(n.inputs[j].key, False)
+        pos = tuple(i for i in range(len(n.inputs)) if regathered_operand(n.target, i, grad)
+                    and not (zero3 and param_view(n.inputs[i].key)))
+        if pos:
+            out[n.key] = pos
+    return out
 
 
 def _positional(graph: GraphIR, positions: frozenset[str]) -> frozenset[str]:

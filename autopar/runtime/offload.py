@@ -274,7 +274,8 @@ class _Offloaded:
 class ActivationOffload(Observed):
     """Saved tensors to the host in the forward, back in the backward (module docstring); an
     observer sees the saved tensors that stay on the device.
-    ``inner``: hooks that see each tensor first (ZeRO-3's ``Reshard``): what it replaces stays so."""
+    ``inner``: hooks that see each tensor first (``regather.Regather``, over ZeRO-3's ``Reshard``):
+    what it replaces stays so."""
 
     def __init__(self, device: torch.device, param_storages, inner=None, min_bytes: int = ACTIVATION_MIN_BYTES) -> None:
         self.device, self.inner, self.min_bytes = device, inner, min_bytes
@@ -353,11 +354,11 @@ class Offload:
         """The ``saved_tensors_hooks`` a step's forward and backward run in."""
         if self.activations is not None:
             return self.activations.hooks()
-        return store.reshard_hooks()
+        return store.saved_hooks()
 
     def hooks_owner(self, store) -> Any:
         """What a memory measurement observes saved tensors through (None: nothing shadows it)."""
-        return self.activations if self.activations is not None else store.ctx.reshard
+        return self.activations if self.activations is not None else store.ctx.regather
 
 
 def make_offload(plan_offload: str, store, factory, device: torch.device, *, nvme_dir=None, rank: int = 0) -> Offload:
@@ -367,7 +368,7 @@ def make_offload(plan_offload: str, store, factory, device: torch.device, *, nvm
         out.optimizer = HostOptimizer(store, factory, classes, device, nvme_dir=nvme_dir, rank=rank)
     if "activations" in classes:
         out.activations = ActivationOffload(
-            device, lambda: {s.local.untyped_storage().data_ptr() for s in store.slots}, inner=store.ctx.reshard)
+            device, lambda: {s.local.untyped_storage().data_ptr() for s in store.slots}, inner=store.ctx.regather)
     return out
 
 

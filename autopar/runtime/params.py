@@ -41,6 +41,7 @@ from autopar.mesh import DATA, TENSOR, axis_position, tensor_axes
 from autopar.placements import Shard, to_torch
 from autopar.runtime.collectives import CollectiveLog
 from autopar.runtime.init import InitRule, generate
+from autopar.runtime.regather import Regather
 
 
 @dataclass
@@ -103,6 +104,7 @@ class ParamContext:
     tp_group: object = None        # its group, when tp > 1
     tensor_groups: dict = field(default_factory=dict)   # every tensor axis of size > 1 -> its group
     reshard: Any = None            # ZeRO-3 with dp > 1: runtime/reshard.Reshard (gathered weights not kept)
+    regather: Any = None           # runtime/regather.Regather (gathered activations kept as shards), over reshard
     on_full_grad: Any = None       # ZeRO-3 with dp > 1: called with the slot after each scope's summand
                                    # (the reducer's overlap: ``GradReducer._on_full_grad``)
     device: Any = None             # where the graph runs (torch.device)
@@ -282,6 +284,7 @@ class ParamStore:
             from autopar.runtime.reshard import Reshard
 
             ctx.reshard = Reshard(lambda slot: gather_rows(slot, slot.local, ctx))
+        ctx.regather = Regather(inner=ctx.reshard)
         slots = []
         for p in plans:
             storage = p.placements(axes)
@@ -374,12 +377,16 @@ class ParamStore:
             out[s.stepped] = tuple(groups)
         return out
 
-    def reshard_hooks(self):
-        """The context a step's forward and backward run in: ZeRO-3's reshard after forward
-        (``runtime/reshard.py``), else nothing."""
-        import contextlib
+    @property
+    def regather(self):
+        """What an edge registers a gathered value with when its consumer saves it
+        (``runtime/regather.py``); its hooks chain ZeRO-3's ``Reshard``."""
+        return self.ctx.regather
 
-        return self.ctx.reshard.hooks() if self.ctx.reshard is not None else contextlib.nullcontext()
+    def saved_hooks(self):
+        """The context a step's forward and backward run in: gathered activations kept as shards
+        (``runtime/regather.py``) and ZeRO-3's reshard after forward (``runtime/reshard.py``)."""
+        return self.ctx.regather.hooks()
 
     def zero_grad(self) -> None:
         """Drop every gradient of the last step. ZeRO 0/1 with dp > 1: ``.grad`` is a view of a

@@ -31,7 +31,7 @@ from autopar.solver.reshard import grad_target, reshard_kind, reshard_s
 from autopar.solver.rules import arg, base_name
 from autopar.solver.runtime_profile import RuntimeProfile
 from autopar.solver.op_classes import all_op_sets, core_nodes, rc_costs, rc_lower_bounds
-from autopar.solver.saved import DROPOUT_MASK_BYTES_PER_ELEM, is_dropout, kept_tensors, saves_input
+from autopar.solver.saved import DROPOUT_MASK_BYTES_PER_ELEM, is_dropout, kept_tensors, regathered_operand
 from autopar.solver.context import attention_comm
 from autopar.solver.strategies import (GraphFacts, batch_scale, enumerate_strategies, ref_index,
                                        scaled_bytes_moved, scaled_metas, tensor_nodes)
@@ -72,7 +72,7 @@ class EdgeSpec:
     nbytes: int               # full tensor bytes at this micro-batch
     grad: bool                # a gradient flows back along it
     wrap: bool = False
-    regather: bool = False    # the consumer saves this input: an all-gathered one is re-gathered in bwd
+    regather: bool = False    # the consumer saves this input as it is: one only all-gathered is re-gathered in bwd
 
 
 @dataclass(frozen=True)
@@ -247,10 +247,14 @@ def _edges(facts: GraphFacts, metas: dict, present: set, carried, block_out, cou
             continue
         n = facts.nodes[k]
         vpart = facts.part[k]
-        rg = saves_input(n.target) and facts.needs_grad.get(k, False)
-        for pos, ref in enumerate(facts.inputs[k]):
+        ins = facts.inputs[k]
+
+        def grad_of(j, ins=ins):
+            return j < len(ins) and facts.needs_grad.get(ins[j].key, False)
+        for pos, ref in enumerate(ins):
             if ref.key not in present:
                 continue
+            rg = facts.needs_grad.get(k, False) and regathered_operand(n.target, pos, grad_of)
             idx = ref_index(facts, n, ref)
             meta: TensorMeta = metas[ref.key][idx]
             grad = facts.needs_grad.get(ref.key, False)

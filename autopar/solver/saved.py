@@ -14,9 +14,13 @@ On a GPT layer this reproduces Korthikanti et al.'s 34 sbh (2022, §4; without t
 terms, which fused attention does not materialize): LN inputs 4, QKV input 2, Q/K/V 6, attention
 output 2 + projection input 2, MLP 2 + 8 + 8.
 
-When a consumer saves an input that reached it through an all-gather, the sharded copy is kept
-and re-gathered in backward (Megatron sequence parallelism; FSDP does the same for parameters):
-memory counts the producer's local bytes and ``problem.py`` adds the backward all-gather.
+When a consumer of ``REGATHERED`` saves an input that reached it through all-gathers only, the
+sharded copy is kept and gathered again in backward (Megatron's sequence parallelism; FSDP does the
+same for parameters; ``runtime/regather.py``): memory counts the producer's local bytes and
+``problem.py`` adds the backward all-gather. Other consumers keep what they save as they got it;
+the activation-memory model counts the producer's local bytes for them too (a gathered input of
+cross-entropy, ``masked_fill`` or a mul is under-counted: their saved tensor is not the input
+itself after DTensor's decompositions, so it cannot be swapped for the shard).
 """
 from __future__ import annotations
 
@@ -68,6 +72,43 @@ def saves_operand(target: str, position: int) -> bool:
     if "batch_norm" in name or "group_norm" in name:
         return position != 2
     return saves_input(target)
+
+
+# tensor operand positions of ops whose backward keeps one operand only for the other's gradient:
+# autograd saves operand i of the pair when the OTHER one requires grad (mm: self for mat2's
+# gradient, mat2 for self's); a convolution saves input and weight whenever either does
+GRAD_PAIRS = {"linear": (0, 1), "mm": (0, 1), "bmm": (0, 1), "matmul": (0, 1), "addmm": (1, 2),
+              "addbmm": (1, 2), "baddbmm": (1, 2), "addmv": (1, 2), "mv": (0, 1), "mul": (0, 1)}
+
+# ops that save a tensor input as the very tensor they got (or a view of it), so that a gathered
+# input can be swapped for its shard when saved and gathered again when unpacked: the matrices of
+# a matmul, a layer norm's input, weight and bias, gelu/silu's input
+REGATHERED = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "linear": (0, 1), "native_layer_norm": (0, 1, 2),
+              "layer_norm": (0, 1, 2), "gelu": (0,), "silu": (0,)}
+# matmuls that torch.autocast runs in its low dtype: they would save a cast copy of the gathered
+# input, so the runtime casts the shard before the gather (``runtime/regather.Regather.cast_for``)
+AUTOCAST_LOW = frozenset({"mm", "bmm", "addmm", "linear", "matmul", "baddbmm", "addbmm"})
+
+
+def saves_operand_given(target: str, position: int, needs_grad) -> bool:
+    """Whether an op of ``target`` keeps its tensor input at ``position`` for backward, where
+    ``needs_grad(i)`` says whether its tensor input ``i`` needs a gradient (``saves_operand``
+    assumes all of them do)."""
+    if not saves_operand(target, position):
+        return False
+    pair = GRAD_PAIRS.get(base_name(target))
+    if pair is None or position not in pair:
+        return True
+    return needs_grad(pair[1 - pair.index(position)])
+
+
+def regathered_operand(target: str, position: int, needs_grad) -> bool:
+    """Whether input ``position`` of an op of ``target``, when it arrives through all-gathers only,
+    is kept as the shard and gathered again in backward (``runtime/regather.py``): the op is in
+    ``REGATHERED`` and keeps that input (``saves_operand_given``)."""
+    if position not in REGATHERED.get(base_name(target), ()):
+        return False
+    return saves_operand_given(target, position, needs_grad)
 
 
 def is_dropout(node) -> bool:

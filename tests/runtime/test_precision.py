@@ -16,6 +16,7 @@ same roundings of the logits: |dL| <= K * u * |L| is generous at step 1 and hold
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import pytest
 import torch
@@ -114,8 +115,9 @@ def collapsed():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [dict(dp=1, tp=2, family="megatron"), dict(dp=2, tp=1, zero=3),
-                                    dict(dp=2, tp=1, pp=2, mbs=1, zero=2)], ids=["tp2", "dp2-zero3", "pp2-dp2"])
+@pytest.mark.parametrize("layout", [dict(dp=1, tp=2, family="megatron"), dict(dp=1, tp=2, family="megatron_sp"),
+                                    dict(dp=2, tp=1, zero=3), dict(dp=2, tp=1, pp=2, mbs=1, zero=2)],
+                         ids=["tp2", "tp2-sp", "dp2-zero3", "pp2-dp2"])
 def test_bf16_trains_as_autocast_does_on_one_process(tiny_full, collapsed, layout):
     plan = _plan(collapsed if layout.get("pp", 1) > 1 else tiny_full, "bfloat16", **layout)
     out = spawn_ranks(_train, plan.mesh.size, (plan.to_json(), ""), timeout_s=120)
@@ -127,13 +129,21 @@ def test_bf16_trains_as_autocast_does_on_one_process(tiny_full, collapsed, layou
     recs = out[0]["collectives"]
     # (backward all-reduces carry what the one-process value's gradient is: fp32 where autocast
     # cast an fp32 tensor down after the redistribution)
-    if layout.get("tp", 1) > 1:            # forward all-reduces of row-parallel bf16 partial sums
-        b = build(False)
-        rows, seq = b.example_inputs[0].shape
-        activation = rows * seq * b.module.transformer.wte.weight.shape[1]
+    b = build(False)
+    rows, seq = b.example_inputs[0].shape
+    activation = rows * seq * b.module.transformer.wte.weight.shape[1]
+    if layout.get("family") == "megatron":  # forward all-reduces of row-parallel bf16 partial sums
         sizes = {n for kind, axis, n, _, phase in recs
                  if axis == "tp" and kind == "all_reduce" and phase == "forward"}
         assert 2 * activation in sizes and 4 * activation not in sizes, sorted(sizes)
+    if layout.get("family") == "megatron_sp":
+        # each layer norm's output is cast to bf16 before its gather for the next linear, which
+        # saves it: the shard is kept and gathered again in backward (``runtime/regather.py``)
+        fwd = Counter(n for kind, axis, n, _, phase in recs if kind == "all_gather" and phase == "forward")
+        bwd = Counter(n for kind, axis, n, _, phase in recs if kind == "all_gather" and phase == "backward")
+        # backward: those re-gathers, and the bf16 gradients of the row-parallel reduce-scatters
+        scatters = sum(1 for kind, axis, n, _, phase in recs if kind == "reduce_scatter" and phase == "forward")
+        assert set(fwd) == {2 * activation} and bwd[2 * activation] == fwd[2 * activation] + scatters, (fwd, bwd)
     if layout.get("dp", 1) > 1:            # gradients crossed dp in bf16: 2 bytes per padded element
         scattered = sum(n for kind, _, n, source, _ in recs if kind == "reduce_scatter" and source == "reducer")
         assert scattered == STEPS * 2 * out[0]["padded_numel"]
