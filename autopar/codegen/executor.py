@@ -460,13 +460,11 @@ class GraphExecutor:
 
     def _edged(self, v, placements: Optional[tuple], is_param: bool, saved_by: Optional[str] = None):
         """``v`` through its edge; ``saved_by``: the target of a consumer that saves it as it is
-        (``NodePlan.regather``), so a gathered value is kept as its shard for backward
-        (``runtime/regather.py``)."""
+        (``NodePlan.regather``: a gathered value is kept as its shard, ``runtime/regather.py``)."""
         if placements is None:
             return v
         regather = self._regather if saved_by is not None else None
-        if regather is not None:
-            v = regather.cast_for(v, saved_by)
+        v = regather.cast_for(v, saved_by) if regather is not None else v
         return edge(v, placements, self._param_keep if is_param else (), regather)
 
     def _run_plain(self, node: fx.Node, node_args, node_kwargs, env, scope):

@@ -26,6 +26,9 @@ backward, per edge whose value needs a gradient: the consumer's gradient placeme
     over a sharded dim (output Partial) hands back Replicate (its backward expands the Replicate
     gradient), and so does an add/sub that such a gradient reaches through edges the runtime does
     not wrap (``expected_grads.py``): those edges then move nothing where the plan says Shard.
+re-gathers: an edge into an input the plan marks (``NodePlan.regather``: the consumer saves it as
+    it got it) whose forward moves are all-gathers only issues them again in backward: the shard
+    was kept for it (``runtime/regather.py``); not for a node run through a fused kernel.
 rule-less ops (no planner rule, ``solver/rules.find_rule``): the planner makes them Replicate on
     dp while their inputs stay batch-sharded (``solver/plan_parts._dp_placements``); DTensor keeps
     the split (a view, a broadcast) and the executor gathers each output to Replicate

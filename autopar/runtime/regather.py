@@ -12,9 +12,15 @@ parameters:
 - the ``saved_tensors_hooks`` pack replaces a saved tensor (or a view of it) on such a storage by a
   record holding the shard; the unpack gathers the shard again (the same one-axis-at-a-time moves,
   ``codegen/edges.redistribute``) and rebuilds the view. The gathered tensor is shared by every
-  record of that edge (an RMS norm's decomposition saves its input twice) and freed with them,
+  record of that edge (an op may save several views of one input) and freed with them,
   after the last of those ops' backward: one gather per edge, as ``codegen/expected.py`` counts
   and ``solver/problem.py`` prices.
+
+Under ``torch.autocast`` a matmul would save its own low-precision copy of the gathered input,
+which no shard stands for: ``cast_for`` casts the shard first (the same values; the gather moves
+half the bytes). Not marked (``codegen/program.py``): operands inside recompute regions, a
+parameter's views under ZeRO-3 (the shard kept would be ZeRO-3's gathered rows) and everything
+when activations are offloaded (saved tensors go to the host as they are).
 
 The planner counts the shard in the activation memory (``solver/saved.py``). Deterministic on
 every rank: the backward's order is, and a storage is confirmed by a weak reference (a freed
@@ -48,7 +54,8 @@ class _Gathered:
         self.target = target
         self.full: Optional[torch.Tensor] = None
 
-    def local(self) -> torch.Tensor:
+    def gathered(self) -> torch.Tensor:
+        """The local gathered tensor, gathered again on the first call."""
         if self.full is None:
             from autopar.codegen.edges import redistribute
 
@@ -64,7 +71,7 @@ class _Saved:
     size: tuple
     stride: tuple
     offset: int
-    dtensor: Optional[tuple]           # (mesh, placements, shape, stride) when it was a DTensor
+    dtensor: tuple                     # (mesh, placements, shape, stride) of the saved DTensor
 
 
 class Regather(Observed):
@@ -157,6 +164,6 @@ class Regather(Observed):
             return self.inner._unpack(saved) if self.inner is not None else saved
         from torch.distributed.tensor import DTensor
 
-        local = saved.source.local().as_strided(saved.size, saved.stride, saved.offset)
+        local = saved.source.gathered().as_strided(saved.size, saved.stride, saved.offset)
         mesh, placements, shape, stride = saved.dtensor
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
