@@ -289,21 +289,18 @@ class ActivationOffload(Observed):
     @contextlib.contextmanager
     def hooks(self):
         self._skip = frozenset(self._params())
+        with super().hooks():
+            yield
+
+    def _clear(self) -> None:
         self._copies.clear()
-        outer = self.inner.hooks() if self.inner is not None else contextlib.nullcontext()
-        try:
-            with outer, torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                yield
-        finally:
-            self._copies.clear()
 
     def _pack(self, t: torch.Tensor):
         from torch.distributed.tensor import DTensor
 
-        if self.inner is not None:
-            packed = self.inner._pack(t)
-            if packed is not t:
-                return packed
+        packed = self._inner_pack(t)
+        if packed is not t:
+            return packed
         local = t._local_tensor if isinstance(t, DTensor) else t
         if (local.device.type == "meta" or isinstance(local, nn.Parameter)
                 or local.numel() * local.element_size() < self.min_bytes
@@ -332,7 +329,7 @@ class ActivationOffload(Observed):
 
     def _unpack(self, saved):
         if not isinstance(saved, _Offloaded):
-            return self.inner._unpack(saved) if self.inner is not None else saved
+            return self._inner_unpack(saved)
         from torch.distributed.tensor import DTensor
 
         local = torch.empty_like(saved.host, device=self.device)

@@ -29,7 +29,6 @@ buffer's address reused is never taken for a registered one). Recompute regions 
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import weakref
 from typing import Any, Optional
@@ -113,17 +112,6 @@ class Regather(Observed):
 
         entry = fresh[address] = _Gathered(local, shard, target, on_free)
 
-    @contextlib.contextmanager
-    def hooks(self):
-        """Around a step's forward and backward."""
-        self._clear()
-        outer = self.inner.hooks() if self.inner is not None else contextlib.nullcontext()
-        try:
-            with outer, torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                yield
-        finally:
-            self._clear()
-
     def _clear(self) -> None:
         self._fresh.clear()
         self._held.clear()
@@ -144,10 +132,9 @@ class Regather(Observed):
     def _pack(self, t: torch.Tensor) -> Any:
         from torch.distributed.tensor import DTensor
 
-        if self.inner is not None:
-            packed = self.inner._pack(t)
-            if packed is not t:
-                return packed
+        packed = self._inner_pack(t)
+        if packed is not t:
+            return packed
         source = self._source(t) if isinstance(t, DTensor) and (self._fresh or self._held) else None
         if source is None:
             for fn in self._observers:
@@ -161,7 +148,7 @@ class Regather(Observed):
 
     def _unpack(self, saved):
         if not isinstance(saved, _Saved):
-            return self.inner._unpack(saved) if self.inner is not None else saved
+            return self._inner_unpack(saved)
         from torch.distributed.tensor import DTensor
 
         local = saved.source.gathered().as_strided(saved.size, saved.stride, saved.offset)

@@ -48,9 +48,33 @@ class _Resharded:
 
 class Observed:
     """``saved_tensors_hooks`` owners that let an outer observer (``memory_measure``'s, which
-    theirs shadow) see the saved tensors: ``_observers`` are called from their pack hook."""
+    theirs shadow) see the saved tensors: ``_observers`` are called from their pack hook. ``hooks``
+    runs a step inside their ``_pack``/``_unpack`` (``_clear`` before and after), with an ``inner``
+    owner's set up too: their pack asks ``inner`` first (``_inner_pack``) and unpacks what it packed."""
 
     _observers: list
+    inner: Any = None
+
+    @contextlib.contextmanager
+    def hooks(self):
+        """Around a step's forward and backward."""
+        self._clear()
+        outer = self.inner.hooks() if self.inner is not None else contextlib.nullcontext()
+        try:
+            with outer, torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._clear()
+
+    def _clear(self) -> None:
+        pass
+
+    def _inner_pack(self, t: torch.Tensor):
+        """What ``inner`` packs ``t`` as (``t`` itself when it leaves it)."""
+        return self.inner._pack(t) if self.inner is not None else t
+
+    def _inner_unpack(self, saved):
+        return self.inner._unpack(saved) if self.inner is not None else saved
 
     @contextlib.contextmanager
     def observing(self, fn):
@@ -84,16 +108,6 @@ class Reshard(Observed):
     def release(self, slot) -> None:
         """``slot``'s backward ran: no saved view of it is unpacked any more."""
         self._held.pop(slot.name, None)
-
-    @contextlib.contextmanager
-    def hooks(self):
-        """Around a step's forward and backward."""
-        self._clear()
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                yield
-        finally:
-            self._clear()
 
     def _clear(self) -> None:
         self._gathered.clear()
