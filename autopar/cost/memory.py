@@ -216,5 +216,14 @@ def reducer_transient_bytes(grad_bytes: float, data: int, zero: int, bucket: flo
         return 0.0
     previous = min(max(grad_bytes - bucket, 0.0), bucket)
     during = previous + bucket if grad_bytes > bucket else 0.0
-    after = min(grad_bytes, bucket) * (2 - 1 / data) + previous
-    return max(during, after - activation_bytes)
+    return max(during, reducer_end_bytes(grad_bytes, data, zero, bucket) - activation_bytes)
+
+
+def reducer_end_bytes(grad_bytes: float, data: int, zero: int, bucket: float) -> float:
+    """``reducer_transient_bytes``' term at the end of the reduction (the activations freed): the
+    last bucket's summands and send buffer and the previous one's, before the last output exists.
+    A pipeline reduces only after its schedule: this is its whole reducer transient."""
+    if zero < 2 or data <= 1:
+        return 0.0
+    previous = min(max(grad_bytes - bucket, 0.0), bucket)
+    return min(grad_bytes, bucket) * (2 - 1 / data) + previous

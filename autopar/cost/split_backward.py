@@ -134,8 +134,15 @@ def split_held_bytes(schedule: str, pp: int, rank: int, num_micro_batches: int, 
     n = pending_weight_chunks(schedule, pp, rank, num_micro_batches)
     if n <= 0:
         return 0.0
-    per_layer = layer_param_tensors * layer_input_bytes
-    return n * (layers / v) * per_layer + math.ceil(n / v) * head_out_bytes
+    return n * chunk_held_bytes(layers / v, layer_param_tensors, layer_input_bytes) + math.ceil(n / v) * head_out_bytes
+
+
+def chunk_held_bytes(layers: float, layer_param_tensors: float, layer_input_bytes: float,
+                     head_out_bytes: float = 0.0) -> float:
+    """Join-node gradient bytes one micro-batch's input pass keeps until its weight pass, on a
+    split stage of ``layers`` layers (with the head: ``head_out_bytes``, its output's gradient):
+    one ``layer_input_bytes`` per parameter tensor of a layer (module docstring, 3.)."""
+    return layers * layer_param_tensors * layer_input_bytes + head_out_bytes
 
 
 # ---- the solver's rank model (``solver/timing.py``): duck-typed OuterConfig / AxisSummary / GPUSpec ----

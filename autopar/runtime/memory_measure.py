@@ -26,10 +26,8 @@ allocations no aten op returns (gloo's internal buffers, DTensor's transient red
 buffers inside one op). On CUDA the allocator's own peak (``torch.cuda.max_memory_allocated``) is
 the measured peak and the categories are the tracked storages at the tracked peak.
 
-Prediction (``predict_memory``): the solver's evaluation of the plan's configuration for every
-pipeline rank (``solver.timing.evaluate``: activations of the ops' saved outputs in the plan dtype,
-in-flight micro-batches, workspace), with the model states recomputed for the dtype the parameters
-actually have and the optimizer actually run (``cost.memory.state_bytes_per_param``).
+Prediction: ``runtime/memory_predict.py`` (the plan's configuration evaluated by the solver, the
+step's peak with the pipeline schedule replayed).
 """
 from __future__ import annotations
 
@@ -68,17 +66,20 @@ class StepMemory:
     """One rank's measured peak of one step: ``peak_bytes`` (the allocator's on CUDA), the
     tracked storages alive at the tracked peak by category (``at_peak``), and each category's own
     largest live total during the step (``category_peaks``: gradients peak after the backward,
-    activations before it)."""
+    activations before it); ``at_end``: the tracked storages still alive when the step returned
+    (parameters, gradients, optimizer state; an activation there outlived its backward)."""
     peak_bytes: int
     at_peak: MemoryByCategory
     category_peaks: MemoryByCategory
     device: str
     host_peak_bytes: int = 0           # offload: the host memory it held, at its own peak
+    at_end: MemoryByCategory = MemoryByCategory(0, 0, 0, 0, 0)
 
     @classmethod
     def from_dict(cls, d: dict) -> "StepMemory":
+        end = MemoryByCategory(**d["at_end"]) if "at_end" in d else MemoryByCategory(0, 0, 0, 0, 0)
         return cls(d["peak_bytes"], MemoryByCategory(**d["at_peak"]), MemoryByCategory(**d["category_peaks"]),
-                   d["device"], d.get("host_peak_bytes", 0))
+                   d["device"], d.get("host_peak_bytes", 0), end)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,8 +170,10 @@ class StorageTracker(TorchDispatchMode):
             self.roles.setdefault(self._serial_of[id(st)], set()).add(role)
 
     def _pack(self, t):
+        from autopar.runtime.reshard import acyclic
+
         self.mark(t, "activations")
-        return t
+        return acyclic(t, t)
 
     def saved_tensors(self):
         return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -215,9 +218,10 @@ class StorageTracker(TorchDispatchMode):
         return sorted(((self.category(s), self.nbytes[s], self.origin[s]) for s in live if self.category(s) != HOST),
                       key=lambda x: -x[1])
 
-    def peak(self) -> tuple[int, MemoryByCategory, MemoryByCategory]:
-        """The largest sum of live tracked device storages, its split by category, and each
-        category's own largest live sum (``host`` among them: offloaded storages)."""
+    def peak(self) -> tuple[int, MemoryByCategory, MemoryByCategory, int, MemoryByCategory]:
+        """The largest sum of live tracked device storages, its split by category, each
+        category's own largest live sum, the host's (offloaded storages), and what is live after
+        the last event, by category."""
         cat = {s: self.category(s) for s in self.nbytes}
         live = dict.fromkeys(CATEGORIES + (HOST,), 0)
         tops, at_peak = dict(live), dict(live)
@@ -230,7 +234,8 @@ class StorageTracker(TorchDispatchMode):
                 at_peak = dict(live)
         host = tops.pop(HOST)
         at_peak.pop(HOST)
-        return sum(at_peak.values()), MemoryByCategory(**at_peak), MemoryByCategory(**tops), host
+        live.pop(HOST)
+        return sum(at_peak.values()), MemoryByCategory(**at_peak), MemoryByCategory(**tops), host, MemoryByCategory(**live)
 
 
 def _mark_state(tracker: StorageTracker, pm) -> None:
@@ -353,160 +358,19 @@ def measure_step(pm, inputs, targets) -> tuple[float, StepMemory]:
             h.remove()
         ctx.on_full_grad = chained
         tracker.close()
-    peak, split, tops, host = tracker.peak()
+    peak, split, tops, host, end = tracker.peak()
     if device.type == "cuda":
         peak = int(torch.cuda.max_memory_allocated(device))
-    return loss, StepMemory(peak, split, tops, device.type, host)
+    return loss, StepMemory(peak, split, tops, device.type, host, end)
 
 
-# ---- prediction ---------------------------------------------------------------------------------
-
-def plan_evaluation(plan, graph, cluster=None):
-    """The solver's evaluation of ``plan``'s configuration on ``graph`` (every pipeline rank) and
-    its tp-axis summary: the plan's choices forced, the same cluster and budget, and the plan's own
-    per-operator placements (``solver/plan_choice.py``; the solve's where the tables lack one). ``graph``: the
-    model traced with its loss at the plan's global batch (repeated blocks collapsed, as planning
-    traces it)."""
-    from autopar.cost.hardware import resolve_cluster
-    from autopar.solver.forcing import Force
-    from autopar.solver.plan_choice import own_summary
-    from autopar.solver.search import solve
-    from autopar.solver.timing import evaluate
-
-    if cluster is None:
-        cluster = resolve_cluster(plan.cluster.gpu, nodes=plan.cluster.nodes,
-                                  gpus_per_node=plan.cluster.gpus_per_node)
-    force = Force(tp=plan.tp, pp=plan.pp, dp=plan.dp, micro_batch_size=plan.micro_batch_size,
-                  num_micro_batches=plan.num_micro_batches, zero_stage=plan.zero_stage,
-                  recompute=plan.recompute, sequence_parallel=plan.sequence_parallel,
-                  schedule=plan.pipeline_schedule if plan.pp > 1 else None,
-                  virtual_stages=plan.virtual_stages if plan.pp > 1 else None,
-                  context_parallel=plan.context_parallel,
-                  context_parallel_mode=plan.context_parallel_mode if plan.context_parallel > 1 else None,
-                  offload=plan.offload, tensor_parallel_mode=plan.summary()["tensor_parallel_mode"])
-    res = solve(graph, cluster, global_batch=plan.global_batch, seq_len=plan.seq_len, dtype=plan.dtype,
-                memory_budget_bytes=plan.cluster.memory_budget_bytes, force=force)
-    cfg = res.evaluation.config
-    if plan.recompute_layers is not None:       # per-layer recompute: the plan's layers, not every one
-        from dataclasses import replace
-
-        cfg = replace(cfg, recompute="partial", recompute_layers=plan.recompute_layers)
-    summary = own_summary(res.solution, plan) or res.solution.summary     # the plan's own placements
-    ev = evaluate(summary, cfg, res.cluster, res.profile, res.budget_bytes, all_stages=True)
-    return ev, summary, res.profile
-
-
-def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimizer: str = "adamw",
-                   profile=None) -> PredictedMemory:
-    """Pipeline rank ``pp_rank``'s predicted peak and its categories: model states for
-    ``param_dtype`` and ``optimizer`` (``cost.memory.state_bytes_per_param``), activations as the
-    solver's evaluation has them, temporaries = the backward workspace
-    (``cost.memory.backward_workspace_bytes``) plus the evaluation's recompute / ZeRO-3 gather
-    buffers (at the run's parameter bytes), and the peak by ``cost.memory.step_peak_bytes``."""
-    from autopar.cost.memory import (backward_workspace_bytes, model_state_bytes, reducer_transient_bytes,
-                                     state_bytes_per_param, step_peak_bytes)
-    from autopar.solver.runtime_profile import AUTOPAR_RUNTIME
-    from autopar.solver.timing import ZERO3_PREFETCH_LAYERS, accumulates_full_grads, activation_bytes_per_layer, rank_parts
-
-    profile = profile or AUTOPAR_RUNTIME           # what the evaluation was made with
-
-    cfg = evaluation.config
-    st = next(s for s in evaluation.stages if s.index == pp_rank)
-    per = state_bytes_per_param(param_dtype, optimizer)
-    classes = cfg.classes
-
-    def states(numel: float) -> dict:
-        return model_state_bytes(int(numel), cfg.dp, cfg.zero, param_bytes=per["params"], grad_bytes=per["grads"],
-                                 optimizer_bytes_per_param=per["optimizer"], full_grads=accumulates_full_grads(cfg))
-
-    total = states(st.param_numel)
-    parts = rank_parts(summary, st.layers, st.has_pre, st.has_post)
-    largest = max(p.max_out_bytes for p, _, _ in parts)
-    gathered = 0.0               # ZeRO-3's gathered layers (the solver counts them at its param_bytes)
-    if cfg.zero == 3 and "params" in classes:
-        gathered = ZERO3_PREFETCH_LAYERS * summary.parts["block"].param_numel
-    elif cfg.zero == 3 and cfg.dp > 1:
-        gathered = ZERO3_PREFETCH_LAYERS * summary.parts["block"].param_numel * (1 - 1 / cfg.dp)
-    workspace = (backward_workspace_bytes(largest) + st.memory.other_bytes - largest
-                 + gathered * (per["params"] - profile.param_bytes))
-    shared = summary.shared_param_numel if (st.has_pre or st.has_post) else 0.0
-    pieces = []                  # backward order: head, layers, embedding
-    if st.has_post:
-        post = summary.parts["post"]
-        pieces.append((post.saved_bytes, states(post.param_numel + shared)["grads"]))
-        shared = 0.0
-    blk = summary.parts["block"]
-    grads = states(blk.param_numel)["grads"]
-    if cfg.recompute == "partial":            # backward order: the later layers keep theirs, the first k recompute
-        k = int(min(cfg.recompute_layers or 0, st.layers))
-        pieces += [(activation_bytes_per_layer(blk, summary, "none"), grads)] * (st.layers - k)
-        pieces += [(activation_bytes_per_layer(blk, summary, "full"), grads)] * k
-    else:
-        pieces += [(activation_bytes_per_layer(blk, summary, cfg.recompute), grads)] * st.layers
-    if st.has_pre:
-        pre = summary.parts["pre"]
-        pieces.append((pre.saved_bytes, states(pre.param_numel + shared)["grads"]))
-    if cfg.dp > 1 and cfg.zero in (0, 1):
-        pieces = _bucketed(pieces)
-    host, act_kept = 0.0, 1.0
-    if classes:                  # ``cost/offload.py``, for the dtype and optimizer run
-        from autopar.cost.memory import optimizer_moments
-        from autopar.cost.offload import offload_memory, optimizer_rows
-
-        per_mb = sum(a for a, _ in pieces)
-        off = offload_memory(classes, rows=optimizer_rows(st.param_numel, cfg.dp, cfg.zero),
-                             params_bytes=total["params"], grads_bytes=total["grads"],
-                             optimizer_bytes=total["optimizer"], activations_bytes=st.inflight * per_mb,
-                             resident_saved_bytes=largest, saved_bytes_per_microbatch=per_mb, inflight=st.inflight,
-                             microbatches=cfg.m, moments=optimizer_moments(optimizer))
-        host = off["host"]
-        if "activations" in classes:   # on the host; the backward brings one node's back at a time, at
-            act_kept = 0.0             # most the largest output (the log-probabilities at the loss)
-            workspace += largest
-        grad_kept = off["grads"] / total["grads"] if total["grads"] else 1.0   # grads offload: the buckets kept
-        pieces = [(a * act_kept, g * grad_kept) for a, g in pieces]
-        total = {"params": off["params"], "grads": off["grads"], "optimizer": off["optimizer"]}
-    # the solver's other bytes hold its reducer transient at its gradient bytes: the run's instead
-    from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES
-
-    solver_transient = reducer_transient_bytes(st.param_numel * profile.grad_bytes, cfg.dp, cfg.zero,
-                                               DEFAULT_BUCKET_BYTES, st.memory.activations_bytes + st.memory.other_bytes)
-    workspace -= solver_transient
-    acts = st.inflight * sum(a for a, _ in pieces)
-    workspace += reducer_transient_bytes(st.param_numel * per["grads"], cfg.dp, cfg.zero, DEFAULT_BUCKET_BYTES,
-                                         acts + workspace)
-    peak = step_peak_bytes(total["params"] + total["optimizer"], pieces, st.inflight, workspace,
-                           grads_during_forward=st.inflight < cfg.m)
-    cats = MemoryByCategory(int(total["params"]), int(total["grads"]), int(total["optimizer"]),
-                            int(st.memory.activations_bytes * act_kept), int(workspace))
-    return PredictedMemory(int(peak), cats, int(host))
-
-
-def _bucketed(pieces: list) -> list:
-    """ZeRO 0/1 over dp > 1: gradients live in bucket buffers (``runtime/reducer.py``), each
-    allocated whole when its first gradient arrives. Buckets fill in backward order (the first up
-    to ``DEFAULT_FIRST_BUCKET_BYTES``, the others ``DEFAULT_BUCKET_BYTES``, ``codegen/buckets.py``):
-    each piece's gradient bytes become what is allocated when it runs."""
-    from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES
-
-    left = sum(g for _, g in pieces)            # not yet allocated
-    room, cap, out = 0.0, float(DEFAULT_FIRST_BUCKET_BYTES), []
-    for a, g in pieces:
-        alloc = 0.0
-        while g > room and left > 0:            # a new bucket, allocated whole
-            g -= room
-            room = min(cap, left)
-            alloc += room
-            left -= room
-            cap = float(DEFAULT_BUCKET_BYTES)
-        room -= min(g, room)
-        out.append((a, alloc))
-    return out
-
+# ---- measured next to predicted (``runtime/memory_predict.py``) ----------------------------------
 
 def compare_ranks(plan, graph, measured: list[dict], param_dtype: str, optimizer: str = "adamw") -> list[RankMemory]:
     """Measured (``measure_step``'s ``StepMemory`` as a dict, one per global rank) next to the
     prediction for that rank's pipeline rank (global rank = pp rank x ranks per stage)."""
+    from autopar.runtime.memory_predict import plan_evaluation, predict_memory
+
     ev, summary, profile = plan_evaluation(plan, graph)
     per_stage = plan.stage_mesh.size
     rows = []

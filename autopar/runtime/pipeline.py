@@ -171,7 +171,10 @@ def _weight_pass(weights: Sequence[torch.Tensor], param_groups: list) -> None:
     joins the input's), with two changes: a parameter whose gradient leaves no ``.grad`` is allowed
     (ZeRO-3 over dp: ``_UseParam.backward`` adds it to ``ParamSlot.full_grad`` and returns None),
     and the first gradient of a step is copied rather than kept (it may share memory with a gradient
-    autograd passed on elsewhere, the next micro-batch accumulates into it in place)."""
+    autograd passed on elsewhere, the next micro-batch accumulates into it in place). As autograd's
+    ``AccumulateGrad`` does, each update runs the parameter's post-accumulate-grad hooks: the
+    reducer's moves the gradient into its bucket view (ZeRO 0/1 over dp), so the weight passes'
+    gradients are not kept beside the buckets the full backwards (stage 0's) allocate."""
     from torch.autograd.graph import GradientEdge
     from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc
 
@@ -205,6 +208,8 @@ def _weight_pass(weights: Sequence[torch.Tensor], param_groups: list) -> None:
                     w.grad = dw.clone(memory_format=torch.contiguous_format)
                 else:
                     w.grad += dw
+                for hook in tuple((w._post_accumulate_grad_hooks or {}).values()):
+                    hook(w)
         finally:
             for h in handles:
                 h.remove()

@@ -304,9 +304,21 @@ class GradReducer:
             for s in slots:
                 lay = s.layout
                 w = lay.chunk_rows(dp) * lay.row_numel
-                rows = gathered[:, offset: offset + w].reshape(-1)[: lay.numel]
-                s.local.data.view(-1).copy_(rows)
+                _copy_rows(s.local.data.view(-1), gathered[:, offset: offset + w])
                 offset += w
+
+
+def _copy_rows(dst: torch.Tensor, rows: torch.Tensor) -> None:
+    """``dst`` (a parameter, flat) = the first ``dst.numel()`` elements of ``rows`` (dp x w, each
+    rank's padded chunk; a strided slice of the gathered bucket) read row by row, copied in place:
+    the full rows in one copy, the padded last one in a second, no temporary of the parameter's
+    size (``rows.reshape(-1)`` would make one)."""
+    w = rows.shape[1]
+    full = min(dst.numel() // w, rows.shape[0])
+    dst[: full * w].view(full, w).copy_(rows[:full])
+    tail = dst.numel() - full * w
+    if tail:
+        dst[full * w:].copy_(rows[full, :tail])
 
 
 __all__ = ["GradReducer", "DEFAULT_BUCKET_BYTES"]

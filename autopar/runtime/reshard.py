@@ -46,11 +46,25 @@ class _Resharded:
     dtensor: Optional[tuple]           # (mesh, placements, shape, stride) when it was a DTensor
 
 
+def acyclic(packed, t: torch.Tensor):
+    """What a pack hook that returns ``packed`` for ``t`` should hand autograd: ``t`` detached when
+    the hook keeps ``t`` itself. Autograd saves an op's own output without its ``grad_fn`` (no
+    cycle), but a pack hook's result is held as it is: ``t`` itself would point back, through its
+    ``grad_fn``, at the node saving it, a reference cycle Python's collector cannot see through.
+    A backward that runs the node frees its saved tensors and breaks the cycle; a node no backward
+    runs keeps its graph alive forever, which is every input-gradient-only node (attention, softmax,
+    the loss's log-softmax) under the zero-bubble schedules' split backward (B retains the graph,
+    W runs only the weights' branches: ``runtime/pipeline.py``): without this, their activations
+    leaked every step. The detached alias shares ``t``'s storage and version counter."""
+    return t.detach() if packed is t and t.grad_fn is not None else packed
+
+
 class Observed:
     """``saved_tensors_hooks`` owners that let an outer observer (``memory_measure``'s, which
     theirs shadow) see the saved tensors: ``_observers`` are called from their pack hook. ``hooks``
-    runs a step inside their ``_pack``/``_unpack`` (``_clear`` before and after), with an ``inner``
-    owner's set up too: their pack asks ``inner`` first (``_inner_pack``) and unpacks what it packed."""
+    runs a step inside their ``_pack``/``_unpack`` (``_clear`` before and after; what ``_pack``
+    keeps as it is goes through ``acyclic``), with an ``inner`` owner's set up too: their pack asks
+    ``inner`` first (``_inner_pack``) and unpacks what it packed."""
 
     _observers: list
     inner: Any = None
@@ -61,7 +75,7 @@ class Observed:
         self._clear()
         outer = self.inner.hooks() if self.inner is not None else contextlib.nullcontext()
         try:
-            with outer, torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with outer, torch.autograd.graph.saved_tensors_hooks(lambda t: acyclic(self._pack(t), t), self._unpack):
                 yield
         finally:
             self._clear()

@@ -59,11 +59,10 @@ def _recompute_fields(ev: Evaluation) -> dict:
     return {"recompute": "full", "recompute_layers": k}
 
 
-def plan_stages(ev: Evaluation, summary) -> tuple[Stage, ...]:
-    """The pp * v stages of an evaluation (every rank evaluated): rank r's layers ``ev.cuts[r]``
-    split over its v stages as evenly as possible (the stage with the embedding or head gets the
-    smaller share), then laid out in model order; ``stage_rank`` gives the rank of each stage."""
-    cfg = ev.config
+def stage_layers(cfg, cuts) -> tuple[dict[int, list[int]], list[int]]:
+    """(rank -> its global stages, layers of each of the pp * v stages): rank r's layers
+    ``cuts[r]`` split over its v stages as evenly as possible (the stage with the embedding or head
+    gets the smaller share); ``stage_rank``'s layout."""
     p, v, n_st = cfg.pp, cfg.v, cfg.pp * cfg.v
     if cfg.schedule in V_SCHEDULES:
         local = {r: [r, 2 * p - 1 - r] for r in range(p)}
@@ -71,10 +70,19 @@ def plan_stages(ev: Evaluation, summary) -> tuple[Stage, ...]:
         local = {r: [j * p + r for j in range(v)] for r in range(p)}
     layers = [0] * n_st
     for r, idx in local.items():
-        q, extra = divmod(ev.cuts[r], v)
+        q, extra = divmod(cuts[r], v)
         order = sorted(idx, key=lambda g: (g in (0, n_st - 1), g))     # plain stages take the remainder
         for j, g in enumerate(order):
             layers[g] = q + (1 if j < extra else 0)
+    return local, layers
+
+
+def plan_stages(ev: Evaluation, summary) -> tuple[Stage, ...]:
+    """The pp * v stages of an evaluation (every rank evaluated), ``stage_layers``' split laid out
+    in model order; ``stage_rank`` gives the rank of each stage."""
+    cfg = ev.config
+    v, n_st = cfg.v, cfg.pp * cfg.v
+    local, layers = stage_layers(cfg, ev.cuts)
     by_rank = {st.index: st for st in ev.stages}
     blk, pre, post = summary.parts["block"], summary.parts["pre"], summary.parts["post"]
 

@@ -200,7 +200,7 @@ def _grads_const(cfg: OuterConfig) -> float:
 def _memory_affine(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile, rate: float, act: float):
     """(slope bytes per layer, constant bytes) of each rank's memory, as ``_rank_memory`` computes it."""
     blk, pre, post = summary.parts["block"], summary.parts["pre"], summary.parts["post"]
-    other_blk = _other_bytes(summary, cfg, param_bytes=profile.param_bytes)
+    other_blk = other_workspace_bytes(summary, cfg, param_bytes=profile.param_bytes)
     slopes, consts = [], []
     for r in range(cfg.pp):
         hp, hh = rank_holds(cfg, r)
@@ -442,7 +442,7 @@ def fit_partial(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pr
     """``cfg`` ("partial") with the fewest recomputed layers per pipeline rank that fit the budget:
     below every layer, memory falls and time grows with each layer recomputed, so the fewest that
     fit is the fastest: bisection over 0 .. count - 1. (Every layer, count, adds the workspace of a
-    re-materialized layer, ``_other_bytes``: that is "full", returned when nothing less fits.)"""
+    re-materialized layer, ``other_workspace_bytes``: that is "full", returned when nothing less fits.)"""
     def at(k: int) -> Evaluation:
         return evaluate(summary, replace(cfg, recompute_layers=k), cluster, profile, budget_bytes, all_stages)
 
@@ -487,7 +487,7 @@ def activation_bytes_per_layer(blk: PartCost, summary: AxisSummary, recompute: s
     return blk.saved_bytes
 
 
-def _other_bytes(summary: AxisSummary, cfg: OuterConfig, lps: Optional[float] = None, *,
+def other_workspace_bytes(summary: AxisSummary, cfg: OuterConfig, lps: Optional[float] = None, *,
                  param_bytes: int) -> float:
     """Workspace besides the largest single output: one layer re-materialized under recompute, the
     prefetched gathered layers under ZeRO-3. "partial" recomputes a rank's FIRST layers, whose
@@ -536,7 +536,7 @@ def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile
     inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
     per_mb = _saved_per_microbatch(summary, cfg, parts, lps)
     activations = inflight * per_mb
-    other = max(p.max_out_bytes for p, _, _ in parts) + _other_bytes(summary, cfg, lps, param_bytes=profile.param_bytes) \
+    other = max(p.max_out_bytes for p, _, _ in parts) + other_workspace_bytes(summary, cfg, lps, param_bytes=profile.param_bytes) \
         + rank_held_bytes(cfg, summary, r, lps)
     host = nvme = 0
     if cfg.classes:

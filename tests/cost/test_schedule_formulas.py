@@ -6,6 +6,7 @@ import pytest
 from autopar.cost.flops import (pipeline_bubble_fraction, pipeline_bubble_units, pipeline_schedule_problem,
                                 pipeline_step_time_s)
 from autopar.cost.memory import pipeline_inflight_microbatches as inflight
+from autopar.cost.schedule_memory import rank_actions
 from autopar.plan import stage_rank
 
 
@@ -63,39 +64,19 @@ def test_stage_layouts():
     assert generate_stage_to_rank_mapping(4, 12) == {i: stage_rank("interleaved_zb", 4, i) for i in range(12)}
 
 
-# ---- replay of torch's own action lists --------------------------------------------------------------
-
-def _torch_orders(cls, p, v, m):
-    """pipeline_order of a torch schedule class for p ranks (built without a process group)."""
-    o = cls.__new__(cls)
-    o.pp_group_size, o.n_local_stages, o._n_microbatches = p, v, m
-    o.num_stages = o._num_stages = p * v
-    o.number_of_rounds = max(1, m // p)
-    o.microbatches_per_round = m // o.number_of_rounds
-    out = {}
-    for r in range(p):
-        o.rank = r
-        out[r] = [a for a in o._calculate_single_rank_operations(r) if a is not None]
-    return out
-
+# ---- replay of torch's own action lists (``cost.schedule_memory.rank_actions``) ----------------------
 
 def _replay(orders, p, v, m):
     """(bubble fraction, peak chunk activations per rank): every rank runs its actions in order, each
-    as soon as its inputs exist; F = I = W = 1, full backward 2."""
-    from torch.distributed.pipelining.schedules import _ComputationType as CT
-    dur = {CT.FORWARD: 1.0, CT.FULL_BACKWARD: 2.0, CT.BACKWARD_INPUT: 1.0, CT.BACKWARD_WEIGHT: 1.0}
+    as soon as its inputs exist; F = I = W = 1, a full backward B 2 (I and B both send the input
+    gradient back)."""
+    dur = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
     n_st = p * v
-    ops = {r: [x for a in orders[r] for x in (a.sub_actions if a.computation_type == CT.OVERLAP_F_B else [a])]
-           for r in range(p)}
 
-    def kind(a):
-        return {CT.FORWARD: "F", CT.BACKWARD_WEIGHT: "W"}.get(a.computation_type, "B")
-
-    def deps(a):
-        s, k, mb = a.stage_index, kind(a), a.microbatch_index
-        if k == "F":
+    def deps(kind, s, mb):
+        if kind == "F":
             return [(s - 1, "F", mb)] if s > 0 else []
-        if k == "B":
+        if kind in ("B", "I"):
             return [(s, "F", mb)] + ([(s + 1, "B", mb)] if s < n_st - 1 else [])
         return [(s, "B", mb)]
 
@@ -104,38 +85,36 @@ def _replay(orders, p, v, m):
     while moved:
         moved = False
         for r in range(p):
-            while ptr[r] < len(ops[r]) and all(d in done for d in deps(ops[r][ptr[r]])):
-                a = ops[r][ptr[r]]
-                clock[r] = max([clock[r]] + [done[d] for d in deps(a)]) + dur[a.computation_type]
-                done[(a.stage_index, kind(a), a.microbatch_index)] = clock[r]
+            while ptr[r] < len(orders[r]) and all(d in done for d in deps(*orders[r][ptr[r]])):
+                kind, s, mb = orders[r][ptr[r]]
+                clock[r] = max([clock[r]] + [done[d] for d in deps(kind, s, mb)]) + dur[kind]
+                done[(s, "B" if kind == "I" else kind, mb)] = clock[r]
                 ptr[r] += 1
                 moved = True
-    assert all(ptr[r] == len(ops[r]) for r in range(p))
+    assert all(ptr[r] == len(orders[r]) for r in range(p))
     peaks = []
     for r in range(p):
         cur = best = 0
-        for a in ops[r]:
-            cur += 1 if a.computation_type == CT.FORWARD else \
-                (-1 if a.computation_type in (CT.FULL_BACKWARD, CT.BACKWARD_WEIGHT) else 0)
+        for kind, _, _ in orders[r]:
+            cur += 1 if kind == "F" else (-1 if kind in ("B", "W") else 0)
             best = max(best, cur)
         peaks.append(best)
     ideal = 3.0 * m * v
     return (max(clock.values()) - ideal) / ideal, peaks
 
 
-@pytest.mark.parametrize("name,cls_name,p,v,m", [
-    ("interleaved_1f1b", "ScheduleInterleaved1F1B", 4, 2, 8),
-    ("interleaved_1f1b", "ScheduleInterleaved1F1B", 4, 4, 4),
-    ("interleaved_1f1b", "ScheduleInterleaved1F1B", 2, 2, 6),
-    ("interleaved_zb", "ScheduleInterleavedZeroBubble", 4, 2, 8),
-    ("interleaved_zb", "ScheduleInterleavedZeroBubble", 4, 4, 4),
-    ("zbv", "ScheduleZBVZeroBubble", 4, 2, 8),
-    ("zbv", "ScheduleZBVZeroBubble", 4, 2, 4),
-    ("zbv", "ScheduleZBVZeroBubble", 8, 2, 16),
-    ("dualpipev", "ScheduleDualPipeV", 4, 2, 8),
+@pytest.mark.parametrize("name,p,v,m", [
+    ("interleaved_1f1b", 4, 2, 8),
+    ("interleaved_1f1b", 4, 4, 4),
+    ("interleaved_1f1b", 2, 2, 6),
+    ("interleaved_zb", 4, 2, 8),
+    ("interleaved_zb", 4, 4, 4),
+    ("zbv", 4, 2, 8),
+    ("zbv", 4, 2, 4),
+    ("zbv", 8, 2, 16),
+    ("dualpipev", 4, 2, 8),
 ])
-def test_formulas_match_torch_action_lists(name, cls_name, p, v, m):
-    from torch.distributed.pipelining import schedules
-    bubble, peaks = _replay(_torch_orders(getattr(schedules, cls_name), p, v, m), p, v, m)
+def test_formulas_match_torch_action_lists(name, p, v, m):
+    bubble, peaks = _replay({r: rank_actions(name, p, r, m, v) for r in range(p)}, p, v, m)
     assert bubble == pytest.approx(pipeline_bubble_fraction(p, m, name, v), abs=1e-12)
     assert [x / v for x in peaks] == [inflight(p, r, m, name, v) for r in range(p)]

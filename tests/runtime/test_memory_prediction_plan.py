@@ -25,7 +25,7 @@ def graph():
 
 def test_the_prediction_is_of_the_plans_own_placements(graph, monkeypatch):
     import autopar.solver.plan_choice as plan_choice
-    from autopar.runtime.memory_measure import plan_evaluation
+    from autopar.runtime.memory_predict import plan_evaluation
 
     plan = hand_plan(graph, dp=1, tp=2, family="megatron")
     shapes = {n.key: n.out.shape for n in graph.nodes if n.kind == "param"}

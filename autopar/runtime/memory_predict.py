@@ -1,0 +1,216 @@
+"""The predicted peak memory of one training step, per pipeline rank, by category: what
+``autopar run --memory`` and ``autopar profile`` print next to the measurement
+(``runtime/memory_measure.py``).
+
+``predict_memory`` starts from the solver's evaluation of the plan's configuration for every
+pipeline rank (``solver.timing.evaluate``: activations of the ops' saved outputs in the plan dtype,
+in-flight micro-batches, workspace), with the model states recomputed for the dtype the parameters
+actually have and the optimizer actually run (``cost.memory.state_bytes_per_param``). The step's
+peak is the larger of two moments:
+
+- the forward and backward: without a pipeline ``cost.memory.step_peak_bytes`` (the backward's
+  trade of activations for gradients, piece by piece); with one, the rank's schedule replayed
+  action by action over its local stages (``cost/schedule_memory.py``: the zero-bubble schedules'
+  input passes keep activations and add join-node gradients, their weight passes trade);
+- after it, ZeRO 1/2 over data > 1: the gradients, and the all-gather of the updated rows of one
+  bucket (``GradReducer.gather_params``: its send buffer and its output, in the optimizer's
+  parameter dtype).
+"""
+from __future__ import annotations
+
+from autopar.runtime.memory_measure import MemoryByCategory, PredictedMemory
+
+
+def plan_evaluation(plan, graph, cluster=None):
+    """The solver's evaluation of ``plan``'s configuration on ``graph`` (every pipeline rank) and
+    its tp-axis summary: the plan's choices forced, the same cluster and budget, and the plan's own
+    per-operator placements (``solver/plan_choice.py``; the solve's where the tables lack one). ``graph``: the
+    model traced with its loss at the plan's global batch (repeated blocks collapsed, as planning
+    traces it)."""
+    from autopar.cost.hardware import resolve_cluster
+    from autopar.solver.forcing import Force
+    from autopar.solver.plan_choice import own_summary
+    from autopar.solver.search import solve
+    from autopar.solver.timing import evaluate
+
+    if cluster is None:
+        cluster = resolve_cluster(plan.cluster.gpu, nodes=plan.cluster.nodes,
+                                  gpus_per_node=plan.cluster.gpus_per_node)
+    force = Force(tp=plan.tp, pp=plan.pp, dp=plan.dp, micro_batch_size=plan.micro_batch_size,
+                  num_micro_batches=plan.num_micro_batches, zero_stage=plan.zero_stage,
+                  recompute=plan.recompute, sequence_parallel=plan.sequence_parallel,
+                  schedule=plan.pipeline_schedule if plan.pp > 1 else None,
+                  virtual_stages=plan.virtual_stages if plan.pp > 1 else None,
+                  context_parallel=plan.context_parallel,
+                  context_parallel_mode=plan.context_parallel_mode if plan.context_parallel > 1 else None,
+                  offload=plan.offload, tensor_parallel_mode=plan.summary()["tensor_parallel_mode"])
+    res = solve(graph, cluster, global_batch=plan.global_batch, seq_len=plan.seq_len, dtype=plan.dtype,
+                memory_budget_bytes=plan.cluster.memory_budget_bytes, force=force)
+    cfg = res.evaluation.config
+    if plan.recompute_layers is not None:       # per-layer recompute: the plan's layers, not every one
+        from dataclasses import replace
+
+        cfg = replace(cfg, recompute="partial", recompute_layers=plan.recompute_layers)
+    summary = own_summary(res.solution, plan) or res.solution.summary     # the plan's own placements
+    ev = evaluate(summary, cfg, res.cluster, res.profile, res.budget_bytes, all_stages=True)
+    return ev, summary, res.profile
+
+
+def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimizer: str = "adamw",
+                   profile=None) -> PredictedMemory:
+    """Pipeline rank ``pp_rank``'s predicted peak and its categories: model states for
+    ``param_dtype`` and ``optimizer`` (``cost.memory.state_bytes_per_param``), activations as the
+    solver's evaluation has them, temporaries = the backward workspace
+    (``cost.memory.backward_workspace_bytes``) plus the recompute / ZeRO-3 gather buffers (at the
+    run's parameter bytes, ``solver.timing.other_workspace_bytes``), a split backward's held
+    gradients and the reducer's transient, and the peak of the module docstring."""
+    from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES
+    from autopar.cost.memory import (backward_workspace_bytes, model_state_bytes, reducer_end_bytes,
+                                     reducer_transient_bytes, state_bytes_per_param, step_peak_bytes)
+    from autopar.cost.schedule_memory import rank_actions, replay_peak_bytes
+    from autopar.cost.split_backward import is_split, rank_held_bytes
+    from autopar.solver.runtime_profile import AUTOPAR_RUNTIME
+    from autopar.solver.timing import accumulates_full_grads, other_workspace_bytes, rank_parts
+
+    profile = profile or AUTOPAR_RUNTIME           # what the evaluation was made with
+
+    cfg = evaluation.config
+    st = next(s for s in evaluation.stages if s.index == pp_rank)
+    per = state_bytes_per_param(param_dtype, optimizer)
+    classes = cfg.classes
+
+    def states(numel: float) -> dict:
+        return model_state_bytes(int(numel), cfg.data, cfg.zero, param_bytes=per["params"], grad_bytes=per["grads"],
+                                 optimizer_bytes_per_param=per["optimizer"], full_grads=accumulates_full_grads(cfg))
+
+    total = states(st.param_numel)
+    parts = rank_parts(summary, st.layers, st.has_pre, st.has_post)
+    largest = max(p.max_out_bytes for p, _, _ in parts)
+    # the solver's workspace, rebuilt for the run's parameter bytes: the largest output's backward,
+    # a re-materialized layer under recompute, ZeRO-3's prefetched layers (the reducer's transient
+    # and a split backward's held join-node gradients below)
+    workspace = backward_workspace_bytes(largest) + other_workspace_bytes(summary, cfg, st.layers,
+                                                                          param_bytes=per["params"])
+    split = is_split(cfg.schedule) if cfg.pp > 1 else False
+    chunks = _chunks(evaluation, summary, pp_rank, lambda numel: states(numel)["grads"], split)
+    if cfg.data > 1 and cfg.zero in (0, 1):
+        chunks = _bucketed(chunks)
+    host, act_kept = 0.0, 1.0
+    per_mb = sum(c.activations for c in chunks.values())
+    if classes:                  # ``cost/offload.py``, for the dtype and optimizer run
+        from autopar.cost.memory import optimizer_moments
+        from autopar.cost.offload import offload_memory, optimizer_rows
+
+        off = offload_memory(classes, rows=optimizer_rows(st.param_numel, cfg.data, cfg.zero),
+                             params_bytes=total["params"], grads_bytes=total["grads"],
+                             optimizer_bytes=total["optimizer"], activations_bytes=st.inflight * per_mb,
+                             resident_saved_bytes=largest, saved_bytes_per_microbatch=per_mb, inflight=st.inflight,
+                             microbatches=cfg.m, moments=optimizer_moments(optimizer))
+        host = off["host"]
+        if "activations" in classes:   # on the host; the backward brings one node's back at a time, at
+            act_kept = 0.0             # most the largest output (the log-probabilities at the loss)
+            workspace += largest
+        grad_kept = off["grads"] / total["grads"] if total["grads"] else 1.0   # grads offload: the buckets kept
+        chunks = {g: _scaled(c, act_kept, grad_kept) for g, c in chunks.items()}
+        total = {"params": off["params"], "grads": off["grads"], "optimizer": off["optimizer"]}
+    fixed = total["params"] + total["optimizer"]
+    local_grads = st.param_numel * per["grads"]
+    end = reducer_end_bytes(local_grads, cfg.data, cfg.zero, DEFAULT_BUCKET_BYTES)
+    if cfg.pp > 1:               # the replay holds the join-node gradients; the reduction runs after
+        peak = fixed + replay_peak_bytes(rank_actions(cfg.schedule, cfg.pp, pp_rank, cfg.m, cfg.v), chunks,
+                                         workspace)           # the schedule, beside no activation
+        workspace = max(workspace + rank_held_bytes(cfg, summary, pp_rank, st.layers), end)
+    else:
+        workspace += reducer_transient_bytes(local_grads, cfg.data, cfg.zero, DEFAULT_BUCKET_BYTES,
+                                             st.inflight * per_mb * act_kept + workspace)
+        (chunk,) = chunks.values()
+        peak = step_peak_bytes(fixed, chunk.pieces, st.inflight, workspace, grads_during_forward=st.inflight < cfg.m)
+    if end:                      # ZeRO 2/3: the end of the reduction, beside the reduced outputs (1/data)
+        peak = max(peak, fixed + local_grads / cfg.data + end)
+    if cfg.data > 1 and cfg.zero in (1, 2) and "optimizer" not in classes:
+        master = max(per["params"], 4.0)           # the optimizer's parameters: fp32 masters under 16-bit
+        bucket = min(st.param_numel * per["params"], DEFAULT_BUCKET_BYTES) / per["params"]
+        reduced = total["grads"] if cfg.zero == 1 else local_grads / cfg.data      # ZeRO-2 keeps its shard
+        peak = max(peak, fixed + reduced + bucket * master * (1 + 1 / cfg.data))
+    cats = MemoryByCategory(int(total["params"]), int(total["grads"]), int(total["optimizer"]),
+                            int(st.memory.activations_bytes * act_kept), int(workspace))
+    return PredictedMemory(int(peak), cats, int(host))
+
+
+def _chunks(evaluation, summary, pp_rank: int, grads_of, split: bool) -> dict:
+    """Pipeline rank ``pp_rank``'s local stages as ``schedule_memory.Chunk``s by global stage
+    index (one, index 0, without a pipeline): pieces in backward order (head, layers, embedding),
+    each layer's activations by the recompute choice ("partial": the rank's first
+    ``recompute_layers`` layers in model order), the gradients of tied parameters with the head
+    when the rank holds it; ``held``: a split stage's join-node gradients (stage 0 runs a full
+    backward)."""
+    from autopar.cost.schedule_memory import Chunk
+    from autopar.cost.split_backward import chunk_held_bytes
+    from autopar.solver.plan_parts import stage_layers
+    from autopar.solver.timing import activation_bytes_per_layer
+
+    cfg = evaluation.config
+    st = next(s for s in evaluation.stages if s.index == pp_rank)
+    blk, pre, post = (summary.parts[k] for k in ("block", "pre", "post"))
+    if cfg.pp > 1:
+        local, layers = stage_layers(cfg, evaluation.cuts)
+        last = cfg.pp * cfg.v - 1
+        mine = [(g, layers[g], g == 0, g == last) for g in sorted(local[pp_rank])]
+    else:
+        mine = [(0, st.layers, st.has_pre, st.has_post)]
+    k = int(min(cfg.recompute_layers or 0, st.layers)) if cfg.recompute == "partial" else 0
+    shared = summary.shared_param_numel if (st.has_pre or st.has_post) else 0.0
+    grads = grads_of(blk.param_numel)
+    out, seen = {}, 0
+    for g, n, has_pre, has_post in mine:                   # model order: the rank's first layers first
+        if cfg.recompute == "partial":
+            acts = [activation_bytes_per_layer(blk, summary, "full" if seen + j < k else "none") for j in range(n)]
+        else:
+            acts = [activation_bytes_per_layer(blk, summary, cfg.recompute)] * n
+        seen += n
+        pieces = [(a, grads) for a in reversed(acts)]
+        if has_post:
+            pieces.insert(0, (post.saved_bytes, grads_of(post.param_numel + shared)))
+        if has_pre:
+            pieces.append((pre.saved_bytes, grads_of(pre.param_numel + (0.0 if st.has_post else shared))))
+        held = 0.0
+        if split and g != 0:
+            held = chunk_held_bytes(n, blk.param_tensors, summary.layer_input_bytes,
+                                    post.max_out_bytes if has_post else 0.0)
+        out[g] = Chunk(tuple(pieces), held)
+    return out
+
+
+def _scaled(chunk, act: float, grad: float):
+    from dataclasses import replace
+
+    return replace(chunk, pieces=tuple((a * act, g * grad) for a, g in chunk.pieces))
+
+
+def _bucketed(chunks: dict) -> dict:
+    """ZeRO 0/1 over dp > 1: gradients live in bucket buffers (``runtime/reducer.py``), each
+    allocated whole when its first gradient arrives. Buckets fill in backward order (the first up
+    to ``DEFAULT_FIRST_BUCKET_BYTES``, the others ``DEFAULT_BUCKET_BYTES``, ``codegen/buckets.py``;
+    a rank's later stage's first backward comes before its earlier's): each piece's gradient bytes
+    become what is allocated when it runs."""
+    from dataclasses import replace
+
+    from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES
+
+    order = sorted(chunks, reverse=True)
+    left = sum(g for c in chunks.values() for _, g in c.pieces)     # not yet allocated
+    room, cap, out = 0.0, float(DEFAULT_FIRST_BUCKET_BYTES), {}
+    for s in order:
+        pieces = []
+        for a, g in chunks[s].pieces:
+            alloc = 0.0
+            while g > room and left > 0:            # a new bucket, allocated whole
+                g -= room
+                room = min(cap, left)
+                alloc += room
+                left -= room
+                cap = float(DEFAULT_BUCKET_BYTES)
+            room -= min(g, room)
+            pieces.append((a, alloc))
+        out[s] = replace(chunks[s], pieces=tuple(pieces), bucketed=True)
+    return out
