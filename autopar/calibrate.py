@@ -106,6 +106,7 @@ class Calibration:
     link_note: str                  # why there is no link ("" when there is one)
     measure_s: float                # wall time of ``measure``
     runtime_overhead: Optional[tuple[float, float]] = None   # (plain, DTensor) s per graph node per step (CPU)
+    runtime_overhead_slope: tuple[bool, bool] = (True, True)   # measured as the slope (False: noise, upper bound)
     overlap: Optional[OverlapFigures] = None   # compute beside an async all-reduce (calibrate_overlap.py)
 
 
@@ -202,6 +203,8 @@ def _aggregate(results: list[dict], cfg: dict, kind: str, nproc: int, start: flo
         runtime_overhead=(_mean([r["runtime_overhead"]["plain"] for r in results]),
                           _mean([r["runtime_overhead"]["dtensor"] for r in results]))
         if "runtime_overhead" in results[0] else None,
+        runtime_overhead_slope=tuple(all(r["runtime_overhead"][f"{k}_slope"] for r in results)
+                                     for k in ("plain", "dtensor")) if "runtime_overhead" in results[0] else (True, True),
         overlap=overlap_figures(results[0]["overlap"]) if "overlap" in results[0] else None)
 
 
@@ -321,9 +324,10 @@ def figures_table(cal: Calibration, cluster: ClusterSpec) -> Table:
         t.add_row("elementwise fp32", f"{cal.vector_flops / 1e9:.4g} GFLOP/s", "peak vector")
     t.add_row("per-op overhead (1-element add)", f"{cal.overhead_s * 1e6:.3g} us", "(recorded)")
     if cal.runtime_overhead:
+        how = " / ".join("slope" if ok else "noisy: whole step / node" for ok in cal.runtime_overhead_slope)
         t.add_row("autopar step, per graph node (plain / DTensor)",
                   f"{cal.runtime_overhead[0] * 1e6:.3g} / {cal.runtime_overhead[1] * 1e6:.3g} us",
-                  "op_overhead_us / dtensor_op_overhead_us")
+                  f"op_overhead_us / dtensor_op_overhead_us ({how})")
     for k, f in cal.fits + ((("all kinds", cal.joint),) if cal.joint else ()):
         top = max(p.nbytes for p in cal.points if k == "all kinds" or p.kind == k)
         role = ("\\[intra] link" if k == cal.link_kind else

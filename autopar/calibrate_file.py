@@ -93,6 +93,8 @@ def measured_dict(cal: Calibration, budget_s: float, wall_s: float) -> dict[str,
         m["vector_GFLOPs"] = cal.vector_flops / 1e9
     if cal.runtime_overhead is not None:      # per graph node of an autopar step (calibrate_runtime.py)
         m["step_us_per_node"] = {"plain": cal.runtime_overhead[0] * 1e6, "dtensor": cal.runtime_overhead[1] * 1e6}
+        m["step_us_per_node_is_slope"] = {"plain": cal.runtime_overhead_slope[0],
+                                          "dtensor": cal.runtime_overhead_slope[1]}
     m["gemm"] = {d: {"TFLOPs": s.rate / 1e12, "mean_TFLOPs": s.mean_rate / 1e12, "shapes": s.shapes,
                      "skipped_for_time": skipped, "per_pass_TFLOPs": {k: v / 1e12 for k, v in s.per_pass},
                      "per_hidden_TFLOPs": {str(k): v / 1e12 for k, v in s.per_hidden},

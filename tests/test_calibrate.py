@@ -139,10 +139,11 @@ def test_real_run_writes_a_cluster_the_planner_uses(tmp_path):
         c.gpu.hbm_Bps, c.gpu.attention_efficiency, c.intra.busbw_Bps, c.intra.latency_s + 1e-12,
         m["copy_GBps"], m["op_overhead_us"], m["gemm"]["float32"]["TFLOPs"]]
     assert all(math.isfinite(x) and x > 0 for x in figures), figures
-    # autopar's step cost per graph node, plain and DTensor: slopes, recorded; in the cluster (a
-    # default of 0 is not written) unless noise made one 0
+    # autopar's step cost per graph node, plain and DTensor: slopes (or, where noise left none, the
+    # deep step per node), recorded and in the cluster; never 0
     per_node = m["step_us_per_node"]
-    assert set(per_node) == {"plain", "dtensor"} and all(math.isfinite(x) and x >= 0 for x in per_node.values())
+    assert set(per_node) == {"plain", "dtensor"} and all(math.isfinite(x) and x > 0 for x in per_node.values())
+    assert set(m["step_us_per_node_is_slope"]) == {"plain", "dtensor"}
     assert (c.gpu.op_overhead_s, c.gpu.dtensor_op_overhead_s) == pytest.approx(
         (per_node["plain"] * 1e-6, per_node["dtensor"] * 1e-6), rel=1e-3)
     assert c.intra.name == "measured-gloo" and set(m["collectives"]) == set(COLLECTIVE_KINDS)
