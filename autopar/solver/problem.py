@@ -111,6 +111,9 @@ class AxisTables:
     _edge_cache: dict = field(default_factory=dict)
     op_sets: dict = field(default_factory=dict)   # recompute name -> op_classes.OpSet (per-op recompute)
     axis: str = TENSOR                # the mesh axis these tables are for (names its collectives)
+    # (t, link, source placement, target placement, bytes) -> (kind, seconds): shared by the tables
+    # of one ``build_tables`` cache (the same activation sizes recur on every edge and table)
+    reshard_cache: dict = field(default_factory=dict)
 
     def edge_costs(self, e: EdgeSpec) -> list[list[EdgeCost]]:
         key = (e.u, e.v, e.pos, e.wrap)
@@ -237,7 +240,8 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
     edges = _edges(facts, metas, set(keys), carried, block_out, count)
     return AxisTables(facts, t, sp, mbs, link, profile, tuple(keys), strategies, costs, weight, tuple(edges),
                       metas, kinds, core_nodes(facts), carried, block_out, count,
-                      op_sets=all_op_sets(facts, alias=t == 1), axis=TENSOR if background is None else background.axis)
+                      op_sets=all_op_sets(facts, alias=t == 1), axis=TENSOR if background is None else background.axis,
+                      reshard_cache=cache.setdefault("reshard", {}))
 
 
 def _edges(facts: GraphFacts, metas: dict, present: set, carried, block_out, count) -> list[EdgeSpec]:
@@ -276,20 +280,27 @@ def _edge_matrix(tab: AxisTables, e: EdgeSpec) -> list[list[EdgeCost]]:
     cu, cv = tab.costs[e.u], tab.costs[e.v]
     mm_u, mm_v = tab.kinds[e.u] == "matmul", tab.kinds[e.v] == "matmul"
     overlap = tab.profile.tp_overlap_kinds
-    cache: dict = {}
+    cache, scope = tab.reshard_cache, (tab.t, tab.link, e.nbytes)
 
     def rs(src, dst):
-        k = (src, dst)
+        k = (scope, src, dst)
         if k not in cache:
             cache[k] = (reshard_kind(src, dst), reshard_s(src, dst, e.nbytes, tab.t, tab.link))
         return cache[k]
 
+    outs, out_ix = _indexed([su.output for su in su_list])
+    ins, in_ix = _indexed([sv.inputs[e.pos] for sv in sv_list])
+    fwd = [[rs(o, i) for i in ins] for o in outs]
+    if e.grad:
+        gsrc, gsrc_ix = _indexed([sv.input_grads[e.pos] for sv in sv_list])
+        gdst, gdst_ix = _indexed([grad_target(o) for o in outs])
+        bwd = [[rs(g, d) for d in gdst] for g in gsrc]
     rows = []
     for a, su in enumerate(su_list):
-        row = []
+        row, f_row = [], fwd[out_ix[a]]
         for b, sv in enumerate(sv_list):
-            fk, fs = rs(su.output, sv.inputs[e.pos])
-            bk, bs = rs(sv.input_grads[e.pos], grad_target(su.output)) if e.grad else (None, 0.0)
+            fk, fs = f_row[in_ix[b]]
+            bk, bs = bwd[gsrc_ix[b]][gdst_ix[out_ix[a]]] if e.grad else (None, 0.0)
             rg = fs if (e.regather and fk == "all_gather") else 0.0
             if fk in overlap and fs > 0:
                 win = max(cu[a].fwd_s if mm_u else 0.0, cv[b].fwd_s if mm_v else 0.0)
@@ -304,6 +315,14 @@ def _edge_matrix(tab: AxisTables, e: EdgeSpec) -> list[list[EdgeCost]]:
             row.append(EdgeCost(fk, fs, bk, bs, rg))
         rows.append(row)
     return rows
+
+
+def _indexed(items: list) -> tuple[list, list[int]]:
+    """The distinct ``items`` in first-seen order and each item's index among them (an edge's
+    strategies share a few placements: the reshard costs are looked up per distinct pair)."""
+    index: dict = {}
+    at = [index.setdefault(x, len(index)) for x in items]
+    return list(index), at
 
 
 # ---- the ILP ----------------------------------------------------------------------------------
