@@ -24,6 +24,29 @@ def test_profiler_events_are_classed_as_the_cost_model_classes_ops():
     assert op_class("c10d::send") == "collective:p2p"
     assert op_class("Optimizer.step#AdamW.step") == "optimizer"
     assert op_class("autograd::engine::evaluate_function: AddmmBackward0") == "runtime"
+    assert op_class("autopar::wait:all_reduce") == "collective:all_reduce"
+
+
+def test_waiting_for_an_async_collective_counts_as_that_collective():
+    """``collectives.wait_for``: the time a bucket's or a prefetch's ``work.wait()`` blocks is not in
+    any c10d op (the launch returned); under the profiler it is the collective's, not host time."""
+    import time
+    from collections import Counter
+
+    from torch.profiler import profile
+
+    from autopar.runtime.collectives import wait_for
+
+    class Work:
+        def wait(self):
+            time.sleep(0.02)
+
+    with profile() as prof:
+        wait_for(Work(), "all_reduce")
+    by = Counter()
+    for e in prof.key_averages():
+        by[op_class(e.key)] += e.self_cpu_time_total * 1e-6
+    assert by["collective:all_reduce"] >= 0.02 and by["runtime"] < 0.01
 
 
 @pytest.fixture(scope="module")

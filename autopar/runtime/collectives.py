@@ -50,6 +50,20 @@ class CollectiveLog:
         self._records.clear()
 
 
+WAIT_EVENT = "autopar::wait:"      # + the collective's kind: a profiler range around waiting for one
+
+
+def wait_for(work, kind: str) -> None:
+    """``work.wait()`` inside a profiler range named ``WAIT_EVENT + kind``: the time an async
+    collective keeps a rank waiting is not in any c10d op's self time (the launch returned), and
+    ``autopar profile`` counts it as that collective's (``runtime/profiling.op_class``), not as host
+    overhead. Outside a profiler the range costs a microsecond or two."""
+    import torch
+
+    with torch.profiler.record_function(WAIT_EVENT + kind):
+        work.wait()
+
+
 _FUNCOL_KINDS = {
     "all_reduce": "all_reduce",
     "all_reduce_": "all_reduce",

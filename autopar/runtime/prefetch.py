@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.mesh import DATA
+from autopar.runtime.collectives import wait_for
 from autopar.runtime.params import chunk_numel, on_device, padded_rows, unpadded
 
 
@@ -75,7 +76,7 @@ class GroupGathers:
         """Drop every gathered tensor not read yet (after waiting for the gathers in flight)."""
         for f in self._flights.values():
             if f.work is not None:
-                f.work.wait()
+                wait_for(f.work, "all_gather")
         self._flights.clear()
         self._ready.clear()
 
@@ -94,7 +95,7 @@ class GroupGathers:
 
     def _land(self, f: _Flight) -> dict[str, torch.Tensor]:
         if f.work is not None:
-            f.work.wait()
+            wait_for(f.work, "all_gather")
         f.send = None
         rows = f.out.view(self.ctx.dp, -1)
         out, off = {}, 0

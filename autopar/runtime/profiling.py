@@ -9,7 +9,8 @@ the profiled steps (kind, mesh axis, bytes) and, optionally, a Chrome/TensorBoar
 Operator classes of profiler events (self time, so nested events are not counted twice):
 ``matmul``, ``attention``, ``memory`` (elementwise, norms, reductions) and ``free`` (views) as the
 cost model classifies aten ops (``cost/compute.op_kind``); ``collective:<kind>`` for c10d's
-collectives (on gloo their self time includes waiting for the slowest rank); ``optimizer`` for the
+collectives (on gloo their self time includes waiting for the slowest rank) and for the waits on
+autopar's async ones (gradient buckets, ZeRO-3 prefetches: ``collectives.wait_for``); ``optimizer`` for the
 optimizer step's own code; ``runtime`` for everything else (Python dispatch of DTensor and
 autopar's executor, autograd bookkeeping).
 """
@@ -23,6 +24,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from autopar.cost.compute import op_kind
+from autopar.runtime.collectives import WAIT_EVENT
 
 _C10D = {"allreduce": "all_reduce", "allgather": "all_gather", "_allgather_base": "all_gather",
          "allgather_into_tensor_coalesced": "all_gather", "reduce_scatter": "reduce_scatter",
@@ -36,6 +38,8 @@ def op_class(event_name: str) -> str:
     if event_name.startswith("c10d::"):
         base = event_name[len("c10d::"):].rstrip("_")
         return "collective:" + _C10D.get(base, base)
+    if event_name.startswith(WAIT_EVENT):            # waiting for an async one (``collectives.wait_for``)
+        return "collective:" + event_name[len(WAIT_EVENT):]
     if event_name.startswith("Optimizer.step#"):
         return "optimizer"
     if event_name.startswith("aten::"):

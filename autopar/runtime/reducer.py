@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
+from autopar.runtime.collectives import wait_for
 from autopar.mesh import DATA
 from autopar.runtime.params import ParamSlot, ParamStore, chunk_numel
 
@@ -231,7 +232,7 @@ class GradReducer:
 
     def _finish(self, b: int) -> None:
         f = self._inflight[b]
-        f.work.wait()
+        wait_for(f.work, f.kind)
         slots = [self.slots[i] for i in self.buckets[b]]
         if f.kind == "all_reduce":
             flat = self._flat[b]
