@@ -58,8 +58,8 @@ import torch
 import torch.distributed as dist
 
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
-from autopar.runtime.collectives import wait_for
 from autopar.mesh import DATA
+from autopar.runtime.collectives import wait_for
 from autopar.runtime.params import ParamSlot, ParamStore, chunk_numel
 
 

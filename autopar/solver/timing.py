@@ -488,7 +488,7 @@ def activation_bytes_per_layer(blk: PartCost, summary: AxisSummary, recompute: s
 
 
 def other_workspace_bytes(summary: AxisSummary, cfg: OuterConfig, lps: Optional[float] = None, *,
-                 param_bytes: int) -> float:
+                          param_bytes: int) -> float:
     """Workspace besides the largest single output: one layer re-materialized under recompute, the
     prefetched gathered layers under ZeRO-3. "partial" recomputes a rank's FIRST layers, whose
     backward comes last, when the later layers' activations are freed: a re-materialized layer adds
