@@ -456,7 +456,7 @@ def reducer_collectives(program: RankProgram, bucket_bytes: int, tp_rank: int) -
     layouts = param_layouts(program, tp_rank)
     out = []
     for bucket in plan_buckets(layouts, bucket_bytes):
-        if program.zero_stage in (0, 1):
+        if program.zero_stage == 0:
             out.append(Collective("all_reduce", axis, bucket_comm_bytes(layouts, bucket, dp, "all_reduce"),
                                   "step", "reducer"))
         else:

@@ -210,8 +210,12 @@ def reducer_transient_bytes(grad_bytes: float, data: int, zero: int, bucket: flo
             previous one's, before the last output (1/data of it) exists:
             2 min(G, B) + min(max(G - B, 0), B) - min(G, B) / data
 
-    and the peak takes the larger of the first and the second less the activations. ZeRO 0/1
-    reduce in place, in the buffers the gradients live in: nothing."""
+    and the peak takes the larger of the first and the second less the activations. ZeRO 0
+    reduces in place, in the buffers the gradients live in: nothing. ZeRO-1 reduce-scatters as
+    ZeRO-2 does (``runtime/reducer.py``), but the solver keeps it at 0 here: the plan counts its
+    gradients as one whole copy, which its summands never exceed, and its send buffers (at most two
+    buckets: ~37 MB at the default 25 MiB) are counted at the end of the step only, by
+    ``reducer_end_bytes`` (``runtime/memory_predict.py``)."""
     if zero < 2 or data <= 1:
         return 0.0
     previous = min(max(grad_bytes - bucket, 0.0), bucket)
@@ -222,8 +226,9 @@ def reducer_transient_bytes(grad_bytes: float, data: int, zero: int, bucket: flo
 def reducer_end_bytes(grad_bytes: float, data: int, zero: int, bucket: float) -> float:
     """``reducer_transient_bytes``' term at the end of the reduction (the activations freed): the
     last bucket's summands and send buffer and the previous one's, before the last output exists.
-    A pipeline reduces only after its schedule: this is its whole reducer transient."""
-    if zero < 2 or data <= 1:
+    A pipeline reduces only after its schedule: this is its whole reducer transient. ZeRO 1-3
+    (ZeRO-1 reduce-scatters as ZeRO-2 does)."""
+    if zero < 1 or data <= 1:
         return 0.0
     previous = min(max(grad_bytes - bucket, 0.0), bucket)
     return min(grad_bytes, bucket) * (2 - 1 / data) + previous

@@ -12,7 +12,7 @@ peak is the larger of two moments:
   trade of activations for gradients, piece by piece); with one, the rank's schedule replayed
   action by action over its local stages (``cost/schedule_memory.py``: the zero-bubble schedules'
   input passes keep activations and add join-node gradients, their weight passes trade);
-- after it, ZeRO 1/2 over data > 1: the gradients, and the all-gather of the updated rows of one
+- after it, ZeRO 1/2 over data > 1: the gradients' shards, and the all-gather of the updated rows of one
   bucket (``GradReducer.gather_params``: its send buffer and its output, in the optimizer's
   parameter dtype).
 """
@@ -93,7 +93,7 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
                                                                           param_bytes=per["params"])
     split = is_split(cfg.schedule) if cfg.pp > 1 else False
     chunks = _chunks(evaluation, summary, pp_rank, lambda numel: states(numel)["grads"], split)
-    if cfg.data > 1 and cfg.zero in (0, 1):
+    if cfg.data > 1 and cfg.zero == 0:
         chunks = _bucketed(chunks)
     host, act_kept = 0.0, 1.0
     per_mb = sum(c.activations for c in chunks.values())
@@ -125,13 +125,12 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
                                              st.inflight * per_mb * act_kept + workspace)
         (chunk,) = chunks.values()
         peak = step_peak_bytes(fixed, chunk.pieces, st.inflight, workspace, grads_during_forward=st.inflight < cfg.m)
-    if end:                      # ZeRO 2/3: the end of the reduction, beside the reduced outputs (1/data)
+    if end:                      # ZeRO 1-3: the end of the reduction, beside the reduced outputs (1/data)
         peak = max(peak, fixed + local_grads / cfg.data + end)
     if cfg.data > 1 and cfg.zero in (1, 2) and "optimizer" not in classes:
         master = max(per["params"], 4.0)           # the optimizer's parameters: fp32 masters under 16-bit
         bucket = min(st.param_numel * per["params"], DEFAULT_BUCKET_BYTES) / per["params"]
-        reduced = total["grads"] if cfg.zero == 1 else local_grads / cfg.data      # ZeRO-2 keeps its shard
-        peak = max(peak, fixed + reduced + bucket * master * (1 + 1 / cfg.data))
+        peak = max(peak, fixed + local_grads / cfg.data + bucket * master * (1 + 1 / cfg.data))   # the shards kept
     cats = MemoryByCategory(int(total["params"]), int(total["grads"]), int(total["optimizer"]),
                             int(st.memory.activations_bytes * act_kept), int(workspace))
     return PredictedMemory(int(peak), cats, int(host))
@@ -188,7 +187,7 @@ def _scaled(chunk, act: float, grad: float):
 
 
 def _bucketed(chunks: dict) -> dict:
-    """ZeRO 0/1 over dp > 1: gradients live in bucket buffers (``runtime/reducer.py``), each
+    """ZeRO-0 over dp > 1: gradients live in bucket buffers (``runtime/reducer.py``), each
     allocated whole when its first gradient arrives. Buckets fill in backward order (the first up
     to ``DEFAULT_FIRST_BUCKET_BYTES``, the others ``DEFAULT_BUCKET_BYTES``, ``codegen/buckets.py``;
     a rank's later stage's first backward comes before its earlier's): each piece's gradient bytes

@@ -466,7 +466,7 @@ class ParamStore:
             if ctx.zero_stage >= 1 and ctx.dp > 1:
                 return gather_rows(slot, g.reshape(-1), ctx, record=False)
             return g.reshape(slot.layout.local_shape)
-        if ctx.zero_stage in (0, 1) or ctx.dp == 1:
+        if ctx.zero_stage == 0 or ctx.dp == 1:
             g = slot.local.grad
             return torch.zeros(slot.layout.local_shape, dtype=_dtype(slot.plan.dtype),
                                device=slot.local.device) if g is None else g

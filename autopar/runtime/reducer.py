@@ -4,16 +4,18 @@ After backward every rank holds, per parameter, its tp-local gradient SUMMAND ov
 (``codegen/buckets.py``), one collective on the dp group (the DATA axis of the mesh,
 ``autopar.mesh.DATA``; its records carry that axis' name):
 
-    ZeRO 0, 1   all_reduce      in place, on the bucket buffer the gradients live in (below);
-                                ZeRO-1 then hands each rank's optimizer a view of its rows
-    ZeRO 2, 3   reduce_scatter  input laid out rank-major ([rank 0's padded rows of every
-                                parameter][rank 1's ...]), output = this rank's rows
+    ZeRO 0      all_reduce      in place, on the bucket buffer the gradients live in (below)
+    ZeRO 1-3    reduce_scatter  input laid out rank-major ([rank 0's padded rows of every
+                                parameter][rank 1's ...]), output = this rank's rows (each rank's
+                                optimizer updates only those: the ZeRO paper's 2 x params of
+                                traffic with the all-gather below, not an all-reduce's 2 more)
     after the optimizer step, ZeRO 1, 2: all_gather of the updated rows, same layout
 
 Memory (what the plan's model, ``cost/memory.py``, counts: one copy of the gradients for ZeRO 0/1,
-grads / dp for ZeRO 2/3):
+grads / dp for ZeRO 2/3; the runtime's ZeRO-1 keeps what its ZeRO-2 keeps, the summands until their
+bucket's reduce-scatter, less than the plan counts):
 
-- ZeRO 0/1 (dp > 1), DDP's ``gradient_as_bucket_view``: each bucket has one flat buffer and every
+- ZeRO 0 (dp > 1), DDP's ``gradient_as_bucket_view``: each bucket has one flat buffer and every
   parameter's ``.grad`` is a view of its slice. A post-accumulate-grad hook moves a fresh ``.grad``
   (the step's first: autograd made a new one) into its slice and replaces it by the view; later
   micro-batches then accumulate in place (autograd adds into a defined ``.grad``). A parameter
@@ -22,15 +24,15 @@ grads / dp for ZeRO 2/3):
   views) hold it, so ``zero_grad`` (set to None) frees it. As in the plan's peak model
   (``cost.memory.step_peak_bytes``), gradients then start each step unallocated: a buffer kept
   from step to step would sit beside the forward's activations (gpt-tiny, dp=2: peak +14 %).
-- ZeRO 2/3: the send buffer is filled parameter by parameter and each full summand is dropped as
+- ZeRO 1-3: the send buffer is filled parameter by parameter and each full summand is dropped as
   soon as it is copied in; the send buffer is dropped when its collective has finished.
-- A bucket's transient buffers (ZeRO 2/3's send buffer and output; ``reduce_dtype``'s cast) stay
+- A bucket's transient buffers (ZeRO 1-3's send buffer and output; ``reduce_dtype``'s cast) stay
   bounded: launching bucket b first finishes every bucket before b - 1, before b's buffers are
   made (at most two buckets' buffers at once), and a finished bucket drops its ``Work`` (gloo's
   keeps its tensors alive).
 
 Mixed precision (``runtime/precision.py``): with ``reduce_dtype`` a bucket is cast to it before
-its collective (a copy, one bucket at a time) and back to the parameters' dtype after (ZeRO 0/1:
+its collective (a copy, one bucket at a time) and back to the parameters' dtype after (ZeRO 0:
 into the bucket buffer, in place).
 
 Micro-batches: the hooks are ``arm``ed only for the last micro-batch of a step, so the earlier
@@ -87,7 +89,7 @@ class GradReducer:
         ctx = store.ctx
         self.dp, self.stage, self.group, self.log = ctx.dp, ctx.zero_stage, ctx.dp_group, ctx.log
         self.overlap = overlap and self.dp > 1
-        self.views = self.dp > 1 and self.stage in (0, 1)      # gradients live in the bucket buffers
+        self.views = self.dp > 1 and self.stage == 0           # gradients live in the bucket buffers
         self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
         self.index_of = {s.name: i for i, s in enumerate(self.slots)}
         self._offset: dict[int, int] = {}         # slot index -> its first element in its bucket buffer
@@ -126,7 +128,7 @@ class GradReducer:
         self._inflight: list[Optional[_Flight]] = [None] * len(self.buckets)
         self._next = 0                             # buckets launched: [0, _next)
         self._finished = 0                         # buckets finished: [0, _finished)
-        # ZeRO 0/1 bucket buffers of this step (the last step's live on in its gradients' views)
+        # ZeRO-0 bucket buffers of this step (the last step's live on in its gradients' views)
         self._flat: list[Optional[torch.Tensor]] = [None] * len(self.buckets)
 
     # ---- gradients arriving (backward) -------------------------------------------------------
@@ -180,7 +182,7 @@ class GradReducer:
     def _launch(self, b: int) -> None:
         self._finish_until(b - 1)                # before b's buffers exist: at most two buckets' at once
         slots = [self.slots[i] for i in self.buckets[b]]
-        if self.stage in (0, 1):
+        if self.stage == 0:
             for i in self.buckets[b]:
                 self._into_bucket(i)
             flat = self._flat[b]
@@ -238,10 +240,6 @@ class GradReducer:
             flat = self._flat[b]
             if f.send is not flat:               # reduce_dtype: back to the parameters' dtype
                 flat.copy_(f.send)
-            if self.stage == 1:
-                for s in slots:
-                    rows = s.local.grad.view(s.layout.rows, s.layout.row_numel)
-                    s.opt_param.grad = rows[s.rows[0]: s.rows[1]]
         else:
             out = f.out if self.reduce_dtype is None else f.out.to(slots[0].local.dtype)
             self._finish_reduce_scatter(slots, out)

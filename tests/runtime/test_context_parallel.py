@@ -146,7 +146,7 @@ def test_axes_carry_their_traffic(two_ranks, four_ranks):
     axes = {k[1] for k in four_ranks["ring_x_tp_megatron"][0][0]["issued"]}
     assert {"cp", "tp"} <= axes
     dp = [k for k in four_ranks["dp_x_ring_zero1"][0][0]["issued"] if k[1] == "dp"]
-    assert {k[0] for k in dp if k[3] == "step"} == {"all_reduce", "all_gather"}      # ZeRO-1: buckets, then params
+    assert {k[0] for k in dp if k[3] == "step"} == {"reduce_scatter", "all_gather"}  # ZeRO-1: buckets, then params
 
 
 def _hf_train(rank: int, world: int, force: str) -> dict:
