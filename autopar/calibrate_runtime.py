@@ -20,7 +20,7 @@ On a shared machine a step's time swings 2x from one step to the next (other pro
 waiting on each other), more than the depth adds: the two depths' steps alternate (a slow spell
 hits both) and each depth's fastest step is taken (load only adds time). A slope that still comes
 out at or below 0 is noise, not a free node: the deep model's whole step per node is taken instead
-(an upper bound, fixed costs included), and said so (``RuntimeOverhead.slope``).
+(an upper bound, fixed costs included), and said so (``runtime_overheads``' ``*_slope`` flags).
 """
 from __future__ import annotations
 

@@ -32,10 +32,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Sequence
 
-# plan.pipeline_schedule -> torch's class, for the multi-stage schedules (runtime/pipeline.SCHEDULES)
-_MULTI = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "interleaved_zb": "ScheduleInterleavedZeroBubble",
-          "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
-
 Action = tuple[str, int, int]          # (kind: F, B, I or W; global stage; micro-batch)
 
 
@@ -44,7 +40,7 @@ class Chunk:
     """One local stage of a rank: ``pieces`` (activation bytes of one micro-batch, gradient bytes
     its first backward allocates) in backward order (head, layers, embedding), and ``held``: the
     bytes of join-node gradients its input pass keeps per micro-batch until the weight pass.
-    ``bucketed``: the gradient bytes of a piece are bucket buffers (``runtime/reducer.py``: ZeRO 0/1
+    ``bucketed``: the gradient bytes of a piece are bucket buffers (``runtime/reducer.py``: ZeRO-0
     over dp), allocated whole by the piece's first gradient, while its activations are still live."""
     pieces: tuple[tuple[float, float], ...]
     held: float = 0.0
@@ -70,9 +66,11 @@ def rank_actions(schedule: str, pp: int, rank: int, num_micro_batches: int, virt
             if warm + i < m:
                 out.append(("F", r, warm + i))
         return out
-    if schedule not in _MULTI:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; expected gpipe, 1f1b or one of {', '.join(_MULTI)}")
-    return _torch_actions(_MULTI[schedule], p, r, m, virtual_stages)
+    from autopar.runtime.pipeline import SCHEDULES      # the plan's schedule name -> torch's class
+
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
+    return _torch_actions(SCHEDULES[schedule], p, r, m, virtual_stages)
 
 
 def _torch_actions(cls_name: str, p: int, r: int, m: int, v: int) -> list[Action]:

@@ -40,6 +40,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from autopar.runtime.reshard import acyclic
+
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
 _PRECEDENCE = CATEGORIES           # a storage in several roles counts in the first
 HOST = "host"                      # offloaded: not device memory (a role before all the others)
@@ -170,8 +172,6 @@ class StorageTracker(TorchDispatchMode):
             self.roles.setdefault(self._serial_of[id(st)], set()).add(role)
 
     def _pack(self, t):
-        from autopar.runtime.reshard import acyclic
-
         self.mark(t, "activations")
         return acyclic(t, t)
 
