@@ -261,7 +261,8 @@ class ParallelModel:
 
     def _micro_batches(self, inputs: tuple, targets) -> torch.Tensor:
         """Forward and backward of the plan's micro-batches in turn (gradients accumulate; the
-        reducer's overlap is armed for the last one only); the step's loss."""
+        reducer's overlap is armed for the last one only, or for each one with ZeRO 2/3, see
+        ``GradReducer.each_micro_batch``); the step's loss."""
         m = self.plan.num_micro_batches
         rows = batch_rows(inputs, targets)
         if rows % m:
@@ -274,7 +275,8 @@ class ParallelModel:
             ys = [self._folded((y,))[0] for y in ys]
         total = torch.zeros(())
         for i, (x, y) in enumerate(zip(xs, ys)):
-            self.reducer.arm(i == m - 1)
+            last = i == m - 1
+            self.reducer.arm(last or self.reducer.each_micro_batch, last)
             self._log.phase = "forward"
             with self._recording():
                 outs = self._train.run(x, y)
@@ -282,6 +284,8 @@ class ParallelModel:
                 loss_local = edge(loss, _replicate(loss)).to_local() * (self._loss_scale * self._grad_scale())
                 self._log.phase = "backward"
                 loss_local.backward()
+            if not last:                           # ZeRO 2/3: this micro-batch's reduce-scatters
+                self.reducer.end_micro_batch()
             total = total + loss_local.detach().to(total.dtype)
         return total
 

@@ -203,7 +203,7 @@ def build(s: Setup, example_target: torch.Tensor) -> Built:
     opt = offload.optimizer.optimizer if offload.optimizer is not None else s.optimizer(store.optimizer_params())
     if hasattr(opt, "set_shard_groups"):          # per-tensor norms over shards (optim.LAMB)
         opt.set_shard_groups(store.shard_groups())
-    reducer = GradReducer(store, s.bucket_bytes, reduce_dtype=precision.reduce_dtype)
+    reducer = GradReducer(store, s.bucket_bytes, reduce_dtype=precision.reduce_dtype, pipelined=cut is not None)
     if offload.optimizer is not None:
         offload.optimizer.attach(reducer)
     if s.rank == 0:

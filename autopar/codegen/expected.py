@@ -216,8 +216,9 @@ def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFA
     ``autoparallelize``'s: in local-dp mode only the nodes that reduce over the batch run on
     DTensors, so only their edges communicate. ``fused``: keys of the nodes that ran through a fused
     kernel (``ParallelModel.fused_kernels``). With ``plan.num_micro_batches`` m > 1 what the graph
-    issues (its edges, the loss, ZeRO-3's gathers) happens m times, the reducer's once. Pipelined
-    plans (pp > 1): ``expected_pipeline.expected_pipeline_collectives``."""
+    issues (its edges, the loss, ZeRO-3's gathers) happens m times, the reducer's once (ZeRO 2/3's
+    reduce-scatters m times: ``GradReducer.each_micro_batch``). Pipelined plans (pp > 1):
+    ``expected_pipeline.expected_pipeline_collectives``."""
     if program is None:
         program = compile_program(graph, plan, local_dp=local_dp_nodes(graph, plan) if dp_mode == "auto" else None)
     by_key = {n.key: n for n in graph.nodes}
@@ -225,7 +226,8 @@ def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFA
     per_run = part_collectives(graph, program, backend=backend, tp_rank=tp_rank, fused=fused,
                                loss_key=loss.key if loss is not None else None)
     per_run += context_collectives(graph, program, plan.context_parallel, plan.context_parallel_mode)
-    return per_run * plan.num_micro_batches + reducer_collectives(program, bucket_bytes, tp_rank)
+    rounds = plan.num_micro_batches if program.zero_stage >= 2 else 1
+    return per_run * plan.num_micro_batches + reducer_collectives(program, bucket_bytes, tp_rank, rounds)
 
 
 def part_collectives(graph: GraphIR, program: RankProgram, *, backend: str = "gloo", tp_rank: int = 0,
@@ -445,26 +447,23 @@ def param_layouts(program: RankProgram, tp_rank: "int | Mapping[str, int]") -> l
     return [ParamLayout(p.name, _tp_local_shape(p, mesh, coord), p.dtype) for p in program.params]
 
 
-def reducer_collectives(program: RankProgram, bucket_bytes: int, tp_rank: int) -> list[Collective]:
-    """The gradient reducer's collectives after the step's backward (ZeRO 0/1: all_reduce, 2/3:
-    reduce_scatter per bucket) and ZeRO 1/2's all_gather of the updated rows, over ``program.params``."""
+def reducer_collectives(program: RankProgram, bucket_bytes: int, tp_rank: int, rounds: int = 1) -> list[Collective]:
+    """The gradient reducer's collectives of a step (ZeRO 0: all_reduce, 1-3: reduce_scatter per
+    bucket, ``rounds`` times: once per step or, ZeRO 2/3 without a pipeline, per micro-batch) and
+    ZeRO 1/2's all_gather of the updated rows, over ``program.params``, in the order logged."""
     mesh = program.mesh
     dp = mesh.size_of(DATA)
     if dp == 1:
         return []
     axis = mesh.axes[axis_index(mesh, DATA)]
     layouts = param_layouts(program, tp_rank)
-    out = []
-    for bucket in plan_buckets(layouts, bucket_bytes):
-        if program.zero_stage == 0:
-            out.append(Collective("all_reduce", axis, bucket_comm_bytes(layouts, bucket, dp, "all_reduce"),
-                                  "step", "reducer"))
-        else:
-            out.append(Collective("reduce_scatter", axis, bucket_comm_bytes(layouts, bucket, dp, "reduce_scatter"),
-                                  "step", "reducer"))
-        if program.zero_stage in (1, 2):
-            out.append(Collective("all_gather", axis, bucket_comm_bytes(layouts, bucket, dp, "all_gather"),
-                                  "step", "zero"))
+    buckets = plan_buckets(layouts, bucket_bytes)
+    kind = "all_reduce" if program.zero_stage == 0 else "reduce_scatter"
+    out = [Collective(kind, axis, bucket_comm_bytes(layouts, b, dp, kind), "step", "reducer")
+           for b in buckets] * rounds
+    if program.zero_stage in (1, 2):
+        out += [Collective("all_gather", axis, bucket_comm_bytes(layouts, b, dp, "all_gather"), "step", "zero")
+                for b in buckets]
     return out
 
 

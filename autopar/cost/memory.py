@@ -43,7 +43,7 @@ def model_state_bytes(num_params: int, dp: int, zero_stage: int, *, param_bytes:
     """Per-device bytes of "params", "grads" and "optimizer" under ZeRO ``zero_stage`` (0-3) with
     ``dp`` data-parallel ranks (module docstring). Use grad_bytes=4 for fp32 gradient accumulation.
     ``full_grads``: the device holds the full local gradients whatever the stage (a runtime that
-    accumulates micro-batches before one reduction: ``solver.timing.accumulates_full_grads``)."""
+    accumulates micro-batches before one reduction: ``solver.overlap.reduces_once_per_step``)."""
     if zero_stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage}")
     if dp < 1:
@@ -195,7 +195,7 @@ def step_peak_bytes(states_without_grads: float, backward_parts, inflight: float
 
 
 def reducer_transient_bytes(grad_bytes: float, data: int, zero: int, bucket: float,
-                            activation_bytes: float = 0.0) -> float:
+                            activation_bytes: float = 0.0, accumulating: bool = False) -> float:
     """Device bytes the data-parallel gradient reducer (``runtime/reducer.py``) adds to a rank's
     peak beyond the reduced gradients (the 1/data outputs, counted with the gradients), under ZeRO
     2/3 over ``data`` > 1 ranks, for ``G = grad_bytes`` of local gradients in buckets of
@@ -210,7 +210,8 @@ def reducer_transient_bytes(grad_bytes: float, data: int, zero: int, bucket: flo
             previous one's, before the last output (1/data of it) exists:
             2 min(G, B) + min(max(G - B, 0), B) - min(G, B) / data
 
-    and the peak takes the larger of the first and the second less the activations. ZeRO 0
+    and the peak takes the larger of the first and the second less the activations (``accumulating``:
+    see ``reducer_end_bytes``). ZeRO 0
     reduces in place, in the buffers the gradients live in: nothing. ZeRO-1 reduce-scatters as
     ZeRO-2 does (``runtime/reducer.py``), but the solver keeps it at 0 here: the plan counts its
     gradients as one whole copy, which its summands never exceed, and its send buffers (at most two
@@ -220,15 +221,17 @@ def reducer_transient_bytes(grad_bytes: float, data: int, zero: int, bucket: flo
         return 0.0
     previous = min(max(grad_bytes - bucket, 0.0), bucket)
     during = previous + bucket if grad_bytes > bucket else 0.0
-    return max(during, reducer_end_bytes(grad_bytes, data, zero, bucket) - activation_bytes)
+    return max(during, reducer_end_bytes(grad_bytes, data, zero, bucket, accumulating) - activation_bytes)
 
 
-def reducer_end_bytes(grad_bytes: float, data: int, zero: int, bucket: float) -> float:
+def reducer_end_bytes(grad_bytes: float, data: int, zero: int, bucket: float, accumulating: bool = False) -> float:
     """``reducer_transient_bytes``' term at the end of the reduction (the activations freed): the
     last bucket's summands and send buffer and the previous one's, before the last output exists.
     A pipeline reduces only after its schedule: this is its whole reducer transient. ZeRO 1-3
-    (ZeRO-1 reduce-scatters as ZeRO-2 does)."""
+    (ZeRO-1 reduce-scatters as ZeRO-2 does). ``accumulating`` (ZeRO 2/3 reducing every one of
+    several micro-batches, ``solver.overlap.accumulates_rows``): the rows of the earlier
+    micro-batches sit beside the last one's outputs, 1/data of the gradients more."""
     if zero < 1 or data <= 1:
         return 0.0
     previous = min(max(grad_bytes - bucket, 0.0), bucket)
-    return min(grad_bytes, bucket) * (2 - 1 / data) + previous
+    return min(grad_bytes, bucket) * (2 - 1 / data) + previous + (grad_bytes / data if accumulating else 0.0)

@@ -304,8 +304,9 @@ def _spies(tracker: StorageTracker, pm) -> list[_Spy]:
     per-parameter gradients exist only between backward and the reduction); a pipeline stage's
     forward outputs and inputs, which torch's ``fwd_cache`` holds until that micro-batch's backward
     (activations, though no autograd node saved them)."""
-    spies = [_Spy(pm.reducer, "reduce", before=lambda: _mark_state(tracker, pm),
-                  after=lambda args, out: _mark_state(tracker, pm))]
+    spies = [_Spy(pm.reducer, name, before=lambda: _mark_state(tracker, pm),
+                  after=lambda args, out: _mark_state(tracker, pm))
+             for name in ("reduce", "end_micro_batch")]
     if pm.offload.activations is not None:       # an offloaded activation's host copy
         spies.append(_Spy(pm.offload.activations, "to_host", after=lambda args, out: tracker.mark(out, HOST)))
     host = pm.offload.optimizer

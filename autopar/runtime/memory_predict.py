@@ -69,8 +69,9 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
                                      reducer_transient_bytes, state_bytes_per_param, step_peak_bytes)
     from autopar.cost.schedule_memory import rank_actions, replay_peak_bytes
     from autopar.cost.split_backward import is_split, rank_held_bytes
+    from autopar.solver.overlap import accumulates_rows, reduces_once_per_step
     from autopar.solver.runtime_profile import AUTOPAR_RUNTIME
-    from autopar.solver.timing import accumulates_full_grads, other_workspace_bytes, rank_parts
+    from autopar.solver.timing import other_workspace_bytes, rank_parts
 
     profile = profile or AUTOPAR_RUNTIME           # what the evaluation was made with
 
@@ -81,7 +82,7 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
 
     def states(numel: float) -> dict:
         return model_state_bytes(int(numel), cfg.data, cfg.zero, param_bytes=per["params"], grad_bytes=per["grads"],
-                                 optimizer_bytes_per_param=per["optimizer"], full_grads=accumulates_full_grads(cfg))
+                                 optimizer_bytes_per_param=per["optimizer"], full_grads=reduces_once_per_step(cfg))
 
     total = states(st.param_numel)
     parts = rank_parts(summary, st.layers, st.has_pre, st.has_post)
@@ -115,14 +116,14 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
         total = {"params": off["params"], "grads": off["grads"], "optimizer": off["optimizer"]}
     fixed = total["params"] + total["optimizer"]
     local_grads = st.param_numel * per["grads"]
-    end = reducer_end_bytes(local_grads, cfg.data, cfg.zero, DEFAULT_BUCKET_BYTES)
+    end = reducer_end_bytes(local_grads, cfg.data, cfg.zero, DEFAULT_BUCKET_BYTES, accumulates_rows(cfg))
     if cfg.pp > 1:               # the replay holds the join-node gradients; the reduction runs after
         peak = fixed + replay_peak_bytes(rank_actions(cfg.schedule, cfg.pp, pp_rank, cfg.m, cfg.v), chunks,
                                          workspace)           # the schedule, beside no activation
         workspace = max(workspace + rank_held_bytes(cfg, summary, pp_rank, st.layers), end)
     else:
         workspace += reducer_transient_bytes(local_grads, cfg.data, cfg.zero, DEFAULT_BUCKET_BYTES,
-                                             st.inflight * per_mb * act_kept + workspace)
+                                             st.inflight * per_mb * act_kept + workspace, accumulates_rows(cfg))
         (chunk,) = chunks.values()
         peak = step_peak_bytes(fixed, chunk.pieces, st.inflight, workspace, grads_during_forward=st.inflight < cfg.m)
     if end:                      # ZeRO 1-3: the end of the reduction, beside the reduced outputs (1/data)

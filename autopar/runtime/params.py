@@ -65,9 +65,14 @@ class ParamSlot:
     # device tensor cannot be its ``.grad``) until the offload copies it down
     reduced: Optional[torch.Tensor] = None
 
-    def give_grad(self, g: torch.Tensor) -> None:
-        """``g`` is ``opt_param``'s reduced gradient of this step."""
-        if g.device == self.opt_param.device:
+    def give_grad(self, g: torch.Tensor, accumulate: bool = False) -> None:
+        """``g`` is ``opt_param``'s reduced gradient of this step (``accumulate``: of one of its
+        micro-batches, added to the ones before)."""
+        on_device = g.device == self.opt_param.device
+        held = self.opt_param.grad if on_device else self.reduced
+        if accumulate and held is not None:
+            held.add_(g)
+        elif on_device:
             self.opt_param.grad = g
         else:
             self.reduced = g

@@ -35,8 +35,15 @@ Mixed precision (``runtime/precision.py``): with ``reduce_dtype`` a bucket is ca
 its collective (a copy, one bucket at a time) and back to the parameters' dtype after (ZeRO 0:
 into the bucket buffer, in place).
 
-Micro-batches: the hooks are ``arm``ed only for the last micro-batch of a step, so the earlier
-ones accumulate and each bucket is reduced once per step.
+Micro-batches (m > 1):
+- ZeRO 0/1, and every pipeline schedule: the hooks are ``arm``ed only for the last micro-batch of
+  a step, so the earlier ones accumulate their summands in place and each bucket is reduced once
+  per step (DDP's ``no_sync``; one copy of the gradients, as the plan counts for ZeRO 0/1 and,
+  ``solver.overlap.reduces_once_per_step``, for pipelined ZeRO 2/3).
+- ZeRO 2/3 without a pipeline (``each_micro_batch``): every micro-batch's backward reduce-scatters
+  its buckets (``end_micro_batch`` finishes the round), and each rank adds the reduced rows to its
+  own 1/dp gradient, as DeepSpeed's ZeRO-2 and FSDP do: the gradients stay near grads / dp whatever
+  m is, for m reduce-scatters per bucket (``solver/overlap.dp_sync`` prices them per micro-batch).
 
 Overlap: full buckets are launched asynchronously in bucket order (the same order on every rank,
 whatever order gradients complete in) while backward goes on; ``reduce`` launches what is left
@@ -77,7 +84,7 @@ class _Flight:
 
 class GradReducer:
     def __init__(self, store: ParamStore, bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True,
-                 reduce_dtype: Optional[torch.dtype] = None) -> None:
+                 reduce_dtype: Optional[torch.dtype] = None, pipelined: bool = False) -> None:
         self.store = store
         # called with a bucket's slots once their optimizer gradients are reduced (offload's copy to
         # the host, ``runtime/offload.py``); None: nothing to do
@@ -90,6 +97,8 @@ class GradReducer:
         self.dp, self.stage, self.group, self.log = ctx.dp, ctx.zero_stage, ctx.dp_group, ctx.log
         self.overlap = overlap and self.dp > 1
         self.views = self.dp > 1 and self.stage == 0           # gradients live in the bucket buffers
+        # ZeRO 2/3 keep grads / dp through the micro-batches: each one's backward reduce-scatters
+        self.each_micro_batch = self.dp > 1 and self.stage >= 2 and not pipelined
         self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
         self.index_of = {s.name: i for i, s in enumerate(self.slots)}
         self._offset: dict[int, int] = {}         # slot index -> its first element in its bucket buffer
@@ -110,20 +119,27 @@ class GradReducer:
 
     @property
     def armed(self) -> bool:
-        """Whether this micro-batch is the step's last (its gradients are the step's)."""
+        """Whether gradients completed now start their reduction: the step's last micro-batch (its
+        gradients are the step's) or, ``each_micro_batch``, any."""
         return self._armed
 
-    def arm(self, armed: bool) -> None:
-        """Whether gradients completed now start their bucket's reduction (overlap). Off for all
-        but the last micro-batch of a step (earlier ones only accumulate, as DDP's ``no_sync``) and
-        for a pipeline schedule (``reduce`` then launches every bucket after it). Called before
-        each micro-batch's forward: ZeRO-3 counts that forward's scopes afresh."""
+    def arm(self, armed: bool, last: bool = True) -> None:
+        """Whether gradients completed now start their bucket's reduction (overlap): on for the
+        step's last micro-batch (``last``) and, ``each_micro_batch``, for every one; off for the
+        earlier ones otherwise (they only accumulate, as DDP's ``no_sync``) and for a pipeline
+        schedule (``reduce`` then launches every bucket after it). Called before each micro-batch's
+        forward: ZeRO-3 counts that forward's scopes afresh."""
         self._armed = armed
+        self._last = last
         for s in self.slots:
             s.open_scopes = 0
 
     def begin_step(self) -> None:
-        self._armed = True
+        self._armed = self._last = True
+        self._done: list[_Flight] = []             # this step's finished rounds (micro-batches)
+        self._begin_round()
+
+    def _begin_round(self) -> None:
         self._pending = [len(b) for b in self.buckets]
         self._inflight: list[Optional[_Flight]] = [None] * len(self.buckets)
         self._next = 0                             # buckets launched: [0, _next)
@@ -244,10 +260,24 @@ class GradReducer:
             out = f.out if self.reduce_dtype is None else f.out.to(slots[0].local.dtype)
             self._finish_reduce_scatter(slots, out)
         f.send = f.out = f.work = None           # a finished Work may still hold its tensors
-        if self.on_reduced is not None:
+        if self.on_reduced is not None and self._last:     # the step's gradients (the last round)
             self.on_reduced(slots)
             if self.on_reduced_frees:            # the bucket's gradients went to the host
                 self._flat[b] = None
+
+    def end_micro_batch(self) -> None:
+        """``each_micro_batch``: after a micro-batch's backward other than the step's last, reduce
+        what it left (every bucket, unused parameters as zeros) into each rank's rows."""
+        if self.each_micro_batch:
+            self._reduce_round()
+            self._begin_round()
+
+    def _reduce_round(self) -> None:
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+            self._next += 1
+        self._finish_until(len(self.buckets))
+        self._done += self._inflight
 
     def reduce(self) -> None:
         """Reduce this step's gradient summands over dp; leave each optimizer parameter's .grad."""
@@ -259,11 +289,8 @@ class GradReducer:
                     s.give_grad(s.full_grad.view(s.opt_param.shape))
                     s.full_grad = None
             return
-        while self._next < len(self.buckets):
-            self._launch(self._next)
-            self._next += 1
-        self._finish_until(len(self.buckets))
-        for f in self._inflight:                 # in bucket order, as before any overlap
+        self._reduce_round()
+        for f in self._done:                     # in bucket order per round, as before any overlap
             self.log.add(f.kind, DATA, f.nbytes, "reducer")
         self.begin_step()
 
@@ -275,7 +302,7 @@ class GradReducer:
             c = lay.chunk_rows(dp)
             mine = out[offset: offset + c * lay.row_numel].view(c, lay.row_numel)[: s.rows[1] - s.rows[0]]
             offset += c * lay.row_numel
-            s.give_grad(mine.view(s.opt_param.shape))
+            s.give_grad(mine.view(s.opt_param.shape), accumulate=self.each_micro_batch)
             s.full_grad = None
 
     @torch.no_grad()

@@ -16,6 +16,8 @@ DP sync by ZeRO stage (windows: ``win_b`` the backward, ``win_f`` the forward of
   3: all_gather(params) every micro-batch beside its forward, and again in the backward together
      with the reduce_scatter (both only when both flags hold), the backward window split between
      them pro rata to their times.
+Pipelined ZeRO 2/3 with m > 1 (``reduces_once_per_step``): the runtime reduces once after the
+schedule, so their reduce_scatter is per step, as ZeRO-1's (ZeRO-3's gathers stay per micro-batch).
 
 ``account`` turns a rank's rows and exposed times into ``CommOverlap``s (``autopar/comm_overlap.py``)
 per "axis:kind", per step; the sum of their ``cost_s`` is the step's communication.
@@ -52,6 +54,21 @@ def overlapped_cost(comm_s: float, window_s: float, overlapped: bool, slowdown: 
     return comm_s - hidden + slowdown * hidden
 
 
+def reduces_once_per_step(cfg) -> bool:
+    """Pipelined ZeRO 2/3 over data > 1 ranks with several micro-batches: the runtime reduces the
+    gradients once per step, after the schedule (``runtime/reducer.py``), so the micro-batches
+    accumulate the full local gradients on the device, not a 1/data shard. Without a pipeline every
+    micro-batch reduce-scatters (``GradReducer.each_micro_batch``) and grads / data is what stays."""
+    return cfg.zero >= 2 and cfg.data > 1 and cfg.m > 1 and cfg.pp > 1
+
+
+def accumulates_rows(cfg) -> bool:
+    """ZeRO 2/3 over data > 1 ranks with several micro-batches and no pipeline: every micro-batch
+    reduce-scatters, and each rank adds the rows to the ones of the micro-batches before (the rows
+    kept sit beside the last reduction's outputs: ``cost.memory.reducer_end_bytes``)."""
+    return cfg.zero >= 2 and cfg.data > 1 and cfg.m > 1 and cfg.pp == 1
+
+
 def dp_sync(cfg, numel: float, profile, link, win_f: float, win_b: float, slowdown: float,
             groups: float = 1.0):
     """(per-micro-batch comm, per-step sync, rows) of one rank's data-parallel traffic: dicts of
@@ -73,15 +90,19 @@ def dp_sync(cfg, numel: float, profile, link, win_f: float, win_b: float, slowdo
         ar = collective_s("all_reduce", grad_b, cfg.data, link)
         sync["dp:all_reduce"] = overlapped_cost(ar, win_b, go, slowdown)
         rows.append((STEP, "dp:all_reduce", ar, win_b, go, "grad"))
-    elif cfg.zero in (1, 2):
-        if cfg.zero == 1:
-            sync["dp:reduce_scatter"] = overlapped_cost(rs, win_b, go, slowdown)
-            rows.append((STEP, "dp:reduce_scatter", rs, win_b, go, "grad"))
-        else:
-            comm["dp:reduce_scatter"] = overlapped_cost(rs, win_b, go, slowdown)
-            rows.append((MB, "dp:reduce_scatter", rs, win_b, go, "grad_mb"))
-        sync["dp:all_gather"] = overlapped_cost(ag, win_f, po, slowdown)
-        rows.append((STEP, "dp:all_gather", ag, win_f, po, "gather_step"))
+    elif cfg.zero == 1 or (cfg.zero == 2 and reduces_once_per_step(cfg)):
+        sync["dp:reduce_scatter"] = overlapped_cost(rs, win_b, go, slowdown)
+        rows.append((STEP, "dp:reduce_scatter", rs, win_b, go, "grad"))
+    elif cfg.zero == 2:
+        comm["dp:reduce_scatter"] = overlapped_cost(rs, win_b, go, slowdown)
+        rows.append((MB, "dp:reduce_scatter", rs, win_b, go, "grad_mb"))
+    elif reduces_once_per_step(cfg):     # ZeRO-3: gathers per micro-batch, one reduction per step
+        po_f = po or profile.zero3_prefetch
+        comm["dp:all_gather"] = overlapped_cost(ag, win_f, po_f, slowdown) + overlapped_cost(ag, win_b, po, slowdown)
+        sync["dp:reduce_scatter"] = overlapped_cost(rs, win_b, go, slowdown)
+        rows += [(MB, "dp:all_gather", ag, win_f, po_f, "gather_fwd"),
+                 (MB, "dp:all_gather", ag, win_b, po, "gather_bwd"),
+                 (STEP, "dp:reduce_scatter", rs, win_b, go, "grad")]
     else:
         both = go and po
         exp_b = overlapped_cost(ag + rs, win_b, both, slowdown)
@@ -92,6 +113,9 @@ def dp_sync(cfg, numel: float, profile, link, win_f: float, win_b: float, slowdo
         rows += [(MB, "dp:all_gather", ag, win_f, po_f, "gather_fwd"),
                  (MB, "dp:all_gather", ag, win_b * share, both, "gather_bwd"),
                  (MB, "dp:reduce_scatter", rs, win_b * (1 - share), both, "rs_z3")]
+    if cfg.zero in (1, 2):              # the updated rows, gathered after the step
+        sync["dp:all_gather"] = overlapped_cost(ag, win_f, po, slowdown)
+        rows.append((STEP, "dp:all_gather", ag, win_f, po, "gather_step"))
     return comm, sync, rows
 
 

@@ -66,7 +66,8 @@ from autopar.cost.offload import (bucket_bytes, offload_memory, offload_microbat
 from autopar.plan import V_SCHEDULES, MemoryUse, StepTime
 from autopar.solver.balance import balance
 from autopar.solver.problem import AxisSummary, PartCost
-from autopar.solver.overlap import account as overlap_account, dp_sync as overlap_dp_sync
+from autopar.solver.overlap import (account as overlap_account, accumulates_rows, dp_sync as overlap_dp_sync,
+                                    reduces_once_per_step)
 from autopar.solver.runtime_profile import RuntimeProfile
 from autopar.recompute_ops import is_per_op
 from autopar.solver.op_classes import RcCost
@@ -173,7 +174,7 @@ def _state_bytes_per_param(cfg: OuterConfig, profile: RuntimeProfile) -> float:
     offloaded with one micro-batch cost a constant, ``_grads_const``)."""
     n = 1_000_000
     st = model_state_bytes(n, cfg.data, cfg.zero, param_bytes=profile.param_bytes, grad_bytes=profile.grad_bytes,
-                           optimizer_bytes_per_param=profile.optimizer_bytes, full_grads=accumulates_full_grads(cfg))
+                           optimizer_bytes_per_param=profile.optimizer_bytes, full_grads=reduces_once_per_step(cfg))
     cls = cfg.classes
     if "optimizer" in cls:
         st["optimizer"] = 0.0
@@ -182,13 +183,6 @@ def _state_bytes_per_param(cfg: OuterConfig, profile: RuntimeProfile) -> float:
     if "grads" in cls and cfg.m == 1:
         st["grads"] = 0.0
     return sum(st.values()) / n
-
-
-def accumulates_full_grads(cfg: OuterConfig) -> bool:
-    """ZeRO 2/3 over data > 1 ranks with several micro-batches: this runtime reduces once per step
-    (``runtime/reducer.py``: armed on the last micro-batch), so the micro-batches accumulate the
-    full local gradients on the device, not a 1/data shard."""
-    return cfg.zero >= 2 and cfg.data > 1 and cfg.m > 1
 
 
 def _grads_const(cfg: OuterConfig) -> float:
@@ -532,7 +526,7 @@ def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile
                  lps: float) -> MemoryUse:
     states = model_state_bytes(int(numel), cfg.data, cfg.zero, param_bytes=profile.param_bytes,
                                grad_bytes=profile.grad_bytes, optimizer_bytes_per_param=profile.optimizer_bytes,
-                               full_grads=accumulates_full_grads(cfg))
+                               full_grads=reduces_once_per_step(cfg))
     inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
     per_mb = _saved_per_microbatch(summary, cfg, parts, lps)
     activations = inflight * per_mb
@@ -552,7 +546,8 @@ def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile
         activations = off["activations"]
         host, nvme = int(off["host"]), int(off["nvme"])
     # (the backward's workspace and gathered layers are gone with the activations at its end)
-    other += reducer_transient_bytes(numel * profile.grad_bytes, cfg.data, cfg.zero, bucket_bytes(), activations + other)
+    other += reducer_transient_bytes(numel * profile.grad_bytes, cfg.data, cfg.zero, bucket_bytes(), activations + other,
+                                     accumulates_rows(cfg))
     params, grads, optim = (int(states["params"]), int(states["grads"]), int(states["optimizer"]))
     total = params + grads + optim + int(activations) + int(other)
     return MemoryUse(params, grads, optim, int(activations), int(other), total, host, nvme)

@@ -37,7 +37,8 @@ import torch
 
 from autopar.runtime.memory_measure import CATEGORIES, StorageTracker
 
-BASE = {"dp": "dp=2", "tp": "tp=2", "dp_zero3": "dp=2,zero=3", "pp": "pp=2", "cp": "cp=2,cpmode=ring"}
+BASE = {"dp": "dp=2", "tp": "tp=2", "dp_zero3": "dp=2,zero=3", "pp": "pp=2", "cp": "cp=2,cpmode=ring",
+        "dp_zero2_micro_batches": "dp=2,zero=2,mbs=1"}      # each micro-batch reduce-scattered
 # offload (``runtime/offload.py``): the host's share is not device memory; the device keeps the rest
 OFFLOAD = {"dp_offload_optimizer": "dp=2,offload=optimizer",
            "tp_offload_optimizer_activations": "tp=2,offload=optimizer+activations",

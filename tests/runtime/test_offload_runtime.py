@@ -23,6 +23,10 @@ CASES_2 = {            # name: (hand_plan kwargs, offload)
     "dp_zero1_optimizer_activations": (dict(dp=2, tp=1, zero=1, recompute="selective"), "optimizer+activations"),
     "dp_zero2_optimizer_nvme": (dict(dp=2, tp=1, zero=2), "optimizer+grads+nvme"),
     "dp_zero3_everything": (dict(dp=2, tp=1, zero=3), "optimizer+grads+params+activations+nvme"),
+    # two micro-batches, each reduce-scattered: the rows accumulate (on the host for params offload)
+    # and go to the host optimizer once, after the last
+    "dp_zero2_optimizer_micro_batches": (dict(dp=2, tp=1, zero=2, mbs=1), "optimizer+grads"),
+    "dp_zero3_params_micro_batches": (dict(dp=2, tp=1, zero=3, mbs=1), "optimizer+grads+params"),
     # ZeRO-3 over one dp rank: parameter offload alone makes each use fetch the rows
     "tp_sp_params_micro_batches": (dict(dp=1, tp=2, family="megatron_sp", mbs=2), "optimizer+grads+params+activations"),
     "pp_optimizer_activations": (dict(dp=1, tp=1, pp=2, mbs=1), "optimizer+activations"),

@@ -224,3 +224,31 @@ def test_zero3_gathers_pay_a_latency_per_layer():
     base = evaluate(_summary({}), cfg, replace(_cluster(0.0), intra=link, inter=link), AUTOPAR_RUNTIME, 1e15,
                     all_stages=True)
     assert ev.step.total_s - base.step.total_s == pytest.approx(2 * (2 - 1) * 3e-3)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero23_reduce_where_the_runtime_does(zero):
+    """ZeRO 2/3's reduce-scatter is priced as the runtime issues it (``runtime/reducer.py``): once
+    per micro-batch without a pipeline (``GradReducer.each_micro_batch``), once per step after a
+    pipeline's schedule (the micro-batches accumulate; ``reduces_once_per_step``, which the memory
+    model then counts as one full copy of the gradients). No window: each costs its whole time, by
+    hand the reduce-scatter of 2 MB bf16 gradients over 4 ranks: 3/4 x 2 MB / 1 GB/s + 3 latencies,
+    and the all-gather of as many bf16 parameters the same."""
+    from autopar.solver.overlap import dp_sync, reduces_once_per_step
+
+    link = LinkSpec("test", busbw_Bps=1e9, latency_s=1e-3, source="test")
+    numel = 1e6
+    rs = ag = 2 * numel * 3 / 4 / 1e9 + 3e-3
+    flat = OuterConfig(tp=1, pp=1, dp=4, mbs=1, m=4, recompute="none", zero=zero, sp=False)
+    piped = replace(flat, pp=2)
+    assert not reduces_once_per_step(flat) and reduces_once_per_step(piped)
+    assert not reduces_once_per_step(replace(piped, m=1)) and not reduces_once_per_step(replace(piped, zero=1))
+    per_mb, per_step, _ = dp_sync(flat, numel, AUTOPAR_RUNTIME, link, 0.0, 0.0, 0.0, 1.0)
+    assert "dp:reduce_scatter" not in per_step
+    got = per_mb["dp:reduce_scatter"] if zero == 2 else per_mb["dp:reduce_scatter"] + per_mb["dp:all_gather"]
+    assert got == pytest.approx(rs + (0 if zero == 2 else 2 * ag))
+    per_mb, per_step, rows = dp_sync(piped, numel, AUTOPAR_RUNTIME, link, 0.0, 0.0, 0.0, 1.0)
+    assert "dp:reduce_scatter" not in per_mb and per_step["dp:reduce_scatter"] == pytest.approx(rs)
+    assert ("step", "dp:reduce_scatter") in {(r[0], r[1]) for r in rows}
+    if zero == 3:                                        # the gathers stay per micro-batch
+        assert per_mb["dp:all_gather"] == pytest.approx(2 * ag) and "dp:all_gather" not in per_step
