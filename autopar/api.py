@@ -131,7 +131,7 @@ class ParallelModel:
                 device_mesh=whole, stage_mesh=mesh, store=self.store,
                 make_executor=lambda part, want: self._executor(self._train_graph, self.program, part, want),
                 loss_scale=lambda: self._loss_scale * self._grad_scale(), device=self.device, log=self._log,
-                timeout_s=self.timeout_s)
+                timeout_s=self.timeout_s, reducer=self.reducer)
         self._pp_group = whole.get_group(PIPELINE) if PIPELINE in whole.mesh_dim_names else None
         self.steps_done = 0                           # optimizer steps taken (restored by load)
         self.resumed: Optional[CheckpointInfo] = None
@@ -221,7 +221,7 @@ class ParallelModel:
         inputs = as_tuple(inputs)
         with self.precision.autocast(self.device.type), self.offload.saved_hooks(self.store):
             if self._pipeline is not None:
-                self.reducer.arm(False)                   # reduce() launches every bucket after the schedule
+                self.reducer.arm(False)                   # each stage's last backward arms its own parameters
                 self._log.phase = "pipeline"
                 with self._recording():
                     loss = self._pipeline.step(self._folded_micro(inputs), self._folded_micro((targets,))[0])

@@ -14,9 +14,12 @@ Gradients: the schedule runs forward and backward of each micro-batch; parameter
 gradient summands over micro-batches in this rank's ``ParamStore``; the loss of each micro-batch
 is divided by the number of micro-batches (the traced loss is a mean over its micro-batch, so the
 sum of the scaled losses is the mean over the step's batch: gradients equal one process's on the
-whole batch). After the schedule: parameters two stages share (tied embeddings) have their
-gradients summed over the ranks holding them, then the data-parallel reduction and the optimizer
-step run as without a pipeline.
+whole batch). Each stage's last backward of the step (its last weight pass under a zero-bubble
+schedule) runs inside the gradient reducer's ``last_backward`` scope: the parameters only that
+stage reads start their buckets' data-parallel reduction as they complete, beside the backwards
+still to run (``runtime/reducer.py``). After the schedule: parameters two stages share (tied
+embeddings) have their gradients summed over the ranks holding them, then the reduction of what is
+left and the optimizer step run as without a pipeline.
 
 Schedules: the plan's ``pipeline_schedule`` name -> torch's class (``SCHEDULES``, the plan's
 ``EXECUTED_SCHEDULES``). The zero-bubble ones (``interleaved_zb``, ``zbv``, ``dualpipev``) split each
@@ -27,8 +30,8 @@ so B (torch's ``stage_backward_input``) runs only the nodes between the stage's 
 and saves the gradient at each node where a parameter's branch joins them; W (``_weight_pass``,
 torch's ``stage_backward_weight`` adapted) runs from those gradients down the parameters' branches,
 ``_UseParam.backward`` included: each parameter gets the same summand as in one backward (ZeRO-3:
-into ``full_grad``, the leaf gets none), accumulated over micro-batches; the reducer runs after the
-schedule as for the other schedules (its gradient hooks are not needed there). Stage 0 runs one full
+into ``full_grad``, the leaf gets none), accumulated over micro-batches, and runs the parameter's
+post-accumulate-grad hooks as autograd would (the reducer's). Stage 0 runs one full
 backward in its W slot (torch: its inputs need no gradient). A node where a parameter joins runs in
 both passes, each computing its own gradients, and a recompute region (``torch.utils.checkpoint``)
 is replayed once per pass (each autograd call recomputes): exact, but its collectives would run
@@ -41,6 +44,7 @@ micro-batch, which updates BatchNorm statistics twice and costs a forward.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Callable, Optional, Sequence
 
@@ -217,15 +221,22 @@ def _weight_pass(weights: Sequence[torch.Tensor], param_groups: list) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _stage_class():
-    """torch's ``PipelineStage`` with ``_weight_pass`` as its weight pass."""
+    """torch's ``PipelineStage`` with ``_weight_pass`` as its weight pass, running the stage's
+    last backward (or weight pass) of the step inside ``last_backward()`` (a context manager: the
+    gradient reducer's, which launches the stage's buckets as they fill)."""
     from torch.distributed.pipelining import PipelineStage
 
     class Stage(PipelineStage):
+        def __init__(self, *args, last_backward: Callable = contextlib.nullcontext, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self._last_backward = last_backward
+
         def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
-            if backward_type == "weight":
-                _weight_pass(tuple(self.submod.parameters()), bwd_kwargs["param_groups"])
-                return (), None
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            with self._last_backward() if last_backward else contextlib.nullcontext():
+                if backward_type == "weight":
+                    _weight_pass(tuple(self.submod.parameters()), bwd_kwargs["param_groups"])
+                    return (), None
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
     return Stage
 
@@ -316,11 +327,13 @@ class PipelineRunner:
 
 
 def build_pipeline(*, plan, cut, graph, program, device_mesh, stage_mesh, store, make_executor,
-                   loss_scale: Callable[[], float], device, log, timeout_s: float) -> PipelineRunner:
+                   loss_scale: Callable[[], float], device, log, timeout_s: float,
+                   reducer=None) -> PipelineRunner:
     """The stages of ``cut`` this rank runs (``plan.pipeline_schedule``'s layout) as
     ``PipelineStage``s under the schedule; ``make_executor(part, want)`` runs a part of
     ``graph``; ``loss_scale()`` multiplies each micro-batch's loss (1/m for a mean, times fp16's
-    loss scale)."""
+    loss scale); ``reducer`` (a ``GradReducer``): each stage's last backward reduces the parameters
+    only it reads (``GradReducer.last_backward``)."""
     import datetime
 
     import torch.distributed as dist
@@ -347,6 +360,19 @@ def build_pipeline(*, plan, cut, graph, program, device_mesh, stage_mesh, store,
     def on_send(nbytes: int, phase: str) -> None:
         log.add("send", PIPELINE, nbytes, "p2p", phase)
 
+    params_by_stage = {s: cut.params_of(graph, [s]) for s in range(n_stages)}
+    readers: dict[str, int] = {}
+    for names in params_by_stage.values():
+        for n in names:
+            readers[n] = readers.get(n, 0) + 1
+
+    def last_backward(s: int) -> Callable:
+        """Stage ``s``'s scope for its last backward: its parameters no other stage reads."""
+        if reducer is None:
+            return contextlib.nullcontext
+        own = frozenset(reducer.index_of[n] for n in params_by_stage[s] if readers[n] == 1 and n in reducer.index_of)
+        return functools.partial(reducer.last_backward, own)
+
     stages = []
     loss_ex = make_executor(frozenset(cut.loss), (cut.loss_output,)) if n_stages - 1 in mine else None
     for s in mine:
@@ -363,7 +389,7 @@ def build_pipeline(*, plan, cut, graph, program, device_mesh, stage_mesh, store,
         outs = tuple(wires[n].example for n in sc.send)
         stages.append(PipelineStage(module, s, n_stages, device, input_args=ins, output_args=outs,
                                     input_grads=ins if s else None, output_grads=outs if s < n_stages - 1 else None,
-                                    group=pp_group))
+                                    group=pp_group, last_backward=last_backward(s)))
     last_wires = {name: wire(name) for name in cut.stages[-1].send}
 
     def loss_fn(output, target):
@@ -379,7 +405,6 @@ def build_pipeline(*, plan, cut, graph, program, device_mesh, stage_mesh, store,
     sched = make_schedule(schedule, stages, plan.num_micro_batches, loss_fn)
     # tied parameters: one group per set of pipeline ranks holding a parameter, made by every rank
     # in the same order (a new_group requirement), for every pipeline (each dp/tp coordinate)
-    params_by_stage = {s: cut.params_of(graph, [s]) for s in range(n_stages)}
     tied_sets = tied_groups(params_by_stage, pp, schedule)
     tied = []
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -39,7 +39,12 @@ Micro-batches (m > 1):
 - ZeRO 0/1, and every pipeline schedule: the hooks are ``arm``ed only for the last micro-batch of
   a step, so the earlier ones accumulate their summands in place and each bucket is reduced once
   per step (DDP's ``no_sync``; one copy of the gradients, as the plan counts for ZeRO 0/1 and,
-  ``solver.overlap.reduces_once_per_step``, for pipelined ZeRO 2/3).
+  ``solver.overlap.reduces_once_per_step``, for pipelined ZeRO 2/3). Under a pipeline schedule the
+  last backward is per stage: ``last_backward(indices)`` arms a stage's own parameters while torch
+  runs its last backward (or weight pass) of the step, so their buckets are reduced beside the
+  stages' remaining backwards, as the plan prices it (Megatron's overlap-grad-reduce does the
+  same); a parameter two stages read (tied, on this rank or over pp: summed after the schedule)
+  and ZeRO-3's summands wait for ``reduce``.
 - ZeRO 2/3 without a pipeline (``each_micro_batch``): every micro-batch's backward reduce-scatters
   its buckets (``end_micro_batch`` finishes the round), and each rank adds the reduced rows to its
   own 1/dp gradient, as DeepSpeed's ZeRO-2 and FSDP do: the gradients stay near grads / dp whatever
@@ -59,6 +64,7 @@ A parameter's gradient is complete
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Optional
@@ -134,8 +140,20 @@ class GradReducer:
         for s in self.slots:
             s.open_scopes = 0
 
+    @contextlib.contextmanager
+    def last_backward(self, indices: frozenset):
+        """A pipeline stage's last backward (or weight pass) of the step runs inside: the slots
+        ``indices`` (read by that stage only) complete at their gradient hook and their buckets
+        launch as they fill. ZeRO-3 and dp == 1: nothing."""
+        self._early = indices if self.overlap and self.stage < 3 else frozenset()
+        try:
+            yield
+        finally:
+            self._early = frozenset()
+
     def begin_step(self) -> None:
         self._armed = self._last = True
+        self._early: frozenset = frozenset()       # slots a pipeline stage's last backward completes
         self._done: list[_Flight] = []             # this step's finished rounds (micro-batches)
         self._begin_round()
 
@@ -152,7 +170,7 @@ class GradReducer:
         """ZeRO 0-2: parameter ``i``'s ``.grad`` was accumulated (post-accumulate-grad hook)."""
         if self.views:
             self._into_bucket(i)
-        if self.overlap and self._armed:
+        if self.overlap and (self._armed or i in self._early):
             self._complete(i)
 
     def _on_full_grad(self, slot: ParamSlot) -> None:

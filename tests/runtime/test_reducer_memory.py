@@ -17,7 +17,8 @@ import pytest
 
 from autopar.codegen.expected import expected_collectives
 from autopar.runtime.launch import spawn_ranks
-from bodies import batches, build, check_against_reference, check_collectives, full_trace, reference, sgd, train_jobs
+from bodies import (BATCH, batches, build, check_against_reference, check_collectives, full_trace, reference, sgd,
+                    train_jobs)
 from handplans import hand_plan
 
 pytestmark = pytest.mark.slow
@@ -157,3 +158,54 @@ def test_zero23_stay_sharded_over_micro_batches(family, memory):
         assert got["grads_peak"] <= got["grad_bytes"] / 2 + 2 * got["largest"], (rank, got)
         if family.startswith("zero2"):
             assert got["grad_storages"] == 0, (rank, got)
+
+
+GPT_4 = "gpt:hidden=64,layers=4,heads=4,vocab=256,seq=32"      # 4 layers: ZBV's 2 stages per rank fit
+
+
+def pipeline_launch_jobs(rank: int, world: int, plans: dict) -> dict:
+    """Per plan: the buckets launched while gradients still arrived (the stages' last backwards)
+    and the buckets in all, on this rank."""
+    from autopar.api import autoparallelize
+    from autopar.plan import Plan
+
+    out = {}
+    for name, plan in plans.items():
+        b = build(False, GPT_4)
+        data = batches(b, 2)
+        pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
+                             optimizer=sgd, plan=Plan.from_json(plan), bucket_bytes=SMALL, timeout_s=30,
+                             record_collectives=False)
+        reducer, launched = pm.reducer, [0]
+
+        def seen(*_):
+            launched[0] = max(launched[0], reducer._next)
+
+        for s in pm.store.slots:                  # after the reducer's own hook
+            s.local.register_post_accumulate_grad_hook(seen)
+        for x, y in data[:2]:
+            launched[0] = 0
+            pm.step(x, y)
+        out[name] = {"launched_in_backward": launched[0], "buckets": len(reducer.buckets)}
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_pipeline_stages_reduce_during_their_last_backward(schedule):
+    """Under a pipeline each stage's last backward (ZBV: its last weight pass) launches the buckets
+    of the parameters only it reads, beside the backwards still to run, as the plan prices the
+    gradient reduction (``solver/overlap.dp_sync``: overlapped with the last micro-batch's
+    backward); only the buckets from the first one holding the tied embedding (summed over pp
+    after the schedule) on wait for the reduction after it. Numerics and collectives of pipelined
+    dp: ``test_pipeline.py``."""
+    from autopar.runtime.launch import spawn_ranks
+    from autopar.trace import trace_model
+
+    b = build(False, GPT_4, BATCH)
+    graph = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
+                        model_name=GPT_4)
+    plans = {f"zero{z}": hand_plan(graph, dp=2, tp=1, pp=2, mbs=1, zero=z, schedule=schedule).to_json()
+             for z in (0, 1)}
+    for rank, got in enumerate(spawn_ranks(pipeline_launch_jobs, 4, (plans,), timeout_s=120)):
+        for name, g in got.items():
+            assert g["buckets"] > 4 and g["launched_in_backward"] >= g["buckets"] - 2, (schedule, name, rank, g)
