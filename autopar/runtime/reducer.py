@@ -44,7 +44,7 @@ Micro-batches (m > 1):
   runs its last backward (or weight pass) of the step, so their buckets are reduced beside the
   stages' remaining backwards, as the plan prices it (Megatron's overlap-grad-reduce does the
   same); a parameter two stages read (tied, on this rank or over pp: summed after the schedule)
-  and ZeRO-3's summands wait for ``reduce``.
+  waits for ``reduce``.
 - ZeRO 2/3 without a pipeline (``each_micro_batch``): every micro-batch's backward reduce-scatters
   its buckets (``end_micro_batch`` finishes the round), and each rank adds the reduced rows to its
   own 1/dp gradient, as DeepSpeed's ZeRO-2 and FSDP do: the gradients stay near grads / dp whatever
@@ -143,9 +143,10 @@ class GradReducer:
     @contextlib.contextmanager
     def last_backward(self, indices: frozenset):
         """A pipeline stage's last backward (or weight pass) of the step runs inside: the slots
-        ``indices`` (read by that stage only) complete at their gradient hook and their buckets
-        launch as they fill. ZeRO-3 and dp == 1: nothing."""
-        self._early = indices if self.overlap and self.stage < 3 else frozenset()
+        ``indices`` (read by that stage only) complete at their gradient hook (ZeRO-3: once the
+        scopes of every micro-batch's forward ran their backward, ``ParamSlot.open_scopes``, which a
+        pipeline counts over the whole step) and their buckets launch as they fill. dp == 1: nothing."""
+        self._early = indices if self.overlap else frozenset()
         try:
             yield
         finally:
@@ -181,7 +182,7 @@ class GradReducer:
                 f"ZeRO-3: a gradient of {slot.name} arrived after its bucket's reduce-scatter was launched "
                 "(a graph scope read it without being counted by ParamStore.use); read parameters only "
                 "through ParamStore.use(name) with grad enabled, or build the GradReducer with overlap=False")
-        if self._armed and slot.open_scopes == 0:
+        if (self._armed or i in self._early) and slot.open_scopes == 0:
             self._complete(i)
 
     def _complete(self, i: int) -> None:

@@ -16,10 +16,10 @@ DP sync by ZeRO stage (windows: ``win_b`` the backward, ``win_f`` the forward of
   3: all_gather(params) every micro-batch beside its forward, and again in the backward together
      with the reduce_scatter (both only when both flags hold), the backward window split between
      them pro rata to their times.
-Pipelined ZeRO 2/3: the runtime reduces once per step, so their reduce_scatter is per step, as
-ZeRO-1's: ZeRO-2's in each stage's last backward, ZeRO-3's after the schedule, exposed (its
-gathers stay per micro-batch). With m > 1 the gradients then accumulate in full
-(``reduces_once_per_step``, for the memory model).
+Pipelined ZeRO 2/3: the runtime reduces once per step, in each stage's last backward
+(``GradReducer.last_backward``), so their reduce_scatter is per step, as ZeRO-1's (ZeRO-3's gathers
+stay per micro-batch). With m > 1 the gradients then accumulate in full (``reduces_once_per_step``,
+for the memory model).
 
 ``account`` turns a rank's rows and exposed times into ``CommOverlap``s (``autopar/comm_overlap.py``)
 per "axis:kind", per step; the sum of their ``cost_s`` is the step's communication.
@@ -101,10 +101,10 @@ def dp_sync(cfg, numel: float, profile, link, win_f: float, win_b: float, slowdo
     elif cfg.pp > 1:                     # ZeRO-3: gathers per micro-batch, one reduction per step
         po_f = po or profile.zero3_prefetch
         comm["dp:all_gather"] = overlapped_cost(ag, win_f, po_f, slowdown) + overlapped_cost(ag, win_b, po, slowdown)
-        sync["dp:reduce_scatter"] = rs          # after the schedule (``GradReducer.last_backward``)
+        sync["dp:reduce_scatter"] = overlapped_cost(rs, win_b, go, slowdown)     # in the last backward
         rows += [(MB, "dp:all_gather", ag, win_f, po_f, "gather_fwd"),
                  (MB, "dp:all_gather", ag, win_b, po, "gather_bwd"),
-                 (STEP, "dp:reduce_scatter", rs, win_b, False, "grad")]
+                 (STEP, "dp:reduce_scatter", rs, win_b, go, "grad")]
     else:
         both = go and po
         exp_b = overlapped_cost(ag + rs, win_b, both, slowdown)
