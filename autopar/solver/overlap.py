@@ -58,9 +58,10 @@ def overlapped_cost(comm_s: float, window_s: float, overlapped: bool, slowdown: 
 
 def reduces_once_per_step(cfg) -> bool:
     """Pipelined ZeRO 2/3 over data > 1 ranks with several micro-batches: the runtime reduces the
-    gradients once per step, after the schedule (``runtime/reducer.py``), so the micro-batches
-    accumulate the full local gradients on the device, not a 1/data shard. Without a pipeline every
-    micro-batch reduce-scatters (``GradReducer.each_micro_batch``) and grads / data is what stays."""
+    gradients once per step, in each stage's last backward (``GradReducer.last_backward``), so the
+    micro-batches accumulate the full local gradients on the device, not a 1/data shard. Without a
+    pipeline every micro-batch reduce-scatters (``GradReducer.each_micro_batch``) and grads / data
+    is what stays."""
     return cfg.zero >= 2 and cfg.data > 1 and cfg.m > 1 and cfg.pp > 1
 
 
@@ -100,11 +101,12 @@ def dp_sync(cfg, numel: float, profile, link, win_f: float, win_b: float, slowdo
         rows.append((MB, "dp:reduce_scatter", rs, win_b, go, "grad_mb"))
     elif cfg.pp > 1:                     # ZeRO-3: gathers per micro-batch, one reduction per step
         po_f = po or profile.zero3_prefetch
+        win_rs = max(0.0, win_b - ag) if po else win_b     # the last backward's, beside its re-gathers
         comm["dp:all_gather"] = overlapped_cost(ag, win_f, po_f, slowdown) + overlapped_cost(ag, win_b, po, slowdown)
-        sync["dp:reduce_scatter"] = overlapped_cost(rs, win_b, go, slowdown)     # in the last backward
+        sync["dp:reduce_scatter"] = overlapped_cost(rs, win_rs, go, slowdown)
         rows += [(MB, "dp:all_gather", ag, win_f, po_f, "gather_fwd"),
                  (MB, "dp:all_gather", ag, win_b, po, "gather_bwd"),
-                 (STEP, "dp:reduce_scatter", rs, win_b, go, "grad")]
+                 (STEP, "dp:reduce_scatter", rs, win_rs, go, "grad")]
     else:
         both = go and po
         exp_b = overlapped_cost(ag + rs, win_b, both, slowdown)

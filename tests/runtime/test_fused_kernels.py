@@ -6,10 +6,11 @@
 (b) Two gloo ranks, 2 SGD-momentum steps (fp32), kernels="on" (Triton interpreter) equal
     kernels="off" within round-off (losses, each step's gradients, parameters: the bounds and why
     SGD rather than Adam are in bodies.py), and ``pm.fused_kernels`` lists what ran fused:
-    gpt-tiny with dp=2 (local-dp and DTensor modes), tp=2 (hand Megatron plan) and tp=2 with
+    gpt-tiny with dp=2 (local-dp mode), tp=2 (hand Megatron plan) and tp=2 with
     sequence parallelism (the residual stream Shard(1) through add + LayerNorm): every
     layer_norm (add_layer_norm where a residual add feeds it), gelu, attention and the
-    cross-entropy; a tiny LLaMA with dp=2 (both modes) and tp=2 replicated: its multi-node regions
+    cross-entropy; a tiny LLaMA with dp=2 (local-dp and DTensor modes: the kernels on batch-sharded
+    DTensors; gpt-tiny's under tp run on DTensors too) and tp=2 replicated: its multi-node regions
     (hand-written RMSNorm, add + RMSNorm, RoPE, SwiGLU, codegen/patterns.py) too. A declined
     region runs its members one by one with the same result. kernels="auto" substitutes nothing
     on the CPU (the default is "off").
@@ -127,7 +128,6 @@ def test_modes():
 STEPS = 2
 FAMILIES = {     # name: (model, hand_plan kwargs, job extras)
     "dp": ("gpt-tiny", dict(dp=2, tp=1), {}),
-    "dp_dtensor_mode": ("gpt-tiny", dict(dp=2, tp=1), {"dp_mode": "dtensor"}),
     "tp": ("gpt-tiny", dict(dp=1, tp=2, family="megatron"), {}),
     "tp_sp": ("gpt-tiny", dict(dp=1, tp=2, family="megatron_sp"), {}),
     "llama_dp": ("llama", dict(dp=2, tp=1), {}),
