@@ -213,12 +213,16 @@ def reducer_transient_bytes(grad_bytes: float, data: int, zero: int, bucket: flo
     and the peak takes the larger of the first and the second less the activations (``accumulating``:
     see ``reducer_end_bytes``). ZeRO 0
     reduces in place, in the buffers the gradients live in: nothing. ZeRO-1 reduce-scatters as
-    ZeRO-2 does (``runtime/reducer.py``), but the solver keeps it at 0 here: the plan counts its
-    gradients as one whole copy, which its summands never exceed, and its send buffers (at most two
-    buckets: ~37 MB at the default 25 MiB) are counted at the end of the step only, by
-    ``reducer_end_bytes`` (``runtime/memory_predict.py``)."""
-    if zero < 2 or data <= 1:
+    ZeRO-2 does (``runtime/reducer.py``), but the plan counts its gradients as one whole copy, which
+    its summands, send buffers and rows stay under during the backward; at the end its rows (1/data)
+    and last send buffers exceed that copy and the freed activations only for small models:
+
+        max(0, reducer_end_bytes + G / data - G - activations)"""
+    if data <= 1 or zero < 1:
         return 0.0
+    if zero == 1:
+        return max(0.0, reducer_end_bytes(grad_bytes, data, zero, bucket) + grad_bytes / data - grad_bytes
+                   - activation_bytes)
     previous = min(max(grad_bytes - bucket, 0.0), bucket)
     during = previous + bucket if grad_bytes > bucket else 0.0
     return max(during, reducer_end_bytes(grad_bytes, data, zero, bucket, accumulating) - activation_bytes)
@@ -227,7 +231,8 @@ def reducer_transient_bytes(grad_bytes: float, data: int, zero: int, bucket: flo
 def reducer_end_bytes(grad_bytes: float, data: int, zero: int, bucket: float, accumulating: bool = False) -> float:
     """``reducer_transient_bytes``' term at the end of the reduction (the activations freed): the
     last bucket's summands and send buffer and the previous one's, before the last output exists.
-    A pipeline reduces only after its schedule: this is its whole reducer transient. ZeRO 1-3
+    A pipeline reduces the buckets its stages' last backwards did not launch after its schedule
+    (the tied embedding's, at the least): this is its reducer transient there. ZeRO 1-3
     (ZeRO-1 reduce-scatters as ZeRO-2 does). ``accumulating`` (ZeRO 2/3 reducing every one of
     several micro-batches, ``solver.overlap.accumulates_rows``): the rows of the earlier
     micro-batches sit beside the last one's outputs, 1/data of the gradients more."""
