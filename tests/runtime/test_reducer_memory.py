@@ -194,26 +194,36 @@ def pipeline_launch_jobs(rank: int, world: int, plans: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
-def test_pipeline_stages_reduce_during_their_last_backward(schedule):
-    """Under a pipeline each stage's last backward (ZBV: its last weight pass) launches the buckets
-    of the parameters only it reads (ZeRO-3: once every micro-batch's scopes ran their backward),
-    beside the backwards still to run, as the plan prices the
-    gradient reduction (``solver/overlap.dp_sync``: overlapped with the last micro-batch's
-    backward); only the buckets from the first one holding the tied embedding (summed over pp
-    after the schedule) on wait for the reduction after it. Numerics and collectives of pipelined
-    dp: ``test_pipeline.py``."""
+@pytest.fixture(scope="module")
+def pipeline_launches():
+    """ZeRO 0, 1 and 3 under 1F1B and ZBV on pp=2 x dp=2 (4 ranks, one spawn)."""
     from autopar.runtime.launch import spawn_ranks
     from autopar.trace import trace_model
 
     b = build(False, GPT_4, BATCH)
     graph = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
                         model_name=GPT_4)
-    plans = {f"zero{z}": hand_plan(graph, dp=2, tp=1, pp=2, mbs=1, zero=z, schedule=schedule).to_json()
-             for z in (0, 1, 3)}
-    for rank, got in enumerate(spawn_ranks(pipeline_launch_jobs, 4, (plans,), timeout_s=120)):
-        for name, g in got.items():
-            assert g["buckets"] > 4 and g["launched_in_backward"] >= g["buckets"] - 2, (schedule, name, rank, g)
+    plans = {(schedule, z): hand_plan(graph, dp=2, tp=1, pp=2, mbs=1, zero=z, schedule=schedule).to_json()
+             for schedule in ("1f1b", "zbv") for z in (0, 1, 3)}
+    names = list(plans)
+    per_rank = spawn_ranks(pipeline_launch_jobs, 4, ({str(i): plans[k] for i, k in enumerate(names)},),
+                           timeout_s=180)
+    return [{names[int(i)]: g for i, g in got.items()} for got in per_rank]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_pipeline_stages_reduce_during_their_last_backward(schedule, pipeline_launches):
+    """Under a pipeline each stage's last backward (ZBV: its last weight pass) launches the buckets
+    of the parameters only it reads (ZeRO-3: once every micro-batch's scopes ran their backward),
+    beside the backwards still to run, as the plan prices the gradient reduction
+    (``solver/overlap.dp_sync``: overlapped with the last micro-batch's backward); only the buckets
+    from the first one holding the tied embedding (summed over pp after the schedule) on wait for
+    the reduction after it. Numerics and collectives of pipelined dp: ``test_pipeline.py``."""
+    for rank, got in enumerate(pipeline_launches):
+        zero0 = got[(schedule, 0)]
+        for z in (0, 1, 3):
+            g = got[(schedule, z)]
+            assert g["buckets"] > 4 and g["launched_in_backward"] >= g["buckets"] - 2, (schedule, z, rank, g)
             # the second step's loss follows the first update: the early reductions fed the step
             # (each ZeRO stage updates the same model; fp32 sums in other orders: round-off only)
-            assert g["losses"] == pytest.approx(got["zero0"]["losses"], rel=1e-5), (schedule, name, rank)
+            assert g["losses"] == pytest.approx(zero0["losses"], rel=1e-5), (schedule, z, rank)
