@@ -9,11 +9,11 @@ takes GPU ``rank`` and the collectives run over an NCCL group) and measure at th
 (``autopar/calibrate_bench.py``), causal and non-causal SDPA, then every collective of
 ``autopar.cost.collectives`` from 1 KiB up to 256 MiB, as far as the time budget allows, over all
 ranks. A latency and a bus bandwidth are fitted to each collective's times with the cost model's
-own formulas (``autopar/calibrate_comm.py``); the cost model has ONE link for every collective, and
-the file's ``[intra]`` link is the all_reduce fit (data-parallel gradients and tensor-parallel
-layers use all_reduce); the other collectives' fits, and one fitted to all together, are in
-``[measured]`` and in the link's source (gloo's reduce_scatter and all_gather run at a fraction of
-its all_reduce busbw, its send/recv at a multiple).
+own formulas (``autopar/calibrate_comm.py``); the file's ``[intra]`` link is the all_reduce fit
+(data-parallel gradients and tensor-parallel layers use all_reduce), and the other collectives run
+at their own fitted busbw relative to it (its ``busbw_scale``: gloo's reduce_scatter and all_gather
+run at a fraction of its all_reduce busbw, its send/recv at a multiple; NCCL's kinds alike, about
+1); every fit, and one fitted to all together, are in ``[measured]``.
 
 What the file says, so that peak x efficiency is the MEASURED rate the cost model divides by
 (``compute.op_time_s``; format in ``autopar/cost/hardware.py``):

@@ -72,14 +72,19 @@ def cluster_dict(cal: Calibration, nodes: int = 1) -> dict[str, Any]:
                                         f"{_sig(o.comm_s)} s, together {_sig(o.both_s)} s ({cal.nproc} ranks)")
     if cal.link is not None:
         kinds = [p for p in cal.points if cal.link_kind == "all kinds" or p.kind == cal.link_kind]
-        others = ", ".join(f"{k} {f.busbw_Bps / cal.link.busbw_Bps:.2g}x" for k, f in cal.fits if k != cal.link_kind)
+        scale = {k: _sig(f.busbw_Bps / cal.link.busbw_Bps) for k, f in cal.fits
+                 if k != cal.link_kind and 0 < f.busbw_Bps < float("inf")}
+        others = ", ".join(f"{k} {f:.2g}x" for k, f in scale.items())
         d["intra"] = {"name": f"measured-{'nccl' if cal.device_kind == 'cuda' else 'gloo'}",
                       "busbw_GBps": _sig(cal.link.busbw_Bps / GB), "latency_us": _sig(cal.link.latency_s * 1e6),
                       "source": (f"measured by autopar calibrate: latency + busbw fitted to {cal.link_kind} on "
                                  f"{cal.nproc} ranks, {min(p.nbytes for p in kinds)} .. {max(p.nbytes for p in kinds)}"
                                  f" B (relative RMS error {100 * cal.link.rel_rms:.0f}%)"
-                                 + (f"; the other collectives' own busbw, relative: {others}" if others else "")
+                                 + (f"; the other collectives' own busbw, relative: {others} (busbw_scale)"
+                                    if others else "")
                                  + f"; {where}")}
+        if scale:                  # the cost model prices each kind at its own busbw
+            d["intra"]["busbw_scale"] = scale
     return d
 
 

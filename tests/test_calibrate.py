@@ -95,6 +95,21 @@ def test_cpu_file_prices_what_was_measured(tmp_path):
     assert load_cluster(p) == c
 
 
+def test_each_collective_kind_priced_at_its_measured_busbw():
+    """gloo's collectives do not share one busbw (measured here: all_gather 0.53x, reduce_scatter
+    0.29x, p2p 3.8x its all_reduce's): the file's link carries each kind's own, relative to the
+    all_reduce fit, and the planner's collective times reproduce every kind's measured times."""
+    truth = LinkSpec("t", 1.5e9, 80e-6, "", busbw_scale=(("all_gather", 0.53), ("reduce_scatter", 0.29),
+                                                          ("p2p", 3.8)))
+    points = _points(truth, 4)
+    c = cluster_from_dict(cluster_dict(_calibration("cpu", {"float32": 41.3e9}, 12.5e9, 20e9, points=points)))
+    assert c.intra.busbw_Bps == pytest.approx(1.5e9)
+    assert dict(c.intra.busbw_scale) == pytest.approx({"all_gather": 0.53, "reduce_scatter": 0.29,
+                                                       "all_to_all": 1.0, "p2p": 3.8}, rel=1e-3)
+    for p in points:
+        assert collective_s(p.kind, p.nbytes, p.ranks, c.intra) == pytest.approx(p.seconds, rel=1e-3), p
+
+
 def test_gpu_file_keeps_datasheet_peaks_and_measures_efficiencies():
     h200 = get_gpu("h200")
     bf16 = 0.7 * h200.peak_flops_for("bf16")

@@ -18,7 +18,7 @@ _HOST_KEYS = (("host_memory_gb", "host_memory_bytes"), ("host_GBps", "host_Bps")
               ("nvme_GBps", "nvme_Bps"))
 _TOP_KEYS = ("name", "gpu", "nodes", "gpus_per_node", "pcie_GBps", "intra", "inter", "gpu_overrides",
              "measured", "overlap_slowdown", "overlap_slowdown_source") + tuple(k for k, _ in _HOST_KEYS)
-_LINK_KEYS = ("busbw_GBps", "latency_us", "name", "source")
+_LINK_KEYS = ("busbw_GBps", "latency_us", "name", "source", "busbw_scale")
 _OVERRIDE_KEYS = ("memory_GB", "hbm_GBps", "matmul_efficiency", "attention_efficiency", "attention_noncausal_efficiency",
                   "memory_efficiency", "peak_TFLOPs", "op_overhead_us", "dtensor_op_overhead_us", "source")
 _OVERHEADS = (("op_overhead_us", "op_overhead_s"), ("dtensor_op_overhead_us", "dtensor_op_overhead_s"))
@@ -39,7 +39,24 @@ def _link_from_table(where: str, t: Any, default: LinkSpec) -> LinkSpec:
         raise ValueError(f"{where}: missing required key 'busbw_GBps'")
     lat = float(t["latency_us"]) * _US if "latency_us" in t else default.latency_s
     return LinkSpec(name=str(t.get("name", default.name)), busbw_Bps=float(t["busbw_GBps"]) * GB,
-                    latency_s=lat, source=str(t.get("source", f"user TOML ({where})")))
+                    latency_s=lat, source=str(t.get("source", f"user TOML ({where})")),
+                    busbw_scale=_busbw_scale(where, t.get("busbw_scale", {})))
+
+
+def _busbw_scale(where: str, t: Any) -> tuple:
+    """``busbw_scale = { all_gather = 0.53, p2p = 3.8 }``: each kind's busbw relative to the link's."""
+    from autopar.cost.collectives import COLLECTIVE_KINDS
+
+    if not isinstance(t, dict):
+        raise ValueError(f"{where}: busbw_scale must be a table like {{ all_gather = 0.5 }}")
+    _check_keys(f"{where} busbw_scale", t, COLLECTIVE_KINDS)
+    out = []
+    for kind, factor in t.items():
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 0:
+            raise ValueError(f"{where}: busbw_scale.{kind} must be a number > 0 (its busbw relative to "
+                             f"busbw_GBps), got {factor!r}")
+        out.append((kind, float(factor)))
+    return tuple(out)
 
 
 def cluster_from_dict(d: Mapping[str, Any], where: str = "cluster") -> ClusterSpec:
@@ -152,7 +169,10 @@ def cluster_to_toml(c: ClusterSpec) -> str:
               f"overlap_slowdown_source = {toml_value(c.overlap_slowdown_source)}", ""]
     for tname, link in (("intra", c.intra), ("inter", c.inter)):
         lines += [f"[{tname}]", f"name = {toml_value(link.name)}", f"busbw_GBps = {toml_value(link.busbw_Bps / GB)}",
-                  f"latency_us = {toml_value(link.latency_s / _US)}", f"source = {toml_value(link.source)}", ""]
+                  f"latency_us = {toml_value(link.latency_s / _US)}", f"source = {toml_value(link.source)}"]
+        if link.busbw_scale:
+            lines.append("busbw_scale = { " + ", ".join(f"{k} = {toml_value(f)}" for k, f in link.busbw_scale) + " }")
+        lines.append("")
     over = []
     if c.gpu.hbm_bytes != base.hbm_bytes:
         over.append(f"memory_GB = {toml_value(c.gpu.hbm_bytes / GB)}")

@@ -6,7 +6,8 @@ PERFORMANCE.md): for a collective on ``nbytes`` and ``n`` ranks,
     algbw = nbytes / time,        busbw = algbw * bus_factor(kind, n)
 
 so ``time = bus_factor * nbytes / busbw`` (+ latency). ``busbw`` is a property of the link, the
-same for every collective (that is the point of the convention):
+same for every collective (that is the point of the convention; a link measured otherwise, gloo's
+by ``autopar calibrate``, carries each kind's own relative busbw: ``LinkSpec.busbw_scale``):
 
     kind            bus_factor     nbytes means
     all_reduce      2(n-1)/n       the tensor (same size in and out)
@@ -48,7 +49,7 @@ def _ring_s(kind: str, nbytes: float, n: int, link: LinkSpec, steps: int) -> flo
         raise ValueError(f"{kind}: nbytes must be >= 0, got {nbytes}")
     if n == 1:
         return 0.0
-    return steps * link.latency_s + bus_factor(kind, n) * nbytes / link.busbw_Bps
+    return steps * link.latency_s + bus_factor(kind, n) * nbytes / link.busbw_of(kind)
 
 
 def all_reduce_s(nbytes: float, n: int, link: LinkSpec) -> float:
@@ -75,7 +76,7 @@ def p2p_s(nbytes: float, link: LinkSpec) -> float:
     """One send/recv of ``nbytes``: lat + nbytes / busbw (0 bytes -> 0)."""
     if nbytes < 0:
         raise ValueError(f"p2p: nbytes must be >= 0, got {nbytes}")
-    return 0.0 if nbytes == 0 else link.latency_s + nbytes / link.busbw_Bps
+    return 0.0 if nbytes == 0 else link.latency_s + nbytes / link.busbw_of("p2p")
 
 
 def collective_s(kind: str, nbytes: float, n: int, link: LinkSpec) -> float:

@@ -41,6 +41,7 @@ Cluster TOML (``cluster_file.load_cluster``)::
     latency_us = 2.0              # optional (default per GPU type)
     name = "nvlink4"              # optional
     source = "nccl-tests on our pod, 2025-01"   # optional
+    busbw_scale = { all_gather = 0.53, p2p = 3.8 }   # optional: a kind's busbw relative to busbw_GBps
 
     [inter]                       # optional; default: one IB NIC per GPU (see make_cluster)
     busbw_GBps = 48.0
@@ -170,6 +171,16 @@ class LinkSpec:
     busbw_Bps: float   # achievable NCCL bus bandwidth per GPU on this link (nccl-tests busbw)
     latency_s: float   # per-step (per ring hop) latency
     source: str
+    # a collective kind's own bus bandwidth relative to busbw_Bps, ((kind, factor), ...), measured:
+    # NCCL's kinds run alike, gloo's do not (``autopar calibrate`` writes them); unlisted kinds: 1
+    busbw_scale: tuple = ()
+
+    def busbw_of(self, kind: str) -> float:
+        """The bus bandwidth collectives of ``kind`` run at on this link."""
+        for k, factor in self.busbw_scale:
+            if k == kind:
+                return self.busbw_Bps * factor
+        return self.busbw_Bps
 
 
 @dataclass(frozen=True)

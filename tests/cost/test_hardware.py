@@ -90,6 +90,30 @@ def test_toml_round_trip_with_overrides(tmp_path):
     assert resolve_cluster(p, nodes=5).nodes == 5
 
 
+def test_link_busbw_scale_round_trip_and_prices(tmp_path):
+    """A link measured per collective kind (gloo's, ``autopar calibrate``): each kind runs at its
+    own busbw. By hand on 4 ranks, 1 GB/s, 1 ms latency: an all-gather of 8 MB at 0.5x the busbw
+    takes 3 ms + 3/4 x 8 MB / 0.5 GB/s = 15 ms; an all-reduce (unlisted) 6 ms + 3/2 x 8 MB / 1 GB/s
+    = 18 ms; a p2p at 4x 1 ms + 8 MB / 4 GB/s = 3 ms."""
+    from autopar.cost.collectives import collective_s
+
+    c = make_cluster("cpu", nodes=1, gpus_per_node=4)
+    link = replace(c.intra, busbw_Bps=1e9, latency_s=1e-3, busbw_scale=(("all_gather", 0.5), ("p2p", 4.0)))
+    assert collective_s("all_gather", 8e6, 4, link) == pytest.approx(0.015)
+    assert collective_s("all_reduce", 8e6, 4, link) == pytest.approx(0.018)
+    assert collective_s("p2p", 8e6, 4, link) == pytest.approx(0.003)
+    c = replace(c, intra=link)
+    p = tmp_path / "gloo.toml"
+    p.write_text(cluster_to_toml(c))
+    assert "busbw_scale = { all_gather = 0.5, p2p = 4.0 }" in p.read_text()
+    assert load_cluster(p) == c
+    for bad, match in (("{ all_gather = 0 }", "must be a number > 0"), ("{ allgather = 0.5 }", "allgather.*all_gather"),
+                       ("0.5", "must be a table")):
+        p.write_text(f'gpu = "cpu"\nnodes = 1\n[intra]\nbusbw_GBps = 1\nbusbw_scale = {bad}\n')
+        with pytest.raises(ValueError, match=match):
+            load_cluster(p)
+
+
 def test_toml_user_file_and_errors(tmp_path):
     p = tmp_path / "mypod.toml"
     p.write_text('gpu = "h100"\nnodes = 2\n[inter]\nbusbw_GBps = 25\n[gpu_overrides]\nmemory_GB = 80\n')
