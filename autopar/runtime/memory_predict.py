@@ -117,9 +117,9 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     fixed = total["params"] + total["optimizer"]
     local_grads = st.param_numel * per["grads"]
     end = reducer_end_bytes(local_grads, cfg.data, cfg.zero, DEFAULT_BUCKET_BYTES, accumulates_rows(cfg))
-    if cfg.pp > 1:               # the replay holds the join-node gradients; the reduction runs after
+    if cfg.pp > 1:               # the replay holds the join-node gradients; what the stages did not launch
         peak = fixed + replay_peak_bytes(rank_actions(cfg.schedule, cfg.pp, pp_rank, cfg.m, cfg.v), chunks,
-                                         workspace)           # the schedule, beside no activation
+                                         workspace)           # is reduced after the schedule, beside no activation
         workspace = max(workspace + rank_held_bytes(cfg, summary, pp_rank, st.layers), end)
     else:
         workspace += reducer_transient_bytes(local_grads, cfg.data, cfg.zero, DEFAULT_BUCKET_BYTES,
