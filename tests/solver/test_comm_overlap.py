@@ -234,7 +234,7 @@ def test_zero23_reduce_where_the_runtime_does(zero):
     model then counts as one full copy of the gradients). No window: each costs its whole time, by
     hand the reduce-scatter of 2 MB bf16 gradients over 4 ranks: 3/4 x 2 MB / 1 GB/s + 3 latencies,
     and the all-gather of as many bf16 parameters the same."""
-    from autopar.solver.overlap import dp_sync, reduces_once_per_step
+    from autopar.solver.overlap import accumulates_rows, dp_sync, reduces_once_per_step
 
     link = LinkSpec("test", busbw_Bps=1e9, latency_s=1e-3, source="test")
     numel = 1e6
@@ -243,6 +243,7 @@ def test_zero23_reduce_where_the_runtime_does(zero):
     piped = replace(flat, pp=2)
     assert not reduces_once_per_step(flat) and reduces_once_per_step(piped)
     assert not reduces_once_per_step(replace(piped, m=1)) and not reduces_once_per_step(replace(piped, zero=1))
+    assert accumulates_rows(flat) and not accumulates_rows(piped) and not accumulates_rows(replace(flat, m=1))
     per_mb, per_step, _ = dp_sync(flat, numel, AUTOPAR_RUNTIME, link, 0.0, 0.0, 0.0, 1.0)
     assert "dp:reduce_scatter" not in per_step
     got = per_mb["dp:reduce_scatter"] if zero == 2 else per_mb["dp:reduce_scatter"] + per_mb["dp:all_gather"]
