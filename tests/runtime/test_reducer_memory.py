@@ -201,7 +201,6 @@ PIPELINE_CASES = (("1f1b", 0), ("1f1b", 3), ("zbv", 1), ("zbv", 3))
 def pipeline_launches():
     """ZeRO 0 and 3 under 1F1B, ZeRO 1 and 3 under ZBV (its weight pass runs the gradient
     hooks; ZeRO 0 and 1 share them) on pp=2 x dp=2 (4 ranks, one spawn)."""
-    from autopar.runtime.launch import spawn_ranks
     from autopar.trace import trace_model
 
     b = build(False, GPT_4, BATCH)
