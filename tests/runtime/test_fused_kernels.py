@@ -3,7 +3,7 @@
 (a) One process: every adapter, through the Triton kernel (TRITON_INTERPRET=1, which the root
     conftest sets) and through the reference, equals the aten op it replaces, forward and backward;
     calls outside an adapter's conditions are left to aten.
-(b) Two gloo ranks, 2 SGD-momentum steps (fp32), kernels="on" (Triton interpreter) equal
+(b) Two gloo ranks, one SGD-momentum step (fp32), kernels="on" (Triton interpreter) equal
     kernels="off" within round-off (losses, each step's gradients, parameters: the bounds and why
     SGD rather than Adam are in bodies.py), and ``pm.fused_kernels`` lists what ran fused:
     gpt-tiny with dp=2 (local-dp mode), tp=2 (hand Megatron plan) and tp=2 with
@@ -125,7 +125,7 @@ def test_modes():
 
 # ---- two ranks ---------------------------------------------------------------------------------
 
-STEPS = 2
+STEPS = 1                        # a step: forward, backward (the kernels) and the update they feed
 FAMILIES = {     # name: (model, hand_plan kwargs, job extras)
     "dp": ("gpt-tiny", dict(dp=2, tp=1), {}),
     "tp": ("gpt-tiny", dict(dp=1, tp=2, family="megatron"), {}),
