@@ -44,6 +44,7 @@ micro-batch, which updates BatchNorm statistics twice and costs a forward.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 from typing import Callable, Optional, Sequence
@@ -361,10 +362,7 @@ def build_pipeline(*, plan, cut, graph, program, device_mesh, stage_mesh, store,
         log.add("send", PIPELINE, nbytes, "p2p", phase)
 
     params_by_stage = {s: cut.params_of(graph, [s]) for s in range(n_stages)}
-    readers: dict[str, int] = {}
-    for names in params_by_stage.values():
-        for n in names:
-            readers[n] = readers.get(n, 0) + 1
+    readers = collections.Counter(n for names in params_by_stage.values() for n in names)
 
     def last_backward(s: int) -> Callable:
         """Stage ``s``'s scope for its last backward: its parameters no other stage reads."""

@@ -69,7 +69,7 @@ def accumulates_rows(cfg) -> bool:
     """ZeRO 2/3 over data > 1 ranks with several micro-batches and no pipeline: every micro-batch
     reduce-scatters, and each rank adds the rows to the ones of the micro-batches before (the rows
     kept sit beside the last reduction's outputs: ``cost.memory.reducer_end_bytes``)."""
-    return cfg.zero >= 2 and cfg.data > 1 and cfg.m > 1 and cfg.pp == 1
+    return cfg.zero >= 2 and cfg.data > 1 and cfg.m > 1 and not reduces_once_per_step(cfg)
 
 
 def dp_sync(cfg, numel: float, profile, link, win_f: float, win_b: float, slowdown: float,

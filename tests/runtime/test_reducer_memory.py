@@ -13,6 +13,8 @@ with many buckets (small ``bucket_bytes``), so that buckets are launched during 
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from autopar.codegen.expected import expected_collectives
@@ -42,31 +44,40 @@ MEMORY = {
 }
 
 
+@contextlib.contextmanager
+def launches(pm):
+    """Yields a one-element list: the most buckets the reducer had launched when a gradient
+    arrived (after the reducer's own hook; ZeRO-3: after its ``on_full_grad``), i.e. the buckets
+    launched while the backward still ran. Hooks removed on exit."""
+    reducer, ctx = pm.reducer, pm.store.ctx
+    launched = [0]
+
+    def seen(*_):
+        launched[0] = max(launched[0], reducer._next)
+
+    hooks = [s.local.register_post_accumulate_grad_hook(seen) for s in pm.store.slots]
+    chained = ctx.on_full_grad
+    if chained is not None:
+        ctx.on_full_grad = lambda slot: (chained(slot), seen())
+    try:
+        yield launched
+    finally:
+        ctx.on_full_grad = chained
+        for h in hooks:
+            h.remove()
+
+
 def measure_grads(pm, x, y) -> dict:
     """``memory_measure.measure_step`` of one step, ZeRO-3's summands counted as gradients from
     their first accumulation; the gradients' largest live total and how the reducer ran."""
     from autopar.runtime.memory_measure import measure_step
 
-    reducer, slots = pm.reducer, pm.store.slots
-    launched = [0]                            # buckets launched while gradients still arrived
-
-    def seen(*_):
-        launched[0] = max(launched[0], reducer._next)
-
-    hooks = [s.local.register_post_accumulate_grad_hook(seen) for s in slots]
-    ctx = pm.store.ctx
-    chained = ctx.on_full_grad                # ZeRO-3: the reducer's, then ``seen``
-    if chained is not None:
-        ctx.on_full_grad = lambda slot: (chained(slot), seen())
-    try:
+    slots = pm.store.slots
+    with launches(pm) as launched:
         _, m = measure_step(pm, x, y)
-    finally:
-        ctx.on_full_grad = chained
-        for h in hooks:
-            h.remove()
     grads = [s.local.grad for s in slots if s.local.grad is not None]
     return {"grads_peak": m.category_peaks.grads, "grad_bytes": sum(s.layout.nbytes for s in slots),
-            "largest": max(s.layout.nbytes for s in slots), "buckets": len(reducer.buckets),
+            "largest": max(s.layout.nbytes for s in slots), "buckets": len(pm.reducer.buckets),
             "launched_in_backward": launched[0],
             "grad_storages": len({g.untyped_storage().data_ptr() for g in grads})}
 
@@ -176,21 +187,12 @@ def pipeline_launch_jobs(rank: int, world: int, plans: dict) -> dict:
         pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
                              optimizer=sgd, plan=Plan.from_json(plan), bucket_bytes=SMALL, timeout_s=30,
                              record_collectives=False)
-        reducer, launched = pm.reducer, [0]
-
-        def seen(*_):
-            launched[0] = max(launched[0], reducer._next)
-
-        for s in pm.store.slots:                  # after the reducer's own hook
-            s.local.register_post_accumulate_grad_hook(seen)
-        chained = pm.store.ctx.on_full_grad       # ZeRO-3: the reducer's, then ``seen``
-        if chained is not None:
-            pm.store.ctx.on_full_grad = lambda slot: (chained(slot), seen())
         losses = []
-        for x, y in data[:2]:
-            launched[0] = 0
-            losses.append(pm.step(x, y))
-        out[name] = {"launched_in_backward": launched[0], "buckets": len(reducer.buckets), "losses": losses}
+        with launches(pm) as launched:
+            for x, y in data[:2]:
+                launched[0] = 0
+                losses.append(pm.step(x, y))
+        out[name] = {"launched_in_backward": launched[0], "buckets": len(pm.reducer.buckets), "losses": losses}
     return out
 
 
