@@ -254,7 +254,25 @@ def build(label, fn, args, consts, num_warps, num_stages, ptxas: Path, attrs=Tru
                 smem_bytes=compiled.metadata.shared, wgmma="wgmma" in ptx)
 
 
+_BUILDS: list = []  # the parent's build list, read by the forked workers (_build_at)
+
+
+def _build_at(job: tuple) -> tuple:
+    """(index, result dict or None, error text or None) of build ``index`` of ``_BUILDS``."""
+    index, ptxas, attrs = job
+    label, fn, args, consts, warps, stages = _BUILDS[index]
+    try:
+        return index, build(label, fn, args, consts, warps, stages, ptxas, attrs), None
+    except Exception as e:  # report every failing kernel, not just the first
+        return index, None, f"{type(e).__name__}: {str(e)[:400]}"
+
+
 def main(argv=None) -> int:
+    """Build every entry of ``_builds()``, the compiles spread over the machine's cores (forked
+    workers: the build list holds kernels and descriptors, which do not pickle), the table printed
+    in the list's order."""
+    import multiprocessing
+
     attrs = "--no-attrs" not in (sys.argv[1:] if argv is None else argv)
     ptxas = _ptxas()
     failures, spilled = 0, []
@@ -262,17 +280,19 @@ def main(argv=None) -> int:
           + ("specialized as launches at the benchmark shapes" if attrs
              else "--no-attrs: without tt.divisibility"))
     print(f"{'kernel':{WIDTH}s} {'warps':>5s} {'regs':>5s} {'spill B':>8s} {'smem B':>7s} wgmma")
-    for label, fn, args, consts, warps, stages in _builds():
-        try:
-            r = build(label, fn, args, consts, warps, stages, ptxas, attrs)
-        except Exception as e:  # report every failing kernel, not just the first
-            failures += 1
-            print(f"{label:{WIDTH}s} BUILD FAILED: {type(e).__name__}: {str(e)[:400]}")
-            continue
-        print(f"{label:{WIDTH}s} {r['warps']:5d} {r['regs']:5d} {r['spill_bytes']:8d} "
-              f"{r['smem_bytes']:7d} {'yes' if r['wgmma'] else ''}", flush=True)
-        if r["spill_bytes"]:
-            spilled.append(label)
+    _BUILDS[:] = _builds()
+    jobs = [(i, ptxas, attrs) for i in range(len(_BUILDS))]
+    with multiprocessing.get_context("fork").Pool(max(1, min(os.cpu_count() or 1, len(jobs)))) as pool:
+        for index, r, error in pool.imap(_build_at, jobs):
+            label = _BUILDS[index][0]
+            if error is not None:
+                failures += 1
+                print(f"{label:{WIDTH}s} BUILD FAILED: {error}")
+                continue
+            print(f"{label:{WIDTH}s} {r['warps']:5d} {r['regs']:5d} {r['spill_bytes']:8d} "
+                  f"{r['smem_bytes']:7d} {'yes' if r['wgmma'] else ''}", flush=True)
+            if r["spill_bytes"]:
+                spilled.append(label)
     print(f"{len(spilled)} build(s) spill: {'; '.join(spilled) or 'none'}")
     print(f"{failures} build failure(s)")
     return 1 if failures else 0

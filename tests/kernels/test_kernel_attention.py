@@ -149,18 +149,15 @@ def test_reference_matches_sdpa():
                      (1e-5, 1e-5), f"causal={causal}")
 
 
-@pytest.mark.parametrize("mode", MODES)
 @KERNEL_SETTINGS
 @given(t=st.integers(1, 40), tk1=st.integers(1, 40), tk2=st.integers(1, 40),
        seed=st.integers(0, 2**16))
-def test_merge_of_key_shards_equals_full_attention(mode, t, tk1, tk2, seed):
+def test_merge_of_key_shards_equals_full_attention(t, tk1, tk2, seed):
     """attention(q, [K1; K2], [V1; V2]) == merge(attention(q, K1, V1), attention(q, K2, V2)),
-    values and gradients (the gradient reaches the shards through both out and lse)."""
-    with desc_mode(mode):
-        _merge_of_key_shards(t, tk1, tk2, seed)
-
-
-def _merge_of_key_shards(t, tk1, tk2, seed):
+    values and gradients (the gradient reaches the shards through both out and lse). In the
+    descriptor mode of the environment only (host by default; gpu_check.sh runs this file under
+    each): the merge does not depend on how the kernel loads its blocks, which
+    test_attention_forward_backward and test_every_tuned_config check in both modes."""
     g = make_generator(seed)
     q, k1, v1 = _qkv(2, 2, t, tk1, 32, torch.float32, g)
     _, k2, v2 = _qkv(2, 2, t, tk2, 32, torch.float32, g)
