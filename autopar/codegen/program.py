@@ -309,7 +309,8 @@ def _has_shape_literal(args) -> bool:
 def local_dp_nodes(graph: GraphIR, plan: Plan, *, single: bool = False) -> Optional[frozenset[str]]:
     """Local-dp mode: when the DATA axis is the only one of size > 1 (tp == 1), nodes whose DATA
     placement only carries the batch can run on plain tensors of the LOCAL batch (a graph traced at
-    global_batch / dp: no DTensor dispatch, DDP's speed). Only nodes that reduce over the batch -- a
+    global_batch / dp: no DTensor dispatch, DDP's speed); ZeRO-3's parameters count as Replicate,
+    as their consumers read them (``ParamStore`` gathers their rows at each use). Only nodes that reduce over the batch -- a
     Partial output on DATA, and everything after them (the loss) -- need DTensor's global semantics
     (an exact mean, ignore_index counts). Returns those nodes' keys, or None when the plan does not
     allow the mode (another axis of size > 1; a node whose DATA output is Replicate although an
@@ -333,6 +334,8 @@ def local_dp_nodes(graph: GraphIR, plan: Plan, *, single: bool = False) -> Optio
             dp_out[n.key] = Replicate()
             continue
         out = to_mesh(s.output, plan, n.key)[di]
+        if n.kind == "param" and plan.zero_stage == 3:
+            out = Replicate()               # stored as rows, gathered before use: read whole
         dp_out[n.key] = out
         if n.kind != "op":
             continue
