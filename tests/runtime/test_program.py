@@ -80,3 +80,19 @@ def test_expected_collectives_megatron_counts(tiny_full):
                           ("reduce_scatter", "tp", "backward"): 2 * layers,
                           ("all_gather", "tp", "backward"): (2 * layers + 2) + (2 * layers + 1),
                           ("all_reduce", "tp", "backward"): 2 * (2 * layers + 1)})
+
+
+def test_zero3_runs_the_local_data_parallel_path(tiny_full):
+    """ZeRO-3 stores each parameter as dp rows (Shard(0) on dp in the plan) and gathers it at every
+    use, so its consumers read it whole: the plain-tensor path of data parallelism takes the same
+    nodes as under ZeRO-1. (Reading the stored rows as the consumers' placement refused the path
+    for every model with a position embedding, whose lookup is replicated over dp.)"""
+    from autopar.codegen.program import local_dp_nodes
+    from autopar.mesh import DATA
+
+    zero3 = hand_plan(tiny_full, dp=2, tp=1, zero=3)
+    di = zero3.mesh_axes.index(DATA)
+    stored = {s.key: s.output[di] for s in zero3.strategies}
+    assert stored["transformer.wpe.weight|param|0"] == Shard(0)     # the rows the plan stores
+    nodes = local_dp_nodes(tiny_full, zero3)
+    assert nodes is not None and nodes == local_dp_nodes(tiny_full, hand_plan(tiny_full, dp=2, tp=1, zero=1))
