@@ -310,9 +310,9 @@ def local_dp_nodes(graph: GraphIR, plan: Plan, *, single: bool = False) -> Optio
     """Local-dp mode: when the DATA axis is the only one of size > 1 (tp == 1), nodes whose DATA
     placement only carries the batch can run on plain tensors of the LOCAL batch (a graph traced at
     global_batch / dp: no DTensor dispatch, DDP's speed); ZeRO-3's parameters count as Replicate,
-    as their consumers read them (``ParamStore`` gathers their rows at each use). Only nodes that reduce over the batch -- a
-    Partial output on DATA, and everything after them (the loss) -- need DTensor's global semantics
-    (an exact mean, ignore_index counts). Returns those nodes' keys, or None when the plan does not
+    as their consumers read them (``ParamStore`` gathers their rows at each use). Only nodes that
+    reduce over the batch -- a Partial output on DATA, and everything after them (the loss) -- need
+    DTensor's global semantics (an exact mean, ignore_index counts). Returns those nodes' keys, or None when the plan does not
     allow the mode (another axis of size > 1; a node whose DATA output is Replicate although an
     input is Shard, i.e. a batch reduction DTensor would all-reduce mid-graph; a strategy without a
     placement per axis; a batch not divisible by dp). ``single``: a stage mesh of one rank (dp == 1,

@@ -68,6 +68,7 @@ def _every_config(label, tuned, args, consts):
             for i, c in enumerate(tuned.configs)]
 
 
+@functools.cache
 def _builds():
     """(label, jit kernel, arguments, constexprs, num_warps, num_stages). ``arguments`` gives
     every non-constexpr argument of the kernel (extra names are ignored): a pointer by its type
@@ -254,17 +255,14 @@ def build(label, fn, args, consts, num_warps, num_stages, ptxas: Path, attrs=Tru
                 smem_bytes=compiled.metadata.shared, wgmma="wgmma" in ptx)
 
 
-_BUILDS: list = []  # the parent's build list, read by the forked workers (_build_at)
-
-
-def _build_at(job: tuple) -> tuple:
-    """(index, result dict or None, error text or None) of build ``index`` of ``_BUILDS``."""
-    index, ptxas, attrs = job
-    label, fn, args, consts, warps, stages = _BUILDS[index]
+def _build_at(index: int, ptxas: Path, attrs: bool) -> tuple:
+    """(result dict or None, error text or None) of build ``index`` of ``_builds()`` (a forked
+    worker finds the list in the cache it inherited)."""
+    label, fn, args, consts, warps, stages = _builds()[index]
     try:
-        return index, build(label, fn, args, consts, warps, stages, ptxas, attrs), None
+        return build(label, fn, args, consts, warps, stages, ptxas, attrs), None
     except Exception as e:  # report every failing kernel, not just the first
-        return index, None, f"{type(e).__name__}: {str(e)[:400]}"
+        return None, f"{type(e).__name__}: {str(e)[:400]}"
 
 
 def main(argv=None) -> int:
@@ -280,11 +278,10 @@ def main(argv=None) -> int:
           + ("specialized as launches at the benchmark shapes" if attrs
              else "--no-attrs: without tt.divisibility"))
     print(f"{'kernel':{WIDTH}s} {'warps':>5s} {'regs':>5s} {'spill B':>8s} {'smem B':>7s} wgmma")
-    _BUILDS[:] = _builds()
-    jobs = [(i, ptxas, attrs) for i in range(len(_BUILDS))]
-    with multiprocessing.get_context("fork").Pool(max(1, min(os.cpu_count() or 1, len(jobs)))) as pool:
-        for index, r, error in pool.imap(_build_at, jobs):
-            label = _BUILDS[index][0]
+    builds = _builds()  # before the fork: the workers inherit it
+    job = functools.partial(_build_at, ptxas=ptxas, attrs=attrs)
+    with multiprocessing.get_context("fork").Pool(max(1, min(os.cpu_count() or 1, len(builds)))) as pool:
+        for (label, *_), (r, error) in zip(builds, pool.imap(job, range(len(builds)))):
             if error is not None:
                 failures += 1
                 print(f"{label:{WIDTH}s} BUILD FAILED: {error}")
