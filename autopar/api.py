@@ -529,7 +529,7 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
         tensors (DTensor only for the loss: exact global semantics, DDP's speed); "dtensor" runs
         every op on DTensors over the plan's mesh.
     kernels: fused-kernel substitution (``codegen/fused.py``): "auto" runs the Triton kernels of
-        ``kernels/`` in place of the aten ops and multi-node regions they replace exactly
+        ``autopar/kernels/`` in place of the aten ops and multi-node regions they replace exactly
         (layer_norm, gelu, attention, cross-entropy, residual add + norm, hand-written RMSNorm,
         RoPE, SwiGLU, ...; ``codegen/patterns.py``) on CUDA and nothing on the CPU; "on" substitutes on any device (Triton
         on CUDA or under TRITON_INTERPRET=1, else the plain-torch references: tests); "off" never.

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 class _ShardNormOptimizer(torch.optim.Optimizer):
     """What LAMB and LARS share: the shard groups and their all-reduce of squared norms, the
-    fused kernel ``_KERNEL`` of ``kernels.registry`` with its cached chunk table, and a step that
+    fused kernel ``_KERNEL`` of ``autopar.kernels.registry`` with its cached chunk table, and a step that
     flattens each param group into (param, grad, *state) fp32 buffers, with the per-parameter
     state ``_STATE`` (zeros at first), for ``_flat_step``."""
 
@@ -72,10 +72,10 @@ class _ShardNormOptimizer(torch.optim.Optimizer):
     def _kernel(self, device: torch.device, sizes: list[int], offsets: list[int]) -> Callable:
         """The step function for ``device`` and, for the Triton one, its cached chunk table."""
         try:
-            from kernels import optimizers
-            from kernels.registry import lookup, select
+            from autopar.kernels import optimizers
+            from autopar.kernels.registry import lookup, select
         except ImportError as e:
-            raise ImportError(f"autopar.optim.{type(self).__name__} runs kernels/optimizers.py, which "
+            raise ImportError(f"autopar.optim.{type(self).__name__} runs autopar/kernels/optimizers.py, which "
                               f"needs triton ({e}); pip install 'autopar[kernels]'") from e
         fn = select(self._KERNEL, device)
         if fn is not lookup(self._KERNEL).triton:

@@ -11,19 +11,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
-
-if __name__ == "__main__":
-    # run as a script, this folder comes first on sys.path and "kernels" would resolve to
-    # benchmarks/kernels.py instead of the repository's kernels package
-    _HERE = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-    sys.path.insert(0, str(_HERE.parent))
-
 
 def _time(opt, steps: int = 5) -> float:
     opt.step()                                   # the state is created

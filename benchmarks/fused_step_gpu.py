@@ -20,13 +20,6 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
-
-# Run as a script, this folder comes first on sys.path and "kernels" would resolve to
-# benchmarks/kernels.py: put the repository root there instead.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
 
 DRY_RUN_SPECS = ("gpt:hidden=64,layers=2,heads=4,vocab=256,seq=32",
                  "llama:hidden=64,layers=2,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16")
@@ -101,7 +94,7 @@ def main() -> int:
         return 2
     try:
         import triton  # noqa: F401
-        from kernels import registry
+        from autopar.kernels import registry
         registry.lookup("attention")
     except ImportError as e:
         print(f"error: triton / kernels not importable ({e}); install autopar[kernels]", file=sys.stderr)

@@ -2,7 +2,7 @@
 # The one GPU check of this repo, for a lent GPU (the `device` tool) or any CUDA machine:
 #   tests: 1. kernel tests compiled for the device (not the interpreter), few hypothesis examples;
 #          2. the attention tests twice, with host-side and with device-side TMA descriptors
-#             (AUTOPAR_ATTENTION_DESC, see kernels/attention.py); the later steps use the mode
+#             (AUTOPAR_ATTENTION_DESC, see autopar/kernels/attention.py); the later steps use the mode
 #             that passed (host when both did); then ring attention's blocks on CUDA's flash op,
 #             and one-GPU training (meta model vs eager; offload of every class vs none);
 #   bench: 3. the kernel benchmark (Triton vs eager vs torch.compile, % of measured ceilings, the
@@ -62,7 +62,7 @@ fi
 if [[ "$STAGE" != tests ]]; then
   export AUTOPAR_ATTENTION_DESC=$(cat "$OUT/attention_desc.txt" 2>/dev/null || echo host)
   echo "attention descriptors: $AUTOPAR_ATTENTION_DESC"
-  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/kernels.py --quick --budget-s "${BENCH_BUDGET:-240}" \
+  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/kernel_speed.py --quick --budget-s "${BENCH_BUDGET:-240}" \
     --json "$OUT/kernels.json" "${SCRIPT_DRY[@]}" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/kernels_bench.log"
   echo "benchmark exit: ${PIPESTATUS[0]}"
   # not yet run on a GPU: the first lent GPU confirms it before kernels="auto" becomes the default

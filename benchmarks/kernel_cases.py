@@ -1,4 +1,4 @@
-"""The rows of benchmarks/kernels.py: one ``Case`` per (kernel, pass), with the bytes or FLOPs the
+"""The rows of benchmarks/kernel_speed.py: one ``Case`` per (kernel, pass), with the bytes or FLOPs the
 fused algorithm must move spelled out, and the Triton / eager / torch.compile callables to time."""
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def grads_of(fn, inputs, dy, wrt=None):
 
 
 def build_cases(device: torch.device, dry_run: bool) -> list[Case]:
-    from kernels import activations, attention, cross_entropy, norms, optimizers, rope, softmax
+    from autopar.kernels import activations, attention, cross_entropy, norms, optimizers, rope, softmax
 
     bf16, bpe = torch.bfloat16, 2  # bytes per element
     if dry_run:

@@ -12,8 +12,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 # the ranks import the benchmark by its module name, benchmarks.largest_model (a namespace package
-# under the repository root; benchmarks/ itself must not go on sys.path: its kernels.py would
-# shadow the kernels package)
+# under the repository root)
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

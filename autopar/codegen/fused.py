@@ -1,4 +1,4 @@
-"""Fused-kernel substitution: which graph nodes a ``kernels/`` registry kernel replaces, and how.
+"""Fused-kernel substitution: which graph nodes an ``autopar/kernels/`` registry kernel replaces, and how.
 
     fk = fused_kernels("auto", device_type)     # None: nothing is substituted
     out = fk.run(key, target, args, kwargs)      # the node's output through the kernel, or None
@@ -15,11 +15,11 @@ Modes (``autoparallelize(kernels=...)``):
             TRITON_INTERPRET=1 (the interpreter: tests), else the plain-torch reference
     "off"   never
 
-Autotuning and ranks: the kernels' launch configs (``kernels/_launch.Tuned``) differ in reduction
+Autotuning and ranks: the kernels' launch configs (``autopar/kernels/_launch.Tuned``) differ in reduction
 order, and ranks tuning independently could pick different ones; where tp ranks compute the same
 replicated value (a LayerNorm over a Replicate activation, its weight gradient) the rounding would
 then differ across ranks and replicated parameters could drift apart. So in a multi-process run
-one rank tunes each (kernel, key) and every rank launches its choice (``kernels/_agree.py``, through
+one rank tunes each (kernel, key) and every rank launches its choice (``autopar/kernels/_agree.py``, through
 the process group's store; AUTOPAR_KERNELS_TUNE=local lets each rank tune alone, fine with dp only,
 and =never launches every list's first, hand-picked config).
 
@@ -94,7 +94,7 @@ MODES = ("auto", "on", "off")
 @dataclass(frozen=True)
 class Adapter:
     target: str                                          # aten target, str of the OpOverload
-    kernel: str                                          # kernels.registry name
+    kernel: str                                          # autopar.kernels.registry name
     check: Callable[[tuple, dict], Optional[str]]        # why it cannot substitute, None = it can
     launch: Callable[[Callable, tuple, dict], Any]       # (kernel fn, args, kwargs) -> output
 
@@ -170,7 +170,7 @@ def _softmax_launch(fn, args, kwargs):
 
 
 def _sdpa_check(args, kwargs) -> Optional[str]:
-    from kernels.attention import SUPPORTED_HEAD_DIMS
+    from autopar.kernels.attention import SUPPORTED_HEAD_DIMS
     from torch.distributed.tensor import Replicate
 
     q, k, v = args[:3]
@@ -293,7 +293,7 @@ class FusedKernels:
     def __init__(self, implementation: str) -> None:
         if implementation not in ("triton", "reference"):
             raise ValueError(f"implementation={implementation!r}: choose 'triton' or 'reference'")
-        from kernels.registry import lookup
+        from autopar.kernels.registry import lookup
 
         self.implementation = implementation
         kernels = {a.kernel for a in ADAPTERS.values()} | set(REGION_ADAPTERS)

@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-NORM_MAX_N = 65536                 # kernels/norms.py MAX_N: one row fits one block
+NORM_MAX_N = 65536                 # autopar/kernels/norms.py MAX_N: one row fits one block
 
 
 # ---- placements of a DTensor or plain tensor -------------------------------------------------

@@ -161,7 +161,7 @@ def _region_rope_launch(fn, m, vals: dict) -> tuple:
 
 @dataclass(frozen=True)
 class RegionAdapter:
-    kernel: str                                              # kernels.registry name
+    kernel: str                                              # autopar.kernels.registry name
     check: Callable[[Any, dict], Optional[str]]              # (match, role -> Spec) -> why not
     launch: Callable[[Callable, Any, dict], tuple]           # (fn, match, role -> value) -> outputs
 

@@ -49,7 +49,7 @@ class Operand:
 
 @dataclass(frozen=True)
 class Match:
-    kernel: str                                   # kernels.registry name
+    kernel: str                                   # autopar.kernels.registry name
     members: tuple[str, ...]                      # FX names in graph order; the last is the anchor
     operands: tuple[tuple[str, Operand], ...]     # kernel input role -> where it enters
     outputs: tuple[tuple[str, int], ...]          # member -> index of the kernel output it takes

@@ -43,7 +43,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import MockTensor, create_function_from_signature  # noqa: E402
 
-from kernels import (activations, attention, cross_entropy, norms, optimizers,  # noqa: E402
+from autopar.kernels import (activations, attention, cross_entropy, norms, optimizers,  # noqa: E402
                      rope, softmax)
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -145,7 +145,7 @@ def _builds():
 
 
 def _attention_builds():
-    """Every config of the attention lists (kernels/attention.py), causal and not, labelled like
+    """Every config of the attention lists (autopar/kernels/attention.py), causal and not, labelled like
     _every_config plus the stages: forward and dQ at D=64 and D=128, each dK/dV list at the head
     dim it serves; plus the fp32 forward (ieee products, no tensor cores), which runs its list's
     first config (fp32 is not autotuned). All of these take host-built TMA descriptors (the

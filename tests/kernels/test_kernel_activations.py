@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kernels_testutil import BWD_TOL, FWD_TOL, KERNEL_SETTINGS, assert_close, make_generator
 
-from kernels import activations as act
+from autopar.kernels import activations as act
 
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
 

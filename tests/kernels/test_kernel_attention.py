@@ -17,8 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kernels_testutil import KERNEL_SETTINGS, ON_CUDA, assert_close, make_generator
 
-from kernels import attention as at
-from kernels import attention_configs as ac
+from autopar.kernels import attention as at
+from autopar.kernels import attention_configs as ac
 
 # Small tiles so that sequences of a few dozen tokens cross several blocks and the diagonal.
 SMALL = at.AttentionBlocks(fwd_m=32, fwd_n=16, fwd_warps=4, bwd_kv_n=32, bwd_kv_m=16,
@@ -208,7 +208,7 @@ def test_allocator_installed_lazily_and_kept():
     import triton
     from triton.runtime import _allocation
 
-    from kernels import _launch
+    from autopar.kernels import _launch
 
     def probe():
         before = _allocation._allocator.get()

@@ -1,4 +1,4 @@
-"""benchmarks/kernels.py without a GPU: the dry run (interpreter, tiny shapes) end to end, the
+"""benchmarks/kernel_speed.py without a GPU: the dry run (interpreter, tiny shapes) end to end, the
 refusal without CUDA, fail-soft rows, and the derived columns (throughput, %, goals)."""
 
 import importlib.util
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernel_speed.py"
 
 
 @pytest.fixture(scope="module")

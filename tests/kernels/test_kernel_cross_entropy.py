@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kernels_testutil import KERNEL_SETTINGS, ON_CUDA, assert_close, make_generator
 
-from kernels import cross_entropy as ce
+from autopar.kernels import cross_entropy as ce
 
 LOSS_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-5, 1e-5)}  # fp32 math on the same inputs
 GRAD_TOL = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (4e-3, 1.6e-2)}  # bf16 grads: 1 ulp

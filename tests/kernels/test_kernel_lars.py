@@ -9,9 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kernels_testutil import DEVICE, ON_CUDA, KERNEL_SETTINGS, assert_close, make_generator
 
-from kernels import _launch
-from kernels import optimizers as opt
-from kernels.registry import lookup, select
+from autopar.kernels import _launch
+from autopar.kernels import optimizers as opt
+from autopar.kernels.registry import lookup, select
 
 # The same fp32 operations per element in all three; the squared norms are summed in another
 # order (chunks of LAMB_BLOCK, then per tensor; torch.linalg.vector_norm here), a relative

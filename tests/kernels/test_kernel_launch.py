@@ -1,4 +1,4 @@
-"""kernels/_launch.Tuned's tuning policy (AUTOPAR_KERNELS_TUNE) and kernels/_agree: in a
+"""autopar/kernels/_launch.Tuned's tuning policy (AUTOPAR_KERNELS_TUNE) and autopar/kernels/_agree: in a
 distributed world one rank tunes each (kernel, key) and every rank launches its choice. The
 multi-rank tests run real gloo worlds; the CUDA-only autotuner is replaced by a stub that "prefers"
 a rank-dependent config, so ranks choosing on their own would disagree."""
@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from autopar.runtime.launch import spawn_ranks
-from kernels import _agree, _launch
+from autopar.kernels import _agree, _launch
 
 
 @triton.jit
@@ -208,7 +208,7 @@ def test_tuned_kernels_launch_the_same_config_on_every_rank():
 
 def _real_tuning(rank: int, world: int) -> dict:
     """Both ranks on the one GPU: LayerNorm forward and backward, autotuned for real."""
-    from kernels.norms import layer_norm
+    from autopar.kernels.norms import layer_norm
 
     _rank_device()
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from kernels_testutil import (BWD_TOL, FWD_TOL, KERNEL_SETTINGS, ON_CUDA, assert_close,
                               make_generator)
 
-from kernels import norms
+from autopar.kernels import norms
 
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
 

@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kernels_testutil import ON_CUDA, KERNEL_SETTINGS, assert_close, make_generator
 
-from kernels import _launch
-from kernels import optimizers as opt
+from autopar.kernels import _launch
+from autopar.kernels import optimizers as opt
 
 # AdamW: the same fp32 operations in torch's order (IEEE sqrt/div, lerp and addcmul as FMAs);
 # measured bitwise equal to torch's single-tensor AdamW for exp_avg / exp_avg_sq in the

@@ -7,7 +7,7 @@ import pytest
 import torch
 from kernels_testutil import assert_close, make_generator
 
-from kernels import registry
+from autopar.kernels import registry
 
 
 def test_lookup_and_unknown_name():

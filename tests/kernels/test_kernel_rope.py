@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kernels_testutil import FWD_TOL, KERNEL_SETTINGS, assert_close, make_generator
 
-from kernels import rope as rp
+from autopar.kernels import rope as rp
 
 
 def hf_cos_sin(t, d, base=10000.0):

@@ -16,7 +16,7 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 ROW = re.compile(r"^(?P<label>\S.*?)\s+(?P<warps>\d+)\s+(?P<regs>\d+)\s+(?P<spill>\d+)\s+"
                  r"(?P<smem>\d+)(?:\s+yes)?\s*$")
 # Expected to spill: fp32 attention (full-precision products without tensor cores) runs its
-# list's first config untuned, and spills in every config (kernels/attention.py).
+# list's first config untuned, and spills in every config (autopar/kernels/attention.py).
 MAY_SPILL = ("attention fwd fp32 ",)
 
 

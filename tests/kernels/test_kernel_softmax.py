@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kernels_testutil import BWD_TOL, FWD_TOL, KERNEL_SETTINGS, assert_close, make_generator
 
-from kernels import softmax as sm
+from autopar.kernels import softmax as sm
 
 
 @KERNEL_SETTINGS

@@ -14,7 +14,7 @@ from autopar.optim import LAMB
 from autopar.runtime.launch import spawn_ranks
 from bodies import EPS32, RTOL_GRAD, RTOL_GRAD_FIRST, STEPS, batches, build
 from handplans import hand_plan
-from kernels.optimizers import lamb_step_ref
+from autopar.kernels.optimizers import lamb_step_ref
 
 HP = dict(lr=5e-2, weight_decay=0.01)
 

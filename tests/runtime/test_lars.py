@@ -18,7 +18,7 @@ from autopar.optim import LARS
 from autopar.runtime.launch import spawn_ranks
 from bodies import EPS32, RTOL_GRAD, RTOL_GRAD_FIRST, RTOL_LOSS, STEPS, batches, build
 from handplans import hand_plan
-from kernels.optimizers import lars_step_ref
+from autopar.kernels.optimizers import lars_step_ref
 
 # lr * trust_coefficient = 2e-2: each step moves a tensor by ~2% of its norm (more as the momentum
 # builds up), so 3 steps change the losses visibly and a wrong local rate shows.

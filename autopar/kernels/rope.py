@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _launch
+from autopar.kernels import _launch
 
 
 def rope_ref(x, cos, sin):

@@ -1,4 +1,4 @@
-"""Launch configs of the attention kernels (kernels/attention.py): the autotuned tile lists, the
+"""Launch configs of the attention kernels (autopar/kernels/attention.py): the autotuned tile lists, the
 fixed tiles tests pass instead (``AttentionBlocks``), and where the TMA descriptors are built
 (``descriptor_mode``, AUTOPAR_ATTENTION_DESC)."""
 from __future__ import annotations

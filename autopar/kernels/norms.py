@@ -23,7 +23,7 @@ kernel has a short config list per row width (row_tuned, bwd_tuned), autotuned o
 _launch.Tuned; the first entry of each list is the choice made by hand before tuning existed.
 
 Run the tests:  TRITON_INTERPRET=1 pytest tests/kernels/test_kernel_norms.py
-Benchmark:      python benchmarks/kernels.py --only layer_norm rms_norm add_rms_norm
+Benchmark:      python benchmarks/kernel_speed.py --only layer_norm rms_norm add_rms_norm
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _launch
+from autopar.kernels import _launch
 
 MAX_N = 65536
 

@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _launch
+from autopar.kernels import _launch
 
 ADAMW_BLOCK = 1024
 LAMB_BLOCK = 2048     # the chunk table's chunk: LAMB's and LARS's kernels

@@ -16,6 +16,6 @@ memory traffic, the reference, the @triton.jit kernels, the launcher, an autogra
     _agree.py         one tuned config per (kernel, key) for every rank of a distributed run
 
 Tests (CPU, Triton interpreter, about a minute):  pytest tests/kernels
-GPU benchmark (H200, < 4 minutes):             python benchmarks/kernels.py --json out.json
-The same benchmark on the CPU with tiny shapes:  python benchmarks/kernels.py --dry-run
+GPU benchmark (H200, < 4 minutes):             python benchmarks/kernel_speed.py --json out.json
+The same benchmark on the CPU with tiny shapes:  python benchmarks/kernel_speed.py --dry-run
 """

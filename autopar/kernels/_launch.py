@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from kernels import _agree
+from autopar.kernels import _agree
 
 POISON_ENV = "AUTOPAR_KERNELS_POISON"
 # Memory-bound kernels pass this as Tuned(min_numel=...): below ~2 MB of bf16 a launch is
@@ -67,7 +67,7 @@ def check_device(name: str, *tensors: torch.Tensor) -> None:
     if device.type != "cuda" and not interpreting():
         raise ValueError(
             f"{name}: the Triton kernel needs CUDA tensors (got {device}); use the reference "
-            "(kernels.registry.select(name, device)) on CPU, or set TRITON_INTERPRET=1 before "
+            "(autopar.kernels.registry.select(name, device)) on CPU, or set TRITON_INTERPRET=1 before "
             "importing triton to run the kernel in the interpreter"
         )
 
@@ -121,7 +121,7 @@ _recorders: list[dict] = []
 def recording():
     """Collect, for every ``Tuned`` launch inside the block, ``{kernel name: {"config": ...}}``,
     plus ``"tuning": {config: median ms}`` for a kernel the autotuner timed inside the block:
-    benchmarks/kernels.py reports which config each row ran and by what margin it won. (Each
+    benchmarks/kernel_speed.py reports which config each row ran and by what margin it won. (Each
     launch inside pays a few microseconds for this: record a first call, not a timed loop.)"""
     used: dict = {}
     _recorders.append(used)

@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _launch
-from kernels.norms import row_tuned
+from autopar.kernels import _launch
+from autopar.kernels.norms import row_tuned
 
 SINGLE_BLOCK_MAX = 32768
 LOOP_BLOCK = 4096

@@ -1,6 +1,6 @@
 """One registry of the fused kernels: name -> (Triton callable, reference callable, pattern).
 
-    from kernels.registry import lookup, for_target, select
+    from autopar.kernels.registry import lookup, for_target, select
     fn = select("rms_norm", x.device)          # Triton on CUDA, the plain-torch reference on CPU
     entries = for_target("aten.gelu.default")  # what could replace this node, longest pattern first
 
@@ -40,9 +40,9 @@ class KernelEntry:
 @functools.cache
 def _entries() -> dict[str, KernelEntry]:
     try:
-        from kernels import activations, attention, cross_entropy, norms, optimizers, rope, softmax
+        from autopar.kernels import activations, attention, cross_entropy, norms, optimizers, rope, softmax
     except ImportError as e:  # pragma: no cover - depends on the installation
-        raise ImportError(f"kernels.registry needs triton ({e}); install autopar[kernels]") from e
+        raise ImportError(f"autopar.kernels.registry needs triton ({e}); install autopar[kernels]") from e
 
     table = [
         KernelEntry("layer_norm", norms.layer_norm, norms.layer_norm_ref,

@@ -61,7 +61,7 @@ On the GPU fp32 inputs use full fp32 products (tl.dot input_precision="ieee", no
 default): slower than bf16 but accurate to ~1e-6 like the reference; bf16 uses the tensor cores.
 
 Launch configs (tiles, warps, pipeline stages) are ``_launch.Tuned`` lists per kernel
-(``FWD_CONFIGS``, ``DKDV_CONFIGS``, ``DQ_CONFIGS``, in kernels/attention_configs.py): on CUDA the first call per (Tq, Tk, D,
+(``FWD_CONFIGS``, ``DKDV_CONFIGS``, ``DQ_CONFIGS``, in autopar/kernels/attention_configs.py): on CUDA the first call per (Tq, Tk, D,
 causal, dtype) times them all and keeps the fastest; the interpreter runs the first. Every entry
 builds for sm_90a in bf16 without register spills (tests/kernels/sm90_build.py prints the
 counts); fp32, whose products skip the tensor cores, spills in all of them and runs the first.
@@ -82,8 +82,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels import _launch
-from kernels.attention_configs import (DKDV_CONFIGS, DQ_CONFIGS, FWD_CONFIGS, AttentionBlocks,
+from autopar.kernels import _launch
+from autopar.kernels.attention_configs import (DKDV_CONFIGS, DQ_CONFIGS, FWD_CONFIGS, AttentionBlocks,
                                        descriptor_mode)
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _launch
+from autopar.kernels import _launch
 
 BLOCK_V = 16384  # the widest vocab slice per program: 32 elements per thread at 16 warps
 

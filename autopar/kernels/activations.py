@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import _launch
+from autopar.kernels import _launch
 
 BLOCK_M = 8  # rows per bias_gelu tile before tuning
 BLOCK_N_MAX = 1024  # the widest column stripe of a bias_gelu tile

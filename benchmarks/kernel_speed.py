@@ -1,9 +1,9 @@
 """Benchmark autopar's fused Triton kernels against torch eager and torch.compile on one GPU.
 
-    python benchmarks/kernels.py --json kernels.json            # H200: about 3 minutes
-    python benchmarks/kernels.py --quick --json kernels.json    # fewer repetitions
-    python benchmarks/kernels.py --only rms_norm attention      # rows whose name contains these
-    python benchmarks/kernels.py --dry-run --json /tmp/k.json   # CPU + Triton interpreter, tiny
+    python benchmarks/kernel_speed.py --json kernels.json            # H200: about 3 minutes
+    python benchmarks/kernel_speed.py --quick --json kernels.json    # fewer repetitions
+    python benchmarks/kernel_speed.py --only rms_norm attention      # rows whose name contains these
+    python benchmarks/kernel_speed.py --dry-run --json /tmp/k.json   # CPU + Triton interpreter, tiny
                                                                 # shapes: exercises table and JSON
 
 What it prints: first the ceilings, measured at start (HBM bandwidth from a device-to-device copy
@@ -18,7 +18,7 @@ datasheet ceiling, and pass/fail columns for the goals:
 Bytes count the traffic the fused algorithm must move (each row spells its formula out); eager
 and torch.compile are timed on the same work, so their throughput is the same ratio of times.
 "err" is max|triton - eager| / max|eager| on the row's first output (a sanity check, not a test).
-Kernels launched through kernels/_launch.Tuned (norms, softmax, cross-entropy, ...) autotune: a
+Kernels launched through autopar/kernels/_launch.Tuned (norms, softmax, cross-entropy, ...) autotune: a
 row's first Triton call tunes them, untimed, and the timed calls reuse the choice; a
 "config <kernel>" footnote per row names the config that ran (and, where the row tuned it, the
 fastest and second-fastest times), and the JSON row's "tuned" field holds the same with every
@@ -41,11 +41,8 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-# Run as a script, this file's folder would come first on sys.path and "kernels" would resolve
-# to this file: put the repository root there instead.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+# the rows come from benchmarks/kernel_cases.py, imported as benchmarks.kernel_cases
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if "--dry-run" in sys.argv:  # must precede the first import of triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -53,7 +50,7 @@ import torch  # noqa: E402
 
 from benchmarks.kernel_cases import (  # noqa: E402  (re-exported: tests use bench.Case)
     ATTENTION_GOAL_PCT, MEMORY_GOAL_PCT, Case, build_cases, grads_of)
-from kernels import _launch  # noqa: E402
+from autopar.kernels import _launch  # noqa: E402
 
 DATASHEET_HBM_BPS = 4.8e12  # H200 SXM, HBM3e
 DATASHEET_BF16_FLOPS = 989e12  # H200 SXM, dense bf16 tensor core
@@ -345,7 +342,7 @@ def main(argv=None) -> int:
         device = torch.device("cpu")
     else:
         if not torch.cuda.is_available():
-            print("benchmarks/kernels.py needs a CUDA GPU (torch.cuda.is_available() is False). "
+            print("benchmarks/kernel_speed.py needs a CUDA GPU (torch.cuda.is_available() is False). "
                   "Run it on the GPU machine, or pass --dry-run to exercise it on the CPU.",
                   file=sys.stderr)
             return 2
