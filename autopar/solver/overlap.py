@@ -83,7 +83,7 @@ def dp_sync(cfg, numel: float, profile, link, win_f: float, win_b: float, slowdo
     rows: list = []
     if cfg.data <= 1:
         return comm, sync, rows
-    grad_b, param_b = numel * profile.grad_bytes, numel * profile.param_bytes
+    grad_b, param_b = numel * profile.grad_wire_bytes, numel * profile.param_bytes
     go, po = profile.grad_reduce_overlap, profile.param_gather_overlap
     rs = collective_s("reduce_scatter", grad_b, cfg.data, link)
     ag = collective_s("all_gather", param_b, cfg.data, link)

@@ -33,10 +33,16 @@ and why (``StepTime.overlap``, the report's "Communication" table).
 - ``host_copy_overlap``: offload's host<->device copies (gradients down, parameters and saved
   activations up and down: ``cost/offload.py``) run on a side stream beside the compute. Window:
   the step's / micro-batch's forward or backward. Without it they are exposed in full.
-- ``param_bytes``, ``optimizer_bytes``: the parameters' bytes per element and the optimizer
-  state's per parameter (``for_dtype``: 2 and 12 for 16-bit plans, 4 and 8 for fp32 ones).
-- ``grad_bytes``: bytes per gradient element stored and reduced. Megatron with bf16 accumulates and
-  reduces gradients in fp32 (``accumulate_allreduce_grads_in_fp32`` is forced on with bf16).
+- ``param_bytes``, ``optimizer_bytes``: the parameters' bytes per element on the device (stored
+  and all-gathered) and the optimizer state's per parameter (``for_dtype``).
+- ``grad_bytes``: bytes per gradient element stored; ``grad_reduce_bytes`` (None: the same) the
+  bytes each crosses the data-parallel axis in. Megatron with bf16 accumulates and reduces
+  gradients in fp32 (``accumulate_allreduce_grads_in_fp32`` is forced on with bf16).
+- ``autocast``: a 16-bit plan of fp32 parameters runs as ``torch.autocast`` over them
+  (``runtime/precision.py``): the device holds fp32 parameters, which are the master weights, fp32
+  gradients and AdamW's two fp32 moments (4 + 4 + 8 bytes, ZeRO-sharded as such), gradients cross
+  dp in the plan's dtype, parameters are all-gathered in fp32. Without it (Megatron, ZeRO's paper)
+  the device holds 16-bit parameters and the optimizer an fp32 master (2 + 2 + 12).
 - ``zero3_prefetch``: ZeRO-3's forward gathers the next layer's parameters while this one computes
   (autopar's ``runtime/prefetch.py``), so they overlap the forward; FSDP-like runtimes get the same
   from ``param_gather_overlap``. Every runtime here gathers one layer (a group or bucket) per
@@ -44,7 +50,10 @@ and why (``StepTime.overlap``, the report's "Communication" table).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from autopar.ir import DTYPE_BYTES
 
 
 @dataclass(frozen=True)
@@ -59,18 +68,25 @@ class RuntimeProfile:
     param_bytes: int = 2                  # bytes per parameter element on the device (16-bit)
     optimizer_bytes: int = 12             # optimizer state per parameter (fp32 master + Adam's moments)
     zero3_prefetch: bool = False          # ZeRO-3's forward gathers prefetched one layer ahead
+    autocast: bool = False                # 16-bit plans of fp32 parameters run under torch.autocast
+    grad_reduce_bytes: Optional[int] = None   # bytes per gradient element on the dp wire (None: grad_bytes)
+
+    @property
+    def grad_wire_bytes(self) -> int:
+        return self.grad_bytes if self.grad_reduce_bytes is None else self.grad_reduce_bytes
 
 
-def for_dtype(profile: RuntimeProfile, dtype: str) -> RuntimeProfile:
-    """``profile`` for a plan of compute dtype ``dtype``: 16-bit plans keep 16-bit parameters and
-    gradients with an fp32 master in the optimizer (ZeRO's 2 + 2 + 12 bytes); an fp32 plan has
-    fp32 parameters and gradients and AdamW's two fp32 moments, no master (4 + 4 + 8:
-    ``cost.memory.state_bytes_per_param``), which is also what offload moves."""
-    if dtype != "float32":
+def for_dtype(profile: RuntimeProfile, dtype: str, param_dtype: str = "float32") -> RuntimeProfile:
+    """``profile`` for a plan of compute dtype ``dtype`` over parameters of ``param_dtype``. An fp32
+    plan has fp32 parameters and gradients and AdamW's two fp32 moments, no master (4 + 4 + 8:
+    ``cost.memory.state_bytes_per_param``), which is also what offload moves; so has a 16-bit plan
+    of fp32 parameters on an ``autocast`` runtime, its gradients reduced in 16 bits. Otherwise a
+    16-bit plan keeps 16-bit parameters and gradients with an fp32 master in the optimizer (ZeRO's
+    2 + 2 + 12 bytes), as the profile says."""
+    if dtype != "float32" and not (profile.autocast and param_dtype == "float32"):
         return profile
-    from dataclasses import replace
-
-    return replace(profile, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
+    reduce = DTYPE_BYTES[dtype] if dtype != "float32" else None
+    return replace(profile, param_bytes=4, grad_bytes=4, optimizer_bytes=8, grad_reduce_bytes=reduce)
 
 
 # autopar's own runtime (runtime/reducer.py, runtime/params.py), as it runs: ZeRO 0-2 gradient
@@ -80,10 +96,11 @@ def for_dtype(profile: RuntimeProfile, dtype: str) -> RuntimeProfile:
 # timing.py hides ZeRO-3's backward traffic only when both flags hold); ZeRO-3's forward gathers a
 # layer at a time with the next one prefetched (``zero3_prefetch``); tensor-parallel collectives are
 # issued synchronously by the executor; offload's copies (``runtime/offload.py``) are issued on the
-# compute stream, so they are exposed; bf16 gradients.
+# compute stream, so they are exposed; 16-bit plans run under torch.autocast over fp32 parameters
+# (``autocast``: ``for_dtype`` gives the state layout).
 AUTOPAR_RUNTIME = RuntimeProfile(
     name="autopar", tp_overlap_kinds=(), grad_reduce_overlap=True, param_gather_overlap=False,
-    grad_bytes=2, zero3_prefetch=True)
+    grad_bytes=2, zero3_prefetch=True, autocast=True)
 
 # Megatron-Core with --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap (the flags of
 # the published H100 weak-scaling runs), bf16 with fp32 gradient accumulation/reduction.

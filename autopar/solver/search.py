@@ -71,6 +71,7 @@ from autopar.solver.errors import InfeasibleError, PlanningError
 from autopar.solver.ilp import IlpResult, LinearConstraint, solve_ilp
 from autopar.solver.problem import AxisSummary, AxisTables, PartCost, build_tables, ilp_problem, \
     lower_bound_summary, summarize
+from autopar.solver.strategies import FLOAT_DTYPES
 from autopar.solver.runtime_profile import AUTOPAR_RUNTIME, RuntimeProfile, for_dtype
 from autopar.recompute_ops import is_per_op
 from autopar.solver.op_classes import RcCost, recompute_candidates, scaled_rc
@@ -544,7 +545,7 @@ def solve(graph: GraphIR, cluster: ClusterSpec, *, global_batch: int, seq_len: O
     if force.offload not in (None, "none") and "params" in parse_offload(force.offload) and force.zero_stage is None:
         force = replace(force, zero_stage=3)     # params offload runs under ZeRO-3 only
     budget = float(memory_budget_bytes) if memory_budget_bytes is not None else default_budget_bytes(cluster)
-    runtime = for_dtype(runtime, dtype)
+    runtime = for_dtype(runtime, dtype, param_dtype(graph))
     s = _Searcher(graph, cluster, global_batch, seq_len, dtype, budget, force, progress, runtime)
     try:
         ev, sol = s.run()
@@ -555,6 +556,12 @@ def solve(graph: GraphIR, cluster: ClusterSpec, *, global_batch: int, seq_len: O
         ev, sol = s.run()
     plan = _build_plan(s, ev, sol, seq_len, time.perf_counter() - t0)
     return SearchResult(plan, ev, sol, s.stats, s.facts, cluster, runtime, budget, dtype)
+
+
+def param_dtype(graph: GraphIR) -> str:
+    """The dtype of the graph's float parameters: "float32" when any is (or none is a float)."""
+    kinds = {m.dtype for n in graph.nodes if n.kind == "param" for m in n.outputs if m.dtype in FLOAT_DTYPES}
+    return "float32" if "float32" in kinds or not kinds else sorted(kinds)[0]
 
 
 def plan_model(graph: GraphIR, cluster: ClusterSpec, *, global_batch: int, seq_len: Optional[int],

@@ -12,8 +12,11 @@ GPT_1B = "gpt:hidden=2048,layers=24,heads=16,vocab=51200,seq=2048"   # 1.3B para
 
 
 def test_small_mlp_large_batch_is_pure_data_parallel():
+    """In fp32. A bf16 plan of autopar's runtime (autocast over fp32 parameters) all-gathers ZeRO's
+    updated fp32 rows where tensor parallelism moves bf16 activations: tp=2 x dp=4 comes out 4%
+    ahead of dp=8 on this 4M-parameter model, a near tie of microseconds."""
     g, _ = traced("mlp", batch=64)
-    plan = plan_model(g, make_cluster("a100-80g", 1), global_batch=4096, seq_len=None)
+    plan = plan_model(g, make_cluster("a100-80g", 1), global_batch=4096, seq_len=None, dtype="float32")
     assert (plan.tp, plan.pp, plan.dp) == (1, 1, 8)
     assert plan.memory.total_bytes <= plan.cluster.memory_budget_bytes
 
@@ -173,9 +176,10 @@ def test_sequence_parallel_chosen_when_memory_binds():
     loose = plan_model(g, c, global_batch=256, seq_len=2048, force="tp=8,sp=on,pp=1,mbs=1,zero=1,recompute=none")
     ln = next(s for s in loose.strategies if "ln_1|aten.layer_norm" in s.key)
     assert ln.output[1] != Shard(1)                    # replicated LayerNorm: cheaper without TP overlap
-    budget = loose.memory.total_bytes * 0.8
+    budget = loose.memory.total_bytes - 0.25 * loose.memory.activations_bytes   # a quarter of them must go
     tight = plan_model(g, c, global_batch=256, seq_len=2048, force="tp=8,sp=on,pp=1,mbs=1,zero=1,recompute=none",
                        memory_budget_bytes=budget)
+    assert tight.offload == "none"                     # sharded LayerNorms, not offloaded activations
     ln = next(s for s in tight.strategies if "ln_1|aten.layer_norm" in s.key)
     assert ln.output[1] == Shard(1) and tight.memory.total_bytes <= budget    # the memory-constrained ILP
     assert tight.step_time.total_s >= loose.step_time.total_s
