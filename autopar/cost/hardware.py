@@ -164,6 +164,11 @@ class GPUSpec:
                 f"({self.peak_flops_for(best) / 1e12:.1f} TFLOP/s) is faster, or leave --dtype out")
 
 
+def device_kind(cluster: "ClusterSpec") -> str:
+    """torch's device type of the cluster's accelerators: "cpu" for CPU ranks, else "cuda"."""
+    return "cpu" if cluster.gpu.name == CPU_NAME else "cuda"
+
+
 @dataclass(frozen=True)
 class LinkSpec:
     """A communication link as NCCL sees it from one GPU."""

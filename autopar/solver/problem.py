@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 from autopar.cost.collectives import axis_link, collective_s
 from autopar.cost.compute import backward_factor, op_kind, op_time_s
-from autopar.cost.hardware import ClusterSpec, LinkSpec
+from autopar.cost.hardware import ClusterSpec, LinkSpec, device_kind
 from autopar.ir import DTYPE_BYTES, SDPA_TARGET, TensorMeta
 from autopar.mesh import TENSOR
 from autopar.placements import Shard
@@ -31,9 +31,11 @@ from autopar.solver.reshard import grad_target, reshard_kind, reshard_s
 from autopar.solver.rules import arg, base_name
 from autopar.solver.runtime_profile import RuntimeProfile
 from autopar.solver.op_classes import all_op_sets, core_nodes, rc_costs, rc_lower_bounds
-from autopar.solver.saved import DROPOUT_MASK_BYTES_PER_ELEM, is_dropout, kept_tensors, regathered_operand
+from autopar.solver.autocast import autocast_dtypes, saved_copy_factor, upcast_inputs, weight_copies
+from autopar.solver.saved import (AUTOCAST_LOW, DROPOUT_MASK_BYTES_PER_ELEM, is_dropout, kept_tensors,
+                                  regathered_operand)
 from autopar.solver.context import attention_comm
-from autopar.solver.strategies import (GraphFacts, batch_scale, enumerate_strategies, ref_index,
+from autopar.solver.strategies import (GraphFacts, batch_scale, enumerate_strategies, input_meta, ref_index,
                                        scaled_bytes_moved, scaled_metas, tensor_nodes)
 
 PARTS = ("pre", "block", "post")
@@ -180,11 +182,18 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
     cp_link = axis_link(cluster, (1, cp, t), 1)
     cache = {} if cache is None else cache
     if "metas" not in cache:
-        cache["metas"] = scaled_metas(facts, mbs, dtype, cp)
+        # under autocast (``autocast.py``) activations have autocast's per-op dtypes, and a matmul
+        # saves the low copies of what it reads in fp32: its activation and its weight
+        dtypes = autocast_dtypes(facts, dtype, device_kind(cluster)) if profile.autocast else None
+        cache["metas"] = scaled_metas(facts, mbs, dtype, cp, dtypes)
         cache["protos"] = {}
         cache["kept"] = kept_tensors(facts)
+        device = device_kind(cluster)
+        cache["copies"] = ((saved_copy_factor(facts, dtypes, dtype, device, cache["kept"]), weight_copies(facts, dtypes),
+                            upcast_inputs(facts, dtypes, dtype, device)) if dtypes else ({}, {}, {}))
     metas = cache["metas"]
     kept = cache["kept"]
+    copy_factor, weights_read, upcast = cache["copies"]
     carried, block_out, count = _block_info(facts)
     # the host's per-node cost of a step (measured by ``autopar calibrate``; 0 by default): DTensor
     # dispatch when tp > 1, plain tensors otherwise (the runtime's local data-parallel mode)
@@ -232,19 +241,30 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
                 elem = DTYPE_BYTES[metas[facts.inputs[n.key][1].key][0].dtype]
                 xf, xb = attention_comm(q, k + v, s.out_bytes_local, cp, cp_mode, compute, bwd, cp_link, elem)
                 cf, cb = cf + xf, cb + (xb if grad else ())
-            saved = s.out_bytes_local if saves else 0
+            saved = int(s.out_bytes_local * copy_factor.get(n.key, 1.0)) if saves else 0
+            for pos, pk in weights_read.get(n.key, ()):
+                shard = t if isinstance(s.inputs[pos], Shard) else 1
+                saved += metas[pk][0].numel // shard * DTYPE_BYTES[dtype]
             if mask:
                 saved += DROPOUT_MASK_BYTES_PER_ELEM * (s.out_bytes_local // max(1, DTYPE_BYTES[metas[n.key][0].dtype]))
-            row.append(NodeCost(fwd, bwd, cf, cb, saved, 0, s.out_bytes_local))
+            out_b = s.out_bytes_local
+            for pos in upcast.get(n.key, ()):        # computed on an fp32 copy of a 16-bit input
+                m = input_meta(facts, n, pos, metas)
+                out_b = max(out_b, m.numel // (t if isinstance(s.inputs[pos], Shard) else 1) * DTYPE_BYTES["float32"])
+            row.append(NodeCost(fwd, bwd, cf, cb, saved, 0, out_b))
         costs[n.key] = row
-    edges = _edges(facts, metas, set(keys), carried, block_out, count)
+    edges = _edges(facts, metas, set(keys), carried, block_out, count, dtype if profile.autocast else None)
     return AxisTables(facts, t, sp, mbs, link, profile, tuple(keys), strategies, costs, weight, tuple(edges),
                       metas, kinds, core_nodes(facts), carried, block_out, count,
                       op_sets=all_op_sets(facts, alias=t == 1), axis=TENSOR if background is None else background.axis,
                       reshard_cache=cache.setdefault("reshard", {}))
 
 
-def _edges(facts: GraphFacts, metas: dict, present: set, carried, block_out, count) -> list[EdgeSpec]:
+def _edges(facts: GraphFacts, metas: dict, present: set, carried, block_out, count,
+           low: Optional[str] = None) -> list[EdgeSpec]:
+    """The tables' edges. ``low``: the autocast dtype, when the plan runs under autocast: an fp32
+    input that a matmul saves and that arrives through all-gathers is cast before the gather
+    (``runtime/regather.Regather.cast_for``), so the gather moves ``low`` bytes."""
     out = []
     for k in facts.part:            # op nodes in topological order
         if k not in present:
@@ -261,6 +281,8 @@ def _edges(facts: GraphFacts, metas: dict, present: set, carried, block_out, cou
             rg = facts.needs_grad.get(k, False) and regathered_operand(n.target, pos, grad_of)
             idx = ref_index(facts, n, ref)
             meta: TensorMeta = metas[ref.key][idx]
+            if low is not None and rg and base_name(n.target) in AUTOCAST_LOW and meta.dtype == "float32":
+                meta = TensorMeta(meta.shape, low)
             grad = facts.needs_grad.get(ref.key, False)
             if vpart == "block":
                 if ref.key == carried:

@@ -77,16 +77,18 @@ class RuntimeProfile:
 
 
 def for_dtype(profile: RuntimeProfile, dtype: str, param_dtype: str = "float32") -> RuntimeProfile:
-    """``profile`` for a plan of compute dtype ``dtype`` over parameters of ``param_dtype``. An fp32
-    plan has fp32 parameters and gradients and AdamW's two fp32 moments, no master (4 + 4 + 8:
+    """``profile`` for a plan of compute dtype ``dtype`` over parameters of ``param_dtype``, its
+    ``autocast`` set when the plan runs under autocast. An fp32 plan has fp32 parameters and
+    gradients and AdamW's two fp32 moments, no master (4 + 4 + 8:
     ``cost.memory.state_bytes_per_param``), which is also what offload moves; so has a 16-bit plan
     of fp32 parameters on an ``autocast`` runtime, its gradients reduced in 16 bits. Otherwise a
     16-bit plan keeps 16-bit parameters and gradients with an fp32 master in the optimizer (ZeRO's
     2 + 2 + 12 bytes), as the profile says."""
-    if dtype != "float32" and not (profile.autocast and param_dtype == "float32"):
-        return profile
-    reduce = DTYPE_BYTES[dtype] if dtype != "float32" else None
-    return replace(profile, param_bytes=4, grad_bytes=4, optimizer_bytes=8, grad_reduce_bytes=reduce)
+    if dtype != "float32" and profile.autocast and param_dtype == "float32":
+        return replace(profile, param_bytes=4, grad_bytes=4, optimizer_bytes=8, grad_reduce_bytes=DTYPE_BYTES[dtype])
+    if dtype != "float32":
+        return replace(profile, autocast=False)
+    return replace(profile, param_bytes=4, grad_bytes=4, optimizer_bytes=8, grad_reduce_bytes=None, autocast=False)
 
 
 # autopar's own runtime (runtime/reducer.py, runtime/params.py), as it runs: ZeRO 0-2 gradient

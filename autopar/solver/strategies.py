@@ -214,19 +214,21 @@ def token_dims_of(facts: GraphFacts, key: str, shape: tuple[int, ...]) -> frozen
     return sd | flat
 
 
-def scaled_metas(facts: GraphFacts, mbs: int, plan_dtype: str, cp: int = 1) -> dict[str, tuple[TensorMeta, ...]]:
+def scaled_metas(facts: GraphFacts, mbs: int, plan_dtype: str, cp: int = 1,
+                 dtypes: Optional[dict] = None) -> dict[str, tuple[TensorMeta, ...]]:
     """Output metas at micro-batch ``mbs``: batch-role dims scaled by mbs / traced batch; token
-    dims divided by the context-parallel degree ``cp``; float dtypes replaced by the plan dtype."""
+    dims divided by the context-parallel degree ``cp``; float dtypes replaced by the plan dtype,
+    or by ``dtypes`` (key -> the dtype of each output, ``autocast.autocast_dtypes``) when given."""
     b0 = facts.graph.batch_size
     out = {}
     for n in tensor_nodes(facts.graph):
         bd = facts.batch_dims.get(n.key, frozenset())
         metas = []
-        for m in n.outputs:
+        for i, m in enumerate(n.outputs):
             td = token_dims_of(facts, n.key, m.shape) if cp > 1 else frozenset()
             shape = tuple(max(1, (s * mbs) // b0) if d in bd else s for d, s in enumerate(m.shape))
             shape = tuple(max(1, s // cp) if d in td else s for d, s in enumerate(shape))
-            dtype = plan_dtype if m.dtype in FLOAT_DTYPES else m.dtype
+            dtype = dtypes[n.key][i] if dtypes is not None else plan_dtype if m.dtype in FLOAT_DTYPES else m.dtype
             metas.append(TensorMeta(shape, dtype))
         out[n.key] = tuple(metas)
     return out

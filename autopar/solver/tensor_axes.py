@@ -148,7 +148,7 @@ def _allowed(graph_nodes: dict, sharded: dict):
 def _tables(searcher, axis: str, t: int, solved: dict, link, sp: bool, mbs: int, cp: int, cp_mode: str) -> AxisTables:
     base = searcher.cache(mbs, cp)
     metas = _local_metas(base["metas"], solved)
-    cache = {"metas": metas, "protos": dict(base["protos"]), "kept": base["kept"]}
+    cache = {"metas": metas, "protos": dict(base["protos"]), "kept": base["kept"], "copies": base["copies"]}
     nodes = {n.key: n for n in searcher.facts.graph.nodes}
     bg = AxisBackground(axis, link, _work(solved), _allowed(nodes, _sharded_dims(solved)))
     return build_tables(searcher.facts, searcher.cluster, t, sp and axis == TENSOR, mbs, searcher.dtype,

@@ -43,7 +43,10 @@ BASE = {"dp": "dp=2", "tp": "tp=2", "dp_zero3": "dp=2,zero=3", "pp": "pp=2", "cp
 OFFLOAD = {"dp_offload_optimizer": "dp=2,offload=optimizer",
            "tp_offload_optimizer_activations": "tp=2,offload=optimizer+activations",
            "dp_zero3_offload_all": "dp=2,zero=3,offload=optimizer+grads+params+activations"}
-FAMILIES = {**BASE, **OFFLOAD}
+# bf16 under torch.autocast over the fp32 model (``runtime/precision.py``): fp32 states, autocast's
+# per-op activation dtypes and its 16-bit copies of what matmuls read (``solver/autocast.py``)
+BF16 = {"dp_bf16": "dp=2", "tp_bf16": "tp=2", "pp_bf16": "pp=2", "cp_bf16": "cp=2,cpmode=ring"}
+FAMILIES = {**BASE, **OFFLOAD, **BF16}
 # pipeline schedules, two stages per rank where the schedule has them, on a 4-layer gpt-tiny: the
 # zero-bubble input pass keeps activations and adds join-node gradients, the weight pass trades
 # them (``cost/schedule_memory.py`` replays each rank's actions)
@@ -65,10 +68,10 @@ def measure_families(rank: int, world: int, families: dict) -> dict:
     from autopar.runtime.memory_measure import measure_step
 
     out = {}
-    for name, (model, force) in families.items():
+    for name, (model, force, dtype) in families.items():
         b = build_model(model, device="meta")
         pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
-                             force=force, seed=0, model_name=model, record_collectives=False)
+                             force=force, seed=0, model_name=model, record_collectives=False, dtype=dtype)
         x, y = b.make_batch(b.example_inputs[0].shape[0], torch.Generator().manual_seed(0))
         pm.step(x, y)
         _, m = measure_step(pm, x, y)
@@ -84,7 +87,8 @@ def families():
     from autopar.runtime.memory_measure import compare_ranks
     from autopar.trace import trace_model
 
-    jobs = {name: (MODEL[name], force) for name, force in {**FAMILIES, **PIPELINES}.items()}
+    jobs = {name: (MODEL[name], force, "bf16" if name in BF16 else "fp32")
+            for name, force in {**FAMILIES, **PIPELINES}.items()}
     per_rank = spawn_ranks(measure_families, 2, (jobs,), timeout_s=180)
     graphs = {}
     for model in set(MODEL.values()):
@@ -112,7 +116,7 @@ LAST_STAGE = "the last pipeline stage keeps the in-flight micro-batch's logits i
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", list(BASE))
+@pytest.mark.parametrize("family", list(BASE) + list(BF16))
 @pytest.mark.parametrize("category", ["params", "optimizer"])
 def test_model_states_exact(families, family, category):
     for row in families[family]:
@@ -121,7 +125,8 @@ def test_model_states_exact(families, family, category):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["tp", "pp", "dp", "cp", pytest.param("dp_zero3", marks=_xfail(ZERO3_GRADS))])
+@pytest.mark.parametrize("family", ["tp", "pp", "dp", "cp", pytest.param("dp_zero3", marks=_xfail(ZERO3_GRADS)),
+                                    *BF16])
 def test_gradients(families, family):
     for row in families[family]:
         m, p = row.measured.category_peaks.grads, row.predicted.by_category.grads
@@ -136,7 +141,8 @@ def _ranks(*xfails, families=BASE):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, rank", _ranks(("pp", 1, LAST_STAGE)))
+@pytest.mark.parametrize("family, rank", _ranks(("pp", 1, LAST_STAGE), ("pp_bf16", 1, LAST_STAGE),
+                                                 families={**BASE, **BF16}))
 def test_activations(families, family, rank):
     row = families[family][rank]
     m, p = row.measured.category_peaks.activations, row.predicted.by_category.activations

@@ -59,7 +59,7 @@ def test_predicted_bubble_is_the_hand_formula(schedule):
 
 def test_one_f_one_b_wins_when_memory_binds():
     ample = _plan()
-    budget = 1.1e9           # bf16 under autocast: fp32 parameters and gradients, ZeRO-1's moments / dp
+    budget = 1.4e9           # bf16 under autocast: fp32 states and residual stream, 16-bit matmul copies
     assert ample.memory.total_bytes > budget
     plan = _plan(budget=budget)
     assert plan.pipeline_schedule == "1f1b" and plan.virtual_stages == 1

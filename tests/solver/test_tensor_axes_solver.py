@@ -126,7 +126,7 @@ def test_the_search_picks_a_family_where_it_pays():
 
 def test_a_two_axis_plan_over_budget_is_fitted_by_the_constrained_ilp():
     """Everything but the per-operator choice forced (2-D, dp 2, mbs 4, no recompute, ZeRO or
-    offload): at 90% of the unconstrained plan's memory the memory-constrained ILP on the inner
+    offload): at 95% of the unconstrained plan's memory the memory-constrained ILP on the inner
     axis (outer axis kept) finds placements that fit, where the search used to drop the configuration."""
     from autopar.solver.search import solve
 
@@ -134,7 +134,7 @@ def test_a_two_axis_plan_over_budget_is_fitted_by_the_constrained_ilp():
     cluster = make_cluster("h100", 1, 8)
     force = parse_force("tp=4,tpmode=2d,dp=2,mbs=4,recompute=none,zero=0,offload=none,sp=off")
     free = solve(g, cluster, global_batch=8, seq_len=b.seq_len, force=force)
-    budget = 0.9 * free.evaluation.memory.total_bytes
+    budget = 0.95 * free.evaluation.memory.total_bytes
     tight = solve(g, cluster, global_batch=8, seq_len=b.seq_len, force=force, memory_budget_bytes=int(budget))
     assert tight.stats.ilp_constrained >= 1 and tight.evaluation.memory.total_bytes <= budget
     assert tight.plan.summary()["tensor_parallel_mode"] == "2d" and not plan_problems(tight.plan)
