@@ -14,9 +14,10 @@ The graph is traced in fp32 at the level autocast intercepts (``linear``, ``laye
   block's ``x + proj(y)`` adds a bf16 output to it);
 - explicit casts (``.to``, ``.float``) keep the dtype the trace gave them.
 
-So activations are neither all 16-bit (what a plan counted before) nor all fp32, and a matmul
-that reads an fp32 activation saves the low-precision copy autocast made of it, and of its
-weight (``saved_copy_factor``, ``weight_copy_elements``)."""
+So activations are neither all 16-bit (what a plan counted before) nor all fp32; a matmul that
+reads an fp32 activation saves the low-precision copy autocast made of it, and of its weight; a
+loss of 16-bit logits computes on, and saves, an fp32 copy of them (``saved_copy_factor``,
+``weight_copies``, ``upcast_inputs``)."""
 from __future__ import annotations
 
 from autopar.solver.rules import base_name
@@ -128,7 +129,7 @@ def saved_copy_factor(facts: GraphFacts, dtypes: dict, low: str, device: str, ke
     return out
 
 
-def weight_copies(facts: GraphFacts, dtypes: dict) -> dict[str, tuple[int, str]]:
+def weight_copies(facts: GraphFacts, dtypes: dict) -> dict[str, tuple[tuple[int, str], ...]]:
     """Per matmul, the (input position, parameter key) of each fp32 parameter it reads first among
     the matmuls that read it: autocast casts it once per forward and the matmul saves that copy,
     which lives until the backward (a ZeRO-3 gather, not a leaf, is cast and saved at each use,

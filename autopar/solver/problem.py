@@ -184,11 +184,11 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
     if "metas" not in cache:
         # under autocast (``autocast.py``) activations have autocast's per-op dtypes, and a matmul
         # saves the low copies of what it reads in fp32: its activation and its weight
-        dtypes = autocast_dtypes(facts, dtype, device_kind(cluster)) if profile.autocast else None
+        device = device_kind(cluster)
+        dtypes = autocast_dtypes(facts, dtype, device) if profile.autocast else None
         cache["metas"] = scaled_metas(facts, mbs, dtype, cp, dtypes)
         cache["protos"] = {}
         cache["kept"] = kept_tensors(facts)
-        device = device_kind(cluster)
         cache["copies"] = ((saved_copy_factor(facts, dtypes, dtype, device, cache["kept"]), weight_copies(facts, dtypes),
                             upcast_inputs(facts, dtypes, dtype, device)) if dtypes else ({}, {}, {}))
     metas = cache["metas"]

@@ -71,12 +71,11 @@ from autopar.solver.errors import InfeasibleError, PlanningError
 from autopar.solver.ilp import IlpResult, LinearConstraint, solve_ilp
 from autopar.solver.problem import AxisSummary, AxisTables, PartCost, build_tables, ilp_problem, \
     lower_bound_summary, summarize
-from autopar.solver.strategies import FLOAT_DTYPES
 from autopar.solver.runtime_profile import AUTOPAR_RUNTIME, RuntimeProfile, for_dtype
 from autopar.recompute_ops import is_per_op
 from autopar.solver.op_classes import RcCost, recompute_candidates, scaled_rc
 from autopar.solver.plan_parts import _dp_placements, _recompute_fields, model_flops, plan_stages
-from autopar.solver.strategies import GraphFacts, graph_facts
+from autopar.solver.strategies import FLOAT_DTYPES, GraphFacts, graph_facts
 from autopar.solver.offload_choice import best_variant, host_note, lean_memory
 from autopar.solver.timing import (Evaluation, OuterConfig, _grads_const, _state_bytes_per_param, default_budget_bytes,
                                    evaluate, host_budgets, memory_lower_bound, step_time_lower_bound)
