@@ -6,8 +6,9 @@ of a model whose parameters are fp32 runs as ``torch.autocast`` runs it on one p
 - forward and backward under ``torch.autocast(device, dtype=plan.dtype)``: the same aten ops as the
   one-process reference, each cast by autocast's own per-op policy (matmuls, convolutions and
   attention in the low dtype, reductions such as cross-entropy in fp32). The parameters stay fp32
-  and are the optimizer's master weights, as in the plan's memory model (``cost/memory.py``: 16
-  bytes per parameter of model state in both layouts: 2 + 2 + 12 there, 4 + 4 + 8 here);
+  and are the optimizer's master weights: 4 + 4 + 8 bytes per parameter of model state, which the
+  planner counts for such plans (``solver/runtime_profile.for_dtype``), with autocast's
+  activation dtypes and copies (``solver/autocast.py``);
 - gradients are reduced over the data-parallel axis in the plan's dtype (``reduce_dtype``: the
   bucket is cast down before the collective and back after it, so the traffic is what the plan
   priced), accumulated and stepped in fp32;
