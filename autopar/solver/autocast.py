@@ -20,7 +20,9 @@ loss of 16-bit logits computes on, and saves, an fp32 copy of them (``saved_copy
 ``weight_copies``, ``upcast_inputs``)."""
 from __future__ import annotations
 
+from autopar.ir import DTYPE_BYTES
 from autopar.solver.rules import base_name
+from autopar.solver.saved import saves_output, savers
 from autopar.solver.strategies import FLOAT_DTYPES, GraphFacts, ref_index, tensor_nodes
 
 LOW = frozenset({
@@ -47,10 +49,14 @@ FP32 = {
 _CASTS = frozenset({"to", "_to_copy", "type", "float", "double", "half", "bfloat16"})
 
 
+def _fp32_ops(device: str) -> frozenset:
+    return FP32["cpu" if device == "cpu" else "cuda"]
+
+
 def autocast_dtypes(facts: GraphFacts, low: str, device: str) -> dict[str, tuple[str, ...]]:
     """Per tensor node, the dtype of each output under ``torch.autocast(device, dtype=low)`` of
     the fp32 trace (module docstring). ``device``: "cuda" (any GPU) or "cpu"."""
-    fp32_ops = FP32["cpu" if device == "cpu" else "cuda"]
+    fp32_ops = _fp32_ops(device)
     out: dict[str, tuple[str, ...]] = {}
     for n in tensor_nodes(facts.graph):
         traced = tuple(m.dtype for m in n.outputs)
@@ -76,32 +82,12 @@ def autocast_dtypes(facts: GraphFacts, low: str, device: str) -> dict[str, tuple
     return out
 
 
-def _savers(facts: GraphFacts, key: str) -> list[str]:
-    """Targets of the ops that save ``key``'s output for backward, through views (``saved.py``)."""
-    from autopar.cost.compute import op_kind
-    from autopar.solver.saved import saves_input
-
-    found, stack, seen = [], [key], {key}
-    while stack:
-        k = stack.pop()
-        for c, _ in facts.consumers.get(k, ()):
-            if c in seen or not facts.needs_grad.get(c, False):
-                continue
-            seen.add(c)
-            target = facts.nodes[c].target
-            if saves_input(target):
-                found.append(target)
-            elif op_kind(target) == "free":
-                stack.append(c)
-    return found
-
-
 def compute_dtype(target: str, own: str, low: str, device: str) -> str:
     """The dtype an op of ``target`` reads a float input of dtype ``own`` in under autocast."""
     name = base_name(target)
     if name in LOW:
         return low
-    if name in FP32["cpu" if device == "cpu" else "cuda"]:
+    if name in _fp32_ops(device):
         return "float32"
     return own
 
@@ -112,15 +98,12 @@ def saved_copy_factor(facts: GraphFacts, dtypes: dict, low: str, device: str, ke
     (``compute_dtype``: a matmul the low copy autocast cast it to, a loss an fp32 copy of 16-bit
     logits), one copy per dtype, the output itself where that is its own dtype or the op that
     makes it saves it."""
-    from autopar.ir import DTYPE_BYTES
-    from autopar.solver.saved import saves_output
-
     out = {}
     for k in kept:
         own = dtypes[k][0]
         if own not in FLOAT_DTYPES:
             continue
-        held = {compute_dtype(t, own, low, device) for t in _savers(facts, k)}
+        held = {compute_dtype(t, own, low, device) for t in savers(facts, k)}
         if saves_output(facts.nodes[k].target):
             held.add(own)
         f = sum(DTYPE_BYTES[d] for d in held) / DTYPE_BYTES[own]

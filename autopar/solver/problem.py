@@ -243,14 +243,13 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
                 cf, cb = cf + xf, cb + (xb if grad else ())
             saved = int(s.out_bytes_local * copy_factor.get(n.key, 1.0)) if saves else 0
             for pos, pk in weights_read.get(n.key, ()):
-                shard = t if isinstance(s.inputs[pos], Shard) else 1
-                saved += metas[pk][0].numel // shard * DTYPE_BYTES[dtype]
+                saved += _local_numel(metas[pk][0], s.inputs[pos], t) * DTYPE_BYTES[dtype]
             if mask:
                 saved += DROPOUT_MASK_BYTES_PER_ELEM * (s.out_bytes_local // max(1, DTYPE_BYTES[metas[n.key][0].dtype]))
             out_b = s.out_bytes_local
             for pos in upcast.get(n.key, ()):        # computed on an fp32 copy of a 16-bit input
-                m = input_meta(facts, n, pos, metas)
-                out_b = max(out_b, m.numel // (t if isinstance(s.inputs[pos], Shard) else 1) * DTYPE_BYTES["float32"])
+                out_b = max(out_b, _local_numel(input_meta(facts, n, pos, metas), s.inputs[pos], t)
+                            * DTYPE_BYTES["float32"])
             row.append(NodeCost(fwd, bwd, cf, cb, saved, 0, out_b))
         costs[n.key] = row
     edges = _edges(facts, metas, set(keys), carried, block_out, count, dtype if profile.autocast else None)
@@ -258,6 +257,11 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
                       metas, kinds, core_nodes(facts), carried, block_out, count,
                       op_sets=all_op_sets(facts, alias=t == 1), axis=TENSOR if background is None else background.axis,
                       reshard_cache=cache.setdefault("reshard", {}))
+
+
+def _local_numel(meta: TensorMeta, placement, t: int) -> int:
+    """Elements of ``meta`` one rank of a ``t``-way axis holds under ``placement``."""
+    return meta.numel // (t if isinstance(placement, Shard) else 1)
 
 
 def _edges(facts: GraphFacts, metas: dict, present: set, carried, block_out, count,

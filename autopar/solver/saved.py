@@ -118,26 +118,24 @@ def is_dropout(node) -> bool:
     return not isinstance(p, (int, float)) or p > 0
 
 
-def kept_tensors(facts: GraphFacts) -> frozenset:
-    """Keys of op nodes whose output is kept for backward (a view of it counts as it)."""
-    kept = set()
-    free = {k for k in facts.part if op_kind(facts.nodes[k].target) == "free"}
-
-    def consumed_by_saver(key: str, seen: set) -> bool:
-        for c, _ in facts.consumers.get(key, ()):
+def savers(facts: GraphFacts, key: str) -> list[str]:
+    """Targets of the ops that save ``key``'s output for backward, directly or through views."""
+    found, stack, seen = [], [key], {key}
+    while stack:
+        for c, _ in facts.consumers.get(stack.pop(), ()):
             if c in seen or not facts.needs_grad.get(c, False):
                 continue
-            if saves_input(facts.nodes[c].target):
-                return True
-            if c in free:
-                seen.add(c)
-                if consumed_by_saver(c, seen):
-                    return True
-        return False
+            seen.add(c)
+            target = facts.nodes[c].target
+            if saves_input(target):
+                found.append(target)
+            elif c in facts.part and op_kind(target) == "free":
+                stack.append(c)
+    return found
 
-    for k in facts.part:
-        if k in free or not facts.needs_grad.get(k, False):
-            continue
-        if saves_output(facts.nodes[k].target) or consumed_by_saver(k, set()):
-            kept.add(k)
-    return frozenset(kept)
+
+def kept_tensors(facts: GraphFacts) -> frozenset:
+    """Keys of op nodes whose output is kept for backward (a view of it counts as it)."""
+    return frozenset(k for k in facts.part if op_kind(facts.nodes[k].target) != "free"
+                     and facts.needs_grad.get(k, False)
+                     and (saves_output(facts.nodes[k].target) or savers(facts, k)))

@@ -228,7 +228,10 @@ def scaled_metas(facts: GraphFacts, mbs: int, plan_dtype: str, cp: int = 1,
             td = token_dims_of(facts, n.key, m.shape) if cp > 1 else frozenset()
             shape = tuple(max(1, (s * mbs) // b0) if d in bd else s for d, s in enumerate(m.shape))
             shape = tuple(max(1, s // cp) if d in td else s for d, s in enumerate(shape))
-            dtype = dtypes[n.key][i] if dtypes is not None else plan_dtype if m.dtype in FLOAT_DTYPES else m.dtype
+            if dtypes is not None:
+                dtype = dtypes[n.key][i]
+            else:
+                dtype = plan_dtype if m.dtype in FLOAT_DTYPES else m.dtype
             metas.append(TensorMeta(shape, dtype))
         out[n.key] = tuple(metas)
     return out
