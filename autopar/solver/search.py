@@ -53,7 +53,7 @@ import math
 
 import heapq
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Callable, Optional
 
 from autopar.cost.hardware import ClusterSpec
@@ -82,6 +82,10 @@ from autopar.solver.timing import (Evaluation, OuterConfig, _grads_const, _state
 
 Progress = Callable[[str, int, int], None]
 GB = 1e9
+# what bound 1's memory depends on: every configuration field but sequence parallelism (it only
+# changes the tables of bound 2), the tensor mesh's shape and the kind of context parallelism (the
+# quick summary and the memory model read neither)
+_MEMORY_FIELDS = tuple(f.name for f in fields(OuterConfig) if f.name not in ("sp", "tp_shape", "cp_mode"))
 
 
 @dataclass
@@ -295,9 +299,7 @@ class _Searcher:
             qkey = (cfg.tp, cfg.mbs, cfg.cp)
             if qkey not in quick:
                 quick[qkey] = _quick_summary(base, cfg)
-            # the quick summary and the memory model depend neither on sp (sp only changes the
-            # tables of bound 2) nor on the tensor mesh's shape: one bound per the rest
-            nkey = replace(cfg, sp=False, tp_shape=()) if cfg.sp or cfg.tp_shape else cfg
+            nkey = tuple(getattr(cfg, f) for f in _MEMORY_FIELDS)         # one bound per the rest
             need = need_of.get(nkey)
             if need is None:
                 q = quick[qkey]

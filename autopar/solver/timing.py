@@ -194,22 +194,24 @@ def _grads_const(cfg: OuterConfig) -> float:
 def _memory_affine(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile, rate: float, act: float):
     """(slope bytes per layer, constant bytes) of each rank's memory, as ``_rank_memory`` computes it."""
     blk, pre, post = summary.parts["block"], summary.parts["pre"], summary.parts["post"]
-    other_blk = other_workspace_bytes(summary, cfg, param_bytes=profile.param_bytes)
+    other_blk, grads_const = other_workspace_bytes(summary, cfg, param_bytes=profile.param_bytes), _grads_const(cfg)
+    offloaded = "activations" in cfg.classes       # one layer and the embedding / head stay on the device
     slopes, consts = [], []
     for r in range(cfg.pp):
         hp, hh = rank_holds(cfg, r)
-        inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
         extra_numel = (pre.param_numel if hp else 0.0) + (post.param_numel if hh else 0.0) \
             + (summary.shared_param_numel if (hp or hh) else 0.0)
         extra_act = (pre.saved_bytes if hp else 0.0) + (post.saved_bytes if hh else 0.0)
         out_b = max([blk.max_out_bytes] + ([pre.max_out_bytes] if hp else []) + ([post.max_out_bytes] if hh else []))
-        out_b += rank_held_affine(cfg, summary, r)[1]       # zero-bubble: gradients held from B to W
-        if "activations" in cfg.classes:          # one layer and the embedding / head stay on the device
-            slopes.append(rate * blk.param_numel + rank_held_affine(cfg, summary, r)[0])
-            consts.append(rate * extra_numel + act + extra_act + out_b + other_blk + _grads_const(cfg))
+        held_slope, held_const = rank_held_affine(cfg, summary, r)   # zero-bubble: gradients held from B to W
+        out_b += held_const
+        if offloaded:
+            slopes.append(rate * blk.param_numel + held_slope)
+            consts.append(rate * extra_numel + act + extra_act + out_b + other_blk + grads_const)
         else:
-            slopes.append(rate * blk.param_numel + inflight * act + rank_held_affine(cfg, summary, r)[0])
-            consts.append(rate * extra_numel + inflight * extra_act + out_b + other_blk + _grads_const(cfg))
+            inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
+            slopes.append(rate * blk.param_numel + inflight * act + held_slope)
+            consts.append(rate * extra_numel + inflight * extra_act + out_b + other_blk + grads_const)
     return slopes, consts
 
 
