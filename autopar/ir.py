@@ -21,6 +21,7 @@ from typing import Any, Optional, Union
 # the attention op of exported training graphs (``F.scaled_dot_product_attention``): what context
 # parallelism's planner, executor and collective prediction look for
 SDPA_TARGET = "aten.scaled_dot_product_attention.default"
+TARGET_KEY = "|target|0"                   # the loss target's input node (training traces only)
 
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,

@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 from typing import Collection, Optional
 
 from autopar.codegen.gather_groups import gather_groups
-from autopar.ir import GraphIR, NodeInfo
+from autopar.ir import TARGET_KEY, GraphIR, NodeInfo
 from autopar.mesh import DATA, TENSOR, Mesh, axis_position, tensor_axes
 from autopar.placements import Partial, Placement, Replicate, Shard
 from autopar.plan import NodeStrategy, Plan, parse_offload
@@ -349,7 +349,6 @@ def local_dp_nodes(graph: GraphIR, plan: Plan, *, single: bool = False) -> Optio
     return frozenset(dtensor)
 
 
-TRAINING_TARGET_KEY = "|target|0"      # the loss target's input node: only training traces have one
 _LISTED = 5                              # node keys named per kind of mismatch
 
 
@@ -475,7 +474,7 @@ def compile_program(graph: GraphIR, plan: Plan, *, local_dp: Optional[frozenset[
         nodes.append(NodePlan(name=n.name, key=n.key, kind=n.kind, target=n.target,
                               inputs=ins, output=out, region=region_of.get(n.name),
                               param_name=n.param_name, regather=regather.get(n.key, ())))
-    if plan.strategies and any(n.key == TRAINING_TARGET_KEY for n in graph.nodes):
+    if plan.strategies and any(n.key == TARGET_KEY for n in graph.nodes):
         check_plan_fits(graph, plan)        # after the per-node checks above, which say more
     if local_dp is not None:
         nodes = [replace(n, dtensor=n.key in local_dp) for n in nodes]

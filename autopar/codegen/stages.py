@@ -27,11 +27,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from autopar.codegen.shards import local_ranges
-from autopar.ir import DTYPE_BYTES, GraphIR, NodeInfo
+from autopar.ir import DTYPE_BYTES, TARGET_KEY, GraphIR, NodeInfo
 from autopar.placements import Partial, Replicate
 from autopar.plan import Plan, stage_rank
 
-TARGET_KEY = "|target|0"
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 import weakref
 from typing import Optional
 
@@ -187,6 +188,20 @@ class StorageTracker(TorchDispatchMode):
             if st is not None and id(st) not in inputs:     # a view or in-place result is no allocation
                 self._serial(st, new=True)
         return out
+
+    def settle(self, quiet_s: float = 0.05, limit_s: float = 1.0) -> None:
+        """Wait until no tracked storage has been freed for ``quiet_s`` (at most ``limit_s``): a
+        backend may release a finished collective's tensors on its own thread just after the
+        step returned (gloo's worker drops its Work after ``wait()`` has returned), and what is
+        alive at the end should not depend on that race."""
+        deadline = time.monotonic() + limit_s
+        seen, quiet_since = len(self.events), time.monotonic()
+        while time.monotonic() < deadline:
+            time.sleep(quiet_s / 4)
+            if len(self.events) != seen:
+                seen, quiet_since = len(self.events), time.monotonic()
+            elif time.monotonic() - quiet_since >= quiet_s:
+                return
 
     def close(self) -> None:
         for f in self._finalizers:
@@ -353,6 +368,7 @@ def measure_step(pm, inputs, targets) -> tuple[float, StepMemory]:
                 stack.enter_context(owner.observing(tracker._pack))
             with tracker.saved_tensors(), tracker:
                 loss = pm.step(inputs, targets)
+        tracker.settle()
         _mark_state(tracker, pm)
     finally:
         for h in hooks:

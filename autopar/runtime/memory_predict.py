@@ -147,7 +147,7 @@ def _chunks(evaluation, summary, pp_rank: int, grads_of, split: bool) -> dict:
     from autopar.cost.schedule_memory import Chunk
     from autopar.cost.split_backward import chunk_held_bytes
     from autopar.solver.plan_parts import stage_layers
-    from autopar.solver.timing import activation_bytes_per_layer
+    from autopar.solver.timing import activation_bytes_per_layer, post_saved_bytes
 
     cfg = evaluation.config
     st = next(s for s in evaluation.stages if s.index == pp_rank)
@@ -170,7 +170,7 @@ def _chunks(evaluation, summary, pp_rank: int, grads_of, split: bool) -> dict:
         seen += n
         pieces = [(a, grads) for a in reversed(acts)]
         if has_post:
-            pieces.insert(0, (post.saved_bytes, grads_of(post.param_numel + shared)))
+            pieces.insert(0, (post_saved_bytes(summary, cfg), grads_of(post.param_numel + shared)))
         if has_pre:
             pieces.append((pre.saved_bytes, grads_of(pre.param_numel + (0.0 if st.has_post else shared))))
         held = 0.0

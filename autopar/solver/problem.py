@@ -413,6 +413,9 @@ class AxisSummary:
     objective_s: float                # the ILP objective (whole model, per micro-batch)
     is_lower_bound: bool = False
     shared_param_tensors: float = 0.0  # parameter tensors pre and post share (tied)
+    # local bytes of what the loss reads (``GraphFacts.loss_inputs``): the last pipeline stage's
+    # output, held in torch's fwd_cache until its micro-batch's backward (``timing.post_saved_bytes``)
+    loss_input_bytes: float = 0.0
 
 
 def _add(d: dict, kind: str, s: float) -> None:
@@ -473,8 +476,9 @@ def summarize(tab: AxisTables, choice: dict) -> AxisSummary:
     if tab.block_out is not None and tab.block_out in choice:
         layer_in = tab.costs[tab.block_out][choice[tab.block_out]].out_bytes
     obj = ilp_problem_objective(tab, choice)
+    loss_in = sum(tab.costs[k][choice[k]].out_bytes for k in tab.facts.loss_inputs if k in choice)
     return AxisSummary(tab.t, tab.sp, tab.mbs, parts, shared["params"], layer_in, count, obj,
-                       shared_param_tensors=shared["tensors"])
+                       shared_param_tensors=shared["tensors"], loss_input_bytes=loss_in)
 
 
 def ilp_problem_objective(tab: AxisTables, choice: dict) -> float:
@@ -521,5 +525,7 @@ def lower_bound_summary(tab: AxisTables, batch_only: bool = False) -> AxisSummar
     if tab.block_out is not None and tab.block_out in tab.costs:
         layer_in = min(c.out_bytes for c in tab.costs[tab.block_out])
     obj = sum(tab.weight[k] * min(c.total_s for c in tab.costs[k]) for k in tab.keys)
+    loss_in = sum(min(c.out_bytes for c in tab.costs[k]) for k in tab.facts.loss_inputs
+                  if k in tab.costs and not (batch_only and not tab.facts.batch_dims.get(k)))
     return AxisSummary(tab.t, tab.sp, tab.mbs, parts, shared["params"], layer_in, tab.count, obj, is_lower_bound=True,
-                       shared_param_tensors=shared["tensors"])
+                       shared_param_tensors=shared["tensors"], loss_input_bytes=loss_in)

@@ -150,7 +150,8 @@ def _quick_summary(base: AxisSummary, cfg: OuterConfig) -> AxisSummary:
         parts[k] = PartCost(0.0, 0.0, {}, {}, p.saved_bytes * f, 0.0, p.core_saved_bytes * f, p.max_out_bytes * f,
                             p.param_numel / cfg.tp, 0.0, 0.0, scaled_rc(p.rc, f), p.param_tensors)
     return replace(base, t=cfg.tp, mbs=cfg.mbs, parts=parts, shared_param_numel=base.shared_param_numel / cfg.tp,
-                   layer_input_bytes=base.layer_input_bytes * f, is_lower_bound=True)
+                   layer_input_bytes=base.layer_input_bytes * f, loss_input_bytes=base.loss_input_bytes * f,
+                   is_lower_bound=True)
 
 
 # ---- the memory-constrained ILP ----------------------------------------------------------------------
@@ -190,6 +191,9 @@ def memory_constraints(tab: AxisTables, cfg: OuterConfig, unconstrained: Evaluat
                         continue
                 else:
                     mult = 1 if (part == "pre" and first) or (part == "post" and last) else 0
+                    if mult and cfg.pp > 1 and k in tab.facts.loss_inputs:     # ``timing.post_saved_bytes``
+                        coeffs.append(tuple((c.saved_bytes + c.out_bytes) * inflight for c in tab.costs[k]))
+                        continue
                 coeffs.append(tuple(c.saved_bytes * inflight * mult for c in tab.costs[k]))
         const = st.memory.other_bytes + _grads_const(cfg) + (st.memory.activations_bytes if act_off else 0.0)
         if cfg.recompute == "full":        # each layer keeps its input (the carried stream), fixed here

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from autopar.ir import DTYPE_BYTES, SDPA_TARGET, GraphIR, NodeInfo, Ref, TensorMeta
+from autopar.ir import DTYPE_BYTES, SDPA_TARGET, TARGET_KEY, GraphIR, NodeInfo, Ref, TensorMeta
 from autopar.placements import Partial, Placement, Replicate, Shard
 from autopar.solver.rules import Comm, Proto, base_name, find_rule
 
@@ -65,6 +65,9 @@ class GraphFacts:
     part: dict                                # op key -> "pre" | "block" | "post"
     param_parts: dict                         # param/buffer key -> frozenset of parts using it
     unknown_targets: tuple[str, ...]
+    # the ops the loss reads (the nodes depending on the target read them): what the last pipeline
+    # stage sends to the schedule's loss_fn, which torch's fwd_cache holds until its backward
+    loss_inputs: frozenset = frozenset()
 
 
 def tensor_nodes(graph: GraphIR) -> list[NodeInfo]:
@@ -128,11 +131,23 @@ def graph_facts(graph: GraphIR, seq_len: Optional[int]) -> GraphFacts:
             param_parts[n.key] = ps or frozenset({"pre"})
 
     facts = GraphFacts(graph, seq_len, nodes, {k: tuple(v) for k, v in consumers.items()}, needs_grad,
-                       {}, {}, {}, inputs, part, param_parts, ())
+                       {}, {}, {}, inputs, part, param_parts, (), _loss_inputs(graph, inputs))
     batch_dims, seq_dims, unknown = _propagate_roles(facts, tnodes)
     _, token, _ = _propagate_roles(facts, tnodes, through_attention=True) if seq_len else (None, {}, None)
     return replace(facts, batch_dims=batch_dims, seq_dims=seq_dims, token_dims=token,
                    unknown_targets=tuple(sorted(unknown)))
+
+
+def _loss_inputs(graph: GraphIR, inputs: dict) -> frozenset:
+    """Ops outside the loss read by the loss (the nodes that depend on the target, ``|target|0``;
+    ``codegen/stages.py`` runs them as the pipeline's loss part)."""
+    loss: set[str] = set()
+    for n in graph.nodes:                    # graph order is topological
+        if n.key == TARGET_KEY or (n.kind == "op" and any(r.key in loss for r in inputs[n.key])):
+            loss.add(n.key)
+    ops = {n.key for n in graph.nodes if n.kind == "op"}
+    return frozenset(r.key for n in graph.nodes if n.key in loss and n.kind == "op"
+                     for r in inputs[n.key] if r.key in ops and r.key not in loss)
 
 
 _RESHAPES = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default")

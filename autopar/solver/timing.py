@@ -201,7 +201,7 @@ def _memory_affine(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfi
         hp, hh = rank_holds(cfg, r)
         extra_numel = (pre.param_numel if hp else 0.0) + (post.param_numel if hh else 0.0) \
             + (summary.shared_param_numel if (hp or hh) else 0.0)
-        extra_act = (pre.saved_bytes if hp else 0.0) + (post.saved_bytes if hh else 0.0)
+        extra_act = (pre.saved_bytes if hp else 0.0) + (post_saved_bytes(summary, cfg) if hh else 0.0)
         out_b = max([blk.max_out_bytes] + ([pre.max_out_bytes] if hp else []) + ([post.max_out_bytes] if hh else []))
         held_slope, held_const = rank_held_affine(cfg, summary, r)   # zero-bubble: gradients held from B to W
         out_b += held_const
@@ -521,7 +521,16 @@ def _saved_per_microbatch(summary: AxisSummary, cfg: OuterConfig, parts, lps: fl
     k = recomputed_layers(cfg, lps, for_memory=True)
     per_mb = k * activation_bytes_per_layer(blk, summary, cfg.recompute) \
         + (lps - k) * activation_bytes_per_layer(blk, summary, "none" if cfg.recompute == "partial" else cfg.recompute)
-    return per_mb + sum(p.saved_bytes for p, _, name in parts if name != "block")
+    return per_mb + sum(post_saved_bytes(summary, cfg) if name == "post" else p.saved_bytes
+                        for p, _, name in parts if name != "block")
+
+
+def post_saved_bytes(summary: AxisSummary, cfg: OuterConfig) -> float:
+    """Bytes the head and loss keep per micro-batch; in a pipeline also what the loss reads (the
+    logits): the last stage's output, which torch's fwd_cache holds until the micro-batch's
+    backward, when without a pipeline it is freed once the loss has its own saved copy."""
+    post = summary.parts["post"].saved_bytes
+    return post + summary.loss_input_bytes if cfg.pp > 1 else post
 
 
 def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile, r: int, parts, numel: float,
