@@ -62,7 +62,7 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     ``param_dtype`` and ``optimizer`` (``cost.memory.state_bytes_per_param``), activations as the
     solver's evaluation has them, temporaries = the backward workspace
     (``cost.memory.backward_workspace_bytes``) plus the recompute / ZeRO-3 gather buffers (at the
-    run's parameter bytes, ``solver.timing.other_workspace_bytes``), a split backward's held
+    run's parameter bytes, ``solver.timing.workspace_bytes``), a split backward's held
     gradients and the reducer's transient, and the peak of the module docstring."""
     from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES
     from autopar.cost.memory import (backward_workspace_bytes, model_state_bytes, reducer_end_bytes,
@@ -71,7 +71,7 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     from autopar.cost.split_backward import is_split, rank_held_bytes
     from autopar.solver.overlap import accumulates_rows, reduces_once_per_step
     from autopar.solver.runtime_profile import AUTOPAR_RUNTIME
-    from autopar.solver.timing import other_workspace_bytes, rank_parts
+    from autopar.solver.timing import rank_parts, workspace_bytes
 
     profile = profile or AUTOPAR_RUNTIME           # what the evaluation was made with
 
@@ -90,8 +90,8 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     # the solver's workspace, rebuilt for the run's parameter bytes: the largest output's backward,
     # a re-materialized layer under recompute, ZeRO-3's prefetched layers (the reducer's transient
     # and a split backward's held join-node gradients below)
-    workspace = backward_workspace_bytes(largest) + other_workspace_bytes(summary, cfg, st.layers,
-                                                                          param_bytes=per["params"])
+    workspace = workspace_bytes(summary, cfg, backward_workspace_bytes(largest), st.layers,
+                                param_bytes=per["params"], autocast=profile.autocast)
     split = is_split(cfg.schedule) if cfg.pp > 1 else False
     chunks = _chunks(evaluation, summary, pp_rank, lambda numel: states(numel)["grads"], split)
     if cfg.data > 1 and cfg.zero == 0:

@@ -41,7 +41,8 @@ local (tp-sharded) parameters; activations = in-flight micro-batches
 per micro-batch (full recompute: each layer's input only; per-operator: less what its regions drop,
 ``op_classes.op_set``); other = a workspace of the largest single local output (one transient
 gradient), plus one layer's (per-operator: one region's) re-materialized activations under
-recompute, plus ``ZERO3_PREFETCH_LAYERS`` layers of gathered parameters under ZeRO-3.
+recompute, plus ``ZERO3_PREFETCH_LAYERS`` layers of gathered parameters under ZeRO-3 (under autocast
+without recompute the larger of those and the rest: ``workspace_bytes``).
 
 Offload (``OuterConfig.offload``, classes of ``plan.OFFLOAD_CLASSES``): ``cost.offload`` moves the
 rank's bytes to the host / NVMe and adds its exposed transfers: per micro-batch ("host:h2d",
@@ -194,7 +195,7 @@ def _grads_const(cfg: OuterConfig) -> float:
 def _memory_affine(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile, rate: float, act: float):
     """(slope bytes per layer, constant bytes) of each rank's memory, as ``_rank_memory`` computes it."""
     blk, pre, post = summary.parts["block"], summary.parts["pre"], summary.parts["post"]
-    other_blk, grads_const = other_workspace_bytes(summary, cfg, param_bytes=profile.param_bytes), _grads_const(cfg)
+    grads_const = _grads_const(cfg)
     offloaded = "activations" in cfg.classes       # one layer and the embedding / head stay on the device
     slopes, consts = [], []
     for r in range(cfg.pp):
@@ -202,16 +203,17 @@ def _memory_affine(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfi
         extra_numel = (pre.param_numel if hp else 0.0) + (post.param_numel if hh else 0.0) \
             + (summary.shared_param_numel if (hp or hh) else 0.0)
         extra_act = (pre.saved_bytes if hp else 0.0) + (post_saved_bytes(summary, cfg) if hh else 0.0)
-        out_b = max([blk.max_out_bytes] + ([pre.max_out_bytes] if hp else []) + ([post.max_out_bytes] if hh else []))
+        largest = max([blk.max_out_bytes] + ([pre.max_out_bytes] if hp else []) + ([post.max_out_bytes] if hh else []))
         held_slope, held_const = rank_held_affine(cfg, summary, r)   # zero-bubble: gradients held from B to W
-        out_b += held_const
+        out_b = workspace_bytes(summary, cfg, largest, param_bytes=profile.param_bytes,
+                                autocast=profile.autocast) + held_const
         if offloaded:
             slopes.append(rate * blk.param_numel + held_slope)
-            consts.append(rate * extra_numel + act + extra_act + out_b + other_blk + grads_const)
+            consts.append(rate * extra_numel + act + extra_act + out_b + grads_const)
         else:
             inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
             slopes.append(rate * blk.param_numel + inflight * act + held_slope)
-            consts.append(rate * extra_numel + inflight * extra_act + out_b + other_blk + grads_const)
+            consts.append(rate * extra_numel + inflight * extra_act + out_b + grads_const)
     return slopes, consts
 
 
@@ -438,7 +440,7 @@ def fit_partial(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pr
     """``cfg`` ("partial") with the fewest recomputed layers per pipeline rank that fit the budget:
     below every layer, memory falls and time grows with each layer recomputed, so the fewest that
     fit is the fastest: bisection over 0 .. count - 1. (Every layer, count, adds the workspace of a
-    re-materialized layer, ``other_workspace_bytes``: that is "full", returned when nothing less fits.)"""
+    re-materialized layer, ``workspace_bytes``: that is "full", returned when nothing less fits.)"""
     def at(k: int) -> Evaluation:
         return evaluate(summary, replace(cfg, recompute_layers=k), cluster, profile, budget_bytes, all_stages)
 
@@ -483,12 +485,17 @@ def activation_bytes_per_layer(blk: PartCost, summary: AxisSummary, recompute: s
     return blk.saved_bytes
 
 
-def other_workspace_bytes(summary: AxisSummary, cfg: OuterConfig, lps: Optional[float] = None, *,
-                          param_bytes: int) -> float:
-    """Workspace besides the largest single output: one layer re-materialized under recompute, the
-    prefetched gathered layers under ZeRO-3. "partial" recomputes a rank's FIRST layers, whose
-    backward comes last, when the later layers' activations are freed: a re-materialized layer adds
-    to the peak only when every layer recomputes (``lps`` unknown: as "full", the least memory)."""
+def workspace_bytes(summary: AxisSummary, cfg: OuterConfig, backward_bytes: float, lps: Optional[float] = None, *,
+                    param_bytes: int, autocast: bool = False) -> float:
+    """Workspace at the peak: the largest output's backward (``backward_bytes``), one layer
+    re-materialized under recompute, the prefetched gathered layers under ZeRO-3. "partial"
+    recomputes a rank's FIRST layers, whose backward comes last, when the later layers' activations
+    are freed: a re-materialized layer adds to the peak only when every layer recomputes (``lps``
+    unknown: as "full", the least memory). ZeRO-3 gathers a layer again in the backward only for
+    the ops that saved its gathered weight (``runtime/reshard.py``); under ``autocast`` without
+    recompute the matmuls saved 16-bit copies instead (counted as activations), so the gathers
+    peak in the forward, not beside the backward's workspace: the larger of the two counts (the
+    fp32 norms' weights, re-gathered, are left out)."""
     blk = summary.parts["block"]
     other = 0.0
     partial_all = cfg.recompute == "partial" and (
@@ -498,11 +505,14 @@ def other_workspace_bytes(summary: AxisSummary, cfg: OuterConfig, lps: Optional[
     elif is_per_op(cfg.recompute):
         rc = rc_of(blk, cfg.recompute)
         other += blk.core_saved_bytes if rc is None else rc.workspace_bytes
+    gathers = 0.0
     if cfg.zero == 3 and "params" in cfg.classes:     # the rank's own rows are on the host too
-        other += ZERO3_PREFETCH_LAYERS * blk.param_numel * param_bytes
+        gathers = ZERO3_PREFETCH_LAYERS * blk.param_numel * param_bytes
     elif cfg.zero == 3 and cfg.data > 1:
-        other += ZERO3_PREFETCH_LAYERS * blk.param_numel * param_bytes * (1 - 1 / cfg.data)
-    return other
+        gathers = ZERO3_PREFETCH_LAYERS * blk.param_numel * param_bytes * (1 - 1 / cfg.data)
+    if autocast and cfg.recompute == "none":
+        return max(backward_bytes + other, gathers)
+    return backward_bytes + other + gathers
 
 
 def rc_of(blk: PartCost, recompute: str) -> Optional[RcCost]:
@@ -541,7 +551,8 @@ def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile
     inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
     per_mb = _saved_per_microbatch(summary, cfg, parts, lps)
     activations = inflight * per_mb
-    other = max(p.max_out_bytes for p, _, _ in parts) + other_workspace_bytes(summary, cfg, lps, param_bytes=profile.param_bytes) \
+    other = workspace_bytes(summary, cfg, max(p.max_out_bytes for p, _, _ in parts), lps,
+                            param_bytes=profile.param_bytes, autocast=profile.autocast) \
         + rank_held_bytes(cfg, summary, r, lps)
     host = nvme = 0
     if cfg.classes:

@@ -44,7 +44,10 @@ OFFLOAD = {"dp_offload_optimizer": "dp=2,offload=optimizer",
            "dp_zero3_offload_all": "dp=2,zero=3,offload=optimizer+grads+params+activations"}
 # bf16 under torch.autocast over the fp32 model (``runtime/precision.py``): fp32 states, autocast's
 # per-op activation dtypes and its 16-bit copies of what matmuls read (``solver/autocast.py``)
-BF16 = {"dp_bf16": "dp=2", "tp_bf16": "tp=2", "pp_bf16": "pp=2", "cp_bf16": "cp=2,cpmode=ring"}
+# (ZeRO-3: the matmuls save 16-bit copies, so the backward re-gathers only the norms' weights and
+# the prefetched gathers peak in the forward, ``timing.workspace_bytes``: predicted 10.2% over before)
+BF16 = {"dp_bf16": "dp=2", "tp_bf16": "tp=2", "pp_bf16": "pp=2", "cp_bf16": "cp=2,cpmode=ring",
+        "dp_zero3_bf16": "dp=2,zero=3"}
 FAMILIES = {**BASE, **OFFLOAD, **BF16}
 # pipeline schedules, two stages per rank where the schedule has them, on a 4-layer gpt-tiny: the
 # zero-bubble input pass keeps activations and adds join-node gradients, the weight pass trades
@@ -124,7 +127,8 @@ def test_model_states_exact(families, family, category):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["tp", "pp", "dp", "cp", pytest.param("dp_zero3", marks=_xfail(ZERO3_GRADS)),
-                                    *BF16])
+                                    *(f for f in BF16 if f != "dp_zero3_bf16"),
+                                    pytest.param("dp_zero3_bf16", marks=_xfail(ZERO3_GRADS))])
 def test_gradients(families, family):
     for row in families[family]:
         m, p = row.measured.category_peaks.grads, row.predicted.by_category.grads
