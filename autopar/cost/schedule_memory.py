@@ -41,10 +41,13 @@ class Chunk:
     its first backward allocates) in backward order (head, layers, embedding), and ``held``: the
     bytes of join-node gradients its input pass keeps per micro-batch until the weight pass.
     ``bucketed``: the gradient bytes of a piece are bucket buffers (``runtime/reducer.py``: ZeRO-0
-    over dp), allocated whole by the piece's first gradient, while its activations are still live."""
+    over dp), allocated whole by the piece's first gradient, while its activations are still live.
+    ``output``: bytes of its output that torch's fwd_cache holds from a micro-batch's forward to
+    the end of its backward (or input pass): the last stage's logits, which the loss reads."""
     pieces: tuple[tuple[float, float], ...]
     held: float = 0.0
     bucketed: bool = False         # the gradient bytes are whole buckets, allocated at the piece's first gradient
+    output: float = 0.0
 
     @property
     def activations(self) -> float:
@@ -109,11 +112,13 @@ def replay_peak_bytes(actions: Sequence[Action], chunks: Mapping[int, Chunk], wo
     for kind, stage, _ in actions:
         c = chunks[stage]
         if kind == "F":
-            acts += c.activations
+            acts += c.activations + c.output
             best = max(best, acts + grads + held + workspace)
-        elif kind == "I" and c.held > 0:
-            best = max(best, acts + grads + held + max(workspace, c.held))
-            held += c.held
+        elif kind == "I":
+            if c.held > 0:
+                best = max(best, acts + grads + held + max(workspace, c.held))
+                held += c.held
+            acts -= c.output
         elif kind in ("B", "W"):
             first = stage not in started
             started.add(stage)
@@ -126,6 +131,8 @@ def replay_peak_bytes(actions: Sequence[Action], chunks: Mapping[int, Chunk], wo
             best = max(best, acts + grads + held + ws)
             if kind == "W":
                 held -= c.held
+            elif kind == "B":
+                acts -= c.output
     return best
 
 

@@ -147,7 +147,7 @@ def _chunks(evaluation, summary, pp_rank: int, grads_of, split: bool) -> dict:
     from autopar.cost.schedule_memory import Chunk
     from autopar.cost.split_backward import chunk_held_bytes
     from autopar.solver.plan_parts import stage_layers
-    from autopar.solver.timing import activation_bytes_per_layer, post_saved_bytes
+    from autopar.solver.timing import activation_bytes_per_layer
 
     cfg = evaluation.config
     st = next(s for s in evaluation.stages if s.index == pp_rank)
@@ -170,14 +170,17 @@ def _chunks(evaluation, summary, pp_rank: int, grads_of, split: bool) -> dict:
         seen += n
         pieces = [(a, grads) for a in reversed(acts)]
         if has_post:
-            pieces.insert(0, (post_saved_bytes(summary, cfg), grads_of(post.param_numel + shared)))
+            pieces.insert(0, (post.saved_bytes, grads_of(post.param_numel + shared)))
         if has_pre:
             pieces.append((pre.saved_bytes, grads_of(pre.param_numel + (0.0 if st.has_post else shared))))
         held = 0.0
         if split and g != 0:
             held = chunk_held_bytes(n, blk.param_tensors, summary.layer_input_bytes,
                                     post.max_out_bytes if has_post else 0.0)
-        out[g] = Chunk(tuple(pieces), held)
+        # the last stage's output, the logits the loss reads, stays in torch's fwd_cache from the
+        # forward to the backward (input pass): ``timing.held_loss_input_bytes``
+        output = summary.loss_input_bytes if (has_post and cfg.pp > 1) else 0.0
+        out[g] = Chunk(tuple(pieces), held, output=output)
     return out
 
 

@@ -191,8 +191,9 @@ def memory_constraints(tab: AxisTables, cfg: OuterConfig, unconstrained: Evaluat
                         continue
                 else:
                     mult = 1 if (part == "pre" and first) or (part == "post" and last) else 0
-                    if mult and cfg.pp > 1 and k in tab.facts.loss_inputs:     # ``timing.post_saved_bytes``
-                        coeffs.append(tuple((c.saved_bytes + c.out_bytes) * inflight for c in tab.costs[k]))
+                    if mult and cfg.pp > 1 and k in tab.facts.loss_inputs:     # ``timing.held_loss_input_bytes``
+                        held = cfg.m if cfg.schedule == "gpipe" else 1
+                        coeffs.append(tuple(c.saved_bytes * inflight + c.out_bytes * held for c in tab.costs[k]))
                         continue
                 coeffs.append(tuple(c.saved_bytes * inflight * mult for c in tab.costs[k]))
         const = st.memory.other_bytes + _grads_const(cfg) + (st.memory.activations_bytes if act_off else 0.0)

@@ -202,18 +202,19 @@ def _memory_affine(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfi
         hp, hh = rank_holds(cfg, r)
         extra_numel = (pre.param_numel if hp else 0.0) + (post.param_numel if hh else 0.0) \
             + (summary.shared_param_numel if (hp or hh) else 0.0)
-        extra_act = (pre.saved_bytes if hp else 0.0) + (post_saved_bytes(summary, cfg) if hh else 0.0)
+        extra_act = (pre.saved_bytes if hp else 0.0) + (post.saved_bytes if hh else 0.0)
+        held_logits = held_loss_input_bytes(summary, cfg) if hh else 0.0    # not offloaded: no saved tensor
         largest = max([blk.max_out_bytes] + ([pre.max_out_bytes] if hp else []) + ([post.max_out_bytes] if hh else []))
         held_slope, held_const = rank_held_affine(cfg, summary, r)   # zero-bubble: gradients held from B to W
         out_b = workspace_bytes(summary, cfg, largest, param_bytes=profile.param_bytes,
                                 autocast=profile.autocast) + held_const
         if offloaded:
             slopes.append(rate * blk.param_numel + held_slope)
-            consts.append(rate * extra_numel + act + extra_act + out_b + grads_const)
+            consts.append(rate * extra_numel + act + extra_act + out_b + grads_const + held_logits)
         else:
             inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
             slopes.append(rate * blk.param_numel + inflight * act + held_slope)
-            consts.append(rate * extra_numel + inflight * extra_act + out_b + grads_const)
+            consts.append(rate * extra_numel + inflight * extra_act + out_b + grads_const + held_logits)
     return slopes, consts
 
 
@@ -531,16 +532,19 @@ def _saved_per_microbatch(summary: AxisSummary, cfg: OuterConfig, parts, lps: fl
     k = recomputed_layers(cfg, lps, for_memory=True)
     per_mb = k * activation_bytes_per_layer(blk, summary, cfg.recompute) \
         + (lps - k) * activation_bytes_per_layer(blk, summary, "none" if cfg.recompute == "partial" else cfg.recompute)
-    return per_mb + sum(post_saved_bytes(summary, cfg) if name == "post" else p.saved_bytes
-                        for p, _, name in parts if name != "block")
+    return per_mb + sum(p.saved_bytes for p, _, name in parts if name != "block")
 
 
-def post_saved_bytes(summary: AxisSummary, cfg: OuterConfig) -> float:
-    """Bytes the head and loss keep per micro-batch; in a pipeline also what the loss reads (the
-    logits): the last stage's output, which torch's fwd_cache holds until the micro-batch's
-    backward, when without a pipeline it is freed once the loss has its own saved copy."""
-    post = summary.parts["post"].saved_bytes
-    return post + summary.loss_input_bytes if cfg.pp > 1 else post
+def held_loss_input_bytes(summary: AxisSummary, cfg: OuterConfig) -> float:
+    """What the rank holding the last pipeline stage keeps of what the loss reads (the logits):
+    that stage's output, which torch's fwd_cache holds until the micro-batch's backward (without a
+    pipeline it is freed once the loss has its own saved copy). The last stage runs each
+    micro-batch's backward right after its forward in every schedule but GPipe, which holds all
+    m: one micro-batch's, whatever the rank's other stages hold (``schedule_memory.rank_actions``
+    replays it so)."""
+    if cfg.pp == 1:
+        return 0.0
+    return summary.loss_input_bytes * (cfg.m if cfg.schedule == "gpipe" else 1)
 
 
 def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile, r: int, parts, numel: float,
@@ -567,6 +571,8 @@ def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile
         states = off
         activations = off["activations"]
         host, nvme = int(off["host"]), int(off["nvme"])
+    if rank_holds(cfg, r)[1]:
+        activations += held_loss_input_bytes(summary, cfg)      # torch's fwd_cache, not a saved tensor
     # (the backward's workspace and gathered layers are gone with the activations at its end)
     other += reducer_transient_bytes(numel * profile.grad_bytes, cfg.data, cfg.zero, bucket_bytes(), activations + other,
                                      accumulates_rows(cfg))

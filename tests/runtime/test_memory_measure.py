@@ -26,7 +26,7 @@ runtime turns them into failures that ask for the mark to go):
   (The interpreter's per-forward scope used to keep every gathered weight to the end of the
   forward, counted as activations; it now drops each after its last reader, ``GraphExecutor.run``.)
 (The last pipeline stage's logits, its output to the loss, are held by torch's ``fwd_cache`` until
-that micro-batch's backward: the plan counts them since ``timing.post_saved_bytes``; they were a
+that micro-batch's backward: the plan counts them since ``timing.held_loss_input_bytes``; they were a
 strict xfail at +14% / +20% activations in fp32 / bf16.)
 """
 from __future__ import annotations

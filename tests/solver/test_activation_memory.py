@@ -47,21 +47,22 @@ def test_host_overhead_per_node_enters_every_op_once(t, field):
             assert b.fwd_s == pytest.approx(a.fwd_s + 1e-3) and b.bwd_s == a.bwd_s
 
 
-def test_last_pipeline_stage_holds_the_logits_it_sends_to_the_loss():
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_last_pipeline_stage_holds_the_logits_it_sends_to_the_loss(schedule):
     """In a pipeline the last stage's output (what the loss reads: the logits, reshaped) stays in
-    torch's fwd_cache until its micro-batch's backward: the last rank's activations gain it per
-    micro-batch in flight (1F1B's last rank: 1), by hand mbs x seq x vocab x 4 bytes; the other
-    rank and the same model without a pipeline do not."""
+    torch's fwd_cache until its micro-batch's backward: the last rank's activations gain one
+    micro-batch's (the last stage runs each backward right after its forward; GPipe: all m), by
+    hand mbs x seq x vocab x 4 bytes; the other rank and the same model without a pipeline do
+    not."""
     from dataclasses import replace
 
-    from autopar.cost.memory import pipeline_inflight_microbatches
     from autopar.solver.timing import evaluate
 
     vocab, seq, mbs = 128, 16, 2
     g, _ = traced(f"gpt:hidden=64,layers=4,heads=4,vocab={vocab},seq={seq}", batch=8)
     cluster = make_cluster("h100", 1, 2)
     r = solve(g, cluster, global_batch=8, seq_len=seq, dtype="float32",
-              force=f"tp=1,pp=2,mbs={mbs},schedule=1f1b,recompute=none")
+              force=f"tp=1,pp=2,mbs={mbs},schedule={schedule},recompute=none")
     summary, cfg = r.solution.summary, r.evaluation.config
     assert r.facts.loss_inputs == {"|aten.reshape.default|0"}
     assert summary.loss_input_bytes == mbs * seq * vocab * 4
@@ -71,9 +72,9 @@ def test_last_pipeline_stage_holds_the_logits_it_sends_to_the_loss():
         return [st.memory.activations_bytes for st in sorted(ev.stages, key=lambda st: st.index)]
 
     with_logits, without = activations(summary), activations(replace(summary, loss_input_bytes=0.0))
-    assert with_logits[0] == without[0]
-    assert with_logits[1] - without[1] == pipeline_inflight_microbatches(2, 1, cfg.m, "1f1b") * mbs * seq * vocab * 4
-    flat = evaluate(summary, replace(cfg, pp=1, schedule="1f1b", v=1), cluster, r.profile, r.budget_bytes)
-    flat_without = evaluate(replace(summary, loss_input_bytes=0.0), replace(cfg, pp=1, schedule="1f1b", v=1),
-                            cluster, r.profile, r.budget_bytes)
-    assert flat.memory.activations_bytes == flat_without.memory.activations_bytes
+    held = cfg.m if schedule == "gpipe" else 1
+    assert cfg.m == 4 and with_logits[0] == without[0]
+    assert with_logits[1] - without[1] == held * mbs * seq * vocab * 4
+    flat = replace(cfg, pp=1, schedule="1f1b", v=1)
+    assert evaluate(summary, flat, cluster, r.profile, r.budget_bytes).memory.activations_bytes == \
+        evaluate(replace(summary, loss_input_bytes=0.0), flat, cluster, r.profile, r.budget_bytes).memory.activations_bytes
