@@ -71,3 +71,17 @@ def test_bucket_allocated_beside_its_piece():
     acts = rank_actions("gpipe", 2, 0, 1)
     assert replay_peak_bytes(acts, {0: Chunk(((4.0, 6.0), (2.0, 0.0)), bucketed=True)}) == pytest.approx(12.0)
     assert replay_peak_bytes(acts, {0: Chunk(((4.0, 6.0), (2.0, 0.0)))}) == pytest.approx(8.0)
+
+
+def test_stage_output_lives_from_forward_to_backward_or_input_pass():
+    """A chunk's ``output`` (the last stage's logits in torch's fwd_cache) is alive from its
+    micro-batch's forward through its backward, or its input pass under a split backward, not to
+    the weight pass. Hand-worked: activations 1, output 10 per micro-batch.
+    1F1B order F0 B0 F1 B1: 11 at most (one output alive); F0 I0 F1 I1 W0 W1: after I0 only
+    mb0's activations stay, so F1 peaks at 1 + 1 + 10 = 12 (22 if the output lived to W0);
+    GPipe F0 F1 B0 B1: 2 x 11 = 22."""
+    c = Chunk(((1.0, 0.0),), output=10.0)
+    assert replay_peak_bytes([("F", 0, 0), ("B", 0, 0), ("F", 0, 1), ("B", 0, 1)], {0: c}) == 11.0
+    split = [("F", 0, 0), ("I", 0, 0), ("F", 0, 1), ("I", 0, 1), ("W", 0, 0), ("W", 0, 1)]
+    assert replay_peak_bytes(split, {0: c}) == 12.0
+    assert replay_peak_bytes([("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("B", 0, 1)], {0: c}) == 22.0
