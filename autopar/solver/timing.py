@@ -542,9 +542,14 @@ def held_loss_input_bytes(summary: AxisSummary, cfg: OuterConfig) -> float:
     micro-batch's backward right after its forward in every schedule but GPipe, which holds all
     m: one micro-batch's, whatever the rank's other stages hold (``schedule_memory.rank_actions``
     replays it so)."""
+    return summary.loss_input_bytes * last_stage_outputs_held(cfg)
+
+
+def last_stage_outputs_held(cfg: OuterConfig) -> int:
+    """Micro-batches whose last-stage output torch's fwd_cache holds at once (``held_loss_input_bytes``)."""
     if cfg.pp == 1:
-        return 0.0
-    return summary.loss_input_bytes * (cfg.m if cfg.schedule == "gpipe" else 1)
+        return 0
+    return cfg.m if cfg.schedule == "gpipe" else 1
 
 
 def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile, r: int, parts, numel: float,
