@@ -118,6 +118,14 @@ class GraphIR:
                 return n
         raise KeyError(f"no node with key {key!r} in the traced graph")
 
+    def dependents(self, seeds: set[str]) -> set[str]:
+        """Keys of the nodes that depend on ``seeds`` (seeds included)."""
+        out = set(seeds)
+        for n in self.nodes:                         # topological order
+            if any(r.key in out for r in n.inputs):
+                out.add(n.key)
+        return out
+
     def multiplicity(self, n: NodeInfo) -> int:
         """How many times this node runs in the real model (block count / traced copies)."""
         if n.block is None:

@@ -62,15 +62,6 @@ class PipelineCut:
         return frozenset(names)
 
 
-def _reach(graph: GraphIR, seeds: set[str]) -> set[str]:
-    """Keys of the nodes that depend on ``seeds`` (seeds included)."""
-    out = set(seeds)
-    for n in graph.nodes:
-        if any(r.key in out for r in n.inputs):
-            out.add(n.key)
-    return out
-
-
 def cut_pipeline(graph: GraphIR, plan: Plan) -> PipelineCut:
     """The stages of ``plan`` on ``graph`` (a full trace: every layer present); see the module
     docstring. Raises ``ValueError`` for a graph the cut cannot serve."""
@@ -95,9 +86,9 @@ def cut_pipeline(graph: GraphIR, plan: Plan) -> PipelineCut:
     target = next((n for n in graph.nodes if n.key == TARGET_KEY), None)
     out = next(n for n in graph.nodes if n.kind == "output")
     # what reads the last stage's values: the loss part, or (a forward-only graph) the output
-    loss_keys = _reach(graph, {target.key}) if target is not None else set()
+    loss_keys = graph.dependents({target.key}) if target is not None else set()
     sink = loss_keys if target is not None else {out.key}
-    dyn = _reach(graph, {n.key for n in inputs}) - loss_keys
+    dyn = graph.dependents({n.key for n in inputs}) - loss_keys
     block_ops = [i for i, n in enumerate(graph.nodes) if n.block is not None and n.kind == "op"]
     first_block, last_block = block_ops[0], block_ops[-1]
     position = {n.key: i for i, n in enumerate(graph.nodes)}

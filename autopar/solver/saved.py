@@ -24,6 +24,8 @@ itself after DTensor's decompositions, so it cannot be swapped for the shard).
 """
 from __future__ import annotations
 
+from typing import Iterator
+
 from autopar.cost.compute import op_kind
 from autopar.solver.rules import base_name
 from autopar.solver.strategies import GraphFacts
@@ -118,9 +120,10 @@ def is_dropout(node) -> bool:
     return not isinstance(p, (int, float)) or p > 0
 
 
-def savers(facts: GraphFacts, key: str) -> list[str]:
-    """Targets of the ops that save ``key``'s output for backward, directly or through views."""
-    found, stack, seen = [], [key], {key}
+def savers(facts: GraphFacts, key: str) -> Iterator[str]:
+    """Targets of the ops that save ``key``'s output for backward, directly or through views
+    (lazily: ``kept_tensors`` stops at the first)."""
+    stack, seen = [key], {key}
     while stack:
         for c, _ in facts.consumers.get(stack.pop(), ()):
             if c in seen or not facts.needs_grad.get(c, False):
@@ -128,14 +131,13 @@ def savers(facts: GraphFacts, key: str) -> list[str]:
             seen.add(c)
             target = facts.nodes[c].target
             if saves_input(target):
-                found.append(target)
+                yield target
             elif c in facts.part and op_kind(target) == "free":
                 stack.append(c)
-    return found
 
 
 def kept_tensors(facts: GraphFacts) -> frozenset:
     """Keys of op nodes whose output is kept for backward (a view of it counts as it)."""
     return frozenset(k for k in facts.part if op_kind(facts.nodes[k].target) != "free"
                      and facts.needs_grad.get(k, False)
-                     and (saves_output(facts.nodes[k].target) or savers(facts, k)))
+                     and (saves_output(facts.nodes[k].target) or next(savers(facts, k), None) is not None))

@@ -131,23 +131,20 @@ def graph_facts(graph: GraphIR, seq_len: Optional[int]) -> GraphFacts:
             param_parts[n.key] = ps or frozenset({"pre"})
 
     facts = GraphFacts(graph, seq_len, nodes, {k: tuple(v) for k, v in consumers.items()}, needs_grad,
-                       {}, {}, {}, inputs, part, param_parts, (), _loss_inputs(graph, inputs))
+                       {}, {}, {}, inputs, part, param_parts, (), _loss_inputs(graph))
     batch_dims, seq_dims, unknown = _propagate_roles(facts, tnodes)
     _, token, _ = _propagate_roles(facts, tnodes, through_attention=True) if seq_len else (None, {}, None)
     return replace(facts, batch_dims=batch_dims, seq_dims=seq_dims, token_dims=token,
                    unknown_targets=tuple(sorted(unknown)))
 
 
-def _loss_inputs(graph: GraphIR, inputs: dict) -> frozenset:
+def _loss_inputs(graph: GraphIR) -> frozenset:
     """Ops outside the loss read by the loss (the nodes that depend on the target, ``|target|0``;
     ``codegen/stages.py`` runs them as the pipeline's loss part)."""
-    loss: set[str] = set()
-    for n in graph.nodes:                    # graph order is topological
-        if n.key == TARGET_KEY or (n.kind == "op" and any(r.key in loss for r in inputs[n.key])):
-            loss.add(n.key)
+    loss = graph.dependents({TARGET_KEY})
     ops = {n.key for n in graph.nodes if n.kind == "op"}
     return frozenset(r.key for n in graph.nodes if n.key in loss and n.kind == "op"
-                     for r in inputs[n.key] if r.key in ops and r.key not in loss)
+                     for r in n.inputs if r.key in ops and r.key not in loss)
 
 
 _RESHAPES = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default")
