@@ -30,6 +30,8 @@ and gradients that replace activations during the backward rather than adding to
 """
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 from autopar.plan import PIPELINE_SCHEDULES
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -161,7 +163,7 @@ def backward_workspace_bytes(largest_output_bytes: float) -> float:
 
 
 def step_peak_bytes(states_without_grads: float, backward_parts, inflight: float, workspace: float,
-                    grads_during_forward: bool) -> float:
+                    grads_during_forward: bool, piece_workspace: Optional[Sequence[float]] = None) -> float:
     """Peak bytes of one training step on one rank.
 
     ``backward_parts``: (activation bytes of one micro-batch, gradient bytes) of each piece of
@@ -178,20 +180,23 @@ def step_peak_bytes(states_without_grads: float, backward_parts, inflight: float
     gradients, one op at a time, so the boundaries miss at most one op's weight gradient. Otherwise
     (``grads_during_forward``: gradient accumulation, 1F1B steady state) the full gradients are
     alive while the stash is refilled to ``inflight`` micro-batches: ``G + inflight A_mb``. The
-    workspace (``backward_workspace_bytes``) is added to either."""
+    workspace (``backward_workspace_bytes``) is added to either: ``workspace`` at every boundary,
+    or with ``piece_workspace`` (one per piece) the workspace of the piece whose backward starts
+    there (at the end: the last piece's), so a large transient of the head (the loss at the
+    logits) is not counted beside the gradients that exist only once the layers ran theirs."""
     acts = [float(a) for a, _ in backward_parts]
     grads = [float(g) for _, g in backward_parts]
+    spaces = [float(w) for w in piece_workspace] if piece_workspace is not None else [float(workspace)] * len(acts)
+    if len(spaces) != len(acts):
+        raise ValueError(f"{len(spaces)} piece workspaces for {len(acts)} pieces")
     a_mb = sum(acts)
-    if grads_during_forward:
-        moving = sum(grads) + inflight * a_mb
-    else:
-        best, left, done = 0.0, a_mb, 0.0
-        for a, g in zip(acts, grads):
-            best = max(best, left + done)
-            left -= a
-            done += g
-        moving = (inflight - 1) * a_mb + max(best, done)
-    return states_without_grads + moving + workspace
+    best, left, done = 0.0, a_mb, sum(grads) if grads_during_forward else 0.0
+    for a, g, ws in zip(acts, grads, spaces):
+        best = max(best, left + done + ws)
+        left -= a
+        done += 0.0 if grads_during_forward else g
+    best = max(best, done + (spaces[-1] if spaces else workspace))
+    return states_without_grads + (inflight - 1) * a_mb + best
 
 
 def reducer_transient_bytes(grad_bytes: float, data: int, zero: int, bucket: float,

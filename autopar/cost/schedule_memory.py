@@ -43,11 +43,14 @@ class Chunk:
     ``bucketed``: the gradient bytes of a piece are bucket buffers (``runtime/reducer.py``: ZeRO-0
     over dp), allocated whole by the piece's first gradient, while its activations are still live.
     ``output``: bytes of its output that torch's fwd_cache holds from a micro-batch's forward to
-    the end of its backward (or input pass): the last stage's logits, which the loss reads."""
+    the end of its backward (or input pass): the last stage's logits, which the loss reads.
+    ``workspace``: per piece, the transient bytes while it runs its backward (``step_peak_bytes``'s
+    ``piece_workspace``); empty: the replay's one ``workspace`` for every piece."""
     pieces: tuple[tuple[float, float], ...]
     held: float = 0.0
     bucketed: bool = False         # the gradient bytes are whole buckets, allocated at the piece's first gradient
     output: float = 0.0
+    workspace: tuple[float, ...] = ()
 
     @property
     def activations(self) -> float:
@@ -103,7 +106,7 @@ def replay_peak_bytes(actions: Sequence[Action], chunks: Mapping[int, Chunk], wo
     """The largest live sum of activations, gradients and held join-node gradients over
     ``actions`` (module docstring; ``chunks`` by global stage index), with the backward's
     ``workspace`` (``cost.memory.backward_workspace_bytes``: the gradients at the op with the
-    largest output) beside it. An input pass's own held gradients are made after that op's (the
+    largest output) beside it, or a chunk's own per piece (``Chunk.workspace``) in its backward. An input pass's own held gradients are made after that op's (the
     loss's, at the logits, comes first; the logits' gradient is one of them): it adds the larger of
     the two, not both. A split stage's weight pass computes no input gradient: no workspace."""
     acts = grads = held = 0.0
@@ -122,9 +125,11 @@ def replay_peak_bytes(actions: Sequence[Action], chunks: Mapping[int, Chunk], wo
         elif kind in ("B", "W"):
             first = stage not in started
             started.add(stage)
-            ws = 0.0 if kind == "W" and c.held > 0 else workspace    # a weight pass has no input gradients
-            for a, g in c.pieces:         # before each piece: the later pieces' activations still live
+            weight_only = kind == "W" and c.held > 0           # a weight pass has no input gradients
+            spaces = c.workspace or (workspace,) * len(c.pieces)
+            for (a, g), ws in zip(c.pieces, spaces):   # before each piece: the later pieces' activations live
                 g = g if first else 0.0
+                ws = 0.0 if weight_only else ws
                 best = max(best, acts + grads + held + ws + (g if c.bucketed else 0.0))
                 acts -= a
                 grads += g

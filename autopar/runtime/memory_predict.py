@@ -92,8 +92,34 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     # and a split backward's held join-node gradients below)
     workspace = workspace_bytes(summary, cfg, backward_workspace_bytes(largest), st.layers,
                                 param_bytes=per["params"], autocast=profile.autocast)
+    act_off = "activations" in classes
+
+    def piece_workspace(name: str) -> tuple[float, float]:
+        """A piece's backward workspace: (what it adds to the piece's activations at the boundary
+        where its backward starts, its temporaries alone). The op with the piece's largest output
+        holds that output's gradient while it writes its input's; offloaded, it also holds its
+        saved input brought back from the host. A layer's also carries the residual stream's
+        gradient and the branch's gradient added to it (two layer inputs), and by the time its
+        largest op runs backward, the consumer of that output has run its own and freed its saved
+        copy: counted among the activations at the boundary, it is given back there (resident
+        activations only). ZeRO-3's gathers beside it, and in a layer its re-materialized
+        activations under recompute (``timing.workspace_bytes``)."""
+        part = summary.parts[name]
+        own = backward_workspace_bytes(part.max_out_bytes) + (part.max_out_bytes if act_off else 0.0)
+        freed = 0.0
+        if name == "block":
+            own += 2.0 * summary.layer_input_bytes
+            freed = 0.0 if act_off else part.max_out_bytes
+        alone = workspace_bytes(summary, cfg, own, st.layers, param_bytes=per["params"], autocast=profile.autocast,
+                                in_layer=name == "block")
+        return alone - freed, alone
+
+    spaces = {name: piece_workspace(name) for name in ("pre", "block", "post")}
     split = is_split(cfg.schedule) if cfg.pp > 1 else False
-    chunks = _chunks(evaluation, summary, pp_rank, lambda numel: states(numel)["grads"], split)
+    chunks = _chunks(evaluation, summary, pp_rank, lambda numel: states(numel)["grads"], split,
+                     {name: w for name, (w, _) in spaces.items()})
+    alone = max(spaces[name][1] for name, has in (("pre", st.has_pre), ("block", st.layers > 0), ("post", st.has_post))
+                if has)
     if cfg.data > 1 and cfg.zero == 0:
         chunks = _bucketed(chunks)
     host, act_kept = 0.0, 1.0
@@ -108,7 +134,7 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
                              resident_saved_bytes=largest, saved_bytes_per_microbatch=per_mb, inflight=st.inflight,
                              microbatches=cfg.m, moments=optimizer_moments(optimizer))
         host = off["host"]
-        if "activations" in classes:   # on the host; the backward brings one node's back at a time, at
+        if act_off:                    # on the host; the backward brings one node's back at a time, at
             act_kept = 0.0             # most the largest output (the log-probabilities at the loss)
             workspace += largest
         grad_kept = off["grads"] / total["grads"] if total["grads"] else 1.0   # grads offload: the buckets kept
@@ -120,12 +146,14 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     if cfg.pp > 1:               # the replay holds the join-node gradients; what the stages did not launch
         peak = fixed + replay_peak_bytes(rank_actions(cfg.schedule, cfg.pp, pp_rank, cfg.m, cfg.v), chunks,
                                          workspace)           # is reduced after the schedule, beside no activation
-        workspace = max(workspace + rank_held_bytes(cfg, summary, pp_rank, st.layers), end)
+        workspace = max(max(workspace, alone) + rank_held_bytes(cfg, summary, pp_rank, st.layers), end)
     else:
-        workspace += reducer_transient_bytes(local_grads, cfg.data, cfg.zero, DEFAULT_BUCKET_BYTES,
-                                             st.inflight * per_mb * act_kept + workspace, accumulates_rows(cfg))
+        transient = reducer_transient_bytes(local_grads, cfg.data, cfg.zero, DEFAULT_BUCKET_BYTES,
+                                            st.inflight * per_mb * act_kept + workspace, accumulates_rows(cfg))
         (chunk,) = chunks.values()
-        peak = step_peak_bytes(fixed, chunk.pieces, st.inflight, workspace, grads_during_forward=st.inflight < cfg.m)
+        workspace = max(workspace, alone) + transient
+        peak = step_peak_bytes(fixed, chunk.pieces, st.inflight, workspace, grads_during_forward=st.inflight < cfg.m,
+                               piece_workspace=[w + transient for w in chunk.workspace])
     if end:                      # ZeRO 1-3: the end of the reduction, beside the reduced outputs (1/data)
         peak = max(peak, fixed + local_grads / cfg.data + end)
     if cfg.data > 1 and cfg.zero in (1, 2) and "optimizer" not in classes:
@@ -137,13 +165,13 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     return PredictedMemory(int(peak), cats, int(host))
 
 
-def _chunks(evaluation, summary, pp_rank: int, grads_of, split: bool) -> dict:
+def _chunks(evaluation, summary, pp_rank: int, grads_of, split: bool, workspace: dict) -> dict:
     """Pipeline rank ``pp_rank``'s local stages as ``schedule_memory.Chunk``s by global stage
     index (one, index 0, without a pipeline): pieces in backward order (head, layers, embedding),
     each layer's activations by the recompute choice ("partial": the rank's first
     ``recompute_layers`` layers in model order), the gradients of tied parameters with the head
     when the rank holds it; ``held``: a split stage's join-node gradients (stage 0 runs a full
-    backward)."""
+    backward); ``workspace``: each piece's backward workspace by part name ("pre", "block", "post")."""
     from autopar.cost.schedule_memory import Chunk
     from autopar.cost.split_backward import chunk_held_bytes
     from autopar.solver.plan_parts import stage_layers
@@ -169,10 +197,13 @@ def _chunks(evaluation, summary, pp_rank: int, grads_of, split: bool) -> dict:
             acts = [activation_bytes_per_layer(blk, summary, cfg.recompute)] * n
         seen += n
         pieces = [(a, grads) for a in reversed(acts)]
+        spaces = [workspace["block"]] * n
         if has_post:
             pieces.insert(0, (post.saved_bytes, grads_of(post.param_numel + shared)))
+            spaces.insert(0, workspace["post"])
         if has_pre:
             pieces.append((pre.saved_bytes, grads_of(pre.param_numel + (0.0 if st.has_post else shared))))
+            spaces.append(workspace["pre"])
         held = 0.0
         if split and g != 0:
             held = chunk_held_bytes(n, blk.param_tensors, summary.layer_input_bytes,
@@ -180,7 +211,7 @@ def _chunks(evaluation, summary, pp_rank: int, grads_of, split: bool) -> dict:
         # the last stage's output, the logits the loss reads, stays in torch's fwd_cache from the
         # forward to the backward (input pass): ``timing.held_loss_input_bytes``
         output = summary.loss_input_bytes if (has_post and cfg.pp > 1) else 0.0
-        out[g] = Chunk(tuple(pieces), held, output=output)
+        out[g] = Chunk(tuple(pieces), held, output=output, workspace=tuple(spaces))
     return out
 
 

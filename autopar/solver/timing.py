@@ -487,7 +487,7 @@ def activation_bytes_per_layer(blk: PartCost, summary: AxisSummary, recompute: s
 
 
 def workspace_bytes(summary: AxisSummary, cfg: OuterConfig, backward_bytes: float, lps: Optional[float] = None, *,
-                    param_bytes: int, autocast: bool = False) -> float:
+                    param_bytes: int, autocast: bool = False, in_layer: bool = True) -> float:
     """Workspace at the peak: the largest output's backward (``backward_bytes``), one layer
     re-materialized under recompute, the prefetched gathered layers under ZeRO-3. "partial"
     recomputes a rank's FIRST layers, whose backward comes last, when the later layers' activations
@@ -496,12 +496,16 @@ def workspace_bytes(summary: AxisSummary, cfg: OuterConfig, backward_bytes: floa
     the ops that saved its gathered weight (``runtime/reshard.py``); under ``autocast`` without
     recompute the matmuls saved 16-bit copies instead (counted as activations), so the gathers
     peak in the forward, not beside the backward's workspace: the larger of the two counts (the
-    fp32 norms' weights, re-gathered, are left out)."""
+    fp32 norms' weights, re-gathered, are left out). ``in_layer`` False: the workspace of the
+    embedding's or the head's backward (``memory_predict``'s per-piece workspace), beside which no
+    layer is re-materialized."""
     blk = summary.parts["block"]
     other = 0.0
     partial_all = cfg.recompute == "partial" and (
         cfg.recompute_layers is None or lps is None or cfg.recompute_layers >= lps)
-    if cfg.recompute == "full" or partial_all:
+    if not in_layer:
+        pass
+    elif cfg.recompute == "full" or partial_all:
         other += blk.saved_bytes
     elif is_per_op(cfg.recompute):
         rc = rc_of(blk, cfg.recompute)

@@ -48,6 +48,19 @@ def test_gpipe_is_step_peak_bytes():
     assert got == pytest.approx(step_peak_bytes(0.0, pieces, 3, 1.5, grads_during_forward=False))
 
 
+def test_per_piece_workspace():
+    """One stage, one micro-batch, a head (2 of activations, 1 of gradients, workspace 6) and a
+    layer (4, 3, workspace 2): before the head 6 + 6 = 12, before the layer 4 + 1 + 2 = 7, at the
+    end 4 + 2 = 6: 12 (a forward adds the replay's own workspace, 1 here: 7). The closed form
+    agrees; one workspace of 6 for both pieces would count 4 + 1 + 6 = 11 before the layer."""
+    chunk = Chunk(((2.0, 1.0), (4.0, 3.0)), workspace=(6.0, 2.0))
+    acts = rank_actions("gpipe", 2, 0, 1)
+    assert replay_peak_bytes(acts, {0: chunk}, workspace=1.0) == pytest.approx(12.0)
+    assert step_peak_bytes(0.0, chunk.pieces, 1, 1.0, False, piece_workspace=chunk.workspace) == pytest.approx(12.0)
+    late = Chunk(((2.0, 1.0), (4.0, 3.0)), workspace=(0.0, 9.0))    # the layer's is the larger
+    assert replay_peak_bytes(acts, {0: late}, workspace=1.0) == pytest.approx(4.0 + 1.0 + 9.0)
+
+
 def test_zero_bubble_hand_worked():
     """interleaved_zb, p = 2, v = 2, m = 2, rank 1 (stages 1 and 3):
     1F0 1F1 3F0 3I0 3F1 3I1 3W0 1I0 3W1 1I1 1W0 1W1. Stage 1: one piece (4 of activations, 3 of
