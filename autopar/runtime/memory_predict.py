@@ -160,7 +160,16 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
         master = max(per["params"], 4.0)           # the optimizer's parameters: fp32 masters under 16-bit
         bucket = min(st.param_numel * per["params"], DEFAULT_BUCKET_BYTES) / per["params"]
         peak = max(peak, fixed + local_grads / cfg.data + bucket * master * (1 + 1 / cfg.data))   # the shards kept
-    cats = MemoryByCategory(int(total["params"]), int(total["grads"]), int(total["optimizer"]),
+    grads = total["grads"]
+    if cfg.zero == 3 and cfg.data > 1 and "grads" not in classes:
+        # the full summands of a bucket not yet reduce-scattered are gradients too (``measure_step``
+        # marks them): the largest bucket's (``codegen/buckets.py``) beside the others' reduced rows
+        from autopar.codegen.buckets import DEFAULT_FIRST_BUCKET_BYTES
+
+        largest_bucket = max(min(local_grads, DEFAULT_FIRST_BUCKET_BYTES),
+                             min(local_grads - DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_BYTES))
+        grads = max(grads, local_grads / cfg.data + largest_bucket * (1 - 1 / cfg.data))
+    cats = MemoryByCategory(int(total["params"]), int(grads), int(total["optimizer"]),
                             int(st.memory.activations_bytes * act_kept), int(workspace))
     return PredictedMemory(int(peak), cats, int(host))
 

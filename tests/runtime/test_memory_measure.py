@@ -16,15 +16,13 @@ ZeRO-3's full gradient summands are gradients from their first accumulation (``m
 marks each one as ``_UseParam.backward`` adds to it: the reducer frees them at their bucket's
 reduce-scatter during the backward).
 
-Known places where the runtime keeps more than the plan promises are strict xfails (a fix to the
-runtime turns them into failures that ask for the mark to go):
-- ZeRO-3 gradients: gpt-tiny's 0.45 MiB of gradients fit one bucket (the first bucket's cap is
-  1 MiB, ``codegen/buckets.py``), whose summands are complete only at the end of the backward: one
-  full copy of the gradients, where the plan counts grads / dp (+100%; before the reducer
-  reduce-scattered buckets during the backward it kept the summands and the reduced shards
-  together: +200%). With many buckets they stay near grads / dp: ``test_reducer_memory.py``.
-  (The interpreter's per-forward scope used to keep every gathered weight to the end of the
-  forward, counted as activations; it now drops each after its last reader, ``GraphExecutor.run``.)
+ZeRO-3's gradients: gpt-tiny's 0.45 MiB fit one bucket (the first bucket's cap is 1 MiB,
+``codegen/buckets.py``), whose summands are complete only at the end of the backward: one full
+copy of the gradients, which the prediction's gradient category counts since the fourteenth
+session (the largest bucket's summands beside the other rows; it counted grads / dp, a strict xfail
+at +100%). With many buckets they stay near grads / dp: ``test_reducer_memory.py``. (The
+interpreter's per-forward scope used to keep every gathered weight to the end of the forward,
+counted as activations; it now drops each after its last reader, ``GraphExecutor.run``.)
 (The last pipeline stage's logits, its output to the loss, are held by torch's ``fwd_cache`` until
 that micro-batch's backward: the plan counts them since ``timing.held_loss_input_bytes``; they were a
 strict xfail at +14% / +20% activations in fp32 / bf16.)
@@ -116,9 +114,6 @@ def _xfail(reason: str):
     return pytest.mark.xfail(strict=True, reason=reason)
 
 
-ZERO3_GRADS = "gpt-tiny's gradients fit one bucket: ZeRO-3 keeps every full summand to the backward's end"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(BASE) + list(BF16))
 @pytest.mark.parametrize("category", ["params", "optimizer"])
@@ -129,9 +124,7 @@ def test_model_states_exact(families, family, category):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["tp", "pp", "dp", "cp", pytest.param("dp_zero3", marks=_xfail(ZERO3_GRADS)),
-                                    *(f for f in BF16 if f != "dp_zero3_bf16"),
-                                    pytest.param("dp_zero3_bf16", marks=_xfail(ZERO3_GRADS))])
+@pytest.mark.parametrize("family", ["tp", "pp", "dp", "cp", "dp_zero3", *BF16])
 def test_gradients(families, family):
     for row in families[family]:
         m, p = row.measured.category_peaks.grads, row.predicted.by_category.grads
