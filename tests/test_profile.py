@@ -49,6 +49,31 @@ def test_waiting_for_an_async_collective_counts_as_that_collective():
     assert by["collective:all_reduce"] >= 0.02 and by["runtime"] < 0.01
 
 
+def test_what_the_optimizer_step_runs_is_the_optimizers():
+    """AdamW's step runs elementwise aten ops (``_fused_adamw_`` or foreach ones): under the profiler
+    they are the optimizer's time, not the memory-bound compute's, and a matmul outside the step
+    stays a matmul."""
+    import torch
+    from torch.profiler import profile
+
+    from autopar.runtime.profiling import step_classes
+
+    w = torch.nn.Parameter(torch.randn(256, 256))
+    opt = torch.optim.AdamW([w], lr=1e-3)
+    with profile() as prof:
+        for _ in range(2):
+            (w @ w).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    by = step_classes(prof.events(), 2)
+    assert by["matmul"] > 0 and by["optimizer"] > 0
+    inside = [e for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is not None
+              and e.cpu_parent.name.startswith("Optimizer.step#")]
+    assert inside and all(op_class(e.name) != "optimizer" for e in inside)    # aten ops: reclassified
+    naive = sum(e.self_cpu_time_total for e in prof.events() if op_class(e.name) == "optimizer") * 1e-6 / 2
+    assert by["optimizer"] > naive
+
+
 @pytest.fixture(scope="module")
 def dp2_plan():
     from autopar.models import build_model
