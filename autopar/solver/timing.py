@@ -493,21 +493,19 @@ def workspace_bytes(summary: AxisSummary, cfg: OuterConfig, backward_bytes: floa
     recomputes a rank's FIRST layers, whose backward comes last, when the later layers' activations
     are freed: a re-materialized layer adds to the peak only when every layer recomputes (``lps``
     unknown: as "full", the least memory). ZeRO-3 gathers a layer again in the backward only for
-    the ops that saved its gathered weight (``runtime/reshard.py``); under ``autocast`` without
-    recompute the matmuls saved 16-bit copies instead (counted as activations), so the gathers
-    peak in the forward, not beside the backward's workspace: the larger of the two counts (the
-    fp32 norms' weights, re-gathered, are left out). ``in_layer`` False: the workspace of the
+    the ops that saved its gathered weight (``runtime/reshard.py``); under ``autocast`` the
+    matmuls saved 16-bit copies instead (counted as activations, or with the re-materialized
+    layer), so the gathers peak in the (re-run) forward, not beside the backward's workspace: the
+    larger of the two counts (the fp32 norms' weights, re-gathered, are left out). ``in_layer`` False: the workspace of the
     embedding's or the head's backward (``memory_predict``'s per-piece workspace), beside which no
     layer is re-materialized."""
     blk = summary.parts["block"]
     other = 0.0
     partial_all = cfg.recompute == "partial" and (
         cfg.recompute_layers is None or lps is None or cfg.recompute_layers >= lps)
-    if not in_layer:
-        pass
-    elif cfg.recompute == "full" or partial_all:
+    if in_layer and (cfg.recompute == "full" or partial_all):
         other += blk.saved_bytes
-    elif is_per_op(cfg.recompute):
+    elif in_layer and is_per_op(cfg.recompute):
         rc = rc_of(blk, cfg.recompute)
         other += blk.core_saved_bytes if rc is None else rc.workspace_bytes
     gathers = 0.0
@@ -515,8 +513,8 @@ def workspace_bytes(summary: AxisSummary, cfg: OuterConfig, backward_bytes: floa
         gathers = ZERO3_PREFETCH_LAYERS * blk.param_numel * param_bytes
     elif cfg.zero == 3 and cfg.data > 1:
         gathers = ZERO3_PREFETCH_LAYERS * blk.param_numel * param_bytes * (1 - 1 / cfg.data)
-    if autocast and cfg.recompute == "none":
-        return max(backward_bytes + other, gathers)
+    if autocast:
+        return other + max(backward_bytes, gathers)
     return backward_bytes + other + gathers
 
 

@@ -1,0 +1,39 @@
+"""``solver.timing.workspace_bytes`` on hand-worked cases: a block of 100 saved bytes and 10
+parameters (4 bytes each), the largest output's backward 30 bytes, ZeRO-3's two prefetched layers.
+
+- fp32, no recompute, dp=2: 30 + 2 x 10 x 4 x (1 - 1/2) = 70 (the gathers beside the backward's);
+- + full recompute: + one re-materialized layer, 100: 170;
+- parameters on the host (the rank's own rows gathered too): 30 + 100 + 80 = 210;
+- autocast: the matmuls saved 16-bit copies, so the gathers peak in the (re-run) forward, not
+  beside the backward's workspace: no recompute max(30, 40) = 40, full recompute 100 + max(30, 40);
+- ``in_layer`` False (the head's or the embedding's backward): no re-materialized layer beside it.
+"""
+from types import SimpleNamespace
+
+import pytest
+
+from autopar.solver.timing import workspace_bytes
+
+
+def _cfg(**kw):
+    base = dict(recompute="none", recompute_layers=None, zero=3, data=2, classes=())
+    return SimpleNamespace(**{**base, **kw})
+
+
+SUMMARY = SimpleNamespace(parts={"block": SimpleNamespace(saved_bytes=100.0, param_numel=10.0, core_saved_bytes=20.0,
+                                                          rc=None)})
+
+
+@pytest.mark.parametrize("cfg, autocast, in_layer, want", [
+    (_cfg(), False, True, 30 + 40),
+    (_cfg(recompute="full"), False, True, 30 + 100 + 40),
+    (_cfg(recompute="full", classes=("params",)), False, True, 30 + 100 + 80),
+    (_cfg(), True, True, 40),
+    (_cfg(recompute="full"), True, True, 100 + 40),
+    (_cfg(recompute="full", zero=0), True, True, 100 + 30),
+    (_cfg(recompute="full"), False, False, 30 + 40),
+    (_cfg(recompute="full"), True, False, 40),
+])
+def test_hand_worked(cfg, autocast, in_layer, want):
+    got = workspace_bytes(SUMMARY, cfg, 30.0, 2, param_bytes=4, autocast=autocast, in_layer=in_layer)
+    assert got == pytest.approx(want)
