@@ -57,6 +57,12 @@ class Chunk:
         return sum(a for a, _ in self.pieces)
 
 
+def activations_only(chunk: Chunk) -> Chunk:
+    """``chunk`` without gradients, held gradients or workspace: replayed, the rank's activation peak
+    (its saved tensors and the last stage's held output)."""
+    return Chunk(tuple((a, 0.0) for a, _ in chunk.pieces), output=chunk.output)
+
+
 def rank_actions(schedule: str, pp: int, rank: int, num_micro_batches: int, virtual_stages: int = 1) -> list[Action]:
     """Pipeline ``rank``'s computation actions in the order it runs them (module docstring)."""
     p, r, m = pp, rank, num_micro_batches
@@ -141,4 +147,4 @@ def replay_peak_bytes(actions: Sequence[Action], chunks: Mapping[int, Chunk], wo
     return best
 
 
-__all__ = ["Action", "Chunk", "rank_actions", "replay_peak_bytes"]
+__all__ = ["Action", "Chunk", "activations_only", "rank_actions", "replay_peak_bytes"]

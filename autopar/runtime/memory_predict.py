@@ -67,7 +67,7 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES
     from autopar.cost.memory import (backward_workspace_bytes, model_state_bytes, reducer_end_bytes,
                                      reducer_transient_bytes, state_bytes_per_param, step_peak_bytes)
-    from autopar.cost.schedule_memory import rank_actions, replay_peak_bytes
+    from autopar.cost.schedule_memory import activations_only, rank_actions, replay_peak_bytes
     from autopar.cost.split_backward import is_split, rank_held_bytes
     from autopar.solver.overlap import accumulates_rows, reduces_once_per_step
     from autopar.solver.runtime_profile import AUTOPAR_RUNTIME
@@ -169,8 +169,12 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
         largest_bucket = max(min(local_grads, DEFAULT_FIRST_BUCKET_BYTES),
                              min(local_grads - DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_BYTES))
         grads = max(grads, local_grads / cfg.data + largest_bucket * (1 - 1 / cfg.data))
+    activations = st.memory.activations_bytes * act_kept
+    if cfg.pp > 1:               # the replay's own: each stage's in-flight count, not the rank's average
+        activations = replay_peak_bytes(rank_actions(cfg.schedule, cfg.pp, pp_rank, cfg.m, cfg.v),
+                                        {g: activations_only(c) for g, c in chunks.items()})
     cats = MemoryByCategory(int(total["params"]), int(grads), int(total["optimizer"]),
-                            int(st.memory.activations_bytes * act_kept), int(workspace))
+                            int(activations), int(workspace))
     return PredictedMemory(int(peak), cats, int(host))
 
 

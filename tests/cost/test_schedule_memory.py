@@ -5,7 +5,7 @@ pass that keeps activations, the weight pass that trades them, buckets allocated
 import pytest
 
 from autopar.cost.memory import pipeline_inflight_microbatches, step_peak_bytes
-from autopar.cost.schedule_memory import Chunk, rank_actions, replay_peak_bytes
+from autopar.cost.schedule_memory import Chunk, activations_only, rank_actions, replay_peak_bytes
 from autopar.plan import stage_rank
 
 
@@ -75,6 +75,8 @@ def test_zero_bubble_hand_worked():
     assert replay_peak_bytes(acts, chunks, workspace=4.0) == pytest.approx(30.0)
     # a larger workspace binds at the input pass instead of the held gradients: 20 + 5 + 9
     assert replay_peak_bytes(acts, chunks, workspace=9.0) == pytest.approx(34.0)
+    # the activations alone (``memory_predict``'s category): 20 after 3F1, each stage's own in-flight count
+    assert replay_peak_bytes(acts, {s: activations_only(c) for s, c in chunks.items()}) == pytest.approx(20.0)
 
 
 def test_bucket_allocated_beside_its_piece():
