@@ -112,9 +112,10 @@ def replay_peak_bytes(actions: Sequence[Action], chunks: Mapping[int, Chunk], wo
     """The largest live sum of activations, gradients and held join-node gradients over
     ``actions`` (module docstring; ``chunks`` by global stage index), with the backward's
     ``workspace`` (``cost.memory.backward_workspace_bytes``: the gradients at the op with the
-    largest output) beside it, or a chunk's own per piece (``Chunk.workspace``) in its backward. An input pass's own held gradients are made after that op's (the
-    loss's, at the logits, comes first; the logits' gradient is one of them): it adds the larger of
-    the two, not both. A split stage's weight pass computes no input gradient: no workspace."""
+    largest output) beside it, or in a chunk's backward its own per piece (``Chunk.workspace``).
+    An input pass's own held gradients are made after that op's (the loss's, at the logits, comes
+    first; the logits' gradient is one of them): it adds the larger of the two, not both. A split
+    stage's weight pass computes no input gradient: no workspace."""
     acts = grads = held = 0.0
     best = workspace
     started: set[int] = set()            # chunks whose gradients exist
