@@ -64,7 +64,7 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     (``cost.memory.backward_workspace_bytes``) plus the recompute / ZeRO-3 gather buffers (at the
     run's parameter bytes, ``solver.timing.workspace_bytes``), a split backward's held
     gradients and the reducer's transient, and the peak of the module docstring."""
-    from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES
+    from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES
     from autopar.cost.memory import (backward_workspace_bytes, model_state_bytes, reducer_end_bytes,
                                      reducer_transient_bytes, state_bytes_per_param, step_peak_bytes)
     from autopar.cost.schedule_memory import activations_only, rank_actions, replay_peak_bytes
@@ -143,9 +143,9 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     fixed = total["params"] + total["optimizer"]
     local_grads = st.param_numel * per["grads"]
     end = reducer_end_bytes(local_grads, cfg.data, cfg.zero, DEFAULT_BUCKET_BYTES, accumulates_rows(cfg))
+    actions = rank_actions(cfg.schedule, cfg.pp, pp_rank, cfg.m, cfg.v) if cfg.pp > 1 else None
     if cfg.pp > 1:               # the replay holds the join-node gradients; what the stages did not launch
-        peak = fixed + replay_peak_bytes(rank_actions(cfg.schedule, cfg.pp, pp_rank, cfg.m, cfg.v), chunks,
-                                         workspace)           # is reduced after the schedule, beside no activation
+        peak = fixed + replay_peak_bytes(actions, chunks, workspace)   # is reduced after the schedule, beside no activation
         workspace = max(max(workspace, alone) + rank_held_bytes(cfg, summary, pp_rank, st.layers), end)
     else:
         transient = reducer_transient_bytes(local_grads, cfg.data, cfg.zero, DEFAULT_BUCKET_BYTES,
@@ -164,15 +164,12 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     if cfg.zero == 3 and cfg.data > 1 and "grads" not in classes:
         # the full summands of a bucket not yet reduce-scattered are gradients too (``measure_step``
         # marks them): the largest bucket's (``codegen/buckets.py``) beside the others' reduced rows
-        from autopar.codegen.buckets import DEFAULT_FIRST_BUCKET_BYTES
-
         largest_bucket = max(min(local_grads, DEFAULT_FIRST_BUCKET_BYTES),
                              min(local_grads - DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_BYTES))
         grads = max(grads, local_grads / cfg.data + largest_bucket * (1 - 1 / cfg.data))
     activations = st.memory.activations_bytes * act_kept
     if cfg.pp > 1:               # the replay's own: each stage's in-flight count, not the rank's average
-        activations = replay_peak_bytes(rank_actions(cfg.schedule, cfg.pp, pp_rank, cfg.m, cfg.v),
-                                        {g: activations_only(c) for g, c in chunks.items()})
+        activations = replay_peak_bytes(actions, {g: activations_only(c) for g, c in chunks.items()})
     cats = MemoryByCategory(int(total["params"]), int(grads), int(total["optimizer"]),
                             int(activations), int(workspace))
     return PredictedMemory(int(peak), cats, int(host))
