@@ -237,10 +237,21 @@ def _rank_main(fn, rank: int, world: int, port: int, timeout_s: float, args: tup
 
 # ---- in the launcher -------------------------------------------------------------------------
 
+# What the forkserver imports once, so that each rank it forks starts with them: torch.export and
+# dynamo (the trace), the solver, codegen and runtime, and what they import lazily on a rank's first
+# trace (sympy, networkx, inductor's cache keys): without them every rank of every launch paid ~2 s
+# of CPU importing them again; ``forkserver_warm`` then traces a tiny model once. An import that
+# fails here is skipped (the rank imports it itself).
+_PRELOAD = ("autopar.runtime.forkserver_exit", "torch", "torch.distributed", "torch._dynamo", "torch.export",
+            "torch._inductor.codecache", "sympy", "networkx", "autopar.api", "autopar.build", "autopar.engine",
+            "autopar.trace", "autopar.solver", "autopar.codegen", "autopar.codegen.emit", "autopar.models.zoo",
+            "autopar.report", "autopar.runtime.pipeline", "autopar.runtime.reducer",
+            "autopar.runtime.forkserver_warm")
+
+
 def _context():
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["autopar.runtime.forkserver_exit", "torch", "torch.distributed",
-                                "autopar.api"])
+    ctx.set_forkserver_preload(list(_PRELOAD))
     return ctx
 
 

@@ -242,3 +242,16 @@ def test_peer_failures_say_what_happened(backend, expect, not_expect):
             raise RuntimeError(backend)
     assert expect in str(info.value) and not_expect not in str(info.value), str(info.value)
     assert is_peer_failure(info.value) and not is_peer_failure(ValueError(backend))
+
+
+def test_every_module_the_forkserver_preloads_exists():
+    """The forkserver skips a preload that fails to import: a renamed module would silently cost
+    every rank its import again. Each one imports, and the warm-up trace runs."""
+    import importlib
+
+    from autopar.runtime import forkserver_warm
+    from autopar.runtime.launch import _PRELOAD
+
+    for name in _PRELOAD:
+        importlib.import_module(name)
+    forkserver_warm.warm()
