@@ -324,7 +324,10 @@ def _quiet_highs_banner() -> None:
 
 
 def _solver() -> tuple[pulp.LpSolver, str]:
-    highs = pulp.HiGHS(msg=False, gapRel=0.0, gapAbs=0.0)
+    # one thread: these MIPs are small (hundreds of variables) and solved by the hundred, and each
+    # Highs object would start its own worker threads (threads=1 made a LLaMA-3 8B search's 102
+    # solves 1.7x faster on 2 cores, the same optima)
+    highs = pulp.HiGHS(msg=False, gapRel=0.0, gapAbs=0.0, threads=1)
     if highs.available():
         _quiet_highs_banner()
         return highs, "HiGHS"
