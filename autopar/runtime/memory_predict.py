@@ -154,8 +154,9 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
         workspace = max(workspace, alone) + transient
         peak = step_peak_bytes(fixed, chunk.pieces, st.inflight, workspace, grads_during_forward=st.inflight < cfg.m,
                                piece_workspace=[w + transient for w in chunk.workspace])
-    if end:                      # ZeRO 1-3: the end of the reduction, beside the reduced outputs (1/data)
-        peak = max(peak, fixed + local_grads / cfg.data + end)
+    if end:                      # ZeRO 1-3: the end of the reduction, beside the reduced outputs (1/data);
+        # offloaded gradients leave the device as each bucket is reduced (``runtime/offload.py``)
+        peak = max(peak, fixed + (0.0 if "grads" in classes else local_grads / cfg.data) + end)
     if cfg.data > 1 and cfg.zero in (1, 2) and "optimizer" not in classes:
         master = max(per["params"], 4.0)           # the optimizer's parameters: fp32 masters under 16-bit
         bucket = min(st.param_numel * per["params"], DEFAULT_BUCKET_BYTES) / per["params"]

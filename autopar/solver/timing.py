@@ -496,9 +496,10 @@ def workspace_bytes(summary: AxisSummary, cfg: OuterConfig, backward_bytes: floa
     the ops that saved its gathered weight (``runtime/reshard.py``); under ``autocast`` the
     matmuls saved 16-bit copies instead (counted as activations, or with the re-materialized
     layer), so the gathers peak in the (re-run) forward, not beside the backward's workspace: the
-    larger of the two counts (the fp32 norms' weights, re-gathered, are left out). ``in_layer`` False: the workspace of the
-    embedding's or the head's backward (``memory_predict``'s per-piece workspace), beside which no
-    layer is re-materialized."""
+    larger of the two counts (the fp32 norms' weights, re-gathered, are left out); a re-run forward
+    is inside the backward, which does not prefetch: one layer of gathers beside it. ``in_layer``
+    False: the workspace of the embedding's or the head's backward (``memory_predict``'s per-piece
+    workspace), beside which no layer is re-materialized."""
     blk = summary.parts["block"]
     other = 0.0
     partial_all = cfg.recompute == "partial" and (
@@ -508,11 +509,17 @@ def workspace_bytes(summary: AxisSummary, cfg: OuterConfig, backward_bytes: floa
     elif in_layer and is_per_op(cfg.recompute):
         rc = rc_of(blk, cfg.recompute)
         other += blk.core_saved_bytes if rc is None else rc.workspace_bytes
+    gathered = ZERO3_PREFETCH_LAYERS
+    if autocast and in_layer and other:
+        # the re-materialized layer's replay runs inside the backward, which gathers without
+        # prefetch (``runtime/params.py``): one layer's rows, each cast to the 16-bit copy its
+        # matmul saves (the copies are counted with the layer), beside the layer it rebuilds
+        gathered = 1
     gathers = 0.0
     if cfg.zero == 3 and "params" in cfg.classes:     # the rank's own rows are on the host too
-        gathers = ZERO3_PREFETCH_LAYERS * blk.param_numel * param_bytes
+        gathers = gathered * blk.param_numel * param_bytes
     elif cfg.zero == 3 and cfg.data > 1:
-        gathers = ZERO3_PREFETCH_LAYERS * blk.param_numel * param_bytes * (1 - 1 / cfg.data)
+        gathers = gathered * blk.param_numel * param_bytes * (1 - 1 / cfg.data)
     if autocast:
         return other + max(backward_bytes, gathers)
     return backward_bytes + other + gathers

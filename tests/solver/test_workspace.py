@@ -5,7 +5,9 @@ parameters (4 bytes each), the largest output's backward 30 bytes, ZeRO-3's two 
 - + full recompute: + one re-materialized layer, 100: 170;
 - parameters on the host (the rank's own rows gathered too): 30 + 100 + 80 = 210;
 - autocast: the matmuls saved 16-bit copies, so the gathers peak in the (re-run) forward, not
-  beside the backward's workspace: no recompute max(30, 40) = 40, full recompute 100 + max(30, 40);
+  beside the backward's workspace: no recompute max(30, 40) = 40; with full recompute the re-run
+  forward is in the backward, which gathers without prefetch (one layer: 10 x 4 x (1 - 1/2) = 20),
+  100 + max(30, 20) = 130, and with the parameters on the host 100 + max(30, 40) = 140;
 - ``in_layer`` False (the head's or the embedding's backward): no re-materialized layer beside it.
 """
 from types import SimpleNamespace
@@ -29,7 +31,8 @@ SUMMARY = SimpleNamespace(parts={"block": SimpleNamespace(saved_bytes=100.0, par
     (_cfg(recompute="full"), False, True, 30 + 100 + 40),
     (_cfg(recompute="full", classes=("params",)), False, True, 30 + 100 + 80),
     (_cfg(), True, True, 40),
-    (_cfg(recompute="full"), True, True, 100 + 40),
+    (_cfg(recompute="full"), True, True, 100 + 30),
+    (_cfg(recompute="full", classes=("params",)), True, True, 100 + 40),
     (_cfg(recompute="full", zero=0), True, True, 100 + 30),
     (_cfg(recompute="full"), False, False, 30 + 40),
     (_cfg(recompute="full"), True, False, 40),
