@@ -49,9 +49,9 @@ over the whole model (repeats included) at the global batch; recompute is not co
 """
 from __future__ import annotations
 
-import math
-
 import heapq
+import math
+import operator
 import time
 from dataclasses import dataclass, fields, replace
 from typing import Callable, Optional
@@ -87,6 +87,7 @@ GB = 1e9
 # changes the tables of bound 2), the tensor mesh's shape and the kind of context parallelism (the
 # quick summary and the memory model read neither)
 _MEMORY_FIELDS = tuple(f.name for f in fields(OuterConfig) if f.name not in ("sp", "tp_shape", "cp_mode"))
+_memory_key = operator.attrgetter(*_MEMORY_FIELDS)     # the fields the memory bound reads, as a tuple
 
 
 @dataclass
@@ -306,7 +307,7 @@ class _Searcher:
             qkey = (cfg.tp, cfg.mbs, cfg.cp)
             if qkey not in quick:
                 quick[qkey] = _quick_summary(base, cfg)
-            nkey = tuple(getattr(cfg, f) for f in _MEMORY_FIELDS)         # one bound per the rest
+            nkey = _memory_key(cfg)                                        # one bound per the rest
             need = need_of.get(nkey)
             if need is None:
                 q = quick[qkey]
