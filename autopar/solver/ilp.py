@@ -324,9 +324,9 @@ def _quiet_highs_banner() -> None:
 
 
 def _solver() -> tuple[pulp.LpSolver, str]:
-    # one thread: these MIPs are small (hundreds of variables) and solved by the hundred, and each
-    # Highs object would start its own worker threads (threads=1 made a LLaMA-3 8B search's 102
-    # solves 1.7x faster on 2 cores, the same optima)
+    # one thread: these MIPs are small (hundreds of variables) and solved by the hundred. HiGHS's
+    # worker threads gain nothing on them (LLaMA-3 8B's 1M-token search, 102 solves: the same time
+    # on a quiet 2-core machine, the same optima) and spin beside other work on a loaded one
     highs = pulp.HiGHS(msg=False, gapRel=0.0, gapAbs=0.0, threads=1)
     if highs.available():
         _quiet_highs_banner()
