@@ -510,10 +510,12 @@ def workspace_bytes(summary: AxisSummary, cfg: OuterConfig, backward_bytes: floa
         rc = rc_of(blk, cfg.recompute)
         other += blk.core_saved_bytes if rc is None else rc.workspace_bytes
     gathered = ZERO3_PREFETCH_LAYERS
-    if autocast and in_layer and other:
+    if autocast and in_layer and (cfg.recompute == "full" or partial_all):
         # the re-materialized layer's replay runs inside the backward, which gathers without
         # prefetch (``runtime/params.py``): one layer's rows, each cast to the 16-bit copy its
-        # matmul saves (the copies are counted with the layer), beside the layer it rebuilds
+        # matmul saves (the copies are counted with the layer), beside the layer it rebuilds. The
+        # forward's prefetched gathers sit beside the layers' inputs only. (Per-op recompute keeps
+        # most activations through the forward, beside which the forward's two layers may peak.)
         gathered = 1
     gathers = 0.0
     if cfg.zero == 3 and "params" in cfg.classes:     # the rank's own rows are on the host too

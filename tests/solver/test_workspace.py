@@ -7,7 +7,9 @@ parameters (4 bytes each), the largest output's backward 30 bytes, ZeRO-3's two 
 - autocast: the matmuls saved 16-bit copies, so the gathers peak in the (re-run) forward, not
   beside the backward's workspace: no recompute max(30, 40) = 40; with full recompute the re-run
   forward is in the backward, which gathers without prefetch (one layer: 10 x 4 x (1 - 1/2) = 20),
-  100 + max(30, 20) = 130, and with the parameters on the host 100 + max(30, 40) = 140;
+  100 + max(30, 20) = 130, and with the parameters on the host 100 + max(30, 40) = 140; per-op
+  recompute keeps most activations through the forward, beside its two prefetched layers:
+  20 (the attention core re-run) + max(30, 40) = 60;
 - ``in_layer`` False (the head's or the embedding's backward): no re-materialized layer beside it.
 """
 from types import SimpleNamespace
@@ -34,6 +36,7 @@ SUMMARY = SimpleNamespace(parts={"block": SimpleNamespace(saved_bytes=100.0, par
     (_cfg(recompute="full"), True, True, 100 + 30),
     (_cfg(recompute="full", classes=("params",)), True, True, 100 + 40),
     (_cfg(recompute="full", zero=0), True, True, 100 + 30),
+    (_cfg(recompute="selective"), True, True, 20 + 40),
     (_cfg(recompute="full"), False, False, 30 + 40),
     (_cfg(recompute="full"), True, False, 40),
 ])
