@@ -246,12 +246,17 @@ def test_peer_failures_say_what_happened(backend, expect, not_expect):
 
 def test_every_module_the_forkserver_preloads_exists():
     """The forkserver skips a preload that fails to import: a renamed module would silently cost
-    every rank its import again. Each one imports, and the warm-up trace runs."""
+    every rank its import again. Each one imports, and the warm-up trace runs and leaves the global
+    RNG (which ranks inherit from the forkserver) as it found it."""
     import importlib
+
+    import torch
 
     from autopar.runtime import forkserver_warm
     from autopar.runtime.launch import _PRELOAD
 
     for name in _PRELOAD:
         importlib.import_module(name)
+    before = torch.get_rng_state()
     forkserver_warm.warm()
+    assert torch.equal(torch.get_rng_state(), before)
