@@ -107,6 +107,7 @@ class Calibration:
     measure_s: float                # wall time of ``measure``
     runtime_overhead: Optional[tuple[float, float]] = None   # (plain, DTensor) s per graph node per step (CPU)
     runtime_overhead_slope: tuple[bool, bool] = (True, True)   # measured as the slope (False: noise, upper bound)
+    runtime_overhead_2d: Optional[tuple[float, bool]] = None   # (s, slope) DTensor on a dp x tp mesh (4+ ranks)
     overlap: Optional[OverlapFigures] = None   # compute beside an async all-reduce (calibrate_overlap.py)
 
 
@@ -205,6 +206,9 @@ def _aggregate(results: list[dict], cfg: dict, kind: str, nproc: int, start: flo
         if "runtime_overhead" in results[0] else None,
         runtime_overhead_slope=tuple(all(r["runtime_overhead"][f"{k}_slope"] for r in results)
                                      for k in ("plain", "dtensor")) if "runtime_overhead" in results[0] else (True, True),
+        runtime_overhead_2d=(_mean([r["runtime_overhead"]["dtensor_2d"] for r in results]),
+                             all(r["runtime_overhead"]["dtensor_2d_slope"] for r in results))
+        if "dtensor_2d" in results[0].get("runtime_overhead", {}) else None,
         overlap=overlap_figures(results[0]["overlap"]) if "overlap" in results[0] else None)
 
 
@@ -328,6 +332,10 @@ def figures_table(cal: Calibration, cluster: ClusterSpec) -> Table:
         t.add_row("autopar step, per graph node (plain / DTensor)",
                   f"{cal.runtime_overhead[0] * 1e6:.3g} / {cal.runtime_overhead[1] * 1e6:.3g} us",
                   f"op_overhead_us / dtensor_op_overhead_us ({how})")
+    if cal.runtime_overhead_2d:
+        s, ok = cal.runtime_overhead_2d
+        t.add_row("autopar step, per graph node (DTensor on a dp x tp mesh)", f"{s * 1e6:.3g} us",
+                  f"dtensor_2d_op_overhead_us ({'slope' if ok else 'noisy: whole step / node'})")
     for k, f in cal.fits + ((("all kinds", cal.joint),) if cal.joint else ()):
         top = max(p.nbytes for p in cal.points if k == "all kinds" or p.kind == k)
         role = ("\\[intra] link" if k == cal.link_kind else

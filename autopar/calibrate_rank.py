@@ -7,7 +7,9 @@ time budget and broadcasts the decision over the default (gloo) group, so every 
 measurements; rank 0 also writes the progress file the launcher's progress bar reads.
 
 Order: per-op overhead, memory copy, elementwise rate (CPU), GEMMs per dtype, SDPA, collectives,
-GEMMs beside async all-reduces (``calibrate_overlap.py``, outside the budget: ~1-2 s), then (CPU) autopar's per-node step overhead (``calibrate_runtime.py``, outside the budget: ~10 s).
+GEMMs beside async all-reduces (``calibrate_overlap.py``, outside the budget: ~1-2 s), then (CPU)
+autopar's per-node step overhead (``calibrate_runtime.py``, outside the budget: ~10 s, ~15 s on 4
+ranks or more, which also time DTensor on a 2-D mesh).
 Each phase has a deadline, cumulative shares of the budget (``PHASE_SHARES``), so time a phase
 leaves unused goes to the next; the collectives, last, take whatever remains, smallest size first.
 The first GEMM of each dtype and the first SDPA run whatever the budget says.

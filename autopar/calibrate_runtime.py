@@ -10,9 +10,13 @@ and
 
     overhead per node = (step time(deep) - step time(shallow)) / (graph nodes(deep) - graph nodes(shallow))
 
-once with plain tensors (``dp_mode="auto"``: what plans without tensor parallelism run) and once
-with every op on DTensors (``dp_mode="dtensor"``: what tp > 1 runs). The cost model adds it to
-every node (``GPUSpec.op_overhead_s`` / ``dtensor_op_overhead_s``, ``solver/problem.py``). The
+once with plain tensors (``dp_mode="auto"``: what plans without tensor parallelism run), once
+with every op on DTensors (``dp_mode="dtensor"``: what tp > 1 runs) and, on 4 ranks or more, once
+more on DTensors over a 2-D mesh (``dp=world/2, tp=2``): DTensor's sharding propagation enumerates
+strategies over every mesh axis, and a tp x dp plan runs there (measured 1.7-1.9x the 1-D cost per
+node on 4 CPU ranks). The cost model adds it to every node (``GPUSpec.op_overhead_s`` /
+``dtensor_op_overhead_s`` in ``solver/problem.py``'s tables; ``dtensor_2d_op_overhead_s`` less the
+1-D figure in ``solver/timing.py``'s rank time, where the stage's mesh has two axes or more). The
 steps run as ``autoparallelize``'s defaults do, the collective recorder included (a Python
 dispatch mode around every op: ``runtime/collectives.py``; about 30 us per op on this machine).
 
@@ -31,7 +35,7 @@ MODEL = "gpt:hidden=16,layers={layers},heads=2,vocab=64,seq=8"
 WARMUP, TIMED = 2, 8            # steps per model; the timed ones alternate between the depths
 
 
-def _model(depth: int, world: int, dp_mode: str):
+def _model(depth: int, world: int, dp_mode: str, force: str):
     import torch
 
     from autopar.api import autoparallelize
@@ -39,7 +43,7 @@ def _model(depth: int, world: int, dp_mode: str):
 
     b = build_model(MODEL.format(layers=depth), batch=2 * world, device="meta")
     pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
-                         force=f"dp={world}", dp_mode=dp_mode, timeout_s=120,
+                         force=force, dp_mode=dp_mode, timeout_s=120,
                          optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0), model_name=f"calibrate-gpt{depth}")
     batch = b.make_batch(2 * world, torch.Generator().manual_seed(0))
     for _ in range(WARMUP):
@@ -54,9 +58,11 @@ def _timed(pm, batch) -> float:
     return time.perf_counter() - t0
 
 
-def per_node_s(world: int, dp_mode: str) -> tuple[float, bool]:
-    """(seconds per graph node per step, whether it is the slope) for ``dp_mode`` (module docstring)."""
-    shallow, deep = _model(SHALLOW, world, dp_mode), _model(DEEP, world, dp_mode)
+def per_node_s(world: int, dp_mode: str, force: str = "") -> tuple[float, bool]:
+    """(seconds per graph node per step, whether it is the slope) for ``dp_mode`` under ``force``
+    (default: data parallel over the world; module docstring)."""
+    force = force or f"dp={world}"
+    shallow, deep = _model(SHALLOW, world, dp_mode, force), _model(DEEP, world, dp_mode, force)
     best = [float("inf"), float("inf")]
     for _ in range(TIMED):                     # every rank alternates alike (the steps are collective)
         for i, (pm, batch, _) in enumerate((shallow, deep)):
@@ -66,9 +72,13 @@ def per_node_s(world: int, dp_mode: str) -> tuple[float, bool]:
 
 
 def runtime_overheads(world: int) -> dict[str, float]:
-    """{"plain": s, "dtensor": s} per graph node per step, on the running world, and
-    {"plain_slope": bool, "dtensor_slope": bool} (module docstring)."""
+    """{"plain": s, "dtensor": s} per graph node per step, on the running world, with
+    {"plain_slope": bool, "dtensor_slope": bool}, and "dtensor_2d" / "dtensor_2d_slope" on an even
+    world of 4 ranks or more (module docstring)."""
     out = {}
-    for name, mode in (("plain", "auto"), ("dtensor", "dtensor")):
-        out[name], out[f"{name}_slope"] = per_node_s(world, mode)
+    runs = [("plain", "auto", ""), ("dtensor", "dtensor", "")]
+    if world >= 4 and world % 2 == 0:
+        runs.append(("dtensor_2d", "dtensor", f"dp={world // 2},tp=2"))
+    for name, mode, force in runs:
+        out[name], out[f"{name}_slope"] = per_node_s(world, mode, force)
     return out

@@ -100,7 +100,8 @@ def summarize(plan, cluster, profiles: list[dict], nodes: Optional[list[int]] = 
         for k, v in p["by_class_s"].items():
             mean[k] += v / len(profiles)
     comm_pred = dict(st.comm_s)
-    per_node = cluster.gpu.dtensor_op_overhead_s if plan.tp > 1 else cluster.gpu.op_overhead_s
+    stage = plan.stage_mesh
+    per_node = cluster.gpu.node_overhead_s(plan.tp > 1, sum(1 for n in stage.shape if n > 1))
     host_pred = per_node * max(nodes) if nodes else 0.0      # inside the plan's compute (solver/problem.py)
     measured_compute = sum(mean[c] for c in COMPUTE_CLASSES)
     profiled = sum(mean.values())

@@ -57,6 +57,7 @@ Cluster TOML (``cluster_file.load_cluster``)::
     peak_TFLOPs = { float32 = 0.05, bfloat16 = 0.03, vector = 0.002 }   # per-dtype peaks replaced
     op_overhead_us = 60.0         # host time per graph node per step, plain tensors (default 0)
     dtensor_op_overhead_us = 250.0   # the same under DTensor (tp > 1) (default 0)
+    dtensor_2d_op_overhead_us = 400.0   # under DTensor on a mesh of two axes or more (default: the above)
     source = "..."
 
     [measured]                    # optional, any content; read and ignored (``autopar calibrate``
@@ -122,8 +123,21 @@ class GPUSpec:
     # (``autopar calibrate``): on GPUs it runs ahead of the device and hides behind large kernels.
     op_overhead_s: float = 0.0
     dtensor_op_overhead_s: float = 0.0
+    # DTensor on a mesh of two or more axes of size > 1 (tp x dp, tp x cp, several tensor axes):
+    # its sharding propagation enumerates strategies over every axis; 0: as ``dtensor_op_overhead_s``
+    dtensor_2d_op_overhead_s: float = 0.0
     # non-causal attention (BERT, ViT): achieved FLOP/s / peak, FULL count; None: not measured
     attention_noncausal_efficiency: Optional[float] = None
+
+    def node_overhead_s(self, dtensor: bool, mesh_axes: int = 1) -> float:
+        """The host's cost per graph node per step: plain tensors, DTensor, or DTensor over a mesh
+        of ``mesh_axes`` >= 2 axes of size > 1 (never below the 1-D figure: a 2-D figure measured
+        below it is noise)."""
+        if not dtensor:
+            return self.op_overhead_s
+        if mesh_axes >= 2:
+            return max(self.dtensor_op_overhead_s, self.dtensor_2d_op_overhead_s)
+        return self.dtensor_op_overhead_s
 
     def attention_eff(self, causal: bool) -> float:
         """The attention efficiency of a causal or a non-causal kernel (FULL FLOP count, as

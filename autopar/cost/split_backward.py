@@ -15,7 +15,7 @@ backward in its W slot (its inputs need no gradient): nothing of the below appli
    ``autograd.grad`` call, its Python (edges, hooks, accumulation) and a second dispatch of its join
    node (the node runs in B for the input gradient and again in W for the weights'), and B's graph
    walks touch every node once more. Priced as ``HOST_NODES_PER_PARAM_TENSOR`` node host costs
-   (``GPUSpec.op_overhead_s``, ``dtensor_op_overhead_s`` when tp > 1, as ``solver/problem.py``)
+   (``GPUSpec.node_overhead_s``: plain, or DTensor's when tp > 1, as ``solver/problem.py``)
    per parameter tensor the stage reads. Measured on this repository's CPU (torch 2.13, eager
    GPT blocks of hidden 16, one thread): a fused backward's layer took about 0.3 ms of host time,
    the split added 0.55-0.95 ms per layer, i.e. 45-80 us per parameter tensor (6 groups of weight
@@ -163,7 +163,7 @@ def rank_split_times(cfg, summary, gpu, rank: int, layers: float, compute_s: flo
     tensors = n * blk.param_tensors
     if _holds_last(cfg, rank):                   # the head's parameters (stage 0's are never split)
         tensors += summary.parts["post"].param_tensors + summary.shared_param_tensors
-    overhead = gpu.dtensor_op_overhead_s if cfg.tp > 1 else gpu.op_overhead_s
+    overhead = gpu.node_overhead_s(cfg.tp > 1, cfg.dtensor_mesh_axes)
     replays = split_recompute_replays(cfg.recompute, blk.param_tensors) if cfg.recompute != "none" else 0.0
     return compute_s + split_host_s(tensors, overhead), recompute_s * (1.0 + replays * n / layers)
 

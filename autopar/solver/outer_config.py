@@ -39,6 +39,11 @@ class OuterConfig:
         """Ranks that hold the same parameters and split the tokens: dp x cp (gradient sync, ZeRO)."""
         return self.dp * self.cp
 
+    @property
+    def dtensor_mesh_axes(self) -> int:
+        """Axes of size > 1 that a tp > 1 stage's DTensors span: the tensor axes, dp and cp."""
+        return (len(self.tp_shape) or 1) + (self.dp > 1) + (self.cp > 1)
+
     def short(self) -> str:
         pipe = f", schedule={self.schedule}" + (f", vpp={self.v}" if self.v > 1 else "") if self.pp > 1 else ""
         rc = self.recompute + (f":{self.recompute_layers}" if self.recompute_layers is not None else "")

@@ -196,7 +196,8 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
     copy_factor, weights_read, upcast = cache["copies"]
     carried, block_out, count = _block_info(facts)
     # the host's per-node cost of a step (measured by ``autopar calibrate``; 0 by default): DTensor
-    # dispatch when tp > 1, plain tensors otherwise (the runtime's local data-parallel mode)
+    # dispatch when tp > 1, plain tensors otherwise (the runtime's local data-parallel mode); over a
+    # mesh of more axes DTensor costs more, added per node by ``timing._rank_eval``
     overhead = gpu.dtensor_op_overhead_s if t > 1 else gpu.op_overhead_s
     g = facts.graph
     keys, strategies, costs, weight, kinds = [], {}, {}, {}, {}
@@ -390,6 +391,7 @@ class PartCost:
     # comm, the layer's saved bytes with the set's regions, one region's re-materialized bytes)
     rc: Optional[dict] = None
     param_tensors: float = 0.0        # parameter tensors used only by this part (block: one layer's)
+    nodes: float = 0.0                # op nodes (each pays the host's per-node cost once per micro-batch)
 
     @property
     def fwd_s(self) -> float:
@@ -435,7 +437,7 @@ def _param_part(tab: AxisTables, k: str) -> str:
 def summarize(tab: AxisTables, choice: dict) -> AxisSummary:
     """``choice``: key -> strategy index."""
     acc = {p: dict(fwd=0.0, bwd=0.0, cf={}, cb={}, saved=0.0, core_f=0.0, core_b=0.0, mx=0.0, params=0.0,
-                   tensors=0.0) for p in PARTS + ("shared",)}
+                   tensors=0.0, nodes=0.0) for p in PARTS + ("shared",)}
     count = tab.count
     for k in tab.keys:
         c = tab.costs[k][choice[k]]
@@ -447,6 +449,7 @@ def summarize(tab: AxisTables, choice: dict) -> AxisSummary:
                 a["tensors"] += 1
             continue
         a = acc[tab.facts.part[k]]
+        a["nodes"] += 1
         a["fwd"] += c.fwd_s
         a["bwd"] += c.bwd_s
         for kd, s in c.comm_fwd:
@@ -469,7 +472,8 @@ def summarize(tab: AxisTables, choice: dict) -> AxisSummary:
         _add(a["cb"], f"{tab.axis}:all_gather", ec.regather_s * scale)
     shared = acc.pop("shared")
     parts = {p: PartCost(v["fwd"], v["bwd"], v["cf"], v["cb"], v["saved"], v["core_f"], v["core_b"], v["mx"],
-                         v["params"], v["fwd"], v["bwd"], param_tensors=v["tensors"]) for p, v in acc.items()}
+                         v["params"], v["fwd"], v["bwd"], param_tensors=v["tensors"], nodes=v["nodes"])
+             for p, v in acc.items()}
     if tab.op_sets:
         parts["block"] = replace(parts["block"], rc=rc_costs(tab, choice, parts["block"].saved_bytes))
     layer_in = 0.0
@@ -493,7 +497,7 @@ def lower_bound_summary(tab: AxisTables, batch_only: bool = False) -> AxisSummar
     ``max(0, comm - window)``, is bounded below too). Used to prune outer configurations before
     their ILP is solved."""
     acc = {p: dict(fwd=0.0, bwd=0.0, saved=0.0, core_f=0.0, core_b=0.0, mx=0.0, params=0.0, wf=0.0, wb=0.0,
-                   tensors=0.0) for p in PARTS + ("shared",)}
+                   tensors=0.0, nodes=0.0) for p in PARTS + ("shared",)}
     for k in tab.keys:
         cs = tab.costs[k]
         kind = tab.kinds[k]
@@ -505,6 +509,7 @@ def lower_bound_summary(tab: AxisTables, batch_only: bool = False) -> AxisSummar
         if kind in ("buffer", "input"):
             continue
         a = acc[tab.facts.part[k]]
+        a["nodes"] += 1
         a["fwd"] += min(c.fwd_s for c in cs)
         a["bwd"] += min(c.bwd_s for c in cs)
         a["wf"] += max(c.fwd_s for c in cs)
@@ -518,7 +523,7 @@ def lower_bound_summary(tab: AxisTables, batch_only: bool = False) -> AxisSummar
             a["core_b"] += min(c.saved_bytes for c in cs)
     shared = acc.pop("shared")
     parts = {p: PartCost(v["fwd"], v["bwd"], {}, {}, v["saved"], v["core_f"], v["core_b"], v["mx"], v["params"],
-                         v["wf"], v["wb"], param_tensors=v["tensors"]) for p, v in acc.items()}
+                         v["wf"], v["wb"], param_tensors=v["tensors"], nodes=v["nodes"]) for p, v in acc.items()}
     if tab.op_sets:
         parts["block"] = replace(parts["block"], rc=rc_lower_bounds(tab, batch_only))
     layer_in = 0.0

@@ -382,6 +382,9 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
     first, last = rank_holds(cfg, r)
     parts = rank_parts(summary, lps, first, last)
     compute = sum(c * (p.fwd_compute_s + p.bwd_compute_s) for p, c, _ in parts)
+    if cfg.tp > 1:       # the tables price DTensor's 1-D per-node cost; a mesh of more axes costs more
+        extra = gpu.node_overhead_s(True, cfg.dtensor_mesh_axes) - gpu.dtensor_op_overhead_s
+        compute += extra * sum(c * p.nodes for p, c, _ in parts)
     win_f = sum(c * p.window_fwd_s for p, c, _ in parts)
     win_b = sum(c * p.window_bwd_s for p, c, _ in parts)
     comm: dict = {}

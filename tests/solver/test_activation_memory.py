@@ -47,6 +47,32 @@ def test_host_overhead_per_node_enters_every_op_once(t, field):
             assert b.fwd_s == pytest.approx(a.fwd_s + 1e-3) and b.bwd_s == a.bwd_s
 
 
+@pytest.mark.parametrize("force, gpus, axes", [("tp=2,dp=2,mbs=4", 4, 2), ("tp=2,dp=1,mbs=8", 2, 1),
+                                               ("tp=1,dp=4,mbs=2", 4, 0)])
+def test_dtensor_over_a_2d_mesh_costs_its_own_figure_per_node(force, gpus, axes):
+    """DTensor over a dp x tp mesh pays ``dtensor_2d_op_overhead_s`` per op node and micro-batch
+    (its sharding propagation spans both axes; ``calibrate_runtime``), the 1-D figure over tp
+    alone, and plain tensors nothing of either: the step grows by (2-D - 1-D) x the op nodes
+    (embedding, 2 layers, head) on the 2-D mesh only; a 2-D figure below the 1-D one counts as it."""
+    from dataclasses import replace
+
+    from autopar.solver.timing import evaluate
+
+    g, _ = traced("gpt:hidden=64,layers=2,heads=4,vocab=128,seq=16")
+    cluster = make_cluster("h100", 1, gpus)
+    one = replace(cluster, gpu=replace(cluster.gpu, dtensor_op_overhead_s=1e-3))
+    more = replace(one, gpu=replace(one.gpu, dtensor_2d_op_overhead_s=3e-3))
+    less = replace(one, gpu=replace(one.gpu, dtensor_2d_op_overhead_s=0.5e-3))
+    res = solve(g, one, global_batch=8, seq_len=16, runtime=MEGATRON_RUNTIME, force=force + ",pp=1")
+    summary, cfg = res.solution.summary, res.evaluation.config
+    parts = summary.parts
+    nodes = parts["pre"].nodes + summary.count * parts["block"].nodes + parts["post"].nodes
+    assert parts["block"].nodes > 10 and nodes > summary.count * parts["block"].nodes
+    steps = [evaluate(summary, cfg, c, res.profile, res.budget_bytes).step.total_s for c in (one, more, less)]
+    assert steps[1] - steps[0] == pytest.approx(2e-3 * nodes if axes == 2 else 0.0, abs=1e-12)
+    assert steps[2] == pytest.approx(steps[0], abs=1e-12)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_last_pipeline_stage_holds_the_logits_it_sends_to_the_loss(schedule):
     """In a pipeline the last stage's output (what the loss reads: the logits, reshaped) stays in

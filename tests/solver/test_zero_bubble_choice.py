@@ -58,11 +58,15 @@ def test_host_and_replay_terms_by_hand():
 def test_rank_times_by_hand():
     # zbv, pp=2: rank 0 holds stage 0 (2 of its 4 layers, full backward) and the last stage (2
     # layers + the head: 3 tensors + 1 tied) -> 2 * 12 + 3 + 1 = 28 tensors split, at 100 us each
-    cfg = SimpleNamespace(schedule="zbv", pp=2, v=2, m=4, tp=1, recompute="full")
+    from dataclasses import replace
+
+    from autopar.cost.hardware import get_gpu
+
+    cfg = SimpleNamespace(schedule="zbv", pp=2, v=2, m=4, tp=1, recompute="full", dtensor_mesh_axes=1)
     summary = SimpleNamespace(parts={"block": SimpleNamespace(param_tensors=12.0),
                                      "post": SimpleNamespace(param_tensors=3.0, max_out_bytes=0.0)},
                               shared_param_tensors=1.0, layer_input_bytes=0.0)
-    gpu = SimpleNamespace(op_overhead_s=1e-4, dtensor_op_overhead_s=5e-4)
+    gpu = replace(get_gpu("h100"), op_overhead_s=1e-4, dtensor_op_overhead_s=5e-4, dtensor_2d_op_overhead_s=9e-4)
     compute, recompute = rank_split_times(cfg, summary, gpu, 0, 4, 0.010, 0.004)
     assert compute == pytest.approx(0.010 + 28 * 1e-4)
     # recompute 0.004 s (4 layers x 1 ms); the 2 split layers replay 12 more times each: + 2 * 12 ms
@@ -71,6 +75,9 @@ def test_rank_times_by_hand():
     tp2 = SimpleNamespace(**{**vars(cfg), "tp": 2, "recompute": "none"})
     compute, recompute = rank_split_times(tp2, summary, gpu, 1, 4, 0.010, 0.0)
     assert compute == pytest.approx(0.010 + 4 * 12 * 5e-4) and recompute == 0.0
+    # the same over a dp x tp mesh: DTensor's 2-D figure
+    tp2_dp2 = SimpleNamespace(**{**vars(tp2), "dtensor_mesh_axes": 2})
+    assert rank_split_times(tp2_dp2, summary, gpu, 1, 4, 0.010, 0.0)[0] == pytest.approx(0.010 + 4 * 12 * 9e-4)
     # not a zero-bubble schedule: unchanged
     one = SimpleNamespace(**{**vars(cfg), "schedule": "1f1b", "v": 1})
     assert rank_split_times(one, summary, gpu, 0, 4, 0.010, 0.004) == (0.010, 0.004)
