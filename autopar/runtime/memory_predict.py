@@ -62,7 +62,7 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     ``param_dtype`` and ``optimizer`` (``cost.memory.state_bytes_per_param``), activations as the
     solver's evaluation has them, temporaries = the backward workspace
     (``cost.memory.backward_workspace_bytes``) plus the recompute / ZeRO-3 gather buffers (at the
-    run's parameter bytes, ``solver.timing.workspace_bytes``), a split backward's held
+    run's parameter bytes, ``solver.layer_memory.workspace_bytes``), a split backward's held
     gradients and the reducer's transient, and the peak of the module docstring."""
     from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES
     from autopar.cost.memory import (backward_workspace_bytes, model_state_bytes, reducer_end_bytes,
@@ -71,7 +71,8 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     from autopar.cost.split_backward import is_split, rank_held_bytes
     from autopar.solver.overlap import accumulates_rows, reduces_once_per_step
     from autopar.solver.runtime_profile import AUTOPAR_RUNTIME
-    from autopar.solver.timing import rank_parts, workspace_bytes
+    from autopar.solver.layer_memory import workspace_bytes
+    from autopar.solver.timing import rank_parts
 
     profile = profile or AUTOPAR_RUNTIME           # what the evaluation was made with
 
@@ -103,7 +104,7 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
         largest op runs backward, the consumer of that output has run its own and freed its saved
         copy: counted among the activations at the boundary, it is given back there (resident
         activations only). ZeRO-3's gathers beside it, and in a layer its re-materialized
-        activations under recompute (``timing.workspace_bytes``)."""
+        activations under recompute (``layer_memory.workspace_bytes``)."""
         part = summary.parts[name]
         own = backward_workspace_bytes(part.max_out_bytes) + (part.max_out_bytes if act_off else 0.0)
         freed = 0.0
@@ -186,7 +187,7 @@ def _chunks(evaluation, summary, pp_rank: int, grads_of, split: bool, workspace:
     from autopar.cost.schedule_memory import Chunk
     from autopar.cost.split_backward import chunk_held_bytes
     from autopar.solver.plan_parts import stage_layers
-    from autopar.solver.timing import activation_bytes_per_layer
+    from autopar.solver.layer_memory import activation_bytes_per_layer
 
     cfg = evaluation.config
     st = next(s for s in evaluation.stages if s.index == pp_rank)
@@ -220,7 +221,7 @@ def _chunks(evaluation, summary, pp_rank: int, grads_of, split: bool, workspace:
             held = chunk_held_bytes(n, blk.param_tensors, summary.layer_input_bytes,
                                     post.max_out_bytes if has_post else 0.0)
         # the last stage's output, the logits the loss reads, stays in torch's fwd_cache from the
-        # forward to the backward (input pass): ``timing.held_loss_input_bytes``
+        # forward to the backward (input pass): ``layer_memory.held_loss_input_bytes``
         output = summary.loss_input_bytes if (has_post and cfg.pp > 1) else 0.0
         out[g] = Chunk(tuple(pieces), held, output=output, workspace=tuple(spaces))
     return out

@@ -416,7 +416,7 @@ class AxisSummary:
     is_lower_bound: bool = False
     shared_param_tensors: float = 0.0  # parameter tensors pre and post share (tied)
     # local bytes of what the loss reads (``GraphFacts.loss_inputs``): the last pipeline stage's
-    # output, held in torch's fwd_cache until its micro-batch's backward (``timing.held_loss_input_bytes``)
+    # output, held in torch's fwd_cache until its micro-batch's backward (``layer_memory.held_loss_input_bytes``)
     loss_input_bytes: float = 0.0
 
 

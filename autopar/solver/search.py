@@ -77,9 +77,9 @@ from autopar.solver.op_classes import RcCost, recompute_candidates, scaled_rc
 from autopar.solver.plan_parts import _dp_placements, _recompute_fields, model_flops, plan_stages
 from autopar.solver.strategies import FLOAT_DTYPES, GraphFacts, graph_facts
 from autopar.solver.offload_choice import best_variant, host_note, lean_memory
+from autopar.solver.layer_memory import last_stage_outputs_held
 from autopar.solver.timing import (Evaluation, OuterConfig, _grads_const, _state_bytes_per_param, default_budget_bytes,
-                                   evaluate, host_budgets, last_stage_outputs_held, memory_lower_bound,
-                                   step_time_lower_bound)
+                                   evaluate, host_budgets, memory_lower_bound, step_time_lower_bound)
 
 Progress = Callable[[str, int, int], None]
 GB = 1e9
@@ -194,7 +194,7 @@ def memory_constraints(tab: AxisTables, cfg: OuterConfig, unconstrained: Evaluat
                 else:
                     mult = 1 if (part == "pre" and first) or (part == "post" and last) else 0
                     if mult and cfg.pp > 1 and k in tab.facts.loss_inputs and not act_off:
-                        # ``timing.held_loss_input_bytes`` (offloading activations: in ``const``)
+                        # ``layer_memory.held_loss_input_bytes`` (offloading activations: in ``const``)
                         held = last_stage_outputs_held(cfg)
                         coeffs.append(tuple(c.saved_bytes * inflight + c.out_bytes * held for c in tab.costs[k]))
                         continue

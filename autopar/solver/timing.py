@@ -42,7 +42,7 @@ per micro-batch (full recompute: each layer's input only; per-operator: less wha
 ``op_classes.op_set``); other = a workspace of the largest single local output (one transient
 gradient), plus one layer's (per-operator: one region's) re-materialized activations under
 recompute, plus ``ZERO3_PREFETCH_LAYERS`` layers of gathered parameters under ZeRO-3 (under autocast
-without recompute the larger of those and the rest: ``workspace_bytes``).
+without recompute the larger of those and the rest: ``layer_memory.workspace_bytes``).
 
 Offload (``OuterConfig.offload``, classes of ``plan.OFFLOAD_CLASSES``): ``cost.offload`` moves the
 rank's bytes to the host / NVMe and adds its exposed transfers: per micro-batch ("host:h2d",
@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Optional
 
 from autopar.cost.collectives import axis_link, collective_s, stage_link
 from autopar.cost.flops import pipeline_bubble_fraction, pipeline_bubble_units, pipeline_step_time_s
@@ -71,14 +70,14 @@ from autopar.solver.overlap import (account as overlap_account, accumulates_rows
                                     reduces_once_per_step)
 from autopar.solver.runtime_profile import RuntimeProfile
 from autopar.recompute_ops import is_per_op
-from autopar.solver.op_classes import RcCost
+from autopar.solver.layer_memory import (activation_bytes_per_layer, held_loss_input_bytes, rc_of, recomputed_layers,
+                                         saved_per_microbatch, workspace_bytes)
 from autopar.solver.outer_config import OuterConfig
 
 MEMORY_RESERVE_FRACTION = 0.05       # of HBM kept free for the CUDA context, NCCL buffers, fragmentation
 # Adam step traffic per parameter besides the gradient: read param 2 + master 4 + m 4 + v 4,
 # write param 2 + master 4 + m 4 + v 4.
 OPTIMIZER_BYTES_PER_PARAM = 28
-ZERO3_PREFETCH_LAYERS = 2            # gathered layers resident at once under ZeRO-3 (current + prefetch)
 HOST_MEMORY_RESERVE_FRACTION = 0.1   # of host RAM kept for the OS, the data loader, pinned buffers (rough)
 MOMENTS = 2                          # optimizer moments the planner assumes (AdamW)
 
@@ -417,7 +416,7 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
     mem = _rank_memory(summary, cfg, profile, r, parts, numel, lps)
     cls = cfg.classes
     if cls:
-        saved = _saved_per_microbatch(summary, cfg, parts, lps)
+        saved = saved_per_microbatch(summary, cfg, parts, lps)
         over = profile.host_copy_overlap         # else the copies are exposed in full
         _merge(comm, offload_microbatch_times(cls, host_params_bytes=param_b / cfg.data if cfg.zero == 3 else param_b,
                                               saved_bytes=saved, forward_window_s=win_f if over else 0.0,
@@ -465,114 +464,13 @@ def fit_partial(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pr
     return best
 
 
-def recomputed_layers(cfg: OuterConfig, lps: float, for_memory: bool) -> float:
-    """Layers of a rank's ``lps`` that recompute in full. "partial" with ``recompute_layers`` unset
-    (a configuration not yet fitted): all of them for memory, none for time, so that both stay
-    lower bounds of any choice."""
-    if cfg.recompute == "full":
-        return lps
-    if cfg.recompute != "partial":
-        return 0.0
-    if cfg.recompute_layers is None:
-        return lps if for_memory else 0.0
-    return min(float(cfg.recompute_layers), lps)
-
-
-def activation_bytes_per_layer(blk: PartCost, summary: AxisSummary, recompute: str) -> float:
-    """Saved bytes of one layer per micro-batch (``recompute`` "partial": the recomputed layers'
-    figure, the least; ``_rank_memory`` mixes them)."""
-    if recompute in ("full", "partial"):
-        return summary.layer_input_bytes
-    if is_per_op(recompute):
-        rc = rc_of(blk, recompute)
-        return blk.saved_bytes - blk.core_saved_bytes if rc is None else rc.kept_bytes
-    return blk.saved_bytes
-
-
-def workspace_bytes(summary: AxisSummary, cfg: OuterConfig, backward_bytes: float, lps: Optional[float] = None, *,
-                    param_bytes: int, autocast: bool = False, in_layer: bool = True) -> float:
-    """Workspace at the peak: the largest output's backward (``backward_bytes``), one layer
-    re-materialized under recompute, the prefetched gathered layers under ZeRO-3. "partial"
-    recomputes a rank's FIRST layers, whose backward comes last, when the later layers' activations
-    are freed: a re-materialized layer adds to the peak only when every layer recomputes (``lps``
-    unknown: as "full", the least memory). ZeRO-3 gathers a layer again in the backward only for
-    the ops that saved its gathered weight (``runtime/reshard.py``); under ``autocast`` the
-    matmuls saved 16-bit copies instead (counted as activations, or with the re-materialized
-    layer), so the gathers peak in the (re-run) forward, not beside the backward's workspace: the
-    larger of the two counts (the fp32 norms' weights, re-gathered, are left out); a re-run forward
-    is inside the backward, which does not prefetch: one layer of gathers beside it. ``in_layer``
-    False: the workspace of the embedding's or the head's backward (``memory_predict``'s per-piece
-    workspace), beside which no layer is re-materialized."""
-    blk = summary.parts["block"]
-    other = 0.0
-    partial_all = cfg.recompute == "partial" and (
-        cfg.recompute_layers is None or lps is None or cfg.recompute_layers >= lps)
-    if in_layer and (cfg.recompute == "full" or partial_all):
-        other += blk.saved_bytes
-    elif in_layer and is_per_op(cfg.recompute):
-        rc = rc_of(blk, cfg.recompute)
-        other += blk.core_saved_bytes if rc is None else rc.workspace_bytes
-    gathered = ZERO3_PREFETCH_LAYERS
-    if autocast and in_layer and (cfg.recompute == "full" or partial_all):
-        # the re-materialized layer's replay runs inside the backward, which gathers without
-        # prefetch (``runtime/params.py``): one layer's rows, each cast to the 16-bit copy its
-        # matmul saves (the copies are counted with the layer), beside the layer it rebuilds. The
-        # forward's prefetched gathers sit beside the layers' inputs only. (Per-op recompute keeps
-        # most activations through the forward, beside which the forward's two layers may peak.)
-        gathered = 1
-    gathers = 0.0
-    if cfg.zero == 3 and "params" in cfg.classes:     # the rank's own rows are on the host too
-        gathers = gathered * blk.param_numel * param_bytes
-    elif cfg.zero == 3 and cfg.data > 1:
-        gathers = gathered * blk.param_numel * param_bytes * (1 - 1 / cfg.data)
-    if autocast:
-        return other + max(backward_bytes, gathers)
-    return backward_bytes + other + gathers
-
-
-def rc_of(blk: PartCost, recompute: str) -> Optional[RcCost]:
-    """The block's ``op_classes.RcCost`` under per-op ``recompute``. A set without regions in the
-    graph recomputes nothing; a summary without op sets (None) makes "selective" fall back to the
-    attention-core totals (``PartCost.core_*``)."""
-    if blk.rc is None:
-        return None
-    rc = blk.rc.get(recompute)
-    return rc if rc is not None else RcCost(0.0, {}, blk.saved_bytes, 0.0)
-
-
-def _saved_per_microbatch(summary: AxisSummary, cfg: OuterConfig, parts, lps: float) -> float:
-    """Activation bytes a rank saves per micro-batch (recomputed layers: their inputs only)."""
-    blk = summary.parts["block"]
-    k = recomputed_layers(cfg, lps, for_memory=True)
-    per_mb = k * activation_bytes_per_layer(blk, summary, cfg.recompute) \
-        + (lps - k) * activation_bytes_per_layer(blk, summary, "none" if cfg.recompute == "partial" else cfg.recompute)
-    return per_mb + sum(p.saved_bytes for p, _, name in parts if name != "block")
-
-
-def held_loss_input_bytes(summary: AxisSummary, cfg: OuterConfig) -> float:
-    """What the rank holding the last pipeline stage keeps of what the loss reads (the logits):
-    that stage's output, which torch's fwd_cache holds until the micro-batch's backward (without a
-    pipeline it is freed once the loss has its own saved copy). The last stage runs each
-    micro-batch's backward right after its forward in every schedule but GPipe, which holds all
-    m: one micro-batch's, whatever the rank's other stages hold (``schedule_memory.rank_actions``
-    replays it so)."""
-    return summary.loss_input_bytes * last_stage_outputs_held(cfg)
-
-
-def last_stage_outputs_held(cfg: OuterConfig) -> int:
-    """Micro-batches whose last-stage output torch's fwd_cache holds at once (``held_loss_input_bytes``)."""
-    if cfg.pp == 1:
-        return 0
-    return cfg.m if cfg.schedule == "gpipe" else 1
-
-
 def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile, r: int, parts, numel: float,
                  lps: float) -> MemoryUse:
     states = model_state_bytes(int(numel), cfg.data, cfg.zero, param_bytes=profile.param_bytes,
                                grad_bytes=profile.grad_bytes, optimizer_bytes_per_param=profile.optimizer_bytes,
                                full_grads=reduces_once_per_step(cfg))
     inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
-    per_mb = _saved_per_microbatch(summary, cfg, parts, lps)
+    per_mb = saved_per_microbatch(summary, cfg, parts, lps)
     activations = inflight * per_mb
     other = workspace_bytes(summary, cfg, max(p.max_out_bytes for p, _, _ in parts), lps,
                             param_bytes=profile.param_bytes, autocast=profile.autocast) \

@@ -24,7 +24,7 @@ at +100%). With many buckets they stay near grads / dp: ``test_reducer_memory.py
 interpreter's per-forward scope used to keep every gathered weight to the end of the forward,
 counted as activations; it now drops each after its last reader, ``GraphExecutor.run``.)
 (The last pipeline stage's logits, its output to the loss, are held by torch's ``fwd_cache`` until
-that micro-batch's backward: the plan counts them since ``timing.held_loss_input_bytes``; they were a
+that micro-batch's backward: the plan counts them since ``layer_memory.held_loss_input_bytes``; they were a
 strict xfail at +14% / +20% activations in fp32 / bf16.)
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ OFFLOAD = {"dp_offload_optimizer": "dp=2,offload=optimizer",
 # bf16 under torch.autocast over the fp32 model (``runtime/precision.py``): fp32 states, autocast's
 # per-op activation dtypes and its 16-bit copies of what matmuls read (``solver/autocast.py``)
 # (ZeRO-3: the matmuls save 16-bit copies, so the backward re-gathers only the norms' weights and
-# the prefetched gathers peak in the forward, ``timing.workspace_bytes``: predicted 10.2% over before)
+# the prefetched gathers peak in the forward, ``layer_memory.workspace_bytes``: predicted 10.2% over before)
 BF16 = {"dp_bf16": "dp=2", "tp_bf16": "tp=2", "pp_bf16": "pp=2", "cp_bf16": "cp=2,cpmode=ring",
         "dp_zero3_bf16": "dp=2,zero=3"}
 FAMILIES = {**BASE, **OFFLOAD, **BF16}

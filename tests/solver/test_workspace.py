@@ -1,4 +1,4 @@
-"""``solver.timing.workspace_bytes`` on hand-worked cases: a block of 100 saved bytes and 10
+"""``solver.layer_memory.workspace_bytes`` on hand-worked cases: a block of 100 saved bytes and 10
 parameters (4 bytes each), the largest output's backward 30 bytes, ZeRO-3's two prefetched layers.
 
 - fp32, no recompute, dp=2: 30 + 2 x 10 x 4 x (1 - 1/2) = 70 (the gathers beside the backward's);
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from autopar.solver.timing import workspace_bytes
+from autopar.solver.layer_memory import workspace_bytes
 
 
 def _cfg(**kw):

@@ -1,0 +1,117 @@
+"""What one layer keeps and needs beside it, per micro-batch: the activations it saves under each
+recompute choice, the workspace of a backward (the largest output's gradients, a re-materialized
+layer, ZeRO-3's gathered layers) and what the last pipeline stage holds for the loss. Shared by the
+step model (``timing._rank_memory``), the search's memory-constrained ILP and the run's predicted
+peak (``runtime/memory_predict.py``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from autopar.recompute_ops import is_per_op
+from autopar.solver.op_classes import RcCost
+from autopar.solver.outer_config import OuterConfig
+from autopar.solver.problem import AxisSummary, PartCost
+
+ZERO3_PREFETCH_LAYERS = 2            # gathered layers resident at once under ZeRO-3 (current + prefetch)
+
+
+def recomputed_layers(cfg: OuterConfig, lps: float, for_memory: bool) -> float:
+    """Layers of a rank's ``lps`` that recompute in full. "partial" with ``recompute_layers`` unset
+    (a configuration not yet fitted): all of them for memory, none for time, so that both stay
+    lower bounds of any choice."""
+    if cfg.recompute == "full":
+        return lps
+    if cfg.recompute != "partial":
+        return 0.0
+    if cfg.recompute_layers is None:
+        return lps if for_memory else 0.0
+    return min(float(cfg.recompute_layers), lps)
+
+
+def activation_bytes_per_layer(blk: PartCost, summary: AxisSummary, recompute: str) -> float:
+    """Saved bytes of one layer per micro-batch (``recompute`` "partial": the recomputed layers'
+    figure, the least; ``_rank_memory`` mixes them)."""
+    if recompute in ("full", "partial"):
+        return summary.layer_input_bytes
+    if is_per_op(recompute):
+        rc = rc_of(blk, recompute)
+        return blk.saved_bytes - blk.core_saved_bytes if rc is None else rc.kept_bytes
+    return blk.saved_bytes
+
+
+def workspace_bytes(summary: AxisSummary, cfg: OuterConfig, backward_bytes: float, lps: Optional[float] = None, *,
+                    param_bytes: int, autocast: bool = False, in_layer: bool = True) -> float:
+    """Workspace at the peak: the largest output's backward (``backward_bytes``), one layer
+    re-materialized under recompute, the prefetched gathered layers under ZeRO-3. "partial"
+    recomputes a rank's FIRST layers, whose backward comes last, when the later layers' activations
+    are freed: a re-materialized layer adds to the peak only when every layer recomputes (``lps``
+    unknown: as "full", the least memory). ZeRO-3 gathers a layer again in the backward only for
+    the ops that saved its gathered weight (``runtime/reshard.py``); under ``autocast`` the
+    matmuls saved 16-bit copies instead (counted as activations, or with the re-materialized
+    layer), so the gathers peak in the (re-run) forward, not beside the backward's workspace: the
+    larger of the two counts (the fp32 norms' weights, re-gathered, are left out); a re-run forward
+    is inside the backward, which does not prefetch: one layer of gathers beside it. ``in_layer``
+    False: the workspace of the embedding's or the head's backward (``memory_predict``'s per-piece
+    workspace), beside which no layer is re-materialized."""
+    blk = summary.parts["block"]
+    other = 0.0
+    every_layer = cfg.recompute == "full" or (cfg.recompute == "partial" and (
+        cfg.recompute_layers is None or lps is None or cfg.recompute_layers >= lps))
+    if in_layer and every_layer:
+        other += blk.saved_bytes
+    elif in_layer and is_per_op(cfg.recompute):
+        rc = rc_of(blk, cfg.recompute)
+        other += blk.core_saved_bytes if rc is None else rc.workspace_bytes
+    gathered = ZERO3_PREFETCH_LAYERS
+    if autocast and in_layer and every_layer:
+        # the re-materialized layer's replay runs inside the backward, which gathers without
+        # prefetch (``runtime/params.py``): one layer's rows, each cast to the 16-bit copy its
+        # matmul saves (the copies are counted with the layer), beside the layer it rebuilds. The
+        # forward's prefetched gathers sit beside the layers' inputs only. (Per-op recompute keeps
+        # most activations through the forward, beside which the forward's two layers may peak.)
+        gathered = 1
+    gathers = 0.0
+    if cfg.zero == 3 and "params" in cfg.classes:     # the rank's own rows are on the host too
+        gathers = gathered * blk.param_numel * param_bytes
+    elif cfg.zero == 3 and cfg.data > 1:
+        gathers = gathered * blk.param_numel * param_bytes * (1 - 1 / cfg.data)
+    if autocast:
+        return other + max(backward_bytes, gathers)
+    return backward_bytes + other + gathers
+
+
+def rc_of(blk: PartCost, recompute: str) -> Optional[RcCost]:
+    """The block's ``op_classes.RcCost`` under per-op ``recompute``. A set without regions in the
+    graph recomputes nothing; a summary without op sets (None) makes "selective" fall back to the
+    attention-core totals (``PartCost.core_*``)."""
+    if blk.rc is None:
+        return None
+    rc = blk.rc.get(recompute)
+    return rc if rc is not None else RcCost(0.0, {}, blk.saved_bytes, 0.0)
+
+
+def saved_per_microbatch(summary: AxisSummary, cfg: OuterConfig, parts, lps: float) -> float:
+    """Activation bytes a rank saves per micro-batch (recomputed layers: their inputs only)."""
+    blk = summary.parts["block"]
+    k = recomputed_layers(cfg, lps, for_memory=True)
+    per_mb = k * activation_bytes_per_layer(blk, summary, cfg.recompute) \
+        + (lps - k) * activation_bytes_per_layer(blk, summary, "none" if cfg.recompute == "partial" else cfg.recompute)
+    return per_mb + sum(p.saved_bytes for p, _, name in parts if name != "block")
+
+
+def held_loss_input_bytes(summary: AxisSummary, cfg: OuterConfig) -> float:
+    """What the rank holding the last pipeline stage keeps of what the loss reads (the logits):
+    that stage's output, which torch's fwd_cache holds until the micro-batch's backward (without a
+    pipeline it is freed once the loss has its own saved copy). The last stage runs each
+    micro-batch's backward right after its forward in every schedule but GPipe, which holds all
+    m: one micro-batch's, whatever the rank's other stages hold (``schedule_memory.rank_actions``
+    replays it so)."""
+    return summary.loss_input_bytes * last_stage_outputs_held(cfg)
+
+
+def last_stage_outputs_held(cfg: OuterConfig) -> int:
+    """Micro-batches whose last-stage output torch's fwd_cache holds at once (``held_loss_input_bytes``)."""
+    if cfg.pp == 1:
+        return 0
+    return cfg.m if cfg.schedule == "gpipe" else 1
