@@ -64,6 +64,19 @@ def wait_for(work, kind: str) -> None:
         work.wait()
 
 
+def release(*tensors) -> None:
+    """Free the storage of each of ``tensors`` now (``untyped_storage().resize_(0)``): a
+    collective's buffers once it was waited for and what it produced was copied out. The backend
+    may hold the finished Work, and with it these tensors, for a while after ``wait()`` returned
+    (gloo's worker thread drops it when it gets to it), so dropping our references alone frees them
+    at a time of that thread's choosing, and the step's peak memory with it. (FSDP frees its
+    all-gather buffers so.) Only for tensors nothing reads afterwards: every view of the storage
+    is emptied with it."""
+    for t in tensors:
+        if t is not None:
+            t.untyped_storage().resize_(0)
+
+
 _FUNCOL_KINDS = {
     "all_reduce": "all_reduce",
     "all_reduce_": "all_reduce",

@@ -3,7 +3,9 @@
 Measurement (``measure_step``): one ``pm.step`` runs under ``StorageTracker``, a TorchDispatchMode
 that sees every storage the step allocates (op outputs; a DTensor's local tensor) and, through a
 ``weakref.finalize`` on the storage object (torch keeps one Python object per storage), when it is
-freed. The storages alive when the step starts are registered first: the rank's parameters, the
+freed; or, for a collective's buffer (a tensor a ``c10d`` op was given), when its storage was
+emptied (``runtime/collectives.release``: the backend's thread may hold the tensor after that,
+which would make the free's place among the events a race). The storages alive when the step starts are registered first: the rank's parameters, the
 optimizer state, any gradient. Replaying the alloc/free events gives the peak of the sum of live
 storages and which ones made it up, each in one category decided by what the storage turned out
 to be (first match):
@@ -140,6 +142,9 @@ class StorageTracker(TorchDispatchMode):
         self.roles: dict[int, set] = {}
         self.origin: dict[int, str] = {}              # serial -> the op that allocated it
         self._op = "before the step"
+        # collective buffers: id(storage) -> (weakref to it, serial), until emptied or freed
+        self._watched: dict[int, tuple] = {}
+        self._released: set[int] = set()              # serials freed by emptying, before their object
 
     def _serial(self, st: torch.UntypedStorage, new: bool) -> Optional[int]:
         key = id(st)
@@ -156,8 +161,27 @@ class StorageTracker(TorchDispatchMode):
         return serial
 
     def _freed(self, key: int, serial: int) -> None:
+        self._watched.pop(key, None)
+        if serial in self._released:                  # counted freed when it was emptied
+            return
         self._serial_of.pop(key, None)
         self.events.append((serial, False))
+
+    def _watch(self, args) -> None:
+        for st in map(_storage, tree_leaves(args)):
+            serial = None if st is None else self._serial_of.get(id(st))
+            if serial is not None:
+                self._watched[id(st)] = (weakref.ref(st), serial)
+
+    def _poll_released(self) -> None:
+        """A watched storage emptied since the last op is freed now (``release``)."""
+        for key, (ref, serial) in list(self._watched.items()):
+            st = ref()
+            if st is not None and st.nbytes() == 0:
+                del self._watched[key]
+                self._serial_of.pop(key, None)
+                self._released.add(serial)
+                self.events.append((serial, False))
 
     def register(self, t, role: Optional[str] = None) -> None:
         st = _storage(t)
@@ -180,8 +204,12 @@ class StorageTracker(TorchDispatchMode):
         return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._watched:
+            self._poll_released()
         out = func(*args, **(kwargs or {}))
         self._op = str(func)
+        if func.namespace == "c10d":                 # a collective's buffers: may be emptied when done
+            self._watch((args, kwargs))
         inputs = {id(st) for st in map(_storage, tree_leaves((args, kwargs))) if st is not None}
         for t in tree_leaves(out):
             st = _storage(t)
@@ -194,6 +222,7 @@ class StorageTracker(TorchDispatchMode):
         backend may release a finished collective's tensors on its own thread just after the
         step returned (gloo's worker drops its Work after ``wait()`` has returned), and what is
         alive at the end should not depend on that race."""
+        self._poll_released()
         deadline = time.monotonic() + limit_s
         seen, quiet_since = len(self.events), time.monotonic()
         while time.monotonic() < deadline:

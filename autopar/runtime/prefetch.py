@@ -14,7 +14,8 @@ included, at the same points; gloo and NCCL match concurrent collectives of a gr
 Lifetime: a gathered tensor lives from its group's gather to its one read (then the scope holds it,
 as before); a prefetched group until its first read. ``invalidate`` (the step's start and end: the
 optimizer changes the rows) waits for a gather in flight and drops what was not read, so a forward
-never sees rows of an earlier step.
+never sees rows of an earlier step. A collective's send and output buffers are freed as soon as it
+is waited for and copied out (``collectives.release``), not when the backend drops its Work.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.mesh import DATA
-from autopar.runtime.collectives import wait_for
+from autopar.runtime.collectives import release, wait_for
 from autopar.runtime.params import chunk_numel, on_device, padded_rows, unpadded
 
 
@@ -35,9 +36,7 @@ class _Flight:
     slots: tuple                  # params.ParamSlot, in the order of the send buffer
     out: torch.Tensor             # dp x (sum of the padded chunk sizes)
     work: Any                     # the async work handle (None: already complete)
-    # held until the landing, so that it is freed there (the backend holds it until the collective
-    # completes: freed at a time of its thread's choosing otherwise, and the peak memory with it)
-    send: Optional[torch.Tensor] = None
+    send: Optional[torch.Tensor] = None     # freed at the landing (``collectives.release``)
 
 
 class GroupGathers:
@@ -77,6 +76,7 @@ class GroupGathers:
         for f in self._flights.values():
             if f.work is not None:
                 wait_for(f.work, "all_gather")
+            release(f.send, f.out)
         self._flights.clear()
         self._ready.clear()
 
@@ -96,11 +96,11 @@ class GroupGathers:
     def _land(self, f: _Flight) -> dict[str, torch.Tensor]:
         if f.work is not None:
             wait_for(f.work, "all_gather")
-        f.send = None
         rows = f.out.view(self.ctx.dp, -1)
         out, off = {}, 0
         for s in f.slots:
             size = chunk_numel(s, self.ctx.dp)
-            out[s.name] = unpadded(s, rows[:, off:off + size].contiguous().view(-1))   # its own storage
+            out[s.name] = unpadded(s, rows[:, off:off + size].clone(memory_format=torch.contiguous_format).view(-1))   # its own storage
             off += size
+        release(f.send, f.out)
         return out

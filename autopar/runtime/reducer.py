@@ -74,7 +74,7 @@ import torch.distributed as dist
 
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from autopar.mesh import DATA
-from autopar.runtime.collectives import wait_for
+from autopar.runtime.collectives import release, wait_for
 from autopar.runtime.params import ParamSlot, ParamStore, chunk_numel
 
 
@@ -278,6 +278,8 @@ class GradReducer:
         else:
             out = f.out if self.reduce_dtype is None else f.out.to(slots[0].local.dtype)
             self._finish_reduce_scatter(slots, out)
+        if f.send is not self._flat[b]:          # the interleaved or cast buffer: read, done with
+            release(f.send)
         f.send = f.out = f.work = None           # a finished Work may still hold its tensors
         if self.on_reduced is not None and self._last:     # the step's gradients (the last round)
             self.on_reduced(slots)
