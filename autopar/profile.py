@@ -11,8 +11,10 @@ report compares:
 - the step time: measured (per step, the slowest rank's wall time, averaged over the steps) against
   the plan's ``step_time.total_s`` for the cluster it was planned for (``--cluster``: a file from
   ``autopar calibrate`` makes that the machine it runs on);
-- the step by category: compute (matmul, attention, memory-bound ops) and optimizer against the
-  plan's compute + recompute and optimizer times; each collective kind's in-situ time against the
+- the step by category: compute and optimizer against the plan's compute + recompute and optimizer
+  times, and the compute by operator class (matmul, attention, memory-bound ops, views) against
+  the plan's compute split as the cost model splits the rank's work (``compute_shares``: each
+  class's forward and backward time in the solver's tables, recomputed layers' forwards again); each collective kind's in-situ time against the
   plan's exposed time for it; the host overhead (the step's wall time less all of those: autopar's
   executor, DTensor dispatch, autograd, Python between ops) against the per-node overhead the
   cluster file gives (``autopar calibrate`` measures it; 0, not modelled, otherwise), which the
@@ -33,6 +35,7 @@ from typing import Optional
 from autopar.runtime.world import DEFAULT_TIMEOUT_S
 
 COMPUTE_CLASSES = ("matmul", "attention", "memory", "free")
+CLASS_LABELS = {"matmul": "matmul", "attention": "attention", "memory": "memory-bound ops", "free": "views"}
 _P2P = {"send": "p2p", "recv": "p2p"}
 
 
@@ -88,9 +91,38 @@ def predicted_collective_s(plan, cluster, kind: str, axis: str, nbytes: int) -> 
     return collective_s(kind, nbytes, stage.shape[i], link)
 
 
-def summarize(plan, cluster, profiles: list[dict], nodes: Optional[list[int]] = None) -> dict:
+def compute_shares(plan, graph, cluster) -> dict[str, float]:
+    """Operator class -> its share of the plan's predicted compute on its busiest pipeline rank (the
+    most layers): per part the rank runs, each class's forward + backward compute in the solver's
+    tables (``PartCost.by_kind``, host cost excluded) times its copies, plus the forward again for
+    the layers recomputed in full, and the gradients' passes through the reducer's buffers as
+    memory-bound (``overlap.grad_pass_bytes``). ``graph``: the model traced as planning traces it."""
+    from autopar.runtime.memory_predict import plan_evaluation
+    from autopar.solver.layer_memory import recomputed_layers
+    from autopar.solver.overlap import grad_pass_bytes
+    from autopar.solver.timing import rank_parts
+
+    ev, summary, profile = plan_evaluation(plan, graph, cluster)
+    st = max(ev.stages, key=lambda s: s.layers)
+    acc: dict[str, float] = defaultdict(float)
+    for part, copies, _ in rank_parts(summary, st.layers, st.has_pre, st.has_post):
+        for kind, (f, b) in part.by_kind.items():
+            acc[kind] += copies * (f + b)
+    again = recomputed_layers(ev.config, st.layers, for_memory=False)
+    for kind, (f, _) in summary.parts["block"].by_kind.items():
+        acc[kind] += again * f
+    if profile.grad_passes:      # the reducer's gradient copies and adds (``solver/timing.py``): memory-bound
+        cfg, gpu = ev.config, cluster.gpu
+        acc["memory"] += grad_pass_bytes(cfg, st.param_numel, profile.grad_bytes) / (cfg.m * gpu.hbm_Bps * gpu.memory_efficiency)
+    total = sum(acc.values())
+    return {k: v / total for k, v in acc.items()} if total > 0 else {}
+
+
+def summarize(plan, cluster, profiles: list[dict], nodes: Optional[list[int]] = None,
+              shares: Optional[dict] = None) -> dict:
     """The measured-vs-predicted report of ``autopar profile`` as plain data (module docstring).
-    ``nodes``: per rank, the graph nodes it runs per step (for the host overhead)."""
+    ``nodes``: per rank, the graph nodes it runs per step (for the host overhead); ``shares``:
+    ``compute_shares`` (the compute's rows by operator class; none without it)."""
     steps = profiles[0]["steps"]
     slowest = [max(p["step_times_s"][i] for p in profiles) for i in range(steps)]
     measured_step = sum(slowest) / steps
@@ -105,8 +137,11 @@ def summarize(plan, cluster, profiles: list[dict], nodes: Optional[list[int]] = 
     host_pred = per_node * max(nodes) if nodes else 0.0      # inside the plan's compute (solver/problem.py)
     measured_compute = sum(mean[c] for c in COMPUTE_CLASSES)
     profiled = sum(mean.values())
-    categories = [("compute", measured_compute, st.compute_s + st.recompute_s - host_pred),
-                  ("optimizer", mean["optimizer"], st.optimizer_s)]
+    compute_pred = st.compute_s + st.recompute_s - host_pred
+    categories = [("compute", measured_compute, compute_pred)]
+    if shares is not None:
+        categories += [(f"  {CLASS_LABELS[c]}", mean[c], compute_pred * shares.get(c, 0.0)) for c in COMPUTE_CLASSES]
+    categories.append(("optimizer", mean["optimizer"], st.optimizer_s))
     kinds = sorted({k.split(":", 1)[1] for k in mean if k.startswith("collective:")}
                    | {k.split(":", 1)[-1] for k in comm_pred})
     for kind in kinds:
@@ -188,7 +223,7 @@ def profile_command(model: str, nproc: int, steps: int, *, warmup: int = 1, clus
     from autopar.plan import Plan
     from autopar.report import make_console
     from autopar.runtime.launch import spawn_ranks
-    from autopar.runtime.memory_measure import compare_model
+    from autopar.runtime.memory_measure import compare_ranks, traced_for_prediction
 
     if nproc < 1 or steps < 1 or warmup < 0:
         raise ValueError(f"profile: need --nproc >= 1, --steps >= 1 and --warmup >= 0 (got {nproc}, {steps}, {warmup})")
@@ -204,9 +239,10 @@ def profile_command(model: str, nproc: int, steps: int, *, warmup: int = 1, clus
     plan = Plan.from_json(outs[0]["plan"])
     if plan_path:
         spec = resolve_cluster(plan.cluster.gpu, nodes=plan.cluster.nodes, gpus_per_node=plan.cluster.gpus_per_node)
-    report = summarize(plan, spec, [o["profile"] for o in outs], [o["nodes"] for o in outs])
-    report["memory"] = [r.to_json() for r in compare_model(plan, model, [o["memory"] for o in outs], optimizer,
-                                                           batch=batch, seq_len=seq_len)]
+    graph, dtype = traced_for_prediction(model, batch, seq_len)
+    report = summarize(plan, spec, [o["profile"] for o in outs], [o["nodes"] for o in outs],
+                       compute_shares(plan, graph, spec))
+    report["memory"] = [r.to_json() for r in compare_ranks(plan, graph, [o["memory"] for o in outs], dtype, optimizer)]
     render(report, console or make_console())
     if json_path:
         with open(json_path, "w") as f:

@@ -74,6 +74,53 @@ def test_what_the_optimizer_step_runs_is_the_optimizers():
     assert by["optimizer"] > naive
 
 
+def test_what_a_matmul_runs_inside_is_the_matmuls():
+    """On the CPU ``addmm`` copies its bias into the output (a nested ``aten::copy_``) before the
+    GEMM: that copy is the matmul's time, not the memory-bound ops'; a copy outside stays memory."""
+    import torch
+    from torch.profiler import profile
+
+    from autopar.runtime.profiling import step_classes
+
+    x, w, b = torch.randn(256, 256), torch.randn(256, 256), torch.randn(256)
+    with profile() as prof:
+        for _ in range(2):
+            torch.addmm(b, x, w)
+            x.clone()
+    nested = [e for e in prof.events() if e.name == "aten::copy_" and e.cpu_parent is not None
+              and e.cpu_parent.name == "aten::addmm"]
+    assert nested                                            # what the rule is about exists
+    by = step_classes(prof.events(), 2)
+    addmm = [e for e in prof.events() if e.name == "aten::addmm"]
+    assert by["matmul"] == pytest.approx(sum(e.cpu_time_total for e in addmm) * 1e-6 / 2)   # all it runs inside
+    assert by["memory"] > 0                                  # the clone's copy
+
+
+def test_compute_shares_split_the_rank_work_by_class(dp2_plan):
+    """``compute_shares``: each class's forward + backward compute of the solver's tables over the
+    rank's parts; they add up to 1, every class of a GPT has some and the views cost nothing."""
+    from autopar.models import build_model
+    from autopar.profile import compute_shares
+    from autopar.trace import trace_model
+
+    plan, cluster = dp2_plan
+    b = build_model("gpt-tiny", device="meta")
+    g = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target)
+    shares = compute_shares(plan, g, cluster)
+    assert sum(shares.values()) == pytest.approx(1.0)
+    assert shares.get("free", 0.0) == 0.0 and min(shares["matmul"], shares["memory"], shares["attention"]) > 0
+    # the classes' times are the tables' compute without the host's per-node cost
+    from dataclasses import replace
+
+    from autopar.runtime.memory_predict import plan_evaluation
+
+    host = replace(cluster, gpu=replace(cluster.gpu, op_overhead_s=1e-4))
+    _, summary, _ = plan_evaluation(plan, g, host)
+    for part in summary.parts.values():
+        assert sum(f + b for f, b in part.by_kind.values()) == pytest.approx(
+            part.fwd_compute_s + part.bwd_compute_s - 1e-4 * part.nodes)
+
+
 @pytest.fixture(scope="module")
 def dp2_plan():
     from autopar.models import build_model

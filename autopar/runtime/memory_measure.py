@@ -426,17 +426,23 @@ def compare_ranks(plan, graph, measured: list[dict], param_dtype: str, optimizer
     return rows
 
 
-def compare_model(plan, model: str, measured: list[dict], optimizer: str = "adamw", *,
-                  batch: Optional[int] = None, seq_len: Optional[int] = None) -> list[RankMemory]:
-    """``compare_ranks`` for a model given by name or spec (``autopar run`` / ``autopar profile``):
-    traced on the meta device as planning traces it, predicted for its parameters' dtype."""
+def traced_for_prediction(model: str, batch: Optional[int] = None, seq_len: Optional[int] = None) -> tuple:
+    """(graph, parameter dtype) of a model given by name or spec: traced on the meta device as
+    planning traces it (what the predictions are made on)."""
     from autopar.models import build_model
     from autopar.trace import trace_model
 
     b = build_model(model, batch=batch, seq_len=seq_len, device="meta")
     graph = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
                         model_name=model)
-    dtype = str(next(b.module.parameters()).dtype).removeprefix("torch.")
+    return graph, str(next(b.module.parameters()).dtype).removeprefix("torch.")
+
+
+def compare_model(plan, model: str, measured: list[dict], optimizer: str = "adamw", *,
+                  batch: Optional[int] = None, seq_len: Optional[int] = None) -> list[RankMemory]:
+    """``compare_ranks`` for a model given by name or spec (``autopar run``), predicted for its
+    parameters' dtype."""
+    graph, dtype = traced_for_prediction(model, batch, seq_len)
     return compare_ranks(plan, graph, measured, dtype, optimizer)
 
 

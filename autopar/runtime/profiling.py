@@ -13,7 +13,9 @@ collectives (on gloo their self time includes waiting for the slowest rank) and 
 autopar's async ones (gradient buckets, ZeRO-3 prefetches: ``collectives.wait_for``); ``optimizer`` for the
 optimizer step: its own code and every operator it runs (``step_classes``: the fused or foreach
 kernels of AdamW are elementwise aten ops, which alone would count as ``memory``), collectives
-inside it excepted (LAMB's norms over shards); ``runtime`` for everything else (Python dispatch of
+inside it excepted (LAMB's norms over shards); what a matmul or attention op runs inside it (the
+bias ``addmm`` copies into its output before the GEMM, a decomposed attention's pieces) is that
+op's; ``runtime`` for everything else (Python dispatch of
 DTensor and autopar's executor, autograd bookkeeping).
 """
 from __future__ import annotations
@@ -49,26 +51,34 @@ def op_class(event_name: str) -> str:
     return "runtime"
 
 
+_OWNING = ("matmul", "attention")      # classes whose ops' nested aten ops are their work
+
+
 def step_classes(events, steps: int) -> Counter:
     """Self time per step by class of the profiler's ``events`` (``prof.events()``: each knows its
     parent), over ``steps`` steps: ``op_class``, but what runs inside an optimizer step is the
-    optimizer's (module docstring)."""
+    optimizer's and what runs inside a matmul or attention op is that op's (module docstring)."""
     by_class: Counter = Counter()
     for e in events:
         cls = op_class(e.name)
-        if not cls.startswith("collective:") and cls != "optimizer" and _inside_optimizer(e):
-            cls = "optimizer"
+        if not cls.startswith("collective:") and cls != "optimizer":
+            cls = _owner(e) or cls
         by_class[cls] += e.self_cpu_time_total * 1e-6 / steps
     return by_class
 
 
-def _inside_optimizer(event) -> bool:
+def _owner(event) -> Optional[str]:
+    """"optimizer" inside an optimizer step, else the class of the innermost matmul or attention
+    op ``event`` runs inside, else None."""
+    owner = None
     parent = event.cpu_parent
     while parent is not None:
         if parent.name.startswith("Optimizer.step#"):
-            return True
+            return "optimizer"
+        if owner is None and parent.name.startswith("aten::") and op_class(parent.name) in _OWNING:
+            owner = op_class(parent.name)
         parent = parent.cpu_parent
-    return False
+    return owner
 
 
 @dataclasses.dataclass(frozen=True)

@@ -65,6 +65,23 @@ def reduces_once_per_step(cfg) -> bool:
     return cfg.zero >= 2 and cfg.data > 1 and cfg.m > 1 and cfg.pp > 1
 
 
+def grad_pass_bytes(cfg, numel: float, grad_bytes: int) -> float:
+    """Bytes a rank's gradients move through memory per step beside the backward's GEMMs, on a
+    runtime with ``RuntimeProfile.grad_passes`` (``runtime/reducer.py``), for ``numel`` local
+    parameter elements: micro-batches after the first add theirs to the gradient (read both, write:
+    3 passes); over data > 1 the reducer copies them into its buffer (read, write: 2): a ZeRO-0/1 or
+    pipelined plan once per step (its bucket views, its send buffer), a ZeRO-2/3 plan every
+    micro-batch it reduce-scatters, whose rows then add up (3 passes over 1/data of them)."""
+    m, data = cfg.m, cfg.data
+    if data == 1:
+        passes = 3.0 * (m - 1)
+    elif cfg.zero >= 2 and not cfg.pp > 1:
+        passes = 2.0 * m + 3.0 * (m - 1) / data
+    else:
+        passes = 2.0 + 3.0 * (m - 1)
+    return passes * numel * grad_bytes
+
+
 def accumulates_rows(cfg) -> bool:
     """ZeRO 2/3 over data > 1 ranks with several micro-batches and no pipeline: every micro-batch
     reduce-scatters, and each rank adds the rows to the ones of the micro-batches before (the rows

@@ -116,6 +116,7 @@ class AxisTables:
     # (t, link, source placement, target placement, bytes) -> (kind, seconds): shared by the tables
     # of one ``build_tables`` cache (the same activation sizes recur on every edge and table)
     reshard_cache: dict = field(default_factory=dict)
+    node_overhead_s: float = 0.0      # the host's per-node cost each op node's ``fwd_s`` includes
 
     def edge_costs(self, e: EdgeSpec) -> list[list[EdgeCost]]:
         key = (e.u, e.v, e.pos, e.wrap)
@@ -257,7 +258,7 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
     return AxisTables(facts, t, sp, mbs, link, profile, tuple(keys), strategies, costs, weight, tuple(edges),
                       metas, kinds, core_nodes(facts), carried, block_out, count,
                       op_sets=all_op_sets(facts, alias=t == 1), axis=TENSOR if background is None else background.axis,
-                      reshard_cache=cache.setdefault("reshard", {}))
+                      reshard_cache=cache.setdefault("reshard", {}), node_overhead_s=overhead)
 
 
 def _local_numel(meta: TensorMeta, placement, t: int) -> int:
@@ -392,6 +393,9 @@ class PartCost:
     rc: Optional[dict] = None
     param_tensors: float = 0.0        # parameter tensors used only by this part (block: one layer's)
     nodes: float = 0.0                # op nodes (each pays the host's per-node cost once per micro-batch)
+    # op kind ("matmul", "attention", "memory") -> (forward, backward) compute seconds, host cost
+    # excluded: what ``autopar profile`` splits the predicted compute by
+    by_kind: dict = field(default_factory=dict)
 
     @property
     def fwd_s(self) -> float:
@@ -437,7 +441,7 @@ def _param_part(tab: AxisTables, k: str) -> str:
 def summarize(tab: AxisTables, choice: dict) -> AxisSummary:
     """``choice``: key -> strategy index."""
     acc = {p: dict(fwd=0.0, bwd=0.0, cf={}, cb={}, saved=0.0, core_f=0.0, core_b=0.0, mx=0.0, params=0.0,
-                   tensors=0.0, nodes=0.0) for p in PARTS + ("shared",)}
+                   tensors=0.0, nodes=0.0, kinds={}) for p in PARTS + ("shared",)}
     count = tab.count
     for k in tab.keys:
         c = tab.costs[k][choice[k]]
@@ -452,6 +456,8 @@ def summarize(tab: AxisTables, choice: dict) -> AxisSummary:
         a["nodes"] += 1
         a["fwd"] += c.fwd_s
         a["bwd"] += c.bwd_s
+        f, b = a["kinds"].get(kind, (0.0, 0.0))
+        a["kinds"][kind] = (f + c.fwd_s - tab.node_overhead_s, b + c.bwd_s)
         for kd, s in c.comm_fwd:
             _add(a["cf"], kd if ":" in kd else f"{tab.axis}:{kd}", s)
         for kd, s in c.comm_bwd:
@@ -472,7 +478,8 @@ def summarize(tab: AxisTables, choice: dict) -> AxisSummary:
         _add(a["cb"], f"{tab.axis}:all_gather", ec.regather_s * scale)
     shared = acc.pop("shared")
     parts = {p: PartCost(v["fwd"], v["bwd"], v["cf"], v["cb"], v["saved"], v["core_f"], v["core_b"], v["mx"],
-                         v["params"], v["fwd"], v["bwd"], param_tensors=v["tensors"], nodes=v["nodes"])
+                         v["params"], v["fwd"], v["bwd"], param_tensors=v["tensors"], nodes=v["nodes"],
+                         by_kind=v["kinds"])
              for p, v in acc.items()}
     if tab.op_sets:
         parts["block"] = replace(parts["block"], rc=rc_costs(tab, choice, parts["block"].saved_bytes))

@@ -43,6 +43,12 @@ and why (``StepTime.overlap``, the report's "Communication" table).
   gradients and AdamW's two fp32 moments (4 + 4 + 8 bytes, ZeRO-sharded as such), gradients cross
   dp in the plan's dtype, parameters are all-gathered in fp32. Without it (Megatron, ZeRO's paper)
   the device holds 16-bit parameters and the optimizer an fp32 master (2 + 2 + 12).
+- ``grad_passes``: the runtime moves each gradient through memory beside the backward's GEMMs:
+  copied into the reducer's buffer (a ZeRO-0/1 bucket view once per step, a ZeRO-2/3 send buffer
+  every micro-batch it reduce-scatters) and accumulated over micro-batches by separate adds
+  (autopar's ``runtime/reducer.py``, as DDP); ``overlap.grad_pass_bytes`` counts those bytes, at
+  HBM speed in the rank's compute. Without it the weight-gradient GEMM accumulates into the main
+  gradient (Megatron's fused gradient accumulation).
 - ``zero3_prefetch``: ZeRO-3's forward gathers the next layer's parameters while this one computes
   (autopar's ``runtime/prefetch.py``), so they overlap the forward; FSDP-like runtimes get the same
   from ``param_gather_overlap``. Every runtime here gathers one layer (a group or bucket) per
@@ -70,6 +76,7 @@ class RuntimeProfile:
     zero3_prefetch: bool = False          # ZeRO-3's forward gathers prefetched one layer ahead
     autocast: bool = False                # 16-bit plans of fp32 parameters run under torch.autocast
     grad_reduce_bytes: Optional[int] = None   # bytes per gradient element on the dp wire (None: grad_bytes)
+    grad_passes: bool = False             # gradients copied into the reducer's buffers / accumulated by adds
 
     @property
     def grad_wire_bytes(self) -> int:
@@ -99,10 +106,11 @@ def for_dtype(profile: RuntimeProfile, dtype: str, param_dtype: str = "float32")
 # layer at a time with the next one prefetched (``zero3_prefetch``); tensor-parallel collectives are
 # issued synchronously by the executor; offload's copies (``runtime/offload.py``) are issued on the
 # compute stream, so they are exposed; 16-bit plans run under torch.autocast over fp32 parameters
-# (``autocast``: ``for_dtype`` gives the state layout).
+# (``autocast``: ``for_dtype`` gives the state layout); gradients pass through the reducer's
+# buffers (``grad_passes``).
 AUTOPAR_RUNTIME = RuntimeProfile(
     name="autopar", tp_overlap_kinds=(), grad_reduce_overlap=True, param_gather_overlap=False,
-    grad_bytes=2, zero3_prefetch=True, autocast=True)
+    grad_bytes=2, zero3_prefetch=True, autocast=True, grad_passes=True)
 
 # Megatron-Core with --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap (the flags of
 # the published H100 weak-scaling runs), bf16 with fp32 gradient accumulation/reduction.

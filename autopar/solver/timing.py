@@ -31,6 +31,10 @@ the same parameters as its dp peers.
 Pipeline p2p: each micro-batch sends its activation forward and its gradient backward across
 each of a rank's v stage boundaries (one ``layer_input_bytes`` message each way), not overlapped.
 
+Gradient passes (a runtime with ``RuntimeProfile.grad_passes``): the reducer's copies of the
+gradients into its buffers and the micro-batches' accumulating adds (``overlap.grad_pass_bytes``),
+at HBM bandwidth x memory efficiency, in the rank's compute (per micro-batch: 1/m of the step's).
+
 Optimizer step (memory bound): per local parameter it reads the 16-bit param, the gradient, the
 fp32 master copy and the two Adam moments and writes the param, master and moments back
 (``OPTIMIZER_BYTES_PER_PARAM`` + grad bytes), at HBM bandwidth x memory efficiency, / dp under ZeRO >= 1.
@@ -67,7 +71,7 @@ from autopar.plan import V_SCHEDULES, MemoryUse, StepTime
 from autopar.solver.balance import balance
 from autopar.solver.problem import AxisSummary, PartCost
 from autopar.solver.overlap import (account as overlap_account, accumulates_rows, dp_sync as overlap_dp_sync,
-                                    reduces_once_per_step)
+                                    grad_pass_bytes, reduces_once_per_step)
 from autopar.solver.runtime_profile import RuntimeProfile
 from autopar.recompute_ops import is_per_op
 from autopar.solver.layer_memory import (activation_bytes_per_layer, held_loss_input_bytes, rc_of, recomputed_layers,
@@ -414,6 +418,8 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
                                                 groups)
     comm.update(dp_comm)
     mem = _rank_memory(summary, cfg, profile, r, parts, numel, lps)
+    if profile.grad_passes:      # the reducer's gradient copies and the micro-batches' adds, per micro-batch
+        compute += grad_pass_bytes(cfg, numel, profile.grad_bytes) / (cfg.m * gpu.hbm_Bps * gpu.memory_efficiency)
     cls = cfg.classes
     if cls:
         saved = saved_per_microbatch(summary, cfg, parts, lps)

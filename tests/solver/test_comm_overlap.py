@@ -40,6 +40,27 @@ def _rows(ev) -> dict:
     return {o.key: o for o in ev.step.overlap}
 
 
+def test_gradient_passes_by_hand():
+    """``overlap.grad_pass_bytes``: per step, 3 passes per accumulating add (micro-batches after
+    the first), 2 per copy into the reducer's buffer: once per step (ZeRO 0/1, or pipelined), every
+    micro-batch under ZeRO 2/3 without a pipeline (then its rows add up: 3 passes over 1/data)."""
+    from autopar.solver.overlap import grad_pass_bytes
+
+    def cfg(dp, zero, pp=1):
+        return OuterConfig(tp=1, pp=pp, dp=dp, mbs=1, m=4, recompute="none", zero=zero, sp=False)
+
+    assert grad_pass_bytes(cfg(1, 0), 100, 4) == 9 * 100 * 4              # three adds, no reducer copy
+    assert grad_pass_bytes(cfg(8, 0), 100, 4) == (2 + 9) * 100 * 4        # one copy into the buckets
+    assert grad_pass_bytes(cfg(8, 1), 100, 4) == (2 + 9) * 100 * 4
+    assert grad_pass_bytes(cfg(4, 2), 100, 4) == (8 + 9 / 4) * 100 * 4    # a send buffer per micro-batch
+    assert grad_pass_bytes(cfg(4, 3, pp=2), 100, 4) == (2 + 9) * 100 * 4  # pipelined: reduced once
+    # Megatron's wgrad GEMM accumulates into the main gradient: no such term
+    c = cfg(8, 0)
+    mega = evaluate(_summary({}), c, _cluster(0.0), MEGATRON_RUNTIME, 1e15)
+    ours = evaluate(_summary({}), c, _cluster(0.0), replace(MEGATRON_RUNTIME, grad_passes=True), 1e15)
+    assert ours.step.compute_s - mega.step.compute_s == pytest.approx(11 * 2e9 * 4 / (3.35e12 * 0.85))
+
+
 def test_contention_formula():
     assert overlapped_cost(7.0, 4.0, True, 0.25) == pytest.approx(3.0 + 0.25 * 4.0)     # exposed + s x hidden
     assert overlapped_cost(3.0, 4.0, True, 0.25) == pytest.approx(0.25 * 3.0)           # all hidden
@@ -50,7 +71,9 @@ def test_contention_formula():
 def test_zero0_by_hand():
     """dp=8 all-reduce of 2 layers x 1e9 params x 2 B (autopar: bf16 grads) at 1 GB/s busbw:
     2 x 7/8 x 4e9 / 1e9 = 7 s, beside the last backward (2 layers x 2 s = 4 s): hidden 4, exposed 3,
-    contention 0.25 x 4 = 1. TP all-reduce: 0.1 s per layer forward x 2 layers x 4 micro-batches."""
+    contention 0.25 x 4 = 1. TP all-reduce: 0.1 s per layer forward x 2 layers x 4 micro-batches.
+    Gradient passes (``overlap.grad_pass_bytes``): copied into the buckets once (2 passes), three
+    micro-batches added (3 each): 11 x 2e9 x 2 B at 3.35 TB/s x 0.85."""
     cfg = OuterConfig(tp=1, pp=1, dp=8, mbs=1, m=4, recompute="none", zero=0, sp=False)
     ev = evaluate(_summary({"tp:all_reduce": 0.1}), cfg, _cluster(0.25), AUTOPAR_RUNTIME, 1e15, all_stages=True)
     rows = _rows(ev)
@@ -62,7 +85,8 @@ def test_zero0_by_hand():
     assert "synchronous" in tp.why
     comm = dict(ev.step.comm_s)
     assert comm["dp:all_reduce"] == pytest.approx(4.0) and comm["tp:all_reduce"] == pytest.approx(0.8)
-    assert ev.step.total_s == pytest.approx(4 * (6.0 + 0.2) + 4.0 + ev.step.optimizer_s)
+    passes = 11 * 2e9 * 2 / (3.35e12 * 0.85)
+    assert ev.step.total_s == pytest.approx(4 * (6.0 + 0.2) + 4.0 + passes + ev.step.optimizer_s)
     # no contention: the plain max(0, comm - window) rule, and the why says none was charged
     ev0 = evaluate(_summary({"tp:all_reduce": 0.1}), cfg, _cluster(0.0), AUTOPAR_RUNTIME, 1e15, all_stages=True)
     assert dict(ev0.step.comm_s)["dp:all_reduce"] == pytest.approx(3.0)
