@@ -108,6 +108,7 @@ class Calibration:
     runtime_overhead: Optional[tuple[float, float]] = None   # (plain, DTensor) s per graph node per step (CPU)
     runtime_overhead_slope: tuple[bool, bool] = (True, True)   # measured as the slope (False: noise, upper bound)
     runtime_overhead_2d: Optional[tuple[float, bool]] = None   # (s, slope) DTensor on a dp x tp mesh (4+ ranks)
+    step_overhead: Optional[float] = None    # s per autopar step beside its graph's nodes (CPU)
     overlap: Optional[OverlapFigures] = None   # compute beside an async all-reduce (calibrate_overlap.py)
 
 
@@ -209,6 +210,7 @@ def _aggregate(results: list[dict], cfg: dict, kind: str, nproc: int, start: flo
         runtime_overhead_2d=(_mean([r["runtime_overhead"]["dtensor_2d"] for r in results]),
                              all(r["runtime_overhead"]["dtensor_2d_slope"] for r in results))
         if "dtensor_2d" in results[0].get("runtime_overhead", {}) else None,
+        step_overhead=_mean([r["runtime_overhead"]["step"] for r in results]) if "runtime_overhead" in results[0] else None,
         overlap=overlap_figures(results[0]["overlap"]) if "overlap" in results[0] else None)
 
 
@@ -336,6 +338,9 @@ def figures_table(cal: Calibration, cluster: ClusterSpec) -> Table:
         s, ok = cal.runtime_overhead_2d
         t.add_row("autopar step, per graph node (DTensor on a dp x tp mesh)", f"{s * 1e6:.3g} us",
                   f"dtensor_2d_op_overhead_us ({'slope' if ok else 'noisy: whole step / node'})")
+    if cal.step_overhead is not None:
+        t.add_row("autopar step, beside its nodes", f"{cal.step_overhead * 1e3:.3g} ms",
+                  "step_overhead_us (the intercept)")
     for k, f in cal.fits + ((("all kinds", cal.joint),) if cal.joint else ()):
         top = max(p.nbytes for p in cal.points if k == "all kinds" or p.kind == k)
         role = ("\\[intra] link" if k == cal.link_kind else

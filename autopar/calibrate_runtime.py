@@ -9,6 +9,7 @@ its op mix a transformer's) is trained at two depths under the running world's d
 and
 
     overhead per node = (step time(deep) - step time(shallow)) / (graph nodes(deep) - graph nodes(shallow))
+    overhead per step = step time(shallow) - overhead per node x graph nodes(shallow)
 
 once with plain tensors (``dp_mode="auto"``: what plans without tensor parallelism run), once
 with every op on DTensors (``dp_mode="dtensor"``: what tp > 1 runs) and, on 4 ranks or more, once
@@ -25,6 +26,12 @@ waiting on each other), more than the depth adds: the two depths' steps alternat
 hits both) and each depth's fastest step is taken (load only adds time). A slope that still comes
 out at or below 0 is noise, not a free node: the deep model's whole step per node is taken instead
 (an upper bound, fixed costs included), and said so (``runtime_overheads``' ``*_slope`` flags).
+
+The per-step figure (plain tensors: ``GPUSpec.step_overhead_s``, added once per step by
+``solver/timing.py``) is what a step costs beside its nodes: the step's Python, zeroing the
+gradients, the loss's all-reduce, the optimizer's launch. It includes this tiny model's own gradient
+all-reduce (a few KB: about one link latency) and optimizer step (SGD on ~30K parameters), which
+the cost model also prices for a real model: counted twice, about one latency.
 """
 from __future__ import annotations
 
@@ -58,9 +65,10 @@ def _timed(pm, batch) -> float:
     return time.perf_counter() - t0
 
 
-def per_node_s(world: int, dp_mode: str, force: str = "") -> tuple[float, bool]:
-    """(seconds per graph node per step, whether it is the slope) for ``dp_mode`` under ``force``
-    (default: data parallel over the world; module docstring)."""
+def per_node_s(world: int, dp_mode: str, force: str = "") -> tuple[float, bool, float]:
+    """(seconds per graph node per step, whether it is the slope, seconds per step beside the nodes)
+    for ``dp_mode`` under ``force`` (default: data parallel over the world; module docstring; the
+    per-step figure is 0 where the slope is not measured)."""
     force = force or f"dp={world}"
     shallow, deep = _model(SHALLOW, world, dp_mode, force), _model(DEEP, world, dp_mode, force)
     best = [float("inf"), float("inf")]
@@ -68,17 +76,22 @@ def per_node_s(world: int, dp_mode: str, force: str = "") -> tuple[float, bool]:
         for i, (pm, batch, _) in enumerate((shallow, deep)):
             best[i] = min(best[i], _timed(pm, batch))
     slope = (best[1] - best[0]) / (deep[2] - shallow[2])
-    return (slope, True) if slope > 0 else (best[1] / deep[2], False)
+    if slope > 0:
+        return slope, True, max(0.0, best[0] - slope * shallow[2])
+    return best[1] / deep[2], False, 0.0
 
 
 def runtime_overheads(world: int) -> dict[str, float]:
     """{"plain": s, "dtensor": s} per graph node per step, on the running world, with
-    {"plain_slope": bool, "dtensor_slope": bool}, and "dtensor_2d" / "dtensor_2d_slope" on an even
-    world of 4 ranks or more (module docstring)."""
+    {"plain_slope": bool, "dtensor_slope": bool}, "step": s per step beside the nodes (plain
+    tensors), and "dtensor_2d" / "dtensor_2d_slope" on an even world of 4 ranks or more (module
+    docstring)."""
     out = {}
     runs = [("plain", "auto", ""), ("dtensor", "dtensor", "")]
     if world >= 4 and world % 2 == 0:
         runs.append(("dtensor_2d", "dtensor", f"dp={world // 2},tp=2"))
     for name, mode, force in runs:
-        out[name], out[f"{name}_slope"] = per_node_s(world, mode, force)
+        out[name], out[f"{name}_slope"], step = per_node_s(world, mode, force)
+        if name == "plain":
+            out["step"] = step
     return out

@@ -144,6 +144,7 @@ class StepTime:
     optimizer_s: float
     total_s: float
     overlap: tuple[CommOverlap, ...] = ()    # per collective: total, hidden, exposed, why (comm_overlap.py)
+    host_s: float = 0.0                      # the host's fixed cost of a step (GPUSpec.step_overhead_s)
 
 
 @dataclass(frozen=True)

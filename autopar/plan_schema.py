@@ -216,8 +216,8 @@ COMM_OVERLAP = Obj({"axis": STR, "kind": STR, "total_s": SECONDS, "window_s": SE
                     "exposed_s": SECONDS, "contention_s": SECONDS, "why": STR, "known": BOOL},
                    optional=frozenset({"known"}))
 STEP_TIME = Obj({"compute_s": SECONDS, "recompute_s": SECONDS, "comm_s": MapOf(SECONDS), "bubble_s": SECONDS,
-                 "optimizer_s": SECONDS, "total_s": POSITIVE, "overlap": ListOf(COMM_OVERLAP)},
-                optional=frozenset({"overlap"}))        # absent in plan files written before it
+                 "optimizer_s": SECONDS, "total_s": POSITIVE, "overlap": ListOf(COMM_OVERLAP), "host_s": SECONDS},
+                optional=frozenset({"overlap", "host_s"}))        # absent in plan files written before them
 MEMORY = Obj({k: COUNT for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
                                  "other_bytes", "total_bytes", "host_bytes", "nvme_bytes")},
              optional=frozenset({"host_bytes", "nvme_bytes"}))

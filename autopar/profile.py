@@ -134,10 +134,11 @@ def summarize(plan, cluster, profiles: list[dict], nodes: Optional[list[int]] = 
     comm_pred = dict(st.comm_s)
     stage = plan.stage_mesh
     per_node = cluster.gpu.node_overhead_s(plan.tp > 1, sum(1 for n in stage.shape if n > 1))
-    host_pred = per_node * max(nodes) if nodes else 0.0      # inside the plan's compute (solver/problem.py)
+    node_host = per_node * max(nodes) if nodes else 0.0      # inside the plan's compute (solver/problem.py)
+    host_pred = node_host + st.host_s                          # + the step's own (solver/timing.py)
     measured_compute = sum(mean[c] for c in COMPUTE_CLASSES)
     profiled = sum(mean.values())
-    compute_pred = st.compute_s + st.recompute_s - host_pred
+    compute_pred = st.compute_s + st.recompute_s - node_host
     categories = [("compute", measured_compute, compute_pred)]
     if shares is not None:
         categories += [(f"  {CLASS_LABELS[c]}", mean[c], compute_pred * shares.get(c, 0.0)) for c in COMPUTE_CLASSES]
@@ -152,7 +153,7 @@ def summarize(plan, cluster, profiles: list[dict], nodes: Optional[list[int]] = 
     other = profiled - mean["runtime"]
     categories += [("pipeline bubble", None, st.bubble_s),
                    ("host overhead (executor, dispatch, autograd)", measured_step - other,
-                    host_pred if per_node > 0 else None)]
+                    host_pred if per_node > 0 or st.host_s > 0 else None)]
     seen = {}
     for p in profiles:
         for kind, axis, nbytes, calls in p["collectives"]:

@@ -167,6 +167,8 @@ def time_table(plan: Plan) -> Table:
     cpu = plan.offload != "none" and "optimizer" in plan.offload.split("+")
     rows += [("pipeline bubble", st.bubble_s), ("optimizer step (CPU, offloaded)" if cpu else "optimizer step",
                                                 st.optimizer_s)]
+    if st.host_s:
+        rows.append(("host, per step (beside the nodes)", st.host_s))
     for name, sec in rows:
         t.add_row(name, f"{sec:.4f}", f"{100 * sec / st.total_s:.1f}%" if st.total_s else "-")
     t.add_row("[bold]total[/bold]", f"[bold]{st.total_s:.4f}[/bold]", "100%")

@@ -99,12 +99,13 @@ def test_per_node_step_costs_reach_the_cluster(tmp_path):
     """The per-node host costs ``calibrate_runtime`` measures (plain, DTensor on one axis, DTensor
     on a dp x tp mesh) are the cluster's ``op_overhead_s`` / ``dtensor_op_overhead_s`` /
     ``dtensor_2d_op_overhead_s``, in the file and back; without the 2-D figure (fewer than 4 ranks)
-    the 2-D cost is the 1-D one."""
+    the 2-D cost is the 1-D one. The step's own (the intercept) is ``step_overhead_s``."""
     from dataclasses import replace
 
     cal = replace(_calibration("cpu", {"float32": 41.3e9}, 12.5e9, 20e9), runtime_overhead=(4.5e-4, 1.1e-3),
-                  runtime_overhead_2d=(2.0e-3, True))
+                  runtime_overhead_2d=(2.0e-3, True), step_overhead=0.015)
     c = cluster_from_dict(cluster_dict(cal))
+    assert c.gpu.step_overhead_s == pytest.approx(0.015)
     assert (c.gpu.op_overhead_s, c.gpu.dtensor_op_overhead_s, c.gpu.dtensor_2d_op_overhead_s) == pytest.approx(
         (4.5e-4, 1.1e-3, 2.0e-3))
     assert c.gpu.node_overhead_s(True, 2) == pytest.approx(2.0e-3) and c.gpu.node_overhead_s(True, 1) == pytest.approx(1.1e-3)
@@ -112,6 +113,7 @@ def test_per_node_step_costs_reach_the_cluster(tmp_path):
     p.write_text(calibration_toml(c, measured_dict(cal, 10.0, 12.0)))
     assert load_cluster(p) == c
     assert tomllib.loads(p.read_text())["measured"]["step_us_per_node"]["dtensor_2d"] == pytest.approx(2000.0)
+    assert tomllib.loads(p.read_text())["measured"]["step_overhead_us"] == pytest.approx(15000.0)
     one = cluster_from_dict(cluster_dict(replace(cal, runtime_overhead_2d=None)))
     assert one.gpu.dtensor_2d_op_overhead_s == 0.0 and one.gpu.node_overhead_s(True, 2) == pytest.approx(1.1e-3)
 

@@ -58,6 +58,7 @@ Cluster TOML (``cluster_file.load_cluster``)::
     op_overhead_us = 60.0         # host time per graph node per step, plain tensors (default 0)
     dtensor_op_overhead_us = 250.0   # the same under DTensor (tp > 1) (default 0)
     dtensor_2d_op_overhead_us = 400.0   # under DTensor on a mesh of two axes or more (default: the above)
+    step_overhead_us = 15000.0    # host time per training step that does not grow with the graph (default 0)
     source = "..."
 
     [measured]                    # optional, any content; read and ignored (``autopar calibrate``
@@ -126,6 +127,9 @@ class GPUSpec:
     # DTensor on a mesh of two or more axes of size > 1 (tp x dp, tp x cp, several tensor axes):
     # its sharding propagation enumerates strategies over every axis; 0: as ``dtensor_op_overhead_s``
     dtensor_2d_op_overhead_s: float = 0.0
+    # host time per training step that does not grow with the graph (the step's Python, the loss's
+    # all-reduce, the optimizer's launch, zeroing the gradients), once per step; 0 unless measured
+    step_overhead_s: float = 0.0
     # non-causal attention (BERT, ViT): achieved FLOP/s / peak, FULL count; None: not measured
     attention_noncausal_efficiency: Optional[float] = None
 

@@ -9,7 +9,10 @@ with recompute "full" re-running each layer's forward (compute and its TP comm) 
 recompute ("selective" = "ops:attention", "ops:..." in ``autopar/recompute_ops.py``) re-running
 its regions' forward (compute and collectives: ``op_classes.rc_costs``; a zero-bubble split backward: ``cost.split_backward``). Step time (``cost.flops``):
 
-    T = (m + U) * max_r t_rank  +  max_r exposed DP sync  +  max_r optimizer step
+    T = (m + U) * max_r t_rank  +  max_r exposed DP sync  +  max_r optimizer step  +  host per step
+
+(host per step: ``GPUSpec.step_overhead_s``, what a step costs beside its graph's nodes; measured
+by ``autopar calibrate`` on CPUs, 0 otherwise)
 
 t_rank: one pp rank's time per micro-batch over all its stages; U: the schedule's bubble in units
 of it (p - 1 for GPipe/1F1B, Megatron §2.2.1; (p - 1)/v interleaved; ... ``pipeline_bubble_units``).
@@ -358,10 +361,11 @@ def evaluate(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profi
     comm_total: dict = {}
     _merge(comm_total, bottleneck.comm, cfg.m)
     _merge(comm_total, dp_stage.dp_sync, 1.0)
-    total = pipeline_s + sum(dp_stage.dp_sync.values()) + opt_s
+    host_s = cluster.gpu.step_overhead_s         # once per step, beside the graph's nodes
+    total = pipeline_s + sum(dp_stage.dp_sync.values()) + opt_s + host_s
     step = StepTime(compute_s=cfg.m * bottleneck.compute_s, recompute_s=cfg.m * bottleneck.recompute_s,
                     comm_s=tuple(sorted(comm_total.items())), bubble_s=bubble_s,
-                    optimizer_s=opt_s, total_s=total)
+                    optimizer_s=opt_s, total_s=total, host_s=host_s)
     if all_stages:           # the plan's evaluation: how much of each collective is hidden, and why
         step = replace(step, overlap=overlap_account(bottleneck, dp_stage, cfg.m, profile, cluster))
     heaviest = max(stages, key=lambda st: st.memory.total_bytes).memory

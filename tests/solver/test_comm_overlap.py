@@ -61,6 +61,19 @@ def test_gradient_passes_by_hand():
     assert ours.step.compute_s - mega.step.compute_s == pytest.approx(11 * 2e9 * 4 / (3.35e12 * 0.85))
 
 
+def test_the_steps_host_cost_is_paid_once_per_step():
+    """``GPUSpec.step_overhead_s`` (measured by ``autopar calibrate``): added to the step once,
+    whatever the micro-batches and the pipeline, and shown as ``StepTime.host_s``."""
+    for cfg in (OuterConfig(tp=1, pp=1, dp=8, mbs=1, m=4, recompute="none", zero=0, sp=False),
+                OuterConfig(tp=1, pp=2, dp=4, mbs=1, m=8, recompute="none", zero=1, sp=False)):
+        base = _cluster(0.25)
+        host = replace(base, gpu=replace(base.gpu, step_overhead_s=0.5))
+        a = evaluate(_summary({}, layers=4), cfg, base, AUTOPAR_RUNTIME, 1e15)
+        b = evaluate(_summary({}, layers=4), cfg, host, AUTOPAR_RUNTIME, 1e15)
+        assert b.step.total_s - a.step.total_s == pytest.approx(0.5) and b.step.host_s == 0.5 and a.step.host_s == 0.0
+        assert b.step.compute_s == a.step.compute_s
+
+
 def test_contention_formula():
     assert overlapped_cost(7.0, 4.0, True, 0.25) == pytest.approx(3.0 + 0.25 * 4.0)     # exposed + s x hidden
     assert overlapped_cost(3.0, 4.0, True, 0.25) == pytest.approx(0.25 * 3.0)           # all hidden
