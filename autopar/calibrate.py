@@ -109,6 +109,7 @@ class Calibration:
     runtime_overhead_slope: tuple[bool, bool] = (True, True)   # measured as the slope (False: noise, upper bound)
     runtime_overhead_2d: Optional[tuple[float, bool]] = None   # (s, slope) DTensor on a dp x tp mesh (4+ ranks)
     step_overhead: Optional[float] = None    # s per autopar step beside its graph's nodes (CPU)
+    ring_attention_overhead: Optional[float] = None   # s per ring attention node per micro-batch (CPU)
     overlap: Optional[OverlapFigures] = None   # compute beside an async all-reduce (calibrate_overlap.py)
 
 
@@ -211,7 +212,19 @@ def _aggregate(results: list[dict], cfg: dict, kind: str, nproc: int, start: flo
                              all(r["runtime_overhead"]["dtensor_2d_slope"] for r in results))
         if "dtensor_2d" in results[0].get("runtime_overhead", {}) else None,
         step_overhead=_mean([r["runtime_overhead"]["step"] for r in results]) if "runtime_overhead" in results[0] else None,
+        ring_attention_overhead=_ring_host(results, by_kind.get("all_to_all", link)),
         overlap=overlap_figures(results[0]["overlap"]) if "overlap" in results[0] else None)
+
+
+def _ring_host(results: list[dict], rotation: Optional[LinkFit]) -> Optional[float]:
+    """The ring attention's host cost per node per micro-batch (``calibrate_runtime``), less its
+    rotations' link latency (an all_to_all of a few KB each), which the cost model prices on the link."""
+    from autopar.calibrate_runtime import RING_ROTATIONS
+
+    if "ring_attention" not in results[0].get("runtime_overhead", {}):
+        return None
+    ring = _mean([r["runtime_overhead"]["ring_attention"] for r in results])
+    return max(0.0, ring - RING_ROTATIONS * (rotation.latency_s if rotation else 0.0))
 
 
 def measure(nproc: Optional[int] = None, budget_s: float = DEFAULT_BUDGET_S, console: Optional[Console] = None,
@@ -341,6 +354,9 @@ def figures_table(cal: Calibration, cluster: ClusterSpec) -> Table:
     if cal.step_overhead is not None:
         t.add_row("autopar step, beside its nodes", f"{cal.step_overhead * 1e3:.3g} ms",
                   "step_overhead_us (the intercept)")
+    if cal.ring_attention_overhead is not None:
+        t.add_row("ring attention (cp=2), per node per micro-batch", f"{cal.ring_attention_overhead * 1e6:.3g} us",
+                  "ring_attention_overhead_us (less the rotations' latency)")
     for k, f in cal.fits + ((("all kinds", cal.joint),) if cal.joint else ()):
         top = max(p.nbytes for p in cal.points if k == "all kinds" or p.kind == k)
         role = ("\\[intra] link" if k == cal.link_kind else

@@ -27,6 +27,14 @@ hits both) and each depth's fastest step is taken (load only adds time). A slope
 out at or below 0 is noise, not a free node: the deep model's whole step per node is taken instead
 (an upper bound, fixed costs included), and said so (``runtime_overheads``' ``*_slope`` flags).
 
+Ring attention (on an even world): the same fit under ``cp=2, cpmode=ring`` (dp = world / 2, plain
+tensors: the graph runs in local data-parallel mode, the attention node runs the ring,
+``codegen/context_attention.py``). What its slope adds to the plain one, times the nodes of a layer,
+is the host's cost of one layer's ring attention per micro-batch (its blocks, merges and rotations
+issued from Python); the calibration takes out the rotations' link latency (``autopar.calibrate``),
+which the cost model prices on the link, and the planner adds the rest per ring attention node
+(``GPUSpec.ring_attention_overhead_s``, ``solver/problem.py``).
+
 The per-step figure (plain tensors: ``GPUSpec.step_overhead_s``, added once per step by
 ``solver/timing.py``) is what a step costs beside its nodes: the step's Python, zeroing the
 gradients, the loss's all-reduce, the optimizer's launch. It includes this tiny model's own gradient
@@ -38,6 +46,8 @@ from __future__ import annotations
 import time
 
 SHALLOW, DEEP = 1, 6            # transformer layers (about 23 graph nodes each)
+RING_CP = 2                     # cp of the ring attention run
+RING_ROTATIONS = 3 * RING_CP - 2  # its rotations per attention per micro-batch: cp - 1 forward, 2 cp - 1 backward
 MODEL = "gpt:hidden=16,layers={layers},heads=2,vocab=64,seq=8"
 WARMUP, TIMED = 2, 8            # steps per model; the timed ones alternate between the depths
 
@@ -65,10 +75,10 @@ def _timed(pm, batch) -> float:
     return time.perf_counter() - t0
 
 
-def per_node_s(world: int, dp_mode: str, force: str = "") -> tuple[float, bool, float]:
-    """(seconds per graph node per step, whether it is the slope, seconds per step beside the nodes)
-    for ``dp_mode`` under ``force`` (default: data parallel over the world; module docstring; the
-    per-step figure is 0 where the slope is not measured)."""
+def per_node_s(world: int, dp_mode: str, force: str = "") -> tuple[float, bool, float, float]:
+    """(seconds per graph node per step, whether it is the slope, seconds per step beside the nodes,
+    graph nodes per layer per micro-batch) for ``dp_mode`` under ``force`` (default: data parallel
+    over the world; module docstring; the per-step figure is 0 where the slope is not measured)."""
     force = force or f"dp={world}"
     shallow, deep = _model(SHALLOW, world, dp_mode, force), _model(DEEP, world, dp_mode, force)
     best = [float("inf"), float("inf")]
@@ -76,9 +86,10 @@ def per_node_s(world: int, dp_mode: str, force: str = "") -> tuple[float, bool, 
         for i, (pm, batch, _) in enumerate((shallow, deep)):
             best[i] = min(best[i], _timed(pm, batch))
     slope = (best[1] - best[0]) / (deep[2] - shallow[2])
+    per_layer = (deep[2] - shallow[2]) / (DEEP - SHALLOW) / deep[0].plan.num_micro_batches
     if slope > 0:
-        return slope, True, max(0.0, best[0] - slope * shallow[2])
-    return best[1] / deep[2], False, 0.0
+        return slope, True, max(0.0, best[0] - slope * shallow[2]), per_layer
+    return best[1] / deep[2], False, 0.0, per_layer
 
 
 def runtime_overheads(world: int) -> dict[str, float]:
@@ -91,7 +102,10 @@ def runtime_overheads(world: int) -> dict[str, float]:
     if world >= 4 and world % 2 == 0:
         runs.append(("dtensor_2d", "dtensor", f"dp={world // 2},tp=2"))
     for name, mode, force in runs:
-        out[name], out[f"{name}_slope"], step = per_node_s(world, mode, force)
+        out[name], out[f"{name}_slope"], step, _ = per_node_s(world, mode, force)
         if name == "plain":
             out["step"] = step
+    if world % 2 == 0:          # per ring attention node (the GPT has one per layer) per micro-batch
+        ring, ok, _, per_layer = per_node_s(world, "auto", f"cp={RING_CP},cpmode=ring,dp={world // RING_CP}")
+        out["ring_attention"] = max(0.0, ring - out["plain"]) * per_layer if ok and out["plain_slope"] else 0.0
     return out

@@ -46,6 +46,7 @@ def _profile_rank(rank: int, world: int, model: str, plan_json: Optional[str], f
 
     from autopar.api import autoparallelize
     from autopar.cli_run import make_optimizer
+    from autopar.ir import SDPA_TARGET
     from autopar.models import build_model
     from autopar.plan import Plan
     from autopar.runtime.memory_measure import measure_step
@@ -63,9 +64,12 @@ def _profile_rank(rank: int, world: int, model: str, plan_json: Optional[str], f
     prof = profile_steps(pm, batches, warmup=warmup, steps=steps, trace_path=trace)
     _, memory = measure_step(pm, *b.make_batch(rows, gen))      # one more step, its peak by category
     # graph nodes this rank runs per micro-batch (its executors: all of them, or its pipeline stages')
-    nodes = sum(1 for ex in pm._made for n in pm._train_graph.nodes
-                if n.kind == "op" and n.outputs and (ex.part is None or n.name in ex.part))
-    out = {"profile": prof.to_json(), "nodes": nodes * pm.plan.num_micro_batches,
+    runs = [n for ex in pm._made for n in pm._train_graph.nodes
+            if n.kind == "op" and n.outputs and (ex.part is None or n.name in ex.part)]
+    ring = pm.plan.context_parallel > 1 and pm.plan.context_parallel_mode == "ring"
+    m = pm.plan.num_micro_batches
+    out = {"profile": prof.to_json(), "nodes": len(runs) * m,
+           "ring_nodes": sum(1 for n in runs if n.target == SDPA_TARGET) * m if ring else 0,
            "memory": dataclasses.asdict(memory)}
     if rank == 0:
         out["plan"] = pm.plan.to_json()
@@ -119,10 +123,11 @@ def compute_shares(plan, graph, cluster) -> dict[str, float]:
 
 
 def summarize(plan, cluster, profiles: list[dict], nodes: Optional[list[int]] = None,
-              shares: Optional[dict] = None) -> dict:
+              shares: Optional[dict] = None, ring_nodes: Optional[list[int]] = None) -> dict:
     """The measured-vs-predicted report of ``autopar profile`` as plain data (module docstring).
-    ``nodes``: per rank, the graph nodes it runs per step (for the host overhead); ``shares``:
-    ``compute_shares`` (the compute's rows by operator class; none without it)."""
+    ``nodes``: per rank, the graph nodes it runs per step (for the host overhead), ``ring_nodes``
+    the ring attention nodes among them (their own host cost); ``shares``: ``compute_shares``
+    (the compute's rows by operator class; none without it)."""
     steps = profiles[0]["steps"]
     slowest = [max(p["step_times_s"][i] for p in profiles) for i in range(steps)]
     measured_step = sum(slowest) / steps
@@ -135,6 +140,7 @@ def summarize(plan, cluster, profiles: list[dict], nodes: Optional[list[int]] = 
     stage = plan.stage_mesh
     per_node = cluster.gpu.node_overhead_s(plan.tp > 1, sum(1 for n in stage.shape if n > 1))
     node_host = per_node * max(nodes) if nodes else 0.0      # inside the plan's compute (solver/problem.py)
+    node_host += cluster.gpu.ring_attention_overhead_s * max(ring_nodes) if ring_nodes else 0.0
     host_pred = node_host + st.host_s                          # + the step's own (solver/timing.py)
     measured_compute = sum(mean[c] for c in COMPUTE_CLASSES)
     profiled = sum(mean.values())
@@ -153,7 +159,7 @@ def summarize(plan, cluster, profiles: list[dict], nodes: Optional[list[int]] = 
     other = profiled - mean["runtime"]
     categories += [("pipeline bubble", None, st.bubble_s),
                    ("host overhead (executor, dispatch, autograd)", measured_step - other,
-                    host_pred if per_node > 0 or st.host_s > 0 else None)]
+                    host_pred if host_pred > 0 else None)]
     seen = {}
     for p in profiles:
         for kind, axis, nbytes, calls in p["collectives"]:
@@ -242,7 +248,7 @@ def profile_command(model: str, nproc: int, steps: int, *, warmup: int = 1, clus
         spec = resolve_cluster(plan.cluster.gpu, nodes=plan.cluster.nodes, gpus_per_node=plan.cluster.gpus_per_node)
     graph, dtype = traced_for_prediction(model, batch, seq_len)
     report = summarize(plan, spec, [o["profile"] for o in outs], [o["nodes"] for o in outs],
-                       compute_shares(plan, graph, spec))
+                       compute_shares(plan, graph, spec), [o["ring_nodes"] for o in outs])
     report["memory"] = [r.to_json() for r in compare_ranks(plan, graph, [o["memory"] for o in outs], dtype, optimizer)]
     render(report, console or make_console())
     if json_path:

@@ -103,9 +103,9 @@ def test_per_node_step_costs_reach_the_cluster(tmp_path):
     from dataclasses import replace
 
     cal = replace(_calibration("cpu", {"float32": 41.3e9}, 12.5e9, 20e9), runtime_overhead=(4.5e-4, 1.1e-3),
-                  runtime_overhead_2d=(2.0e-3, True), step_overhead=0.015)
+                  runtime_overhead_2d=(2.0e-3, True), step_overhead=0.015, ring_attention_overhead=6e-3)
     c = cluster_from_dict(cluster_dict(cal))
-    assert c.gpu.step_overhead_s == pytest.approx(0.015)
+    assert (c.gpu.step_overhead_s, c.gpu.ring_attention_overhead_s) == pytest.approx((0.015, 6e-3))
     assert (c.gpu.op_overhead_s, c.gpu.dtensor_op_overhead_s, c.gpu.dtensor_2d_op_overhead_s) == pytest.approx(
         (4.5e-4, 1.1e-3, 2.0e-3))
     assert c.gpu.node_overhead_s(True, 2) == pytest.approx(2.0e-3) and c.gpu.node_overhead_s(True, 1) == pytest.approx(1.1e-3)
@@ -116,6 +116,21 @@ def test_per_node_step_costs_reach_the_cluster(tmp_path):
     assert tomllib.loads(p.read_text())["measured"]["step_overhead_us"] == pytest.approx(15000.0)
     one = cluster_from_dict(cluster_dict(replace(cal, runtime_overhead_2d=None)))
     assert one.gpu.dtensor_2d_op_overhead_s == 0.0 and one.gpu.node_overhead_s(True, 2) == pytest.approx(1.1e-3)
+
+
+def test_the_ring_attention_host_figure_leaves_its_rotations_to_the_link():
+    """``calibrate._ring_host``: the ring's per-node host cost, measured with its rotations (cp=2:
+    1 forward, 3 backward, each an all_to_all of a few KB), less their latency on the fitted link,
+    which the cost model prices; never below 0; absent where it was not measured (an odd world)."""
+    from autopar.calibrate import _ring_host
+    from autopar.calibrate_comm import LinkFit
+
+    ranks = [{"runtime_overhead": {"ring_attention": 5e-3}}, {"runtime_overhead": {"ring_attention": 7e-3}}]
+    fit = LinkFit(latency_s=5e-4, busbw_Bps=1e9, rel_rms=0.1, max_rel=0.2, points=8)
+    assert _ring_host(ranks, fit) == pytest.approx(6e-3 - 4 * 5e-4)
+    assert _ring_host(ranks, LinkFit(latency_s=1.0, busbw_Bps=1e9, rel_rms=0.1, max_rel=0.2, points=8)) == 0.0
+    assert _ring_host(ranks, None) == pytest.approx(6e-3)
+    assert _ring_host([{"runtime_overhead": {"plain": 1e-4}}], fit) is None
 
 
 def test_each_collective_kind_priced_at_its_measured_busbw():

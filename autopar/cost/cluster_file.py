@@ -21,9 +21,10 @@ _TOP_KEYS = ("name", "gpu", "nodes", "gpus_per_node", "pcie_GBps", "intra", "int
 _LINK_KEYS = ("busbw_GBps", "latency_us", "name", "source", "busbw_scale")
 _OVERRIDE_KEYS = ("memory_GB", "hbm_GBps", "matmul_efficiency", "attention_efficiency", "attention_noncausal_efficiency",
                   "memory_efficiency", "peak_TFLOPs", "op_overhead_us", "dtensor_op_overhead_us",
-                  "dtensor_2d_op_overhead_us", "step_overhead_us", "source")
+                  "dtensor_2d_op_overhead_us", "step_overhead_us", "ring_attention_overhead_us", "source")
 _OVERHEADS = (("op_overhead_us", "op_overhead_s"), ("dtensor_op_overhead_us", "dtensor_op_overhead_s"),
-              ("dtensor_2d_op_overhead_us", "dtensor_2d_op_overhead_s"), ("step_overhead_us", "step_overhead_s"))
+              ("dtensor_2d_op_overhead_us", "dtensor_2d_op_overhead_s"), ("step_overhead_us", "step_overhead_s"),
+              ("ring_attention_overhead_us", "ring_attention_overhead_s"))
 _PEAK_DTYPES = TRAINING_DTYPES + ("float8_e4m3fn", "vector")
 
 

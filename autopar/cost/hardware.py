@@ -59,6 +59,7 @@ Cluster TOML (``cluster_file.load_cluster``)::
     dtensor_op_overhead_us = 250.0   # the same under DTensor (tp > 1) (default 0)
     dtensor_2d_op_overhead_us = 400.0   # under DTensor on a mesh of two axes or more (default: the above)
     step_overhead_us = 15000.0    # host time per training step that does not grow with the graph (default 0)
+    ring_attention_overhead_us = 8000.0   # host time of a ring attention node per micro-batch (default 0)
     source = "..."
 
     [measured]                    # optional, any content; read and ignored (``autopar calibrate``
@@ -130,6 +131,9 @@ class GPUSpec:
     # host time per training step that does not grow with the graph (the step's Python, the loss's
     # all-reduce, the optimizer's launch, zeroing the gradients), once per step; 0 unless measured
     step_overhead_s: float = 0.0
+    # host time of one ring attention node (cp > 1, ring) per micro-batch beyond a plain node's: its
+    # blocks, merges and rotations issued from Python (``codegen/context_attention.py``); 0 unless measured
+    ring_attention_overhead_s: float = 0.0
     # non-causal attention (BERT, ViT): achieved FLOP/s / peak, FULL count; None: not measured
     attention_noncausal_efficiency: Optional[float] = None
 

@@ -238,6 +238,8 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
             cb = tuple((c.kind, collective_s(c.kind, c.nbytes * share, t, link)) for c in s.comms
                        if c.phase == "bwd" and grad)
             if cp > 1 and n.target == SDPA_TARGET:
+                if cp_mode == "ring":          # the ring's blocks, merges and rotations from Python
+                    fwd += gpu.ring_attention_overhead_s
                 q, k, v = (metas[r.key][0].nbytes / (t if isinstance(p, Shard) else 1)
                            for r, p in zip(facts.inputs[n.key][:3], s.inputs))
                 elem = DTYPE_BYTES[metas[facts.inputs[n.key][1].key][0].dtype]

@@ -96,6 +96,24 @@ def test_cp_halves_activations_and_adds_the_exchange():
     assert dict(cp.step_time.comm_s).get("cp:ring", 0) > 0 and "cp:ring" not in dict(dp.step_time.comm_s)
 
 
+@pytest.mark.parametrize("mode, priced", [("ring", True), ("ulysses", False)])
+def test_a_ring_attention_node_pays_its_host_cost_per_micro_batch(mode, priced):
+    """``GPUSpec.ring_attention_overhead_s`` (measured by ``autopar calibrate``): each ring
+    attention node adds it once per micro-batch to the step (gpt-tiny: 2 layers, one attention
+    each, m micro-batches); Ulysses' all-to-alls do not run the ring."""
+    from dataclasses import replace
+
+    g, b = traced("gpt-tiny")
+    base = make_cluster("a100-80g", 1, 2)
+    host = replace(base, gpu=replace(base.gpu, ring_attention_overhead_s=1e-3))
+    force = parse_force(f"dp=1,cp=2,cpmode={mode},tp=1,pp=1,mbs=1,zero=0,recompute=none")
+    a, c = (plan_model(g, cl, global_batch=g.batch_size, seq_len=b.seq_len, dtype="bfloat16", force=force)
+            for cl in (base, host))
+    assert a.num_micro_batches == c.num_micro_batches > 1
+    want = 1e-3 * 2 * a.num_micro_batches if priced else 0.0
+    assert c.step_time.compute_s - a.step_time.compute_s == pytest.approx(want, abs=1e-12)
+
+
 @pytest.mark.parametrize("force, words", [
     ("cp=3,tp=1,pp=1", ["2 x cp = 6", "32 tokens", "divisible by 6"]),     # on 6 GPUs
     ("cp=8,cpmode=ulysses,tp=1,pp=1", ["4 heads", "cpmode=ring"]),
