@@ -26,9 +26,12 @@ per "axis:kind", per step; the sum of their ``cost_s`` is the step's communicati
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 from autopar.comm_overlap import CommOverlap
 from autopar.cost.collectives import collective_s
 from autopar.mesh import TENSOR_AXES
+from autopar.solver.grad_buckets import GradPiece, bucketed_overlap
 
 MB, STEP = "mb", "step"      # a row per micro-batch (x m on the slowest rank) or per step
 
@@ -37,6 +40,10 @@ _WHY = {     # reason code -> (overlapped, not overlapped)
              "exposed: the runtime reduces the gradients after the backward"),
     "grad_mb": ("overlapped with each micro-batch's backward (bucketed reduce-scatter)",
                 "exposed: the runtime reduce-scatters after each backward"),
+    "grad_buckets": ("overlapped with the last micro-batch's backward bucket by bucket; each bucket starts once its "
+                     "gradients are complete, the last when the backward ends (solver/grad_buckets.py)", ""),
+    "grad_mb_buckets": ("overlapped with each micro-batch's backward bucket by bucket; each bucket starts once its "
+                        "gradients are complete, the last when the backward ends (solver/grad_buckets.py)", ""),
     "gather_step": ("overlapped with the next step's first forward (param-gather overlap)",
                     "exposed: the runtime waits for parameter all-gathers after the step (no prefetch)"),
     "gather_fwd": ("prefetched during each micro-batch's forward (ZeRO-3)",
@@ -90,11 +97,15 @@ def accumulates_rows(cfg) -> bool:
 
 
 def dp_sync(cfg, numel: float, profile, link, win_f: float, win_b: float, slowdown: float,
-            groups: float = 1.0):
+            groups: float = 1.0, pieces: Sequence[GradPiece] = ()):
     """(per-micro-batch comm, per-step sync, rows) of one rank's data-parallel traffic: dicts of
-    "dp:kind" -> cost seconds, rows ``(per, key, total, window, overlapped, reason)``. ``groups``:
-    the rank's ZeRO-3 gather groups (its layers, the embedding's and the head's parameters), one
-    all-gather each per pass: ``(groups - 1) * (dp - 1)`` latencies over one collective of the bytes."""
+    "dp:kind" -> cost seconds, rows ``(per, key, total, window, overlapped, reason, hidden)``.
+    ``groups``: the rank's ZeRO-3 gather groups (its layers, the embedding's and the head's
+    parameters), one all-gather each per pass: ``(groups - 1) * (dp - 1)`` latencies over one
+    collective of the bytes. ``pieces``: the rank's gradients in backward order (bytes on the
+    wire, backward seconds: ``grad_buckets.GradPiece``); with them and a profile that has
+    buckets, an overlapped gradient reduction is scheduled bucket by bucket
+    (``grad_buckets.bucketed_overlap``), else it hides up to its window."""
     comm: dict = {}
     sync: dict = {}
     rows: list = []
@@ -106,24 +117,32 @@ def dp_sync(cfg, numel: float, profile, link, win_f: float, win_b: float, slowdo
     ag = collective_s("all_gather", param_b, cfg.data, link)
     if cfg.zero == 3:                # a ring's latency per collective beyond the first
         ag += max(0.0, groups - 1) * (cfg.data - 1) * link.latency_s
+
+    def reduction(kind: str, per: str, reason: str) -> float:
+        """The gradients' reduction: its cost, and its row."""
+        total = collective_s(kind, grad_b, cfg.data, link)
+        cap, first = profile.grad_bucket_caps(cfg.data)
+        if go and cap > 0 and pieces:
+            total, hidden, window = bucketed_overlap(pieces, cap, first, lambda b: collective_s(kind, b, cfg.data, link))
+            rows.append((per, f"dp:{kind}", total, window, True, reason + "_buckets", hidden))
+            return total - hidden + slowdown * hidden
+        rows.append((per, f"dp:{kind}", total, win_b, go, reason, min(total, win_b) if go else 0.0))
+        return overlapped_cost(total, win_b, go, slowdown)
+
     if cfg.zero == 0:
-        ar = collective_s("all_reduce", grad_b, cfg.data, link)
-        sync["dp:all_reduce"] = overlapped_cost(ar, win_b, go, slowdown)
-        rows.append((STEP, "dp:all_reduce", ar, win_b, go, "grad"))
+        sync["dp:all_reduce"] = reduction("all_reduce", STEP, "grad")
     elif cfg.zero == 1 or (cfg.zero == 2 and reduces_once_per_step(cfg)):
-        sync["dp:reduce_scatter"] = overlapped_cost(rs, win_b, go, slowdown)
-        rows.append((STEP, "dp:reduce_scatter", rs, win_b, go, "grad"))
+        sync["dp:reduce_scatter"] = reduction("reduce_scatter", STEP, "grad")
     elif cfg.zero == 2:
-        comm["dp:reduce_scatter"] = overlapped_cost(rs, win_b, go, slowdown)
-        rows.append((MB, "dp:reduce_scatter", rs, win_b, go, "grad_mb"))
+        comm["dp:reduce_scatter"] = reduction("reduce_scatter", MB, "grad_mb")
     elif cfg.pp > 1:                     # ZeRO-3: gathers per micro-batch, one reduction per step
         po_f = po or profile.zero3_prefetch
         win_rs = max(0.0, win_b - ag) if po else win_b     # the last backward's, beside its re-gathers
         comm["dp:all_gather"] = overlapped_cost(ag, win_f, po_f, slowdown) + overlapped_cost(ag, win_b, po, slowdown)
         sync["dp:reduce_scatter"] = overlapped_cost(rs, win_rs, go, slowdown)
-        rows += [(MB, "dp:all_gather", ag, win_f, po_f, "gather_fwd"),
-                 (MB, "dp:all_gather", ag, win_b, po, "gather_bwd"),
-                 (STEP, "dp:reduce_scatter", rs, win_rs, go, "grad")]
+        rows += [_row(MB, "dp:all_gather", ag, win_f, po_f, "gather_fwd"),
+                 _row(MB, "dp:all_gather", ag, win_b, po, "gather_bwd"),
+                 _row(STEP, "dp:reduce_scatter", rs, win_rs, go, "grad")]
     else:
         both = go and po
         exp_b = overlapped_cost(ag + rs, win_b, both, slowdown)
@@ -131,13 +150,18 @@ def dp_sync(cfg, numel: float, profile, link, win_f: float, win_b: float, slowdo
         po_f = po or profile.zero3_prefetch       # the forward's next group is prefetched
         comm["dp:all_gather"] = overlapped_cost(ag, win_f, po_f, slowdown) + exp_b * share
         comm["dp:reduce_scatter"] = exp_b * (1 - share)
-        rows += [(MB, "dp:all_gather", ag, win_f, po_f, "gather_fwd"),
-                 (MB, "dp:all_gather", ag, win_b * share, both, "gather_bwd"),
-                 (MB, "dp:reduce_scatter", rs, win_b * (1 - share), both, "rs_z3")]
+        rows += [_row(MB, "dp:all_gather", ag, win_f, po_f, "gather_fwd"),
+                 _row(MB, "dp:all_gather", ag, win_b * share, both, "gather_bwd"),
+                 _row(MB, "dp:reduce_scatter", rs, win_b * (1 - share), both, "rs_z3")]
     if cfg.zero in (1, 2):              # the updated rows, gathered after the step
         sync["dp:all_gather"] = overlapped_cost(ag, win_f, po, slowdown)
-        rows.append((STEP, "dp:all_gather", ag, win_f, po, "gather_step"))
+        rows.append(_row(STEP, "dp:all_gather", ag, win_f, po, "gather_step"))
     return comm, sync, rows
+
+
+def _row(per: str, key: str, total: float, window: float, over: bool, reason: str) -> tuple:
+    """An accounting row whose hidden part is ``min(total, window)`` when overlapped."""
+    return per, key, total, window, over, reason, min(total, window) if over else 0.0
 
 
 def _upstream(key: str, profile) -> tuple[str, bool]:
@@ -180,13 +204,12 @@ def account(bottleneck, dp_stage, m: int, profile, cluster) -> tuple[CommOverlap
 
     covered: dict = {}
     for rows, scale, per in ((bottleneck.dp_rows, m, MB), (dp_stage.dp_rows, 1, STEP)):
-        for row_per, key, total, window, over, reason in rows:
+        for row_per, key, total, window, over, reason, hidden in rows:
             if row_per != per:
                 continue
-            hidden = min(total, window) if over else 0.0
             add(key, total * scale, window * scale if over else 0.0, hidden * scale, (total - hidden) * scale,
                 s * hidden * scale, _WHY[reason][0 if over else 1], True)
-            covered[(per, key)] = covered.get((per, key), 0.0) + overlapped_cost(total, window, over, s) * scale
+            covered[(per, key)] = covered.get((per, key), 0.0) + (total - hidden + s * hidden) * scale
     for src, scale, per in ((bottleneck.comm, m, MB), (dp_stage.dp_sync, 1, STEP)):
         for key, v in src.items():
             rest = v * scale - covered.get((per, key), 0.0)

@@ -72,6 +72,7 @@ from autopar.cost.offload import (bucket_bytes, offload_memory, offload_microbat
                                   optimizer_rows)
 from autopar.plan import V_SCHEDULES, MemoryUse, StepTime
 from autopar.solver.balance import balance
+from autopar.solver.grad_buckets import GradPiece
 from autopar.solver.problem import AxisSummary, PartCost
 from autopar.solver.overlap import (account as overlap_account, accumulates_rows, dp_sync as overlap_dp_sync,
                                     grad_pass_bytes, reduces_once_per_step)
@@ -143,6 +144,21 @@ def rank_parts(summary: AxisSummary, layers: float, has_pre: bool, has_post: boo
     if has_post:
         parts.append((summary.parts["post"], 1.0, "post"))
     return parts
+
+
+def grad_pieces(summary: AxisSummary, lps: int, first: bool, last: bool, wire_bytes: int) -> tuple[GradPiece, ...]:
+    """A rank's gradients in the order its backward makes them (``grad_buckets.py``): the head's,
+    its layers' from the last, the embedding's (one tensor; with a tied weight's, complete only
+    then), each with the backward seconds that make them."""
+    blk, pre, post = summary.parts["block"], summary.parts["pre"], summary.parts["post"]
+    shared = summary.shared_param_numel if (first or last) else 0.0
+    out = []
+    if last:
+        out.append(GradPiece((post.param_numel + (0.0 if first else shared)) * wire_bytes, post.window_bwd_s))
+    out += [GradPiece(blk.param_numel * wire_bytes, blk.window_bwd_s)] * int(lps)
+    if first:
+        out.append(GradPiece((pre.param_numel + shared) * wire_bytes, pre.window_bwd_s, atomic=True))
+    return tuple(out)
 
 
 def _merge(into: dict, src: dict, scale: float) -> None:
@@ -419,7 +435,8 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
     groups = sum(c for p, c, _ in parts if p.param_tensors) + (summary.shared_param_tensors if (first or last) else 0.0)
     param_b = numel * profile.param_bytes
     dp_comm, dp_sync, dp_rows = overlap_dp_sync(cfg, numel, profile, dp_link, win_f, win_b, cluster.overlap_slowdown,
-                                                groups)
+                                                groups, () if summary.is_lower_bound else
+                                                grad_pieces(summary, lps, first, last, profile.grad_wire_bytes))
     comm.update(dp_comm)
     mem = _rank_memory(summary, cfg, profile, r, parts, numel, lps)
     if profile.grad_passes:      # the reducer's gradient copies and the micro-batches' adds, per micro-batch

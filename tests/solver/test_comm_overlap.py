@@ -23,6 +23,9 @@ from autopar.solver.runtime_profile import AUTOPAR_RUNTIME, MEGATRON_RUNTIME
 from autopar.solver.timing import OuterConfig, evaluate
 
 
+WINDOW_RULE = replace(AUTOPAR_RUNTIME, grad_bucket_bytes=0, first_grad_bucket_bytes=0)   # min(C, W)
+
+
 def _summary(tp_comm: dict, layers: int = 2, numel: float = 1e9) -> AxisSummary:
     """Two layers of 1 s forward, 2 s backward compute and ``numel`` parameters each; no pre/post."""
     zero = PartCost(0.0, 0.0, {}, {}, 0.0, 0.0, 0.0, 0.0, 0.0)
@@ -74,6 +77,46 @@ def test_the_steps_host_cost_is_paid_once_per_step():
         assert b.step.compute_s == a.step.compute_s
 
 
+def test_bucket_launches_by_hand():
+    """``grad_buckets.bucket_launches``: 10 MB over 10 s of backward (1 MB per second), a 4 MB cap
+    and a 1 MB first one: buckets of 1, 4, 4, 1 MB, ready at 1, 5, 9, 10 s; an atomic 6 MB piece
+    (an embedding) after it closes the open 1 MB bucket and is a bucket of its own, at its end."""
+    from autopar.solver.grad_buckets import GradPiece, bucket_launches
+
+    layers = [GradPiece(5e6, 5.0), GradPiece(5e6, 5.0)]
+    def flat(launches):
+        return [x for pair in launches for x in pair]
+
+    assert flat(bucket_launches(layers, 4e6, 1e6)) == pytest.approx([1.0, 1e6, 5.0, 4e6, 9.0, 4e6, 10.0, 1e6])
+    emb = layers + [GradPiece(6e6, 2.0, atomic=True)]
+    assert flat(bucket_launches(emb, 4e6, 1e6)) == pytest.approx([1.0, 1e6, 5.0, 4e6, 9.0, 4e6, 10.0, 1e6, 12.0, 6e6])
+    assert flat(bucket_launches([GradPiece(3e6, 3.0)], 4e6, 0.0)) == pytest.approx([3.0, 3e6])   # one bucket, at its end
+
+
+def test_bucketed_reduction_by_hand():
+    """``grad_buckets.bucketed_overlap`` with collectives of 1 s per MB: the buckets above run
+    1-2, 5-9, 9-13, 13-14 s: 4 s exposed past the 10 s backward, 6 of the 10 s hidden (the window
+    rule hid all 10); with the 6 MB embedding last (backward 12 s): it runs 14-20 s, 8 s exposed. And in
+    the step: dp=2 ZeRO-0 of one 50 MB layer (autopar's 25 MiB buckets, a 1 MiB first) at 1 GB/s
+    exposes at least its last bucket, where the window rule hid all of it."""
+    from autopar.solver.grad_buckets import GradPiece, bucketed_overlap
+
+    layers = [GradPiece(5e6, 5.0), GradPiece(5e6, 5.0)]
+    assert bucketed_overlap(layers, 4e6, 1e6, lambda b: b / 1e6) == pytest.approx((10.0, 6.0, 10.0))
+    emb = layers + [GradPiece(6e6, 2.0, atomic=True)]
+    assert bucketed_overlap(emb, 4e6, 1e6, lambda b: b / 1e6) == pytest.approx((16.0, 8.0, 12.0))
+
+    cfg = OuterConfig(tp=1, pp=1, dp=2, mbs=1, m=1, recompute="none", zero=0, sp=False)
+    one = _summary({}, layers=1, numel=25e6)                 # 25M params x 2 B (bf16 grads) = 50 MB, bwd 2 s
+    cluster = _cluster(0.0)
+    bucketed = evaluate(one, cfg, cluster, AUTOPAR_RUNTIME, 1e15, all_stages=True)
+    window = evaluate(one, cfg, cluster, WINDOW_RULE, 1e15, all_stages=True)
+    ar = _rows(bucketed)["dp:all_reduce"]
+    assert _rows(window)["dp:all_reduce"].exposed_s == 0.0             # 0.05 s beside 2 s: hidden
+    last = 50e6 - 2**20 - 25 * 2**20                                       # 1 MiB, 25 MiB, the rest
+    assert ar.exposed_s == pytest.approx(last / 1e9) and "bucket by bucket" in ar.why   # 2(n-1)/n = 1
+
+
 def test_contention_formula():
     assert overlapped_cost(7.0, 4.0, True, 0.25) == pytest.approx(3.0 + 0.25 * 4.0)     # exposed + s x hidden
     assert overlapped_cost(3.0, 4.0, True, 0.25) == pytest.approx(0.25 * 3.0)           # all hidden
@@ -86,9 +129,10 @@ def test_zero0_by_hand():
     2 x 7/8 x 4e9 / 1e9 = 7 s, beside the last backward (2 layers x 2 s = 4 s): hidden 4, exposed 3,
     contention 0.25 x 4 = 1. TP all-reduce: 0.1 s per layer forward x 2 layers x 4 micro-batches.
     Gradient passes (``overlap.grad_pass_bytes``): copied into the buckets once (2 passes), three
-    micro-batches added (3 each): 11 x 2e9 x 2 B at 3.35 TB/s x 0.85."""
+    micro-batches added (3 each): 11 x 2e9 x 2 B at 3.35 TB/s x 0.85. (The window rule: a
+    runtime without buckets; ``test_bucketed_reduction_by_hand`` schedules them.)"""
     cfg = OuterConfig(tp=1, pp=1, dp=8, mbs=1, m=4, recompute="none", zero=0, sp=False)
-    ev = evaluate(_summary({"tp:all_reduce": 0.1}), cfg, _cluster(0.25), AUTOPAR_RUNTIME, 1e15, all_stages=True)
+    ev = evaluate(_summary({"tp:all_reduce": 0.1}), cfg, _cluster(0.25), WINDOW_RULE, 1e15, all_stages=True)
     rows = _rows(ev)
     dp = rows["dp:all_reduce"]
     assert (dp.total_s, dp.window_s, dp.hidden_s, dp.exposed_s, dp.contention_s) == pytest.approx((7.0, 4.0, 4.0, 3.0, 1.0))
@@ -101,7 +145,7 @@ def test_zero0_by_hand():
     passes = 11 * 2e9 * 2 / (3.35e12 * 0.85)
     assert ev.step.total_s == pytest.approx(4 * (6.0 + 0.2) + 4.0 + passes + ev.step.optimizer_s)
     # no contention: the plain max(0, comm - window) rule, and the why says none was charged
-    ev0 = evaluate(_summary({"tp:all_reduce": 0.1}), cfg, _cluster(0.0), AUTOPAR_RUNTIME, 1e15, all_stages=True)
+    ev0 = evaluate(_summary({"tp:all_reduce": 0.1}), cfg, _cluster(0.0), WINDOW_RULE, 1e15, all_stages=True)
     assert dict(ev0.step.comm_s)["dp:all_reduce"] == pytest.approx(3.0)
     assert "no contention charged" in _rows(ev0)["dp:all_reduce"].why
     # only the plan's evaluation (all stages) carries the accounting
