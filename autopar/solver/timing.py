@@ -155,7 +155,8 @@ def grad_pieces(summary: AxisSummary, lps: int, first: bool, last: bool, wire_by
     out = []
     if last:
         out.append(GradPiece((post.param_numel + (0.0 if first else shared)) * wire_bytes, post.window_bwd_s))
-    out += [GradPiece(blk.param_numel * wire_bytes, blk.window_bwd_s)] * int(lps)
+    if lps:                      # the layers alike: one run at one pace (grad_buckets folds it whole)
+        out.append(GradPiece(lps * blk.param_numel * wire_bytes, lps * blk.window_bwd_s))
     if first:
         out.append(GradPiece((pre.param_numel + shared) * wire_bytes, pre.window_bwd_s, atomic=True))
     return tuple(out)

@@ -8,6 +8,7 @@ import tomllib
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings, strategies as st
 from rich.console import Console
 
 from autopar.calibrate_overlap import OverlapFigures, fit_overlap_slowdown
@@ -115,6 +116,28 @@ def test_bucketed_reduction_by_hand():
     assert _rows(window)["dp:all_reduce"].exposed_s == 0.0             # 0.05 s beside 2 s: hidden
     last = 50e6 - 2**20 - 25 * 2**20                                       # 1 MiB, 25 MiB, the rest
     assert ar.exposed_s == pytest.approx(last / 1e9) and "bucket by bucket" in ar.why   # 2(n-1)/n = 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(pieces=st.lists(st.tuples(st.floats(1e3, 2e8), st.floats(0.0, 5.0), st.booleans()), min_size=1, max_size=6),
+       cap=st.floats(1e5, 5e7), first=st.sampled_from([0.0, 2.0**20]), latency=st.floats(0.0, 1e-3))
+def test_the_closed_form_schedule_is_the_bucket_by_bucket_one(pieces, cap, first, latency):
+    """``bucketed_overlap`` folds runs of equal buckets in closed form: it equals the schedule of
+    ``bucket_launches``' buckets run one after the other."""
+    from autopar.solver.grad_buckets import GradPiece, bucket_launches, bucketed_overlap
+
+    ps = [GradPiece(b, t, a) for b, t, a in pieces]
+
+    def c(b):
+        return latency + b / 1e9
+
+    end = total = 0.0
+    for ready, nbytes in bucket_launches(ps, cap, first):
+        end = max(ready, end) + c(nbytes)
+        total += c(nbytes)
+    window = sum(p.seconds for p in ps)
+    got = bucketed_overlap(ps, cap, first, c)
+    assert got == pytest.approx((total, total - min(total, max(0.0, end - window)), window), rel=1e-9, abs=1e-9)
 
 
 def test_contention_formula():
