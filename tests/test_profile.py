@@ -74,6 +74,26 @@ def test_what_the_optimizer_step_runs_is_the_optimizers():
     assert by["optimizer"] > naive
 
 
+def test_a_functional_collectives_wait_is_that_collectives_time():
+    """DTensor issues ``_c10d_functional`` collectives and waits for them in ``wait_tensor`` (on gloo
+    most of the collective's time): each wait counts for the oldest unwaited launch of its thread,
+    not as host time; a wait with nothing launched before it on its thread stays ``runtime``."""
+    from types import SimpleNamespace
+
+    from autopar.runtime.profiling import step_classes
+
+    def ev(name, thread, start, self_us):
+        return SimpleNamespace(name=name, thread=thread, time_range=SimpleNamespace(start=start),
+                               self_cpu_time_total=self_us, cpu_parent=None)
+
+    events = [ev("_c10d_functional::all_reduce", 1, 0, 1000), ev("_c10d_functional::all_gather_into_tensor", 1, 1, 2000),
+              ev("_c10d_functional::wait_tensor", 1, 2, 10000), ev("_c10d_functional::wait_tensor", 1, 3, 5000),
+              ev("_c10d_functional::wait_tensor", 2, 4, 7000), ev("aten::mm", 1, 5, 3000)]
+    by = step_classes(events, 1)
+    assert by["collective:all_reduce"] == pytest.approx(0.011) and by["collective:all_gather"] == pytest.approx(0.007)
+    assert by["runtime"] == pytest.approx(0.007) and by["matmul"] == pytest.approx(0.003)
+
+
 def test_what_a_matmul_runs_inside_is_the_matmuls():
     """On the CPU ``addmm`` copies its bias into the output (a nested ``aten::copy_``) before the
     GEMM: that copy is the matmul's time, not the memory-bound ops'; a copy outside stays memory."""

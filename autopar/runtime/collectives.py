@@ -77,7 +77,7 @@ def release(*tensors) -> None:
             t.untyped_storage().resize_(0)
 
 
-_FUNCOL_KINDS = {
+FUNCOL_KINDS = {
     "all_reduce": "all_reduce",
     "all_reduce_": "all_reduce",
     "all_gather_into_tensor": "all_gather",
@@ -127,7 +127,7 @@ class CollectiveRecorder(TorchDispatchMode):
             name = func._opname
             if name in _COALESCED:
                 raise NotImplementedError(f"autopar's collective log does not handle {func}")
-            kind = _FUNCOL_KINDS.get(name)
+            kind = FUNCOL_KINDS.get(name)
             if kind is not None:
                 self._record(kind, args, out)
         return out

@@ -10,7 +10,10 @@ Operator classes of profiler events (self time, so nested events are not counted
 ``matmul``, ``attention``, ``memory`` (elementwise, norms, reductions) and ``free`` (views) as the
 cost model classifies aten ops (``cost/compute.op_kind``); ``collective:<kind>`` for c10d's
 collectives (on gloo their self time includes waiting for the slowest rank) and for the waits on
-autopar's async ones (gradient buckets, ZeRO-3 prefetches: ``collectives.wait_for``); ``optimizer`` for the
+autopar's async ones (gradient buckets, ZeRO-3 prefetches: ``collectives.wait_for``), and for
+DTensor's functional collectives: the launch (``_c10d_functional::all_reduce``, ...) and the
+``_c10d_functional::wait_tensor`` that waits for it (on gloo most of the collective's time), the
+wait taken as the oldest unwaited launch's of its thread; ``optimizer`` for the
 optimizer step: its own code and every operator it runs (``step_classes``: the fused or foreach
 kernels of AdamW are elementwise aten ops, which alone would count as ``memory``), collectives
 inside it excepted (LAMB's norms over shards); what a matmul or attention op runs inside it (the
@@ -28,7 +31,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from autopar.cost.compute import op_kind
-from autopar.runtime.collectives import WAIT_EVENT
+from autopar.runtime.collectives import FUNCOL_KINDS, WAIT_EVENT
 
 _C10D = {"allreduce": "all_reduce", "allgather": "all_gather", "_allgather_base": "all_gather",
          "allgather_into_tensor_coalesced": "all_gather", "reduce_scatter": "reduce_scatter",
@@ -44,6 +47,10 @@ def op_class(event_name: str) -> str:
         return "collective:" + _C10D.get(base, base)
     if event_name.startswith(WAIT_EVENT):            # waiting for an async one (``collectives.wait_for``)
         return "collective:" + event_name[len(WAIT_EVENT):]
+    if event_name.startswith(_FUNCOL):               # DTensor's functional collectives' launches
+        kind = FUNCOL_KINDS.get(event_name[len(_FUNCOL):].removesuffix("_coalesced"))
+        if kind is not None:
+            return "collective:" + kind
     if event_name.startswith("Optimizer.step#"):
         return "optimizer"
     if event_name.startswith("aten::"):
@@ -57,14 +64,39 @@ _OWNING = ("matmul", "attention")      # classes whose ops' nested aten ops are 
 def step_classes(events, steps: int) -> Counter:
     """Self time per step by class of the profiler's ``events`` (``prof.events()``: each knows its
     parent), over ``steps`` steps: ``op_class``, but what runs inside an optimizer step is the
-    optimizer's and what runs inside a matmul or attention op is that op's (module docstring)."""
+    optimizer's, what runs inside a matmul or attention op is that op's, and a functional
+    collective's ``wait_tensor`` is that collective's (module docstring)."""
     by_class: Counter = Counter()
+    waits = _functional_waits(events)
     for e in events:
-        cls = op_class(e.name)
+        cls = waits.get(id(e)) or op_class(e.name)
         if not cls.startswith("collective:") and cls != "optimizer":
             cls = _owner(e) or cls
         by_class[cls] += e.self_cpu_time_total * 1e-6 / steps
     return by_class
+
+
+_FUNCOL = "_c10d_functional::"
+_WAIT_TENSOR = _FUNCOL + "wait_tensor"
+
+
+def _functional_waits(events) -> dict[int, str]:
+    """id(event) -> class of each ``wait_tensor``: the collective of the oldest launch on its thread
+    not waited for yet (DTensor waits for what it issued, in order)."""
+    by_thread: dict = {}
+    for e in events:
+        if e.name.startswith(_FUNCOL):
+            by_thread.setdefault(e.thread, []).append(e)
+    out: dict[int, str] = {}
+    for evs in by_thread.values():
+        pending: list[str] = []
+        for e in sorted(evs, key=lambda x: x.time_range.start):
+            if e.name == _WAIT_TENSOR:
+                if pending:
+                    out[id(e)] = pending.pop(0)
+            elif op_class(e.name).startswith("collective:"):
+                pending.append(op_class(e.name))
+    return out
 
 
 def _owner(event) -> Optional[str]:
