@@ -18,7 +18,9 @@ report compares:
   plan's exposed time for it; the host overhead (the step's wall time less all of those: autopar's
   executor, DTensor dispatch, autograd, Python between ops) against the per-node overhead the
   cluster file gives (``autopar calibrate`` measures it; 0, not modelled, otherwise), which the
-  plan's compute time includes and the compute row leaves out;
+  plan's compute time includes and the compute row leaves out, a ring attention node's own
+  (``ring_attention_overhead_us``, likewise) and the step's fixed host cost (``step_overhead_us``:
+  ``StepTime.host_s``);
 - every collective issued (kind, mesh axis, bytes, calls per step) with the cost model's time for it
   on its link (``cost/collectives.py``; all of it, overlapped or not);
 - per rank: step time and busy time by class (with pp > 1 each rank is a pipeline stage), and the
@@ -136,7 +138,8 @@ def summarize(plan, cluster, profiles: list[dict], nodes: Optional[list[int]] = 
     for p in profiles:
         for k, v in p["by_class_s"].items():
             mean[k] += v / len(profiles)
-    comm_pred = dict(st.comm_s)
+    # the ring's rotations run as all_to_all_single on the cp group (codegen/context_attention._rotate)
+    comm_pred = {("cp:all_to_all" if k == "cp:ring" else k): v for k, v in st.comm_s}
     stage = plan.stage_mesh
     per_node = cluster.gpu.node_overhead_s(plan.tp > 1, sum(1 for n in stage.shape if n > 1))
     node_host = per_node * max(nodes) if nodes else 0.0      # inside the plan's compute (solver/problem.py)

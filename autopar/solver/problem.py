@@ -57,6 +57,7 @@ class NodeCost:
     saved_bytes: int                      # activation bytes kept for backward (ops)
     param_numel: int                      # local parameter elements (params)
     out_bytes: int                        # local output bytes
+    host_s: float = 0.0                   # the host's share of ``fwd_s`` (per-node cost, a ring's own)
 
     @property
     def total_s(self) -> float:
@@ -116,7 +117,6 @@ class AxisTables:
     # (t, link, source placement, target placement, bytes) -> (kind, seconds): shared by the tables
     # of one ``build_tables`` cache (the same activation sizes recur on every edge and table)
     reshard_cache: dict = field(default_factory=dict)
-    node_overhead_s: float = 0.0      # the host's per-node cost each op node's ``fwd_s`` includes
 
     def edge_costs(self, e: EdgeSpec) -> list[list[EdgeCost]]:
         key = (e.u, e.v, e.pos, e.wrap)
@@ -229,17 +229,18 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
         saves = n.key in kept
         mask = is_dropout(n) and grad
         causal = kind != "attention" or causal_attention(n)
+        host = overhead                       # the node's whole host cost of a step, counted once
+        if cp > 1 and cp_mode == "ring" and n.target == SDPA_TARGET:
+            host += gpu.ring_attention_overhead_s    # the ring's blocks, merges and rotations from Python
         row = []
         for s in strats:
             compute = op_time_s(flops * s.compute_scale, nbytes * s.compute_scale, dtype, gpu, kind, causal)
-            fwd = compute + overhead          # the node's whole host cost of a step, counted once
+            fwd = compute + host
             bwd = compute * backward_factor(kind) if grad else 0.0
             cf = tuple((c.kind, collective_s(c.kind, c.nbytes * share, t, link)) for c in s.comms if c.phase == "fwd")
             cb = tuple((c.kind, collective_s(c.kind, c.nbytes * share, t, link)) for c in s.comms
                        if c.phase == "bwd" and grad)
             if cp > 1 and n.target == SDPA_TARGET:
-                if cp_mode == "ring":          # the ring's blocks, merges and rotations from Python
-                    fwd += gpu.ring_attention_overhead_s
                 q, k, v = (metas[r.key][0].nbytes / (t if isinstance(p, Shard) else 1)
                            for r, p in zip(facts.inputs[n.key][:3], s.inputs))
                 elem = DTYPE_BYTES[metas[facts.inputs[n.key][1].key][0].dtype]
@@ -254,13 +255,13 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
             for pos in upcast.get(n.key, ()):        # computed on an fp32 copy of a 16-bit input
                 out_b = max(out_b, _local_numel(input_meta(facts, n, pos, metas), s.inputs[pos], t)
                             * DTYPE_BYTES["float32"])
-            row.append(NodeCost(fwd, bwd, cf, cb, saved, 0, out_b))
+            row.append(NodeCost(fwd, bwd, cf, cb, saved, 0, out_b, host))
         costs[n.key] = row
     edges = _edges(facts, metas, set(keys), carried, block_out, count, dtype if profile.autocast else None)
     return AxisTables(facts, t, sp, mbs, link, profile, tuple(keys), strategies, costs, weight, tuple(edges),
                       metas, kinds, core_nodes(facts), carried, block_out, count,
                       op_sets=all_op_sets(facts, alias=t == 1), axis=TENSOR if background is None else background.axis,
-                      reshard_cache=cache.setdefault("reshard", {}), node_overhead_s=overhead)
+                      reshard_cache=cache.setdefault("reshard", {}))
 
 
 def _local_numel(meta: TensorMeta, placement, t: int) -> int:
@@ -459,7 +460,7 @@ def summarize(tab: AxisTables, choice: dict) -> AxisSummary:
         a["fwd"] += c.fwd_s
         a["bwd"] += c.bwd_s
         f, b = a["kinds"].get(kind, (0.0, 0.0))
-        a["kinds"][kind] = (f + c.fwd_s - tab.node_overhead_s, b + c.bwd_s)
+        a["kinds"][kind] = (f + c.fwd_s - c.host_s, b + c.bwd_s)
         for kd, s in c.comm_fwd:
             _add(a["cf"], kd if ":" in kd else f"{tab.axis}:{kd}", s)
         for kd, s in c.comm_bwd:
