@@ -190,6 +190,27 @@ def test_host_overhead_is_predicted_per_node_when_the_cluster_has_it(dp2_plan):
     assert cat["compute"]["predicted_s"] == pytest.approx(plan.step_time.compute_s - 120 * 1e-4)
 
 
+def test_the_rings_rotations_are_compared_on_the_all_to_all_row():
+    """The ring's rotations run as ``all_to_all_single`` on the cp group: the plan's ``cp:ring`` time
+    is the prediction of the measured all_to_all row, not a row of its own."""
+    from autopar.models import build_model
+    from autopar.solver import plan_model
+    from autopar.solver.forcing import parse_force
+    from autopar.trace import trace_model
+
+    b = build_model("gpt-tiny", device="meta")
+    g = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target)
+    cluster = resolve_cluster("cpu", nodes=1, gpus_per_node=2)
+    plan = plan_model(g, cluster, global_batch=int(b.example_inputs[0].shape[0]), seq_len=b.seq_len,
+                      dtype="float32", force=parse_force("cp=2,cpmode=ring,dp=1"))
+    ring = dict(plan.step_time.comm_s)["cp:ring"]
+    ranks = [{"rank": 0, "coordinates": {"dp": 0}, "steps": 1, "step_times_s": [0.05], "trace_path": None,
+              "by_class_s": {"collective:all_to_all": 0.004}, "collectives": []}]
+    cat = {c["category"]: c for c in summarize(plan, cluster, ranks)["categories"]}
+    assert "comm ring" not in cat
+    assert (cat["comm all_to_all"]["measured_s"], cat["comm all_to_all"]["predicted_s"]) == pytest.approx((0.004, ring))
+
+
 def test_predicted_collective_time_on_the_axis_link(dp2_plan):
     plan, cluster = dp2_plan
     # ring all-reduce of 1 MB over 2 ranks: 2 (n-1)/n bytes at busbw plus 2 (n-1) latency steps
