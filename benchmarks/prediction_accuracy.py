@@ -2,6 +2,8 @@
 
     python benchmarks/prediction_accuracy.py [--cluster FILE.toml] [--nproc 4] [--steps 3]
 
+(``--nproc 2`` runs the same families on 2 ranks: dp=2, tp=2, pp=2, ZeRO-3 over dp=2, cp=2.)
+
 Without ``--cluster`` it first runs ``autopar calibrate --nproc N`` (about 1.5 minutes) and plans
 with the file it writes, so the predictions are for this machine. Then a CPU-sized GPT
 (``MODEL``) is profiled (``autopar profile``) under five forced plan families: data parallel,
@@ -23,8 +25,8 @@ sys.path.insert(0, ROOT)
 
 MODEL = "gpt:hidden=256,layers=4,heads=4,vocab=2048,seq=128"
 BATCH = 8
-FAMILIES = {"dp": "dp=4", "tp x dp": "tp=2,dp=2", "pp x dp": "pp=2,dp=2,mbs=2", "dp ZeRO-3": "dp=4,zero=3",
-            "cp x dp": "cp=2,cpmode=ring,dp=2"}
+FAMILIES = {"dp": "dp={n}", "tp x dp": "tp=2,dp={h}", "pp x dp": "pp=2,dp={h},mbs=2", "dp ZeRO-3": "dp={n},zero=3",
+            "cp x dp": "cp=2,cpmode=ring,dp={h}"}      # on n ranks (h = n / 2)
 
 
 def main() -> int:
@@ -40,6 +42,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--families", default=",".join(FAMILIES), help="which of: " + ", ".join(FAMILIES))
     args = ap.parse_args()
+    if args.nproc < 2 or args.nproc % 2:
+        ap.error(f"--nproc {args.nproc}: give an even number of ranks (each family splits one axis in two)")
     console = make_console()
     cluster = args.cluster
     if cluster is None:
@@ -54,7 +58,7 @@ def main() -> int:
         t.add_column(col, justify="left" if col in ("family", "plan") else "right")
     worst_t = worst_m = 0.0
     for name in args.families.split(","):
-        force = FAMILIES[name.strip()]
+        force = FAMILIES[name.strip()].format(n=args.nproc, h=args.nproc // 2)
         rep = profile_command(MODEL, args.nproc, args.steps, warmup=1, cluster=cluster, force=force, batch=BATCH,
                               console=quiet)
         mt, pt = rep["measured_step_time_s"], rep["predicted_step_time_s"]
