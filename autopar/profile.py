@@ -97,18 +97,18 @@ def predicted_collective_s(plan, cluster, kind: str, axis: str, nbytes: int) -> 
     return collective_s(kind, nbytes, stage.shape[i], link)
 
 
-def compute_shares(plan, graph, cluster) -> dict[str, float]:
+def compute_shares(evaluation, summary, profile, cluster) -> dict[str, float]:
     """Operator class -> its share of the plan's predicted compute on its busiest pipeline rank (the
     most layers): per part the rank runs, each class's forward + backward compute in the solver's
     tables (``PartCost.by_kind``, host cost excluded) times its copies, plus the forward again for
     the layers recomputed in full, and the gradients' passes through the reducer's buffers as
-    memory-bound (``overlap.grad_pass_bytes``). ``graph``: the model traced as planning traces it."""
-    from autopar.runtime.memory_predict import plan_evaluation
+    memory-bound (``overlap.grad_pass_s``). ``evaluation, summary, profile``: the plan's
+    (``memory_predict.plan_evaluation``) on ``cluster``."""
     from autopar.solver.layer_memory import recomputed_layers
-    from autopar.solver.overlap import grad_pass_bytes
+    from autopar.solver.overlap import grad_pass_s
     from autopar.solver.timing import rank_parts
 
-    ev, summary, profile = plan_evaluation(plan, graph, cluster)
+    ev = evaluation
     st = max(ev.stages, key=lambda s: s.layers)
     acc: dict[str, float] = defaultdict(float)
     for part, copies, _ in rank_parts(summary, st.layers, st.has_pre, st.has_post):
@@ -117,9 +117,7 @@ def compute_shares(plan, graph, cluster) -> dict[str, float]:
     again = recomputed_layers(ev.config, st.layers, for_memory=False)
     for kind, (f, _) in summary.parts["block"].by_kind.items():
         acc[kind] += again * f
-    if profile.grad_passes:      # the reducer's gradient copies and adds (``solver/timing.py``): memory-bound
-        cfg, gpu = ev.config, cluster.gpu
-        acc["memory"] += grad_pass_bytes(cfg, st.param_numel, profile.grad_bytes) / (cfg.m * gpu.hbm_Bps * gpu.memory_efficiency)
+    acc["memory"] += grad_pass_s(ev.config, st.param_numel, profile, cluster.gpu)   # as solver/timing.py
     total = sum(acc.values())
     return {k: v / total for k, v in acc.items()} if total > 0 else {}
 
@@ -234,6 +232,7 @@ def profile_command(model: str, nproc: int, steps: int, *, warmup: int = 1, clus
     from autopar.report import make_console
     from autopar.runtime.launch import spawn_ranks
     from autopar.runtime.memory_measure import compare_ranks, traced_for_prediction
+    from autopar.runtime.memory_predict import plan_evaluation
 
     if nproc < 1 or steps < 1 or warmup < 0:
         raise ValueError(f"profile: need --nproc >= 1, --steps >= 1 and --warmup >= 0 (got {nproc}, {steps}, {warmup})")
@@ -250,9 +249,11 @@ def profile_command(model: str, nproc: int, steps: int, *, warmup: int = 1, clus
     if plan_path:
         spec = resolve_cluster(plan.cluster.gpu, nodes=plan.cluster.nodes, gpus_per_node=plan.cluster.gpus_per_node)
     graph, dtype = traced_for_prediction(model, batch, seq_len)
+    evaluation = plan_evaluation(plan, graph, spec)          # once: the class split and the memory
     report = summarize(plan, spec, [o["profile"] for o in outs], [o["nodes"] for o in outs],
-                       compute_shares(plan, graph, spec), [o["ring_nodes"] for o in outs])
-    report["memory"] = [r.to_json() for r in compare_ranks(plan, graph, [o["memory"] for o in outs], dtype, optimizer)]
+                       compute_shares(*evaluation, spec), [o["ring_nodes"] for o in outs])
+    report["memory"] = [r.to_json() for r in compare_ranks(plan, graph, [o["memory"] for o in outs], dtype, optimizer,
+                                                           evaluation=evaluation)]
     render(report, console or make_console())
     if json_path:
         with open(json_path, "w") as f:

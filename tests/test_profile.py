@@ -126,14 +126,14 @@ def test_compute_shares_split_the_rank_work_by_class(dp2_plan):
     plan, cluster = dp2_plan
     b = build_model("gpt-tiny", device="meta")
     g = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target)
-    shares = compute_shares(plan, g, cluster)
-    assert sum(shares.values()) == pytest.approx(1.0)
-    assert shares.get("free", 0.0) == 0.0 and min(shares["matmul"], shares["memory"], shares["attention"]) > 0
-    # the classes' times are the tables' compute without the host's per-node cost
     from dataclasses import replace
 
     from autopar.runtime.memory_predict import plan_evaluation
 
+    shares = compute_shares(*plan_evaluation(plan, g, cluster), cluster)
+    assert sum(shares.values()) == pytest.approx(1.0)
+    assert shares.get("free", 0.0) == 0.0 and min(shares["matmul"], shares["memory"], shares["attention"]) > 0
+    # the classes' times are the tables' compute without the host's per-node cost
     host = replace(cluster, gpu=replace(cluster.gpu, op_overhead_s=1e-4))
     _, summary, _ = plan_evaluation(plan, g, host)
     for part in summary.parts.values():

@@ -412,12 +412,14 @@ def measure_step(pm, inputs, targets) -> tuple[float, StepMemory]:
 
 # ---- measured next to predicted (``runtime/memory_predict.py``) ----------------------------------
 
-def compare_ranks(plan, graph, measured: list[dict], param_dtype: str, optimizer: str = "adamw") -> list[RankMemory]:
+def compare_ranks(plan, graph, measured: list[dict], param_dtype: str, optimizer: str = "adamw", *,
+                  evaluation: Optional[tuple] = None) -> list[RankMemory]:
     """Measured (``measure_step``'s ``StepMemory`` as a dict, one per global rank) next to the
-    prediction for that rank's pipeline rank (global rank = pp rank x ranks per stage)."""
+    prediction for that rank's pipeline rank (global rank = pp rank x ranks per stage).
+    ``evaluation``: ``memory_predict.plan_evaluation``'s result when the caller has it."""
     from autopar.runtime.memory_predict import plan_evaluation, predict_memory
 
-    ev, summary, profile = plan_evaluation(plan, graph)
+    ev, summary, profile = evaluation or plan_evaluation(plan, graph)
     per_stage = plan.stage_mesh.size
     rows = []
     for rank, m in enumerate(measured):

@@ -91,11 +91,12 @@ def _functional_waits(events) -> dict[int, str]:
     for evs in by_thread.values():
         pending: list[str] = []
         for e in sorted(evs, key=lambda x: x.time_range.start):
+            cls = op_class(e.name)
             if e.name == _WAIT_TENSOR:
                 if pending:
                     out[id(e)] = pending.pop(0)
-            elif op_class(e.name).startswith("collective:"):
-                pending.append(op_class(e.name))
+            elif cls.startswith("collective:"):
+                pending.append(cls)
     return out
 
 

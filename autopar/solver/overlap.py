@@ -89,6 +89,14 @@ def grad_pass_bytes(cfg, numel: float, grad_bytes: int) -> float:
     return passes * numel * grad_bytes
 
 
+def grad_pass_s(cfg, numel: float, profile, gpu) -> float:
+    """Seconds per micro-batch of ``grad_pass_bytes`` (1/m of the step's) at HBM bandwidth x memory
+    efficiency; 0 for a runtime without ``grad_passes``."""
+    if not profile.grad_passes:
+        return 0.0
+    return grad_pass_bytes(cfg, numel, profile.grad_bytes) / (cfg.m * gpu.hbm_Bps * gpu.memory_efficiency)
+
+
 def accumulates_rows(cfg) -> bool:
     """ZeRO 2/3 over data > 1 ranks with several micro-batches and no pipeline: every micro-batch
     reduce-scatters, and each rank adds the rows to the ones of the micro-batches before (the rows

@@ -75,7 +75,7 @@ from autopar.solver.balance import balance
 from autopar.solver.grad_buckets import GradPiece
 from autopar.solver.problem import AxisSummary, PartCost
 from autopar.solver.overlap import (account as overlap_account, accumulates_rows, dp_sync as overlap_dp_sync,
-                                    grad_pass_bytes, reduces_once_per_step)
+                                    grad_pass_s, reduces_once_per_step)
 from autopar.solver.runtime_profile import RuntimeProfile
 from autopar.recompute_ops import is_per_op
 from autopar.solver.layer_memory import (activation_bytes_per_layer, held_loss_input_bytes, rc_of, recomputed_layers,
@@ -440,8 +440,7 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
                                                 grad_pieces(summary, lps, first, last, profile.grad_wire_bytes))
     comm.update(dp_comm)
     mem = _rank_memory(summary, cfg, profile, r, parts, numel, lps)
-    if profile.grad_passes:      # the reducer's gradient copies and the micro-batches' adds, per micro-batch
-        compute += grad_pass_bytes(cfg, numel, profile.grad_bytes) / (cfg.m * gpu.hbm_Bps * gpu.memory_efficiency)
+    compute += grad_pass_s(cfg, numel, profile, gpu)    # the reducer's gradient copies, the micro-batches' adds
     cls = cfg.classes
     if cls:
         saved = saved_per_microbatch(summary, cfg, parts, lps)
