@@ -9,7 +9,8 @@
 #             config the autotuner picked per kernel);
 #          4. fused-kernel substitution in a training step, GPT and LLaMA (fused_step_gpu.py);
 #          5. `autopar calibrate` on the GPU (CUDA GEMM/attention/copy efficiencies, the NCCL path with
-#             one rank per visible GPU) -> $OUT/cluster.toml: not yet run on a GPU.
+#             one rank per visible GPU) -> $OUT/cluster.toml;
+#          6. `autopar profile` of a GPT with 2048-wide layers on one GPU, predicted with that file.
 # Usage: bash benchmarks/gpu_check.sh [all|tests|bench]   (default all; the device tool allows 10
 # minutes a command: run "tests" and "bench" as two calls there). Logs and JSON go under $OUT
 # (default ./out); "bench" reads the descriptor mode "tests" chose from $OUT/attention_desc.txt.
@@ -71,4 +72,12 @@ if [[ "$STAGE" != tests ]]; then
   if [[ "${DRY_RUN:-0}" == 1 ]]; then CALIBRATE=(--help); else CALIBRATE=(--budget-s "${CAL_BUDGET:-90}" --out "$OUT/cluster.toml"); fi
   timeout "${CAL_TIMEOUT:-150}" python3 -m autopar.cli calibrate "${CALIBRATE[@]}" 2>&1 | tee "$OUT/calibrate.log"
   echo "calibrate exit: ${PIPESTATUS[0]}"
+  # 6. measured vs predicted on the GPU: a GPT of realistic layer shapes, one rank, with the file step 5 wrote
+  if [[ "${DRY_RUN:-0}" == 1 ]]; then PROFILE=(--help); else
+    PROFILE=("${PROFILE_MODEL:-gpt:hidden=2048,layers=8,heads=16,vocab=50304}" --seq-len 1024 --batch 8 --nproc 1
+             --steps 3 --cluster "$OUT/cluster.toml" --json "$OUT/profile.json"); fi
+  if [[ "${DRY_RUN:-0}" == 1 || -s "$OUT/cluster.toml" ]]; then
+    timeout "${PROFILE_TIMEOUT:-90}" python3 -m autopar.cli profile "${PROFILE[@]}" 2>&1 | tee "$OUT/profile.log"
+    echo "profile exit: ${PIPESTATUS[0]}"
+  fi
 fi

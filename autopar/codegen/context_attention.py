@@ -261,12 +261,12 @@ def _flash_backward(kind: str, do, q, k, v, out, lse, causal: bool, scale: float
     if kind == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale)
-    b, h, tq, _ = q.shape
-    cq = torch.arange(0, (b + 1) * tq, tq, dtype=torch.int32, device=q.device)
-    ck = torch.arange(0, (b + 1) * k.shape[2], k.shape[2], dtype=torch.int32, device=q.device)
+    # no cumulative sequence lengths: given them, the op takes the varlen path, which reads (total,
+    # heads, dim) tensors (it read the heads as the head size: "head_size should be a multiple of 8")
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        do, q, k, v, out, lse.contiguous(), cq, ck, tq, k.shape[2], 0.0, causal, zero, zero, scale=scale)
+        do, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, zero, zero,
+        scale=scale)
 
 
 def _merge(out, lse, rows, bout, blse):

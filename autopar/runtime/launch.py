@@ -250,6 +250,14 @@ _PRELOAD = ("autopar.runtime.forkserver_exit", "torch", "torch.distributed", "to
 
 
 def _context():
+    """The forkserver with torch and autopar preloaded on CPU machines; plain spawn where CUDA is:
+    the forkserver's warm-up trace initializes CUDA (dynamo saves its RNG state), and a process forked
+    from one that did cannot use CUDA ("Cannot re-initialize CUDA in forked subprocess", seen on the
+    first lent GPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(_PRELOAD))
     return ctx

@@ -127,7 +127,8 @@ def test_gpu_check_script_rehearsal(tmp_path):
     assert proc.returncode == 0, log[-4000:]
     for line in ("kernel tests exit: 0", "attention tests (host descriptors) exit: 0",
                  "attention tests (device descriptors) exit: 0", "attention descriptors: host",
-                 "one-GPU runtime tests exit: 0", "benchmark exit: 0", "fused step exit: 0", "calibrate exit: 0"):
+                 "one-GPU runtime tests exit: 0", "benchmark exit: 0", "fused step exit: 0", "calibrate exit: 0",
+                 "profile exit: 0"):
         assert line in log, (line, log[-4000:])
     fused = (tmp_path / "fused_step.log").read_text()
     assert fused.rstrip().endswith("OK")

@@ -166,6 +166,20 @@ def test_results_are_loaded_with_weights_only():
         spawn_ranks(returns, 2, ("object",))
 
 
+def test_ranks_are_spawned_fresh_where_cuda_is(monkeypatch):
+    """Where CUDA is, ranks start by spawn, not from the forkserver (whose warm-up trace initializes
+    CUDA, which a forked process cannot use again: the first lent GPU failed so). Here the launcher
+    is told CUDA exists; the spawned ranks (fresh interpreters, no CUDA) run on gloo and return."""
+    import torch
+
+    from autopar.runtime import launch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert launch._context().get_start_method() == "spawn"
+    out = spawn_ranks(returns, 2, ("plain",))
+    assert [o["rank"] for o in out] == [0, 1] and torch.equal(out[1]["t"], torch.tensor([0, 1, 2]))
+
+
 LAUNCHER = """
 import signal, sys
 import multiprocessing.resource_tracker as rt
