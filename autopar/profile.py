@@ -189,7 +189,7 @@ def render(report: dict, console) -> None:
         return "" if m is None or p is None or not p > 0 else f"{(m / p - 1) * 100:+.0f}%"
 
     console.print(f"plan: {report['plan']} on cluster {report['cluster']}", markup=False, highlight=False)
-    t = Table(title="step, by category (per step; measured: mean over ranks of profiler self time)")
+    t = Table(title="step, by category (per step; measured: mean over ranks of profiler self time; on GPUs, of its kernels)")
     for col in ("category", "measured", "predicted", "measured / predicted - 1"):
         t.add_column(col, justify="left" if col == "category" else "right")
     for row in report["categories"]:

@@ -94,6 +94,29 @@ def test_a_functional_collectives_wait_is_that_collectives_time():
     assert by["runtime"] == pytest.approx(0.007) and by["matmul"] == pytest.approx(0.003)
 
 
+def test_on_a_gpu_each_op_counts_the_kernels_it_launched():
+    """Device mode: an op's class gets the GPU time of its kernels (self device time), not its host
+    time, and the kernels' own events (device_type CUDA) are not counted a second time; an op that
+    launched nothing (a view, the executor's Python) counts nothing."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from autopar.runtime.profiling import step_classes
+
+    def ev(name, host_us, device_us, kind=torch.autograd.DeviceType.CPU):
+        return SimpleNamespace(name=name, thread=1, time_range=SimpleNamespace(start=0), cpu_parent=None,
+                               self_cpu_time_total=host_us, self_device_time_total=device_us, device_type=kind)
+
+    events = [ev("aten::mm", 20, 4000), ev("sm90_xmma_gemm_bf16", 0, 4000, torch.autograd.DeviceType.CUDA),
+              ev("aten::add", 10, 300), ev("aten::view", 5, 0), ev("autopar step", 900, 0)]
+    on_gpu = step_classes(events, 2, device=True)
+    assert on_gpu["matmul"] == pytest.approx(0.002) and on_gpu["memory"] == pytest.approx(0.00015)
+    assert on_gpu["runtime"] == 0 and sum(on_gpu.values()) == pytest.approx(0.00215)
+    on_host = step_classes(events, 2)
+    assert on_host["matmul"] == pytest.approx(10e-6) and on_host["runtime"] == pytest.approx(450e-6)
+
+
 def test_what_a_matmul_runs_inside_is_the_matmuls():
     """On the CPU ``addmm`` copies its bias into the output (a nested ``aten::copy_``) before the
     GEMM: that copy is the matmul's time, not the memory-bound ops'; a copy outside stays memory."""
