@@ -12,8 +12,8 @@ to be (first match):
 
     params        a stored parameter of this rank (``ParamSlot.local`` / ``opt_param``)
     optimizer     a tensor of ``optimizer.state`` after the step
-    grads         a parameter's ``.grad`` / ZeRO-3 ``full_grad`` seen at accumulation, before or
-                  after the reduction, or after the step
+    grads         a parameter's ``.grad`` / ZeRO-3 ``full_grad`` seen at accumulation, at a
+                  bucket's launch, before or after the reduction, or after the step
     activations   saved for backward (a ``saved_tensors_hooks`` pack), or a pipeline stage's
                   output or input held in torch's ``fwd_cache`` for the backward, and not one of
                   the above (ZeRO-3's gathered weights, saved by the matmuls, land here)
@@ -351,6 +351,10 @@ def _spies(tracker: StorageTracker, pm) -> list[_Spy]:
     spies = [_Spy(pm.reducer, name, before=lambda: _mark_state(tracker, pm),
                   after=lambda args, out: _mark_state(tracker, pm))
              for name in ("reduce", "end_micro_batch")]
+    # a bucket's launch drops the summands it sends: the gradient that completed it too, whose
+    # post-accumulate hook (the reducer's, registered before the tracker's) launched it (ZeRO 1/2
+    # missed gpt-tiny's tied embedding gradient so, 64 KiB)
+    spies.append(_Spy(pm.reducer, "_launch", before=lambda: _mark_state(tracker, pm)))
     if pm.offload.activations is not None:       # an offloaded activation's host copy
         spies.append(_Spy(pm.offload.activations, "to_host", after=lambda args, out: tracker.mark(out, HOST)))
     host = pm.offload.optimizer

@@ -163,12 +163,16 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
         bucket = min(st.param_numel * per["params"], DEFAULT_BUCKET_BYTES) / per["params"]
         peak = max(peak, fixed + local_grads / cfg.data + bucket * master * (1 + 1 / cfg.data))   # the shards kept
     grads = total["grads"]
-    if cfg.zero == 3 and cfg.data > 1 and "grads" not in classes:
-        # the full summands of a bucket not yet reduce-scattered are gradients too (``measure_step``
-        # marks them): the largest bucket's (``codegen/buckets.py``) beside the others' reduced rows
+    if cfg.zero >= 1 and cfg.data > 1 and "grads" not in classes and (cfg.m == 1 or accumulates_rows(cfg)):
+        # ZeRO 1-3 reduce-scatter each micro-batch's summands bucket by bucket (ZeRO-1 as ZeRO-2 does:
+        # ``runtime/reducer.py``): the full summands of a bucket not yet reduce-scattered are
+        # gradients too (``measure_step`` marks them), the largest bucket's (``codegen/buckets.py``)
+        # beside the others' reduced rows, or beside all rows when earlier micro-batches made them.
+        # Several micro-batches of ZeRO-1 or of a pipeline's ZeRO 2/3 accumulate the full summands,
+        # as ``states`` counts.
         largest_bucket = max(min(local_grads, DEFAULT_FIRST_BUCKET_BYTES),
                              min(local_grads - DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_BYTES))
-        grads = max(grads, local_grads / cfg.data + largest_bucket * (1 - 1 / cfg.data))
+        grads = local_grads / cfg.data + largest_bucket * (1.0 if accumulates_rows(cfg) else 1 - 1 / cfg.data)
     activations = st.memory.activations_bytes * act_kept
     if cfg.pp > 1:               # the replay's own: each stage's in-flight count, not the rank's average
         activations = replay_peak_bytes(actions, {g: activations_only(c) for g, c in chunks.items()})
