@@ -74,6 +74,22 @@ def test_3d_plan_lays_tp_out_on_three_axes(plan_3d):
     assert plan_3d.summary()["tensor_parallel_mode"] == "3d" and plan_3d.idle_axes() == ()
 
 
+def test_no_linear_is_split_along_an_inner_row_dim(plan_3d, tiny_full):
+    """A linear's input split along T of (B, T, k) is a strided split inside DTensor's flattened
+    matmul, whose weight-gradient matmul then gathers both operands whole (measured on this plan:
+    2 + 2 + 1 all-gathers per layer beyond the prediction); the tensor axes' tables leave such
+    splits out (``strategies._inner_row_split``), so here c_proj splits the batch on tp3."""
+    from autopar.placements import Shard
+
+    ndim = {n.key: len(n.out.shape) for n in tiny_full.nodes if n.outputs}
+    linears = [s for s in plan_3d.strategies if "aten.linear" in s.key]
+    assert len(linears) == 9
+    for s in linears:
+        x = s.inputs[0]
+        src = next(n.inputs[0].key for n in tiny_full.nodes if n.key == s.key)
+        assert not any(isinstance(p, Shard) and 0 < p.dim < ndim[src] - 1 for p in x), s
+
+
 def test_25d_plan_on_8_ranks_is_the_3d_plan(plan_3d, plan_25d):
     """tp = 8 = d x q x q only as 2 x 2 x 2, which is the 3-D mesh (``mesh.tensor_mode``): the
     planner gives the same mesh and the same placements, so the 3-D launch stands for both."""
