@@ -491,8 +491,9 @@ def _has_data_axis(cfg) -> bool:
     strategy``: s^k combinations, each priced by ``redistribute_cost``), so a size-1 axis multiplies
     that work by s for nothing: gpt-tiny's 3-D plan on 8 gloo ranks (2 cores) finished no step in 10
     minutes with it (a first linear's propagation 0.67 s against 0.08 s on a (2, 2, 2) mesh: 4,352
-    strategies against 512) and trains 3 steps in about 6 minutes without it. A missing axis has
-    size 1 (``Mesh.size_of``); the 1-D family keeps its ("dp", "tp") mesh."""
+    strategies against 512; without it, and without strided linear splits, ``strategies.
+    _inner_row_split``, 3 steps take 18 s). A missing axis has size 1 (``Mesh.size_of``); the 1-D
+    family keeps its ("dp", "tp") mesh."""
     return cfg.data > 1 or not cfg.tp_shape
 
 
