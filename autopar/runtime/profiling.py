@@ -87,8 +87,7 @@ def step_classes(events, steps: int, device: bool = False) -> Counter:
 
 def _on_device(event) -> bool:
     """A kernel's (or memcpy's) own profiler event, not a host op's."""
-    kind = getattr(event, "device_type", None)
-    return kind is not None and kind != torch.autograd.DeviceType.CPU
+    return event.device_type != torch.autograd.DeviceType.CPU
 
 
 _FUNCOL = "_c10d_functional::"

@@ -490,9 +490,9 @@ def _has_data_axis(cfg) -> bool:
     axes. DTensor expands every op's strategies over every mesh axis (``expand_to_full_mesh_op_
     strategy``: s^k combinations, each priced by ``redistribute_cost``), so a size-1 axis multiplies
     that work by s for nothing: gpt-tiny's 3-D plan on 8 gloo ranks (2 cores) finished no step in 10
-    minutes with it (a first linear's propagation 0.67 s against 0.08 s on a (2, 2, 2) mesh: 4,352
-    strategies against 512; without it, and without strided linear splits, ``strategies.
-    _inner_row_split``, 3 steps take 18 s). A missing axis has size 1 (``Mesh.size_of``); the 1-D
+    minutes with it (a first linear and sum: 0.67-0.73 s of propagation against 0.08 s on a
+    (2, 2, 2) mesh, 4,352 strategies against 576; without it, and without strided linear splits,
+    ``strategies._inner_row_split``, 3 steps take 18 s). A missing axis has size 1 (``Mesh.size_of``); the 1-D
     family keeps its ("dp", "tp") mesh."""
     return cfg.data > 1 or not cfg.tp_shape
 
@@ -503,13 +503,15 @@ def _build_plan(s: _Searcher, ev: Evaluation, sol: AxisSolution, seq_len, solve_
     dpp, dp_read = _dp_placements(s.facts, tab.keys, cfg.zero)
     outer = tuple(reversed(sol.axes))          # outermost first, as the mesh lists them
     data_axis = _has_data_axis(cfg)
+    def on_data(p) -> tuple:                   # the data axis' entry, where the mesh lists that axis
+        return (p,) if data_axis else ()
     strategies = []
     for k in tab.keys:
         st = tab.strategies[k][sol.choice[k]]
         sts = [t.strategies[k][c[k]] for _, t, c in outer] + [st]
-        ins = tuple((dp_read.get(r.key, Replicate()),)[:data_axis] + tuple(x.inputs[i] for x in sts)
+        ins = tuple(on_data(dp_read.get(r.key, Replicate())) + tuple(x.inputs[i] for x in sts)
                     for i, r in enumerate(s.facts.inputs[k][:len(st.inputs)]))
-        strategies.append(NodeStrategy(k, (dpp[k],)[:data_axis] + tuple(x.output for x in sts), ins, st.name))
+        strategies.append(NodeStrategy(k, on_data(dpp[k]) + tuple(x.output for x in sts), ins, st.name))
     full = evaluate(sol.summary, cfg, s.cluster, s.profile, s.budget, all_stages=True)
     stages = plan_stages(full, sol.summary)
     notes = [f"runtime profile: {s.profile.name}",
@@ -536,8 +538,8 @@ def _build_plan(s: _Searcher, ev: Evaluation, sol: AxisSolution, seq_len, solve_
         context_parallel=cfg.cp, context_parallel_mode=cfg.cp_mode,
         pipeline_schedule=cfg.schedule, virtual_stages=cfg.v,
         micro_batch_size=cfg.mbs, num_micro_batches=cfg.m, offload=cfg.offload, **_recompute_fields(full),
-        mesh_axes=(DATA,)[:data_axis] + (axis_names(cfg.tp_shape) if cfg.tp_shape else (TENSOR,)),
-        mesh_shape=(cfg.data,)[:data_axis] + (cfg.tp_shape or (cfg.tp,)), strategies=tuple(strategies), stages=stages,
+        mesh_axes=on_data(DATA) + (axis_names(cfg.tp_shape) if cfg.tp_shape else (TENSOR,)),
+        mesh_shape=on_data(cfg.data) + (cfg.tp_shape or (cfg.tp,)), strategies=tuple(strategies), stages=stages,
         step_time=full.step, memory=full.memory, model_flops_per_step=model_flops(s.graph, s.global_batch),
         solve_time_s=solve_time_s, forced=s.force.items(), notes=tuple(notes))
 
