@@ -10,9 +10,12 @@
 #          4. fused-kernel substitution in a training step, GPT and LLaMA (fused_step_gpu.py);
 #          5. `autopar calibrate` on the GPU (CUDA GEMM/attention/copy efficiencies, the NCCL path with
 #             one rank per visible GPU) -> $OUT/cluster.toml;
-#          6. `autopar profile` of a GPT with 2048-wide layers on one GPU, predicted with that file.
-# Usage: bash benchmarks/gpu_check.sh [all|tests|bench]   (default all; the device tool allows 10
-# minutes a command: run "tests" and "bench" as two calls there). Logs and JSON go under $OUT
+#          6. `autopar profile` of a GPT with 2048-wide layers on one GPU, predicted with that file
+#             (benchmarks/results/calibrate_h200.toml when step 5 did not run);
+#          7. activation offload's copies on the side stream vs the compute stream (offload_overlap.py).
+#   runtime: the one-GPU training tests and steps 6-7 alone (what a runtime change needs confirmed).
+# Usage: bash benchmarks/gpu_check.sh [all|tests|bench|runtime]   (default all; the device tool allows
+# 10 minutes a command: run "tests" and "bench" as two calls there). Logs and JSON go under $OUT
 # (default ./out); "bench" reads the descriptor mode "tests" chose from $OUT/attention_desc.txt.
 # DRY_RUN=1 rehearses the plumbing on a CPU (tests collected, not run; the scripts' --dry-run):
 # tests/kernels/test_kernel_benchmark.py runs it, so the lent GPU's minutes go to the check.
@@ -23,7 +26,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-out}; mkdir -p "$OUT"
 STAGE=${1:-all}
-case "$STAGE" in all|tests|bench) ;; *) echo "usage: $0 [all|tests|bench]" >&2; exit 2 ;; esac
+case "$STAGE" in all|tests|bench|runtime) ;; *) echo "usage: $0 [all|tests|bench|runtime]" >&2; exit 2 ;; esac
 EXAMPLES=${KERNEL_EXAMPLES:-6}
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
   DEVICE=cpu; PYTEST_DRY=(--collect-only); SCRIPT_DRY=(--dry-run)
@@ -31,6 +34,35 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
   nvidia-smi() { echo "dry run: no nvidia-smi"; }
 else
   DEVICE=cuda; PYTEST_DRY=(); SCRIPT_DRY=()
+fi
+
+runtime_tests() {
+  # one-GPU training: a meta model against eager, offload (pinned copies, host step) against none, the
+  # side stream's copies against the compute stream's
+  timeout "${RUNTIME_TIMEOUT:-120}" python3 -m pytest tests/runtime/test_gpu.py -q -m gpu \
+    -p no:cacheprovider --tb=short "${PYTEST_DRY[@]}" 2>&1 | tee "$OUT/runtime_gpu.log"
+  echo "one-GPU runtime tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/runtime_gpu.log"
+}
+
+measured_vs_predicted() {
+  # 6. measured vs predicted on the GPU: a GPT of realistic layer shapes, one rank
+  local cluster="$OUT/cluster.toml"
+  [[ -s "$cluster" ]] || cluster=benchmarks/results/calibrate_h200.toml
+  if [[ "${DRY_RUN:-0}" == 1 ]]; then PROFILE=(--help); else
+    PROFILE=("${PROFILE_MODEL:-gpt:hidden=2048,layers=8,heads=16,vocab=50304}" --seq-len 1024 --batch 8 --nproc 1
+             --steps 3 --cluster "$cluster" --json "$OUT/profile.json"); fi
+  timeout "${PROFILE_TIMEOUT:-90}" python3 -m autopar.cli profile "${PROFILE[@]}" 2>&1 | tee "$OUT/profile.log"
+  echo "profile exit: ${PIPESTATUS[0]}"
+  # 7. activation offload: side stream vs compute stream vs none, measured and predicted
+  timeout "${OFFLOAD_TIMEOUT:-150}" python3 benchmarks/offload_overlap.py --cluster "$cluster" "${SCRIPT_DRY[@]}" \
+    ${OFFLOAD_ARGS:-} 2>&1 | tee "$OUT/offload_overlap.log"
+  echo "offload overlap exit: ${PIPESTATUS[0]}"
+}
+
+if [[ "$STAGE" == runtime ]]; then
+  runtime_tests
+  measured_vs_predicted
+  exit 0
 fi
 
 if [[ "$STAGE" != bench ]]; then
@@ -54,10 +86,7 @@ if [[ "$STAGE" != bench ]]; then
   timeout "${CP_TIMEOUT:-60}" python3 -m pytest tests/runtime/test_context_attention.py -q -m gpu \
     -p no:cacheprovider --tb=short "${PYTEST_DRY[@]}" 2>&1 | tee "$OUT/context_attention.log"
   echo "context-parallel attention tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/context_attention.log"
-  # one-GPU training: a meta model against eager, and offload (pinned copies, host step) against none
-  timeout "${RUNTIME_TIMEOUT:-120}" python3 -m pytest tests/runtime/test_gpu.py -q -m gpu \
-    -p no:cacheprovider --tb=short "${PYTEST_DRY[@]}" 2>&1 | tee "$OUT/runtime_gpu.log"
-  echo "one-GPU runtime tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/runtime_gpu.log"
+  runtime_tests
 fi
 
 if [[ "$STAGE" != tests ]]; then
@@ -72,12 +101,5 @@ if [[ "$STAGE" != tests ]]; then
   if [[ "${DRY_RUN:-0}" == 1 ]]; then CALIBRATE=(--help); else CALIBRATE=(--budget-s "${CAL_BUDGET:-90}" --out "$OUT/cluster.toml"); fi
   timeout "${CAL_TIMEOUT:-150}" python3 -m autopar.cli calibrate "${CALIBRATE[@]}" 2>&1 | tee "$OUT/calibrate.log"
   echo "calibrate exit: ${PIPESTATUS[0]}"
-  # 6. measured vs predicted on the GPU: a GPT of realistic layer shapes, one rank, with the file step 5 wrote
-  if [[ "${DRY_RUN:-0}" == 1 ]]; then PROFILE=(--help); else
-    PROFILE=("${PROFILE_MODEL:-gpt:hidden=2048,layers=8,heads=16,vocab=50304}" --seq-len 1024 --batch 8 --nproc 1
-             --steps 3 --cluster "$OUT/cluster.toml" --json "$OUT/profile.json"); fi
-  if [[ "${DRY_RUN:-0}" == 1 || -s "$OUT/cluster.toml" ]]; then
-    timeout "${PROFILE_TIMEOUT:-90}" python3 -m autopar.cli profile "${PROFILE[@]}" 2>&1 | tee "$OUT/profile.log"
-    echo "profile exit: ${PIPESTATUS[0]}"
-  fi
+  measured_vs_predicted
 fi

@@ -34,8 +34,9 @@ ZeRO >= 1: ``optimizer_rows``), m = optimizer moments (2 Adam/AdamW/LAMB, 1 LARS
                  2 B of it; per step read and written once: 2 rows (4 + 4m) / NVMe Bps per GPU
 
 Transfers hidden behind compute cost ``max(0, t - window)`` (``runtime_profile.py``'s rule) when
-the runtime overlaps them (``RuntimeProfile.host_copy_overlap``; autopar's runtime copies on the
-compute stream, so its windows are 0 and every transfer is exposed). Per
+the runtime overlaps them (``RuntimeProfile.host_copy_overlap``: on GPUs autopar's runtime copies
+gradients and activations on a side stream, ``runtime/copy_stream.py``; ZeRO-3's rows and the
+updated rows go up on the compute stream; on CPU ranks every copy is exposed). Per
 micro-batch, the forward window hides params up (host->device) and activations down
 (device->host, the other direction); the backward window hides params and activations up, which
 share the host->device direction (one transfer of their sum).
@@ -130,19 +131,23 @@ def offload_step_times(classes: Iterable[str], *, rows: float, grad_bytes: float
 
 
 def offload_microbatch_times(classes: Iterable[str], *, host_params_bytes: float, saved_bytes: float,
-                             forward_window_s: float, backward_window_s: float,
-                             pcie_Bps: float) -> dict[str, float]:
+                             forward_window_s: float, backward_window_s: float, pcie_Bps: float,
+                             overlapped: Iterable[str] = ("params", "activations")) -> dict[str, float]:
     """Exposed seconds per micro-batch: "host:h2d" (params up before the forward and before the
     backward, activations up in the backward) and "host:d2h" (activations down in the forward).
     ``host_params_bytes``: the rank's params on the host (P); ``saved_bytes``: the activations
-    saved per micro-batch."""
-    cls = set(classes)
+    saved per micro-batch. Only the copies of the ``overlapped`` classes hide in the windows; the
+    backward's uploads of both share the host->device direction (one window)."""
+    cls, over = set(classes), set(overlapped)
     p = host_params_bytes / pcie_Bps if "params" in cls else 0.0
     a = saved_bytes / pcie_Bps if "activations" in cls else 0.0
+    p_over, a_over = ("params" in over) * p, ("activations" in over) * a
     out: dict[str, float] = {}
-    up = (_exposed(p, forward_window_s) if p else 0.0) + (_exposed(p + a, backward_window_s) if p + a else 0.0)
+    up = (p - p_over + _exposed(p_over, forward_window_s)) + (p + a - p_over - a_over
+                                                               + _exposed(p_over + a_over, backward_window_s))
     if up:
         out["host:h2d"] = up
-    if a and _exposed(a, forward_window_s):
-        out["host:d2h"] = _exposed(a, forward_window_s)
+    down = a - a_over + _exposed(a_over, forward_window_s)
+    if down:
+        out["host:d2h"] = down
     return out

@@ -427,7 +427,7 @@ def compare_ranks(plan, graph, measured: list[dict], param_dtype: str, optimizer
     per_stage = plan.stage_mesh.size
     rows = []
     for rank, m in enumerate(measured):
-        predicted = predict_memory(ev, summary, rank // per_stage, param_dtype, optimizer, profile)
+        predicted = predict_memory(ev, summary, rank // per_stage, param_dtype, optimizer, profile, m["device"])
         rows.append(RankMemory(rank, StepMemory.from_dict(m), predicted))
     return rows
 

@@ -18,6 +18,9 @@ peak is the larger of two moments:
 """
 from __future__ import annotations
 
+import torch
+
+from autopar.runtime.copy_stream import side_stream_enabled
 from autopar.runtime.memory_measure import MemoryByCategory, PredictedMemory
 
 
@@ -57,7 +60,7 @@ def plan_evaluation(plan, graph, cluster=None):
 
 
 def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimizer: str = "adamw",
-                   profile=None) -> PredictedMemory:
+                   profile=None, device: str = "cpu") -> PredictedMemory:
     """Pipeline rank ``pp_rank``'s predicted peak and its categories: model states for
     ``param_dtype`` and ``optimizer`` (``cost.memory.state_bytes_per_param``), activations as the
     solver's evaluation has them, temporaries = the backward workspace
@@ -94,6 +97,9 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     workspace = workspace_bytes(summary, cfg, backward_workspace_bytes(largest), st.layers,
                                 param_bytes=per["params"], autocast=profile.autocast)
     act_off = "activations" in classes
+    # saved tensors back on the device at once with activation offload: the node's own, and on a
+    # side stream (``runtime/copy_stream.py``) the one prefetched for the next node
+    back = (2.0 if side_stream_enabled(torch.device(device)) else 1.0) if act_off else 0.0
 
     def piece_workspace(name: str) -> tuple[float, float]:
         """A piece's backward workspace: (what it adds to the piece's activations at the boundary
@@ -106,7 +112,7 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
         activations only). ZeRO-3's gathers beside it, and in a layer its re-materialized
         activations under recompute (``layer_memory.workspace_bytes``)."""
         part = summary.parts[name]
-        own = backward_workspace_bytes(part.max_out_bytes) + (part.max_out_bytes if act_off else 0.0)
+        own = backward_workspace_bytes(part.max_out_bytes) + back * part.max_out_bytes
         freed = 0.0
         if name == "block":
             own += 2.0 * summary.layer_input_bytes
@@ -136,8 +142,8 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
                              microbatches=cfg.m, moments=optimizer_moments(optimizer))
         host = off["host"]
         if act_off:                    # on the host; the backward brings one node's back at a time, at
-            act_kept = 0.0             # most the largest output (the log-probabilities at the loss)
-            workspace += largest
+            act_kept = 0.0             # most the largest output (the log-probabilities at the loss),
+            workspace += back * largest    # and one more prefetched on a side stream
         grad_kept = off["grads"] / total["grads"] if total["grads"] else 1.0   # grads offload: the buckets kept
         chunks = {g: _scaled(c, act_kept, grad_kept) for g, c in chunks.items()}
         total = {"params": off["params"], "grads": off["grads"], "optimizer": off["optimizer"]}

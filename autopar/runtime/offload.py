@@ -16,8 +16,12 @@ grads (with optimizer)
 activations  ``ActivationOffload``
     A ``saved_tensors_hooks`` pair: every tensor autograd saves (at least ``min_bytes``, not a
     parameter) is copied to host memory in the forward and back to the device when the backward
-    unpacks it; the device copy lives only while its node's backward runs. DTensors keep their
-    mesh and placements. Under ZeRO-3 the reshard hooks (``runtime/reshard.py``) go first: a saved
+    unpacks it; the device copy lives only while its node's backward runs. On CUDA the copies run
+    on a side stream (``runtime/copy_stream.py``) and the backward prefetches: unpacking the
+    tensor packed k-th starts bringing back the latest-packed one before it not unpacked yet (the
+    next the backward needs, as it runs the forward in reverse), so one tensor's copy up overlaps
+    another node's backward and at most one prefetched tensor waits on the device. DTensors keep
+    their mesh and placements. Under ZeRO-3 the reshard hooks (``runtime/reshard.py``) go first: a saved
     gathered weight is re-gathered, not offloaded.
 nvme (with optimizer)
     The masters and the optimizer state live in files (``runtime/nvme.py``) between steps; the step
@@ -25,9 +29,12 @@ nvme (with optimizer)
     k steps, chunk k is written while k + 1 steps. A chunk steps alone because torch optimizers skip
     parameters whose ``.grad`` is None.
 
-On a CPU-only machine "device" and "host" are the same memory, so every transfer is an explicit
-copy into a tensor the offload owns (``host_tensors``): what ``runtime/memory_measure.py`` counts
-as host memory, apart from the device peak.
+Gradients go down on that side stream too (during the backward, as the reducer finishes buckets);
+the updated rows go up on the compute stream after the host step, and ZeRO-3's offloaded rows at
+each gather (``params.on_device``): those two are not overlapped. On a CPU-only machine "device"
+and "host" are the same memory, so every transfer is an explicit synchronous copy into a tensor
+the offload owns (``host_tensors``): what ``runtime/memory_measure.py`` counts as host memory,
+apart from the device peak.
 """
 from __future__ import annotations
 
@@ -41,6 +48,7 @@ import torch
 from torch import nn
 
 from autopar.plan import parse_offload
+from autopar.runtime.copy_stream import Copies
 from autopar.runtime.reshard import Observed
 
 ACTIVATION_MIN_BYTES = 1024          # smaller saved tensors stay on the device (not worth a copy)
@@ -52,17 +60,13 @@ def _pinned(shape, dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-
-
 class HostOptimizer:
     """The optimizer on the host (module docstring). ``optimizer`` is the user's, on the masters."""
 
     def __init__(self, store, factory: Callable, classes: tuple, device: torch.device, *,
                  nvme_dir: Optional[str] = None, rank: int = 0, chunk_bytes: int = NVME_CHUNK_BYTES) -> None:
         self.store, self.device, self.classes = store, device, classes
+        self.copies = Copies(device)
         self.frees_grads = "grads" in classes
         self._grad_bufs: dict[str, torch.Tensor] = {}
         for s in store.slots:
@@ -117,8 +121,7 @@ class HostOptimizer:
                 g = s.local.grad
             if g is None:                        # no gradient this step: the optimizer skips it
                 continue
-            buf = self._grad_bufs[s.name]
-            buf.copy_(g.detach().reshape(buf.shape), non_blocking=buf.is_pinned())
+            buf = self.copies.down(g, out=self._grad_bufs[s.name])
             s.host_grad = buf
             if self.nvme is None:                # NVMe: set per chunk, once the master is read back
                 s.host.grad = buf
@@ -132,7 +135,7 @@ class HostOptimizer:
     def take_rest(self) -> None:
         """After the reduction: every gradient not taken yet (dp == 1 has no buckets)."""
         self.take(self.store.slots)
-        _sync(self.device)
+        self.copies.synchronize()
 
     # ---- step ----------------------------------------------------------------------------------
     def step(self, run: Callable[[], None]) -> None:
@@ -143,7 +146,7 @@ class HostOptimizer:
             self._copy_up(self.store.slots)
         else:
             self._step_chunks(run)
-        _sync(self.device)
+        self.copies.synchronize()
 
     def end_step(self) -> None:
         self._taken.clear()
@@ -226,7 +229,7 @@ class HostOptimizer:
                 s.host.grad = grads[s.name] if any(s is c for c in chunk) else None
             run()
             self._copy_up(chunk)
-            _sync(self.device)
+            self.copies.synchronize()
             for s in chunk:
                 s.host.grad = None
             self._evict(chunk)
@@ -269,6 +272,7 @@ class _Offloaded:
     """A saved tensor's host copy (and, for a DTensor, what rebuilds it)."""
     host: torch.Tensor
     dtensor: Optional[tuple]           # (mesh, placements, shape, stride)
+    index: int                         # the host copy's place in this step's packing order
 
 
 class ActivationOffload(Observed):
@@ -284,7 +288,12 @@ class ActivationOffload(Observed):
         self._skip: frozenset = frozenset()
         # this step's host copies by (storage, offset, size, stride, version): a tensor saved by
         # several nodes (an activation feeding two matmuls) is copied down once
-        self._copies: dict[tuple, tuple] = {}    # key -> (weakref to the storage, host copy)
+        self._copies: dict[tuple, tuple] = {}    # key -> (weakref to the storage, its index)
+        self.copies = Copies(device)
+        self._order: list[torch.Tensor] = []     # host copies in packing order
+        self._unpacked: set[int] = set()         # their indices brought back at least once
+        self._ahead: dict[int, Any] = {}         # index -> copy_stream.Upload started by the prefetch
+        self.unpacked = self.prefetched = 0      # over the run: tensors brought back; of them, prefetched
 
     @contextlib.contextmanager
     def hooks(self):
@@ -294,6 +303,9 @@ class ActivationOffload(Observed):
 
     def _clear(self) -> None:
         self._copies.clear()
+        self._order.clear()
+        self._unpacked.clear()
+        self._ahead.clear()
 
     def _pack(self, t: torch.Tensor):
         from torch.distributed.tensor import DTensor
@@ -315,29 +327,44 @@ class ActivationOffload(Observed):
         # the same storage still (torch keeps one Python object per storage while it lives): a
         # freed one's address reused by a new tensor is not taken for it
         if seen is not None and seen[0]() is storage:
-            host = seen[1]
+            index = seen[1]
         else:
-            host = self.to_host(local)
-            self._copies[key] = (weakref.ref(storage), host)
+            index = len(self._order)
+            self._order.append(self.to_host(local))
+            self._copies[key] = (weakref.ref(storage), index)
         spec = (t.device_mesh, tuple(t.placements), t.shape, t.stride()) if isinstance(t, DTensor) else None
-        return _Offloaded(host, spec)
+        return _Offloaded(self._order[index], spec, index)
 
     def to_host(self, local: torch.Tensor) -> torch.Tensor:
-        host = torch.empty_like(local, device="cpu", pin_memory=self.device.type == "cuda")
-        host.copy_(local.detach(), non_blocking=host.is_pinned())
-        return host
+        """``local``'s host copy (asynchronous on CUDA's side stream; ``memory_measure`` spies it)."""
+        return self.copies.down(local)
 
     def _unpack(self, saved):
         if not isinstance(saved, _Offloaded):
             return self._inner_unpack(saved)
         from torch.distributed.tensor import DTensor
 
-        local = torch.empty_like(saved.host, device=self.device)
-        local.copy_(saved.host, non_blocking=saved.host.is_pinned())
+        upload = self._ahead.pop(saved.index, None)
+        self.unpacked += 1
+        self.prefetched += upload is not None
+        upload = upload or self.copies.up(saved.host)
+        self._unpacked.add(saved.index)
+        if self.copies.overlapped:
+            self._prefetch(saved.index)
+        local = upload.get()
         if saved.dtensor is None:
             return local
         mesh, placements, shape, stride = saved.dtensor
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+    def _prefetch(self, index: int) -> None:
+        """Start bringing back the latest-packed tensor before ``index`` not unpacked yet (module
+        docstring); a prefetch the backward passed by is dropped (one waits on the device at most)."""
+        j = next((j for j in range(index - 1, -1, -1) if j not in self._unpacked), None)
+        for k in [k for k in self._ahead if k != j]:
+            del self._ahead[k]
+        if j is not None and j not in self._ahead:
+            self._ahead[j] = self.copies.up(self._order[j])
 
 
 @dataclasses.dataclass

@@ -172,7 +172,7 @@ def _row(per: str, key: str, total: float, window: float, over: bool, reason: st
     return per, key, total, window, over, reason, min(total, window) if over else 0.0
 
 
-def _upstream(key: str, profile) -> tuple[str, bool]:
+def _upstream(key: str, profile, copies_over: tuple = ()) -> tuple[str, bool]:
     """(why, known) of a collective priced before the step model (its exposed time only)."""
     axis, _, kind = key.partition(":")
     if axis == "pp":
@@ -190,9 +190,10 @@ def _upstream(key: str, profile) -> tuple[str, bool]:
                     "(solver/context.py; hidden part not carried here)"), False
         return "exposed: context-parallel all-to-alls are not overlapped", True
     if axis in ("host", "nvme", "cpu"):
-        if profile.host_copy_overlap:
-            return "remainder after offload copies overlap compute on a side stream (cost/offload.py)", False
-        return "exposed: offload copies run on the compute stream in this runtime", True
+        if copies_over:
+            return (f"remainder after the copies of {'/'.join(copies_over)} overlap compute on a side stream "
+                    "(cost/offload.py); other classes' copies run on the compute stream"), False
+        return "exposed: offload copies run on the compute stream (or a CPU's one memory) here", True
     return "exposed time as priced", False
 
 
@@ -222,7 +223,7 @@ def account(bottleneck, dp_stage, m: int, profile, cluster) -> tuple[CommOverlap
         for key, v in src.items():
             rest = v * scale - covered.get((per, key), 0.0)
             if rest > 1e-12 * max(1.0, v * scale):
-                why, known = _upstream(key, profile)
+                why, known = _upstream(key, profile, profile.copies_overlapped(cluster))
                 add(key, rest, 0.0, 0.0, rest, 0.0, why, known)
     out = []
     for key in sorted(acc):

@@ -30,9 +30,12 @@ and why (``StepTime.overlap``, the report's "Communication" table).
 - ``param_gather_overlap``: the all-gather of updated parameters (ZeRO-1/2, Megatron distributed
   optimizer ``--overlap-param-gather``) runs during the next step's first forward; ZeRO-3's
   per-micro-batch gathers are prefetched against the forward/backward. Window: that compute.
-- ``host_copy_overlap``: offload's host<->device copies (gradients down, parameters and saved
-  activations up and down: ``cost/offload.py``) run on a side stream beside the compute. Window:
-  the step's / micro-batch's forward or backward. Without it they are exposed in full.
+- ``host_copy_overlap``: the offload classes whose host<->device copies run on a side stream
+  beside the compute on a GPU (``cost/offload.py``): "grads" (gradients down as buckets finish),
+  "activations" (saved tensors down in the forward, up in the backward), "params" (ZeRO-3's
+  offloaded rows up before use). Window: the step's / micro-batch's forward or backward. The
+  others, and every copy on a CPU cluster (one memory, synchronous copies), are exposed in full
+  (``copies_overlapped``).
 - ``param_bytes``, ``optimizer_bytes``: the parameters' bytes per element on the device (stored
   and all-gathered) and the optimizer state's per parameter (``for_dtype``).
 - ``grad_bytes``: bytes per gradient element stored; ``grad_reduce_bytes`` (None: the same) the
@@ -76,7 +79,7 @@ class RuntimeProfile:
     param_gather_overlap: bool            # ZeRO param all-gathers overlapped with forward compute
     grad_bytes: int                       # bytes per gradient element (fp32 main grads -> 4)
     schedule: str = "1f1b"                # pipeline schedule (memory: in-flight micro-batches)
-    host_copy_overlap: bool = False       # offload copies overlapped with compute
+    host_copy_overlap: tuple[str, ...] = ()   # offload classes whose copies overlap compute (GPUs)
     param_bytes: int = 2                  # bytes per parameter element on the device (16-bit)
     optimizer_bytes: int = 12             # optimizer state per parameter (fp32 master + Adam's moments)
     zero3_prefetch: bool = False          # ZeRO-3's forward gathers prefetched one layer ahead
@@ -87,6 +90,13 @@ class RuntimeProfile:
     first_grad_bucket_bytes: int = 0      # the first bucket's cap (DDP's early start)
     grad_bucket_params: int = 0           # or the cap in parameters: max(this, per_rank x data ranks)
     grad_bucket_params_per_rank: int = 0
+
+    def copies_overlapped(self, cluster) -> tuple[str, ...]:
+        """``host_copy_overlap`` on ``cluster``: none on CPU ranks (host and device memory are one,
+        every copy synchronous)."""
+        from autopar.cost.hardware import device_kind
+
+        return self.host_copy_overlap if device_kind(cluster) == "cuda" else ()
 
     @property
     def grad_wire_bytes(self) -> int:
@@ -125,13 +135,14 @@ def for_dtype(profile: RuntimeProfile, dtype: str, param_dtype: str = "float32")
 # each use), so they are not overlapped, and nor is ZeRO-3's reduce-scatter (after the backward:
 # timing.py hides ZeRO-3's backward traffic only when both flags hold); ZeRO-3's forward gathers a
 # layer at a time with the next one prefetched (``zero3_prefetch``); tensor-parallel collectives are
-# issued synchronously by the executor; offload's copies (``runtime/offload.py``) are issued on the
-# compute stream, so they are exposed; 16-bit plans run under torch.autocast over fp32 parameters
+# issued synchronously by the executor; offload's gradient and activation copies run on a side
+# stream (``runtime/copy_stream.py``; the backward prefetches one saved tensor ahead), the updated
+# rows and ZeRO-3's offloaded rows go up on the compute stream (exposed); 16-bit plans run under torch.autocast over fp32 parameters
 # (``autocast``: ``for_dtype`` gives the state layout); gradients pass through the reducer's
 # buffers (``grad_passes``), buckets of 25 MiB, the first of 1 MiB (``codegen/buckets.py``).
 AUTOPAR_RUNTIME = RuntimeProfile(
     name="autopar", tp_overlap_kinds=(), grad_reduce_overlap=True, param_gather_overlap=False,
-    grad_bytes=2, zero3_prefetch=True, autocast=True, grad_passes=True,
+    grad_bytes=2, zero3_prefetch=True, autocast=True, grad_passes=True, host_copy_overlap=("grads", "activations"),
     grad_bucket_bytes=DEFAULT_BUCKET_BYTES, first_grad_bucket_bytes=DEFAULT_FIRST_BUCKET_BYTES)
 
 # Megatron-Core with --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap (the flags of

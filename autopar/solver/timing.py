@@ -297,7 +297,7 @@ def memory_lower_bound(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeP
     hp, hh = rank_holds(cfg, r)
     parts = rank_parts(summary, n, hp, hh)
     numel = sum(c * q.param_numel for q, c, _ in parts) + (summary.shared_param_numel if (hp or hh) else 0.0)
-    mem = _rank_memory(summary, cfg, profile, r, parts, numel, n)
+    mem = _rank_memory(summary, cfg, profile, r, parts, numel, n)   # no prefetch counted: a bound
     if "grads" in cfg.classes and cfg.m == 1:
         # min(G, 2 buckets) is not affine in the layers: leave the gradients out of the bound
         mem = replace(mem, grads_bytes=0, total_bytes=mem.total_bytes - mem.grads_bytes)
@@ -439,15 +439,15 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
                                                 groups, () if summary.is_lower_bound else
                                                 grad_pieces(summary, lps, first, last, profile.grad_wire_bytes))
     comm.update(dp_comm)
-    mem = _rank_memory(summary, cfg, profile, r, parts, numel, lps)
+    mem = _rank_memory(summary, cfg, profile, r, parts, numel, lps, profile.copies_overlapped(cluster))
     compute += grad_pass_s(cfg, numel, profile, gpu)    # the reducer's gradient copies, the micro-batches' adds
     cls = cfg.classes
     if cls:
         saved = saved_per_microbatch(summary, cfg, parts, lps)
-        over = profile.host_copy_overlap         # else the copies are exposed in full
         _merge(comm, offload_microbatch_times(cls, host_params_bytes=param_b / cfg.data if cfg.zero == 3 else param_b,
-                                              saved_bytes=saved, forward_window_s=win_f if over else 0.0,
-                                              backward_window_s=win_b if over else 0.0, pcie_Bps=cluster.pcie_Bps), 1.0)
+                                              saved_bytes=saved, forward_window_s=win_f, backward_window_s=win_b,
+                                              pcie_Bps=cluster.pcie_Bps,
+                                              overlapped=profile.copies_overlapped(cluster)), 1.0)
     compute, recompute = rank_split_times(cfg, summary, gpu, r, lps, compute, recompute)   # zero-bubble's split
     t_stage = compute + recompute + sum(comm.values())
     opt = numel * (OPTIMIZER_BYTES_PER_PARAM + profile.grad_bytes) / (gpu.hbm_Bps * gpu.memory_efficiency)
@@ -457,7 +457,7 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
         step = offload_step_times(cls, rows=optimizer_rows(numel, cfg.data, cfg.zero), grad_bytes=profile.grad_bytes,
                                   param_bytes=profile.param_bytes, backward_window_s=win_b, pcie_Bps=cluster.pcie_Bps,
                                   host_Bps=cluster.host_Bps, nvme_Bps=cluster.nvme_Bps / cluster.gpus_per_node,
-                                  moments=MOMENTS, overlap_grads=profile.host_copy_overlap)
+                                  moments=MOMENTS, overlap_grads="grads" in profile.copies_overlapped(cluster))
         opt = step.pop("cpu:optimizer")
         _merge(dp_sync, step, 1.0)
     inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
@@ -492,7 +492,7 @@ def fit_partial(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pr
 
 
 def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile, r: int, parts, numel: float,
-                 lps: float) -> MemoryUse:
+                 lps: float, copies_over: tuple = ()) -> MemoryUse:
     states = model_state_bytes(int(numel), cfg.data, cfg.zero, param_bytes=profile.param_bytes,
                                grad_bytes=profile.grad_bytes, optimizer_bytes_per_param=profile.optimizer_bytes,
                                full_grads=reduces_once_per_step(cfg))
@@ -505,11 +505,13 @@ def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile
     host = nvme = 0
     if cfg.classes:
         # activation offload sends every saved tensor to the host (``runtime/offload.py``: all of
-        # at least 1 KiB); the backward brings back one node's at a time: at most the largest output
+        # at least 1 KiB); the backward brings back one node's at a time: at most the largest output,
+        # and on a side stream one more, prefetched
         off = offload_memory(cfg.classes, rows=optimizer_rows(numel, cfg.data, cfg.zero),
                              params_bytes=states["params"], grads_bytes=states["grads"],
                              optimizer_bytes=states["optimizer"], activations_bytes=activations,
-                             resident_saved_bytes=max(p.max_out_bytes for p, _, _ in parts),
+                             resident_saved_bytes=max(p.max_out_bytes for p, _, _ in parts) * (
+                                 2 if "activations" in copies_over else 1),
                              saved_bytes_per_microbatch=per_mb,
                              inflight=inflight, microbatches=cfg.m, moments=MOMENTS)
         states = off

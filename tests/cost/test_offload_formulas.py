@@ -70,6 +70,25 @@ def test_microbatch_times():
     # everything hidden: nothing exposed
     assert offload_microbatch_times(("activations",), host_params_bytes=1e9, saved_bytes=2e9, forward_window_s=1,
                                     backward_window_s=1, pcie_Bps=10e9) == {}
+    # autopar's runtime on a GPU: activations on the side stream, params up on the compute stream.
+    # up: params 0.1 exposed before the forward and 0.1 before the backward, activations
+    # max(0, 0.2 - 0.1) = 0.1 -> 0.3; down: activations max(0, 0.2 - 0.05) = 0.15
+    t = offload_microbatch_times(("params", "activations"), host_params_bytes=1e9, saved_bytes=2e9,
+                                 forward_window_s=0.05, backward_window_s=0.1, pcie_Bps=10e9,
+                                 overlapped=("grads", "activations"))
+    assert t["host:h2d"] == pytest.approx(0.3) and t["host:d2h"] == pytest.approx(0.15)
+    # nothing overlapped (a CPU cluster): every copy in full, up 0.1 + 0.1 + 0.2, down 0.2
+    t = offload_microbatch_times(("params", "activations"), host_params_bytes=1e9, saved_bytes=2e9,
+                                 forward_window_s=0.05, backward_window_s=0.1, pcie_Bps=10e9, overlapped=())
+    assert t["host:h2d"] == pytest.approx(0.4) and t["host:d2h"] == pytest.approx(0.2)
+
+
+def test_autopar_runtime_overlaps_gradient_and_activation_copies_on_gpus_only():
+    from autopar.solver.runtime_profile import AUTOPAR_RUNTIME, MEGATRON_RUNTIME
+
+    assert AUTOPAR_RUNTIME.copies_overlapped(make_cluster("h100", 1)) == ("grads", "activations")
+    assert AUTOPAR_RUNTIME.copies_overlapped(make_cluster("cpu", 1)) == ()
+    assert MEGATRON_RUNTIME.copies_overlapped(make_cluster("h100", 1)) == ()
 
 
 def test_cluster_host_fields_defaults_and_toml():

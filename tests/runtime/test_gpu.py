@@ -91,3 +91,35 @@ def test_one_gpu_offload_trains_the_same_with_less_device_memory():
     for k, v in plain[2].items():
         assert torch.allclose(off[2][k], v, rtol=0, atol=1e-6), k
     assert off[0] < plain[0], (off[0], plain[0])
+
+
+def test_one_gpu_activation_copies_on_the_side_stream_are_exact_and_prefetched(monkeypatch):
+    """Activation offload with its copies on the side stream (``runtime/copy_stream.py``) and on the
+    compute stream (``AUTOPAR_OFFLOAD_STREAM=0``): the same losses and parameters bit for bit, and
+    the side stream's backward finds most saved tensors prefetched."""
+    import dataclasses
+
+    from autopar.api import autoparallelize
+    from autopar.models import build_model
+    from autopar.runtime.copy_stream import STREAM_ENV
+    from autopar.trace import trace_model
+    from bodies import sgd
+
+    b = build_model("gpt-tiny", device="meta", batch=4)
+    graph = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target)
+    plan = dataclasses.replace(_one_gpu_plan(graph), recompute="none", offload="activations")
+    runs = {}
+    for stream in ("0", "1"):
+        monkeypatch.setenv(STREAM_ENV, stream)
+        pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
+                             plan=plan, optimizer=sgd, seed=2, timeout_s=60)
+        gen = torch.Generator().manual_seed(1)
+        losses = [pm.step(*b.make_batch(4, gen)) for _ in range(3)]
+        act = pm.offload.activations
+        assert act.copies.overlapped == (stream == "1")
+        runs[stream] = (losses, pm.full_state_dict(), act.prefetched, act.unpacked)
+        pm.close()
+    assert runs["1"][0] == runs["0"][0]
+    for k, v in runs["0"][1].items():
+        assert torch.equal(runs["1"][1][k], v), k
+    assert runs["0"][2] == 0 and runs["1"][2] >= 0.8 * runs["1"][3] > 0, runs["1"][2:]

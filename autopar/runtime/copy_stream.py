@@ -1,0 +1,105 @@
+"""Offload's host <-> device copies beside the compute (``runtime/offload.py``).
+
+On CUDA the copies run on a side stream of their own, so the copy engines move bytes while the SMs
+compute (ZeRO-Offload's and ZeRO-Infinity's overlap):
+
+- ``down(t)``: the side stream waits for what the compute stream has queued (``t`` is written by
+  then), copies ``t`` into pinned host memory, and ``t.record_stream`` keeps its device block from
+  being reused before that copy ran, however early the caller drops ``t``;
+- ``up(host)``: a device tensor allocated and filled on the side stream, handed out by
+  ``Upload.get()``, which makes the compute stream wait for the copy (an event: the host thread
+  does not block) and records the tensor's use there.
+
+Copies down and up share the one side stream, so an upload of what was copied down is ordered after
+that copy. ``synchronize`` waits for every copy issued (before the host reads what came down).
+``AUTOPAR_OFFLOAD_STREAM=0`` puts them back on the compute stream (what ran before; the A/B of
+``benchmarks/offload_overlap.py``). On a CPU "device" both memories are the same and every copy is
+synchronous: there is nothing to overlap.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+STREAM_ENV = "AUTOPAR_OFFLOAD_STREAM"
+
+
+def side_stream_enabled(device: torch.device) -> bool:
+    """Whether offload's copies on ``device`` run on a side stream: on CUDA, unless
+    ``AUTOPAR_OFFLOAD_STREAM=0``."""
+    flag = os.environ.get(STREAM_ENV, "1").strip()
+    if flag not in ("0", "1"):
+        raise ValueError(f"{STREAM_ENV}={flag!r}: use 1 (side stream, the default on CUDA) or 0 (compute stream)")
+    return device.type == "cuda" and flag == "1"
+
+
+@dataclass
+class Upload:
+    """A device copy of a host tensor, maybe still in flight on the side stream."""
+    tensor: torch.Tensor
+    event: Any = None              # torch.cuda.Event recorded after the copy (None: already there)
+
+    def get(self) -> torch.Tensor:
+        """The tensor, the compute stream ordered after its copy."""
+        if self.event is not None:
+            current = torch.cuda.current_stream(self.tensor.device)
+            current.wait_event(self.event)
+            self.tensor.record_stream(current)
+            self.event = None
+        return self.tensor
+
+
+class Copies:
+    """One rank's offload copies (module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.stream: Optional[torch.cuda.Stream] = (
+            torch.cuda.Stream(self.device) if side_stream_enabled(self.device) else None)
+
+    @property
+    def overlapped(self) -> bool:
+        return self.stream is not None
+
+    def host_like(self, t: torch.Tensor) -> torch.Tensor:
+        """An empty host tensor like ``t`` (its strides too), pinned when the device is a GPU."""
+        return torch.empty_like(t, device="cpu", pin_memory=self.device.type == "cuda")
+
+    def down(self, t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``t`` copied into host memory (``out`` or a new tensor); on the side stream, asynchronous."""
+        host = self.host_like(t) if out is None else out
+        src = t.detach() if out is None else t.detach().reshape(out.shape)
+        if self.stream is None:
+            host.copy_(src, non_blocking=host.is_pinned())
+            return host
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            host.copy_(src, non_blocking=True)
+        src.record_stream(self.stream)       # t's block (src is t or a view of it, or a copy)
+        return host
+
+    def up(self, host: torch.Tensor) -> Upload:
+        """``host`` copied to the device: started now (on the side stream), taken by ``get()``."""
+        if self.stream is None:
+            local = torch.empty_like(host, device=self.device)
+            local.copy_(host, non_blocking=host.is_pinned())
+            return Upload(local)
+        with torch.cuda.stream(self.stream):
+            local = torch.empty_like(host, device=self.device)
+            local.copy_(host, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return Upload(local, event)
+
+    def synchronize(self) -> None:
+        """Wait for every copy issued, on either stream (the host is about to read what came down)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+            if self.stream is not None:
+                self.stream.synchronize()
+
+
+__all__ = ["Copies", "Upload", "side_stream_enabled", "STREAM_ENV"]

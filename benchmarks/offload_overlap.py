@@ -1,0 +1,152 @@
+"""Activation offload on one GPU: its copies on a side stream against the compute stream, measured
+and predicted side by side.
+
+    python benchmarks/offload_overlap.py                    # on a CUDA machine (the lent H200)
+    python benchmarks/offload_overlap.py --dry-run          # a tiny GPT on the CPU: the plumbing only
+
+One process, one GPU. The model is planned for ``--cluster`` (default the H200 file ``autopar
+calibrate`` wrote, ``benchmarks/results/calibrate_h200.toml``) with dp = tp = pp = 1, no recompute,
+``--dtype`` (bf16: torch.autocast over fp32 parameters, as ``autopar run`` trains it), and run three
+ways on the same batches, one after the other:
+
+    none            no offload
+    compute stream  every saved activation copied to pinned host memory in the forward and back in
+                    the backward on the compute stream (``AUTOPAR_OFFLOAD_STREAM=0``: the runtime
+                    before ``runtime/copy_stream.py``)
+    side stream     the same copies on a side stream, the backward prefetching one saved tensor ahead
+
+Per way: the median step time of ``--steps`` (after a warm-up step) and its ratio to "none", the
+planner's predicted step and its offload rows (``host:d2h``, ``host:h2d``: exposed seconds; the
+compute-stream prediction from the runtime profile without ``host_copy_overlap``), the allocator's
+peak, the share of unpacks served by the prefetch, and the losses (equal in all three: the copies
+are exact). First, the pinned copy bandwidth down and up (1 GiB) against the cluster's
+``pcie_GBps``. Exit 0 when the losses agree, 1 when they do not, 2 when it cannot run here.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CLUSTER = ROOT / "benchmarks" / "results" / "calibrate_h200.toml"
+DEFAULT_SPEC = "gpt:hidden=4096,layers=4,heads=32,vocab=8192"
+DRY_SPEC = "gpt:hidden=64,layers=2,heads=4,vocab=256"
+WAYS = (("none", "none", "1"), ("compute stream", "activations", "0"), ("side stream", "activations", "1"))
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def pinned_bandwidth(device, nbytes: int) -> tuple[float, float]:
+    """(down, up) GB/s of one pinned copy of ``nbytes`` (the best of 3)."""
+    import torch
+
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    out = []
+    for dst, src in ((host, dev), (dev, host)):
+        best = float("inf")
+        for _ in range(3):
+            _sync(device)
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            _sync(device)
+            best = min(best, time.perf_counter() - t0)
+        out.append(nbytes / best / 1e9)
+    return out[0], out[1]
+
+
+def run_way(b, graph, cluster, args, offload: str, stream: str, device) -> dict:
+    import torch
+
+    from autopar.api import autoparallelize
+    from autopar.runtime.copy_stream import STREAM_ENV
+    from autopar.solver import AUTOPAR_RUNTIME, plan_model
+
+    runtime = AUTOPAR_RUNTIME if stream == "1" else dataclasses.replace(AUTOPAR_RUNTIME, host_copy_overlap=())
+    force = f"tp=1,pp=1,dp=1,zero=0,recompute=none,mbs={args.batch},offload={offload}"
+    plan = plan_model(graph, cluster, global_batch=args.batch, seq_len=args.seq_len, dtype=args.dtype,
+                      force=force, runtime=runtime)
+    os.environ[STREAM_ENV] = stream
+    pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
+                         plan=plan, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3), seed=2, timeout_s=300)
+    gen = torch.Generator().manual_seed(1)
+    batches = [b.make_batch(args.batch, gen) for _ in range(args.steps + 1)]
+    losses, times = [], []
+    for i, (x, y) in enumerate(batches):
+        if i == 1 and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        losses.append(pm.step(x, y))
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    act = pm.offload.activations if pm.offload is not None else None
+    served = act.prefetched / act.unpacked if act is not None and act.unpacked else 0.0
+    pm.close()
+    comm = dict(plan.step_time.comm_s)
+    return dict(step_s=statistics.median(times), predicted_s=plan.step_time.total_s,
+                d2h_s=comm.get("host:d2h", 0.0), h2d_s=comm.get("host:h2d", 0.0), peak=peak, served=served,
+                losses=losses)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--spec", default=None, help=f"model spec (default {DEFAULT_SPEC})")
+    ap.add_argument("--seq-len", type=int, default=None, help="default 2048 (dry run 32)")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--cluster", default=str(DEFAULT_CLUSTER))
+    ap.add_argument("--dry-run", action="store_true", help="a tiny GPT on the CPU (plumbing only)")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from autopar.cost.cluster_file import load_cluster
+    from autopar.models import build_model
+    from autopar.trace import trace_model
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("no CUDA device: run with --dry-run here, or on a GPU (benchmarks/gpu_check.sh)")
+        return 2
+    device = torch.device("cuda" if not args.dry_run else "cpu")
+    spec = args.spec or (DRY_SPEC if args.dry_run else DEFAULT_SPEC)
+    args.seq_len = args.seq_len or (32 if args.dry_run else 2048)
+    cluster = load_cluster(args.cluster)
+    down, up = pinned_bandwidth(device, 2**20 if args.dry_run else 2**30)
+    print(f"{spec}, seq {args.seq_len}, batch {args.batch}, {args.dtype}, {args.steps} timed steps, "
+          f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}")
+    print(f"pinned copies: down {down:.1f} GB/s, up {up:.1f} GB/s (the cluster file says {cluster.pcie_Bps / 1e9:.1f})")
+    b = build_model(spec, batch=args.batch, seq_len=args.seq_len, device="meta")
+    graph = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
+                        model_name=spec)
+    rows = {label: run_way(b, graph, cluster, args, offload, stream, device) for label, offload, stream in WAYS}
+    base = rows["none"]
+    print(f"{'':16}{'step ms':>9}{'x none':>8}{'predicted':>11}{'x none':>8}{'d2h+h2d pred':>14}"
+          f"{'peak MiB':>10}{'prefetched':>12}")
+    for label, r in rows.items():
+        print(f"{label:16}{r['step_s'] * 1e3:9.1f}{r['step_s'] / base['step_s']:8.2f}{r['predicted_s'] * 1e3:11.2f}"
+              f"{r['predicted_s'] / base['predicted_s']:8.2f}{(r['d2h_s'] + r['h2d_s']) * 1e3:14.2f}"
+              f"{r['peak'] / 2**20:10.0f}{r['served']:12.0%}")
+    side, compute = rows["side stream"], rows["compute stream"]
+    print(f"side stream / compute stream: measured {side['step_s'] / compute['step_s']:.2f}, "
+          f"predicted {side['predicted_s'] / compute['predicted_s']:.2f}")
+    same = all(r["losses"] == base["losses"] for r in rows.values())
+    print("losses " + ("identical in all three" if same else "DIFFER: " + repr({k: r["losses"] for k, r in rows.items()})))
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
