@@ -6,9 +6,18 @@ compute (ZeRO-Offload's and ZeRO-Infinity's overlap):
 - ``down(t)``: the side stream waits for what the compute stream has queued (``t`` is written by
   then), copies ``t`` into pinned host memory, and ``t.record_stream`` keeps its device block from
   being reused before that copy ran, however early the caller drops ``t``;
-- ``up(host)``: a device tensor allocated and filled on the side stream, handed out by
+- ``up(host, stride)``: a device tensor allocated and filled on the side stream, handed out by
   ``Upload.get()``, which makes the compute stream wait for the copy (an event: the host thread
   does not block) and records the tensor's use there.
+
+The host copy is always contiguous, whatever ``t``'s layout: torch copies a non-contiguous tensor
+between devices through a contiguous temporary made like the destination, and for a strided
+pinned destination that temporary is pageable memory (a synchronous copy at a few GB/s, then a
+host-side copy). Measured on an H200: attention's q, k, v (views of the fused projection, heads
+transposed) went down that way, 33 ms each, 0.4 s of a 0.9-s step. A contiguous destination makes
+the device gather ``t`` first (one kernel) and the copy a pinned DMA at ~55 GB/s. ``up`` gives the
+tensor back with ``stride`` (``dense_stride(t)``: ``t``'s own when it is dense, else the dense
+layout in its dimension order, as ``torch.empty_like`` makes).
 
 Copies down and up share the one side stream, so an upload of what was copied down is ordered after
 that copy. ``synchronize`` waits for every copy issued (before the host reads what came down).
@@ -65,13 +74,14 @@ class Copies:
         return self.stream is not None
 
     def host_like(self, t: torch.Tensor) -> torch.Tensor:
-        """An empty host tensor like ``t`` (its strides too), pinned when the device is a GPU."""
-        return torch.empty_like(t, device="cpu", pin_memory=self.device.type == "cuda")
+        """An empty contiguous host tensor of ``t``'s shape and dtype, pinned when the device is a GPU."""
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=self.device.type == "cuda")
 
     def down(self, t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``t`` copied into host memory (``out`` or a new tensor); on the side stream, asynchronous."""
+        """``t`` copied into contiguous host memory (``out`` or a new tensor); on the side stream,
+        asynchronous."""
         host = self.host_like(t) if out is None else out
-        src = t.detach() if out is None else t.detach().reshape(out.shape)
+        src = t.detach().reshape(host.shape)
         if self.stream is None:
             host.copy_(src, non_blocking=host.is_pinned())
             return host
@@ -81,18 +91,26 @@ class Copies:
         src.record_stream(self.stream)       # t's block (src is t or a view of it, or a copy)
         return host
 
-    def up(self, host: torch.Tensor) -> Upload:
-        """``host`` copied to the device: started now (on the side stream), taken by ``get()``."""
+    def up(self, host: torch.Tensor, stride: Optional[tuple] = None) -> Upload:
+        """``host`` copied to the device, laid out with ``stride`` (default contiguous): started now
+        (on the side stream), taken by ``get()``."""
+        stride = host.stride() if stride is None else stride
         if self.stream is None:
-            local = torch.empty_like(host, device=self.device)
+            local = torch.empty_strided(host.shape, stride, dtype=host.dtype, device=self.device)
             local.copy_(host, non_blocking=host.is_pinned())
             return Upload(local)
         with torch.cuda.stream(self.stream):
-            local = torch.empty_like(host, device=self.device)
+            local = torch.empty_strided(host.shape, stride, dtype=host.dtype, device=self.device)
             local.copy_(host, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
         return Upload(local, event)
+
+    @staticmethod
+    def dense_stride(t: torch.Tensor) -> tuple:
+        """The strides ``torch.empty_like(t)`` gives (``t``'s own when it is dense; computed on the
+        meta device, nothing allocated)."""
+        return torch.empty_like(t, device="meta").stride()
 
     def synchronize(self) -> None:
         """Wait for every copy issued, on either stream (the host is about to read what came down)."""

@@ -17,10 +17,10 @@ activations  ``ActivationOffload``
     A ``saved_tensors_hooks`` pair: every tensor autograd saves (at least ``min_bytes``, not a
     parameter) is copied to host memory in the forward and back to the device when the backward
     unpacks it; the device copy lives only while its node's backward runs. On CUDA the copies run
-    on a side stream (``runtime/copy_stream.py``) and the backward prefetches: unpacking the
-    tensor packed k-th starts bringing back the latest-packed one before it not unpacked yet (the
-    next the backward needs, as it runs the forward in reverse), so one tensor's copy up overlaps
-    another node's backward and at most one prefetched tensor waits on the device. DTensors keep
+    on a side stream (``runtime/copy_stream.py``) and the backward prefetches: each unpack starts
+    bringing back the latest-packed tensor not unpacked yet (the next the backward needs, as it
+    runs the forward in reverse), so one tensor's copy up overlaps another node's backward and at
+    most one prefetched tensor waits on the device. DTensors keep
     their mesh and placements. Under ZeRO-3 the reshard hooks (``runtime/reshard.py``) go first: a saved
     gathered weight is re-gathered, not offloaded.
 nvme (with optimizer)
@@ -273,6 +273,7 @@ class _Offloaded:
     host: torch.Tensor
     dtensor: Optional[tuple]           # (mesh, placements, shape, stride)
     index: int                         # the host copy's place in this step's packing order
+    stride: tuple                      # the device tensor's layout (``Copies.dense_stride``)
 
 
 class ActivationOffload(Observed):
@@ -290,10 +291,11 @@ class ActivationOffload(Observed):
         # several nodes (an activation feeding two matmuls) is copied down once
         self._copies: dict[tuple, tuple] = {}    # key -> (weakref to the storage, its index)
         self.copies = Copies(device)
-        self._order: list[torch.Tensor] = []     # host copies in packing order
+        self._order: list[tuple] = []            # (host copy, device stride) in packing order
         self._unpacked: set[int] = set()         # their indices brought back at least once
+        self._next = -1                          # the latest-packed index that may not be unpacked yet
         self._ahead: dict[int, Any] = {}         # index -> copy_stream.Upload started by the prefetch
-        self.unpacked = self.prefetched = 0      # over the run: tensors brought back; of them, prefetched
+        self.unpacked = self.prefetched = 0      # over the run: saved tensors brought back (each once); prefetched
 
     @contextlib.contextmanager
     def hooks(self):
@@ -306,6 +308,7 @@ class ActivationOffload(Observed):
         self._order.clear()
         self._unpacked.clear()
         self._ahead.clear()
+        self._next = -1
 
     def _pack(self, t: torch.Tensor):
         from torch.distributed.tensor import DTensor
@@ -329,11 +332,12 @@ class ActivationOffload(Observed):
         if seen is not None and seen[0]() is storage:
             index = seen[1]
         else:
-            index = len(self._order)
-            self._order.append(self.to_host(local))
+            index = self._next = len(self._order)
+            self._order.append((self.to_host(local), self.copies.dense_stride(local)))
             self._copies[key] = (weakref.ref(storage), index)
         spec = (t.device_mesh, tuple(t.placements), t.shape, t.stride()) if isinstance(t, DTensor) else None
-        return _Offloaded(self._order[index], spec, index)
+        host, stride = self._order[index]
+        return _Offloaded(host, spec, index, stride)
 
     def to_host(self, local: torch.Tensor) -> torch.Tensor:
         """``local``'s host copy (asynchronous on CUDA's side stream; ``memory_measure`` spies it)."""
@@ -345,26 +349,29 @@ class ActivationOffload(Observed):
         from torch.distributed.tensor import DTensor
 
         upload = self._ahead.pop(saved.index, None)
-        self.unpacked += 1
+        self.unpacked += saved.index not in self._unpacked
         self.prefetched += upload is not None
-        upload = upload or self.copies.up(saved.host)
+        upload = upload or self.copies.up(saved.host, saved.stride)
         self._unpacked.add(saved.index)
         if self.copies.overlapped:
-            self._prefetch(saved.index)
+            self._prefetch()
         local = upload.get()
         if saved.dtensor is None:
             return local
         mesh, placements, shape, stride = saved.dtensor
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
-    def _prefetch(self, index: int) -> None:
-        """Start bringing back the latest-packed tensor before ``index`` not unpacked yet (module
-        docstring); a prefetch the backward passed by is dropped (one waits on the device at most)."""
-        j = next((j for j in range(index - 1, -1, -1) if j not in self._unpacked), None)
+    def _prefetch(self) -> None:
+        """Start bringing back the latest-packed tensor not unpacked yet (module docstring): the
+        backward's next, as it runs the forward in reverse (a node unpacking several tensors at once
+        does not move it). A prefetch the backward passed by is dropped: one waits at most."""
+        while self._next >= 0 and self._next in self._unpacked:
+            self._next -= 1
+        j = self._next if self._next >= 0 else None
         for k in [k for k in self._ahead if k != j]:
             del self._ahead[k]
         if j is not None and j not in self._ahead:
-            self._ahead[j] = self.copies.up(self._order[j])
+            self._ahead[j] = self.copies.up(*self._order[j])
 
 
 @dataclasses.dataclass

@@ -59,10 +59,14 @@ def test_backward_prefetches_the_next_saved_tensor_it_needs():
 def test_cpu_copies_are_synchronous_and_not_overlapped():
     copies = Copies(torch.device("cpu"))
     assert not copies.overlapped
-    t = torch.arange(6.0).view(2, 3).t()                # strided: the host copy keeps the strides
-    host = copies.down(t)
-    assert torch.equal(host, t) and host.stride() == t.stride()
-    assert torch.equal(copies.up(host).get(), t)
+    t = torch.arange(6.0).view(2, 3).t()                # transposed: the host copy is contiguous,
+    host = copies.down(t)                               # the device copy gets the layout back
+    assert torch.equal(host, t) and host.is_contiguous()
+    back = copies.up(host, Copies.dense_stride(t)).get()
+    assert torch.equal(back, t) and back.stride() == t.stride()
+    q = torch.arange(24.0).view(2, 12)[:, 4:8].view(2, 2, 2).transpose(0, 1)   # a gappy view (q of a fused qkv)
+    assert Copies.dense_stride(q) == torch.empty_like(q).stride()
+    assert torch.equal(copies.up(copies.down(q), Copies.dense_stride(q)).get(), q)
     buf = torch.empty(6)
     assert copies.down(t.contiguous(), out=buf) is buf and torch.equal(buf, t.reshape(-1))
 
