@@ -18,9 +18,9 @@ activations  ``ActivationOffload``
     parameter) is copied to host memory in the forward and back to the device when the backward
     unpacks it; the device copy lives only while its node's backward runs. On CUDA the copies run
     on a side stream (``runtime/copy_stream.py``) and the backward prefetches: each unpack starts
-    bringing back the latest-packed tensor not unpacked yet (the next the backward needs, as it
-    runs the forward in reverse), so one tensor's copy up overlaps another node's backward and at
-    most one prefetched tensor waits on the device. DTensors keep
+    bringing back the latest-packed tensors not unpacked yet (the next the backward needs, as it
+    runs the forward in reverse), up to the bytes of the largest saved tensor, so their copies up
+    overlap other nodes' backward and at most that much waits on the device beside the node's own. DTensors keep
     their mesh and placements. Under ZeRO-3 the reshard hooks (``runtime/reshard.py``) go first: a saved
     gathered weight is re-gathered, not offloaded.
 nvme (with optimizer)
@@ -294,6 +294,7 @@ class ActivationOffload(Observed):
         self._order: list[tuple] = []            # (host copy, device stride) in packing order
         self._unpacked: set[int] = set()         # their indices brought back at least once
         self._next = -1                          # the latest-packed index that may not be unpacked yet
+        self._largest = 0                        # bytes of the largest host copy of this step (the prefetch's)
         self._ahead: dict[int, Any] = {}         # index -> copy_stream.Upload started by the prefetch
         self.unpacked = self.prefetched = 0      # over the run: saved tensors brought back (each once); prefetched
 
@@ -309,6 +310,7 @@ class ActivationOffload(Observed):
         self._unpacked.clear()
         self._ahead.clear()
         self._next = -1
+        self._largest = 0
 
     def _pack(self, t: torch.Tensor):
         from torch.distributed.tensor import DTensor
@@ -334,6 +336,7 @@ class ActivationOffload(Observed):
         else:
             index = self._next = len(self._order)
             self._order.append((self.to_host(local), self.copies.dense_stride(local)))
+            self._largest = max(self._largest, self._order[index][0].nbytes)
             self._copies[key] = (weakref.ref(storage), index)
         spec = (t.device_mesh, tuple(t.placements), t.shape, t.stride()) if isinstance(t, DTensor) else None
         host, stride = self._order[index]
@@ -362,16 +365,26 @@ class ActivationOffload(Observed):
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
     def _prefetch(self) -> None:
-        """Start bringing back the latest-packed tensor not unpacked yet (module docstring): the
-        backward's next, as it runs the forward in reverse (a node unpacking several tensors at once
-        does not move it). A prefetch the backward passed by is dropped: one waits at most."""
+        """Bring back, ahead of the backward, the latest-packed tensors not unpacked yet (module
+        docstring): as many as fit in the bytes of the largest tensor packed this step (one at
+        least), so a node that saved several (attention's q, k, v and output) finds all of them
+        there. A prefetch the backward passed by is dropped."""
         while self._next >= 0 and self._next in self._unpacked:
             self._next -= 1
-        j = self._next if self._next >= 0 else None
-        for k in [k for k in self._ahead if k != j]:
+        want, size = [], 0
+        for j in range(self._next, -1, -1):
+            if j in self._unpacked:
+                continue
+            nbytes = self._order[j][0].nbytes
+            if want and size + nbytes > self._largest:
+                break
+            want.append(j)
+            size += nbytes
+        for k in [k for k in self._ahead if k not in want]:
             del self._ahead[k]
-        if j is not None and j not in self._ahead:
-            self._ahead[j] = self.copies.up(*self._order[j])
+        for j in want:
+            if j not in self._ahead:
+                self._ahead[j] = self.copies.up(*self._order[j])
 
 
 @dataclasses.dataclass
