@@ -332,16 +332,20 @@ def node_protos(facts: GraphFacts, node: NodeInfo, metas: dict) -> list[Proto]:
 
 
 def _inner_row_split(node: NodeInfo, p: Proto, ins) -> bool:
-    """A linear split along an inner leading dim of its input (T of (B, T, k)) on a tensor axis.
-    DTensor runs a linear as one matmul of the input's rows flattened, where a split of T becomes
-    a strided split, and the weight gradient's matmul does not contract strided splits: it gathers
-    the input and the output's gradient whole. On the 3-D plan of gpt-tiny that was 2 + 2 + 1
-    all-gathers per layer where one weight-gradient all-reduce was planned (tp3 +20% of its
-    predicted bytes); without such splits every rank issues exactly the predicted collectives.
-    Only the tensor axes' tables drop them: context parallelism splits T outside DTensor."""
-    if node.target != "aten.linear.default" or not p.inputs or not isinstance(p.inputs[0], Shard):
+    """A linear (or a matmul of an N-D input by a 2-D matrix) split along an inner leading dim of
+    its input (T of (B, T, k)) on a tensor axis. DTensor runs both as one matmul of the input's rows
+    flattened (``aten.matmul`` folds them into an ``mm``), where a split of T becomes a strided
+    split, and the weight gradient's matmul does not contract strided splits: it gathers the input
+    and the output's gradient whole. On the 3-D plan of gpt-tiny that
+    was 2 + 2 + 1 all-gathers per layer where one weight-gradient all-reduce was planned (tp3 +20%
+    of its predicted bytes); without such splits every rank issues exactly the predicted
+    collectives. A batched matmul (both operands N-D) runs as a ``bmm`` and keeps them. Only the
+    tensor axes' tables drop them: context parallelism splits T outside DTensor."""
+    if not p.inputs or not isinstance(p.inputs[0], Shard):
         return False
-    return 0 < p.inputs[0].dim < len(ins[0].shape) - 1
+    folds = node.target == "aten.linear.default" or (
+        node.target == "aten.matmul.default" and len(ins) > 1 and len(ins[1].shape) == 2)
+    return folds and 0 < p.inputs[0].dim < len(ins[0].shape) - 1
 
 
 def enumerate_strategies(facts: GraphFacts, node: NodeInfo, metas: dict, t: int, sp: bool,

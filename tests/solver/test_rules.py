@@ -98,3 +98,28 @@ def test_partial_sums_only_add_tensors():
     rule = find_rule("aten.add.Tensor")
     assert any(p.output == P for p in rule(both, [x, x], [x]))
     assert not any(p.output == P for p in rule(scalar, [x], [x]))
+
+
+def test_no_fold_of_a_matmul_is_split_along_an_inner_row_dim():
+    """``x @ W`` with x (B, T, k) and W 2-D runs as one ``mm`` of x's rows flattened: a split of T is
+    a strided split there (``strategies._inner_row_split``), so the tables leave it out, as for a
+    linear; a batched matmul (a ``bmm``) keeps its row split."""
+    from autopar.ir import GraphIR
+    nodes = (node("x", "input", outs=[tensor(4, 8, 16)]),
+             node("w", "param", outs=[tensor(16, 32)]),
+             node("y", "input", outs=[tensor(4, 16, 32)]),
+             node("fold", "op", "aten.matmul.default", [Ref("x"), Ref("w")], [tensor(4, 8, 32)], flops=32768,
+                  bytes_moved=4096),
+             node("batched", "op", "aten.matmul.default", [Ref("x"), Ref("y")], [tensor(4, 8, 32)], flops=32768,
+                  bytes_moved=4096))
+    g = GraphIR(nodes, (), 4, 64, 4096, "x")
+    facts = graph_facts(g, None)
+    metas = scaled_metas(facts, 4, "float32")
+
+    def row_splits(n):
+        return [s for s in enumerate_strategies(facts, n, metas, 2, False) if s.inputs and s.inputs[0] == Shard(1)]
+
+    fold, batched = nodes[3], nodes[4]
+    assert row_splits(fold) == [] and row_splits(batched)
+    kept = {s.inputs[0] for s in enumerate_strategies(facts, fold, metas, 2, False)}
+    assert {Shard(0), Shard(2)} <= kept                      # the batch and the contraction stay
