@@ -87,3 +87,33 @@ def test_side_stream_switch(monkeypatch):
     monkeypatch.setenv(STREAM_ENV, "yes")
     with pytest.raises(ValueError, match="use 1 .* or 0"):
         side_stream_enabled(torch.device("cuda"))
+
+
+class _Event:
+    """A CUDA event's stand-in: done once waited for (or when told so)."""
+
+    def __init__(self, log, name, done=False):
+        self.log, self.name, self.done = log, name, done
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.log.append(self.name)
+        self.done = True
+
+
+def test_copies_down_are_throttled_to_twice_the_largest_in_flight():
+    """The side stream's copies down: once more than twice the largest tensor sent is in flight,
+    the host waits for the oldest (the device must not keep what it is offloading); copies already
+    done leave the queue without a wait."""
+    copies = Copies(torch.device("cpu"))
+    waited = []
+    for i, nbytes in enumerate((100, 100, 100, 50, 300)):
+        copies._throttle(_Event(waited, i), nbytes)
+    # 100, 200, 300 > 200 -> wait 0; then 100 + 100 + 50 = 250 > 200 -> wait 1; then 50 + 300 < 600
+    assert waited == [0, 1] and [e.name for e, _ in copies._in_flight] == [2, 3, 4]
+    copies._throttle(_Event(waited, 5), 10)                            # 460 <= 600: no wait
+    copies._in_flight[0][0].done = True                                # copy 2 finished by itself
+    copies._throttle(_Event(waited, 6), 10)                            # leaves without a wait
+    assert [e.name for e, _ in copies._in_flight] == [3, 4, 5, 6] and waited == [0, 1]
