@@ -27,8 +27,8 @@ nearly everything the offload was meant to move (the first H200 run: a 20.1 GB p
 without offload). Once more than ``2 x`` the largest tensor sent so far is in flight, the host
 thread waits for the oldest copy: the device holds about two tensors in flight, and the forward
 runs at the copy rate with its compute hidden under the copies, which is what the planner's
-``max(0, copy - window)`` prices. ``synchronize`` waits for every copy issued (before the host reads what came down).
-``AUTOPAR_OFFLOAD_STREAM=0`` puts them back on the compute stream (what ran before; the A/B of
+``max(0, copy - window)`` prices. ``synchronize`` waits for every copy issued (before the host
+reads what came down). ``AUTOPAR_OFFLOAD_STREAM=0`` puts them back on the compute stream (what ran before; the A/B of
 ``benchmarks/offload_overlap.py``). On a CPU "device" both memories are the same and every copy is
 synchronous: there is nothing to overlap.
 """

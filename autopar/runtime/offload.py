@@ -20,8 +20,8 @@ activations  ``ActivationOffload``
     on a side stream (``runtime/copy_stream.py``) and the backward prefetches: each unpack starts
     bringing back the latest-packed tensors not unpacked yet (the next the backward needs, as it
     runs the forward in reverse), up to the bytes of the largest saved tensor, so their copies up
-    overlap other nodes' backward and at most that much waits on the device beside the node's own. DTensors keep
-    their mesh and placements. Under ZeRO-3 the reshard hooks (``runtime/reshard.py``) go first: a saved
+    overlap other nodes' backward and at most that much waits on the device beside the node's own.
+    DTensors keep their mesh and placements. Under ZeRO-3 the reshard hooks (``runtime/reshard.py``) go first: a saved
     gathered weight is re-gathered, not offloaded.
 nvme (with optimizer)
     The masters and the optimizer state live in files (``runtime/nvme.py``) between steps; the step
