@@ -18,9 +18,10 @@ ways on the same batches, one after the other:
 Per way: the median step time of ``--steps`` (after a warm-up step) and its ratio to "none", the
 planner's predicted step and its offload rows (``host:d2h``, ``host:h2d``: exposed seconds; the
 compute-stream prediction from the runtime profile without ``host_copy_overlap``), the allocator's
-peak, the share of unpacks served by the prefetch, and the losses (equal in all three: the copies
-are exact; on a GPU within ``--rtol``). ``--profile``: each way's top ops of one more step. First, the pinned copy bandwidth down and up (1 GiB) against the cluster's
-``pcie_GBps``. Exit 0 when the losses agree, 1 when they do not, 2 when it cannot run here.
+peak, the share of saved tensors the prefetch brought back, and the losses (equal in all three:
+the copies are exact; on a GPU within ``--rtol``). ``--profile``: what one more step sends down
+(sizes, layouts, pinned or not) and each way's top ops (torch.profiler). First, the pinned copy
+bandwidth down and up (1 GiB) against the cluster's ``pcie_GBps``. Exit 0 when the losses agree, 1 when they do not, 2 when it cannot run here.
 """
 from __future__ import annotations
 
@@ -100,8 +101,9 @@ def run_way(b, graph, cluster, args, offload: str, stream: str, device) -> dict:
 
             def spy(local):
                 host = to_host(local)
-                seen.append((local.numel() * local.element_size(), tuple(local.shape), local.stride(), str(local.dtype),
-                             local.untyped_storage().nbytes() == local.numel() * local.element_size(), host.is_pinned(), host.numel() * host.element_size()))
+                whole = local.untyped_storage().nbytes() == local.nbytes       # not a view of a larger one
+                seen.append((local.nbytes, tuple(local.shape), local.stride(), str(local.dtype), whole,
+                             host.is_pinned(), host.nbytes))
                 return host
 
             act.to_host = spy

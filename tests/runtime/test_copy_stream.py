@@ -35,7 +35,8 @@ def test_backward_prefetches_the_saved_tensors_it_needs_next():
     gen = torch.Generator().manual_seed(1)
     x, y = b.make_batch(4, gen)
     want = _grads(b.module, x, b.loss_fn, y)
-    off = ActivationOffload(torch.device("cpu"), lambda: {p.untyped_storage().data_ptr() for p in b.module.parameters()})
+    params = {p.untyped_storage().data_ptr() for p in b.module.parameters()}
+    off = ActivationOffload(torch.device("cpu"), lambda: params)
     off.copies = _Overlapping(torch.device("cpu"))
     waiting = []
     take = off._unpack
