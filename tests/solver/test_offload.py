@@ -76,6 +76,31 @@ def test_forced_optimizer_and_activations_offload():
     assert Plan.from_dict(plan.to_dict()) == plan
 
 
+def test_side_stream_copies_hide_in_their_windows_on_gpus():
+    """autopar's runtime copies saved activations on a side stream on GPUs: the forward's copies
+    down and the backward's up cost only what exceeds that pass's compute (``cost/offload.py``);
+    on the compute stream (a runtime profile without ``host_copy_overlap``) they cost in full."""
+    from autopar.solver import AUTOPAR_RUNTIME
+
+    g, _ = traced(SMALL)
+    pins = "tp=1,pp=1,dp=8,mbs=8,zero=1,recompute=none,offload=activations"
+
+    def plan(runtime):
+        return plan_model(g, make_cluster("a100-80g", 1), global_batch=64, seq_len=1024, force=pins,
+                          runtime=runtime)
+
+    side, compute = plan(AUTOPAR_RUNTIME), plan(replace(AUTOPAR_RUNTIME, host_copy_overlap=()))
+    s, c = dict(side.step_time.comm_s), dict(compute.step_time.comm_s)
+    assert 0 < s["host:d2h"] < c["host:d2h"] and 0 < s["host:h2d"] < c["host:h2d"]
+    # the windows are the passes' compute: the side stream saves at most the forward and backward
+    hidden = c["host:d2h"] + c["host:h2d"] - s["host:d2h"] - s["host:h2d"]
+    assert hidden <= compute.step_time.compute_s + 1e-9
+    assert side.step_time.total_s < compute.step_time.total_s
+    why = {o.axis + ":" + o.kind: o.why for o in side.step_time.overlap}
+    assert "side stream" in why["host:d2h"] and "compute stream" in {
+        o.axis + ":" + o.kind: o.why for o in compute.step_time.overlap}["host:d2h"]
+
+
 def test_forced_params_offload_pins_zero3_or_says_why():
     plan = _small(force="tp=1,pp=1,dp=8,mbs=8,recompute=none,offload=optimizer+params")
     assert plan.zero_stage == 3 and plan.memory.params_bytes == 0
