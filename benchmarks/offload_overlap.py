@@ -6,22 +6,25 @@ and predicted side by side.
 
 One process, one GPU. The model is planned for ``--cluster`` (default the H200 file ``autopar
 calibrate`` wrote, ``benchmarks/results/calibrate_h200.toml``) with dp = tp = pp = 1, no recompute,
-``--dtype`` (bf16: torch.autocast over fp32 parameters, as ``autopar run`` trains it), and run three
+``--dtype`` (bf16: torch.autocast over fp32 parameters, as ``autopar run`` trains it), and run four
 ways on the same batches, one after the other:
 
     none            no offload
     compute stream  every saved activation copied to pinned host memory in the forward and back in
                     the backward on the compute stream (``AUTOPAR_OFFLOAD_STREAM=0``: the runtime
                     before ``runtime/copy_stream.py``)
-    side stream     the same copies on a side stream, the backward prefetching one saved tensor ahead
+    side stream     the same copies on a side stream, the backward prefetching saved tensors ahead
+    checkpoints     full recompute with the side stream's offload: only each layer's input goes down
+                    (ZeRO-Infinity's offloaded activation checkpoints), the rest is recomputed
 
 Per way: the median step time of ``--steps`` (after a warm-up step) and its ratio to "none", the
 planner's predicted step and its offload rows (``host:d2h``, ``host:h2d``: exposed seconds; the
 compute-stream prediction from the runtime profile without ``host_copy_overlap``), the allocator's
-peak, the share of saved tensors the prefetch brought back, and the losses (equal in all three:
+peak, the share of saved tensors the prefetch brought back, and the losses (equal in all four:
 the copies are exact; on a GPU within ``--rtol``). ``--profile``: what one more step sends down
 (sizes, layouts, pinned or not) and each way's top ops (torch.profiler). First, the pinned copy
-bandwidth down and up (1 GiB) against the cluster's ``pcie_GBps``. Exit 0 when the losses agree, 1 when they do not, 2 when it cannot run here.
+bandwidth down and up (1 GiB) against the cluster's ``pcie_GBps``. Exit 0 when the losses agree,
+1 when they do not, 2 when it cannot run here.
 """
 from __future__ import annotations
 
@@ -37,7 +40,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CLUSTER = ROOT / "benchmarks" / "results" / "calibrate_h200.toml"
 DEFAULT_SPEC = "gpt:hidden=4096,layers=4,heads=32,vocab=8192,seq=2048"
 DRY_SPEC = "gpt:hidden=64,layers=2,heads=4,vocab=256,seq=32"
-WAYS = (("none", "none", "1"), ("compute stream", "activations", "0"), ("side stream", "activations", "1"))
+# (label, recompute, offload, AUTOPAR_OFFLOAD_STREAM)
+WAYS = (("none", "none", "none", "1"), ("compute stream", "none", "activations", "0"),
+        ("side stream", "none", "activations", "1"), ("checkpoints", "full", "activations", "1"))
 
 
 def _sync(device) -> None:
@@ -66,7 +71,7 @@ def pinned_bandwidth(device, nbytes: int) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def run_way(b, graph, cluster, args, offload: str, stream: str, device) -> dict:
+def run_way(b, graph, cluster, args, recompute: str, offload: str, stream: str, device) -> dict:
     import torch
 
     from autopar.api import autoparallelize
@@ -74,7 +79,7 @@ def run_way(b, graph, cluster, args, offload: str, stream: str, device) -> dict:
     from autopar.solver import AUTOPAR_RUNTIME, plan_model
 
     runtime = AUTOPAR_RUNTIME if stream == "1" else dataclasses.replace(AUTOPAR_RUNTIME, host_copy_overlap=())
-    force = f"tp=1,pp=1,dp=1,zero=0,recompute=none,mbs={args.batch},offload={offload}"
+    force = f"tp=1,pp=1,dp=1,zero=0,recompute={recompute},mbs={args.batch},offload={offload}"
     plan = plan_model(graph, cluster, global_batch=args.batch, seq_len=args.seq_len, dtype=args.dtype,
                       force=force, runtime=runtime)
     os.environ[STREAM_ENV] = stream
@@ -119,7 +124,8 @@ def run_way(b, graph, cluster, args, offload: str, stream: str, device) -> dict:
             pm.step(*batches[-1])
             _sync(device)
         key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        print(f"--- {offload} offload, side stream {stream}: top ops by {key}, then by self CPU time")
+        print(f"--- recompute {recompute}, offload {offload}, side stream {stream}: top ops by {key}, "
+              "then by self CPU time")
         print(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=50))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
@@ -168,7 +174,7 @@ def main(argv=None) -> int:
     b = build_model(spec, batch=args.batch, seq_len=args.seq_len, device="meta")
     graph = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
                         model_name=spec)
-    rows = {label: run_way(b, graph, cluster, args, offload, stream, device) for label, offload, stream in WAYS}
+    rows = {label: run_way(b, graph, cluster, args, *way, device) for label, *way in WAYS}
     base = rows["none"]
     print(f"{'':16}{'step ms':>9}{'x none':>8}{'predicted':>11}{'x none':>8}{'d2h+h2d pred':>14}"
           f"{'peak MiB':>10}{'prefetched':>12}")
