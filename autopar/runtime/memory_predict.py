@@ -98,7 +98,7 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
                                 param_bytes=per["params"], autocast=profile.autocast)
     act_off = "activations" in classes
     # saved tensors back on the device at once with activation offload: the node's own, and on a
-    # side stream (``runtime/copy_stream.py``) the one prefetched for the next node
+    # side stream (``runtime/copy_stream.py``) up to the largest's bytes prefetched for the next nodes
     back = (2.0 if side_stream_enabled(torch.device(device)) else 1.0) if act_off else 0.0
 
     def piece_workspace(name: str) -> tuple[float, float]:
@@ -143,7 +143,7 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
         host = off["host"]
         if act_off:                    # on the host; the backward brings one node's back at a time, at
             act_kept = 0.0             # most the largest output (the log-probabilities at the loss),
-            workspace += back * largest    # and one more prefetched on a side stream
+            workspace += back * largest    # and as much again prefetched on a side stream
         grad_kept = off["grads"] / total["grads"] if total["grads"] else 1.0   # grads offload: the buckets kept
         chunks = {g: _scaled(c, act_kept, grad_kept) for g, c in chunks.items()}
         total = {"params": off["params"], "grads": off["grads"], "optimizer": off["optimizer"]}

@@ -136,9 +136,10 @@ def for_dtype(profile: RuntimeProfile, dtype: str, param_dtype: str = "float32")
 # timing.py hides ZeRO-3's backward traffic only when both flags hold); ZeRO-3's forward gathers a
 # layer at a time with the next one prefetched (``zero3_prefetch``); tensor-parallel collectives are
 # issued synchronously by the executor; offload's gradient and activation copies run on a side
-# stream (``runtime/copy_stream.py``; the backward prefetches one saved tensor ahead), the updated
-# rows and ZeRO-3's offloaded rows go up on the compute stream (exposed); 16-bit plans run under torch.autocast over fp32 parameters
-# (``autocast``: ``for_dtype`` gives the state layout); gradients pass through the reducer's
+# stream on GPUs (``runtime/copy_stream.py``; the backward prefetches saved tensors up to the
+# largest's bytes ahead), the updated rows and ZeRO-3's offloaded rows go up on the compute stream
+# (exposed); 16-bit plans run under torch.autocast over fp32 parameters (``autocast``: ``for_dtype``
+# gives the state layout); gradients pass through the reducer's
 # buffers (``grad_passes``), buckets of 25 MiB, the first of 1 MiB (``codegen/buckets.py``).
 AUTOPAR_RUNTIME = RuntimeProfile(
     name="autopar", tp_overlap_kinds=(), grad_reduce_overlap=True, param_gather_overlap=False,

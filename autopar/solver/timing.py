@@ -506,7 +506,7 @@ def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile
     if cfg.classes:
         # activation offload sends every saved tensor to the host (``runtime/offload.py``: all of
         # at least 1 KiB); the backward brings back one node's at a time: at most the largest output,
-        # and on a side stream one more, prefetched
+        # and on a side stream as much again, prefetched
         off = offload_memory(cfg.classes, rows=optimizer_rows(numel, cfg.data, cfg.zero),
                              params_bytes=states["params"], grads_bytes=states["grads"],
                              optimizer_bytes=states["optimizer"], activations_bytes=activations,
