@@ -368,7 +368,12 @@ class ActivationOffload(Observed):
         """Bring back, ahead of the backward, the latest-packed tensors not unpacked yet (module
         docstring): as many as fit in the bytes of the largest tensor packed this step (one at
         least), so a node that saved several (attention's q, k, v and output) finds all of them
-        there. A prefetch the backward passed by is dropped."""
+        there. A prefetch the backward passed by is dropped. Under a pipeline schedule, whose
+        micro-batches' forwards pack between another's backward (1F1B), the latest packed may be
+        the next micro-batch's: then at most this window waits on the device until that backward,
+        and this one's tensors come back unprefetched (tensors before the one just unpacked would
+        not do better: a node unpacks its several saved tensors lowest first, and would drop the
+        rest of its own tensors prefetched for it)."""
         while self._next >= 0 and self._next in self._unpacked:
             self._next -= 1
         want, size = [], 0
