@@ -19,8 +19,12 @@ Solved per axis (the ILP's strategy space would grow as s^k with k axes):
    local tensors too.
 The combined summary is step 3's (compute and memory per rank are those of all axes' shards)
 with every axis' collectives added, named by axis ("tp:all_reduce", "tp2:all_gather", ...).
-This is coordinate descent, not the joint optimum: a choice on one axis is never revisited after
-the others are fixed. A configuration whose plan does not fit runs the memory-constrained ILP
+This is coordinate descent, not the joint optimum. Steps 2-3 repeat as sweeps (each outer axis
+given every other axis' latest choice, then the inner one), up to ``MAX_SWEEPS`` in all, while
+the combined time per micro-batch falls (``_combined_s``): LLaMA-3 8B on 64 H100s, forced 3-D
+(2 x 2 x 2) and 2-D (2 x 2), went from 1.608 to 1.550 s and from 1.174 to 1.137 s per predicted
+step (-3.6%, -3.1%); GPTs of hidden 4096 (2 x 2) and 8192 (8 x 8) and gpt-tiny's 2-D, 2.5-D and
+3-D plans did not move. A configuration whose plan does not fit runs the memory-constrained ILP
 (``search.memory_constraints``) on the inner axis' tables of step 3, the outer axes' choices kept.
 Sequence parallelism applies to the innermost axis.
 """
@@ -40,6 +44,7 @@ from autopar.solver.ilp import solve_ilp
 from autopar.solver.problem import AxisBackground, AxisSummary, AxisTables, build_tables, ilp_problem, summarize
 
 CROSS_ENTROPY = "aten.cross_entropy_loss.default"
+MAX_SWEEPS = 3                 # coordinate-descent sweeps over the tensor axes (module docstring)
 EMBEDDING = "aten.embedding.default"
 
 
@@ -170,17 +175,39 @@ def solve_axes(searcher, shape: tuple[int, ...], sp: bool, mbs: int, cp: int, cp
     tables = dict(sp=sp, mbs=mbs, cp=cp, cp_mode=cp_mode)
     mesh_shape = (1,) + tuple(shape)
     links = {a: axis_link(searcher.cluster, mesh_shape, i + 1) for i, a in enumerate(names)}
-    inner_t = shape[-1]
-    first = searcher.solution(inner_t, sp, mbs, cp, cp_mode)                       # the whole tensors
-    solved = {TENSOR: (first.tables, first.choice)}
+    first = searcher.solution(shape[-1], sp, mbs, cp, cp_mode)                     # the whole tensors
+    best = _sweep(searcher, shape, {TENSOR: (first.tables, first.choice)}, links, tables)
+    for _ in range(MAX_SWEEPS - 1):
+        if len(shape) == 1:
+            break
+        solved = {a: (tab, choice) for a, tab, choice in best[3]}
+        solved[TENSOR] = best[:2]
+        again = _sweep(searcher, shape, solved, links, tables)
+        if _combined_s(again[2]) >= _combined_s(best[2]) * (1 - 1e-9):
+            break
+        best = again
+    return best
+
+
+def _sweep(searcher, shape: tuple[int, ...], solved: dict, links: dict, tables: dict):
+    """One coordinate-descent sweep: each outer axis (tp2, then tp3) solved given every other axis'
+    choice in ``solved`` (the inner axis' included), then the inner axis given the outer ones."""
+    names = axis_names(shape)
+    solved = dict(solved)
     for axis, t in reversed(tuple(zip(names[:-1], shape[:-1]))):                 # tp2, then tp3
-        tab = _tables(searcher, axis, t, solved, links[axis], **tables)
+        tab = _tables(searcher, axis, t, {a: v for a, v in solved.items() if a != axis}, links[axis], **tables)
         solved[axis] = (tab, _solve(searcher, tab))
     outer = {a: v for a, v in solved.items() if a != TENSOR}
-    inner_tab = _tables(searcher, TENSOR, inner_t, outer, links[TENSOR], **tables)
+    inner_tab = _tables(searcher, TENSOR, shape[-1], outer, links[TENSOR], **tables)
     inner_choice = _solve(searcher, inner_tab)
     axes = tuple((a, tab, choice) for a, (tab, choice) in outer.items())
     return inner_tab, inner_choice, with_outer_axes(summarize(inner_tab, inner_choice), axes, math.prod(shape)), axes
+
+
+def _combined_s(summary: AxisSummary) -> float:
+    """Seconds per micro-batch of a combined summary: every part's compute and its axes' exposed
+    collectives, a layer counted for each copy (what a sweep must lower to be kept)."""
+    return sum((p.fwd_s + p.bwd_s) * (summary.count if name == "block" else 1) for name, p in summary.parts.items())
 
 
 def with_outer_axes(inner: AxisSummary, axes: tuple, tp: int) -> AxisSummary:

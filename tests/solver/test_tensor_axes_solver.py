@@ -143,3 +143,25 @@ def test_a_two_axis_plan_over_budget_is_fitted_by_the_constrained_ilp():
         for pls in (s.output, *s.inputs):
             dims = [x.dim for x in pls[len(pls) - len(tensor_axes(tight.plan.mesh_axes)):] if isinstance(x, Shard)]
             assert len(dims) == len(set(dims)), (s.key, pls)
+
+
+def test_further_sweeps_keep_only_what_lowers_the_step(monkeypatch):
+    """Coordinate descent over the tensor axes repeats while the combined time falls: LLaMA-3 8B
+    2-D (2 x 2) on 64 H100s was 1.174 s per step with one sweep and 1.137 s with more (measured
+    when the sweeps came in); a sweep that finds nothing better leaves the plan as it was."""
+    import autopar.solver.tensor_axes as ta
+
+    def plans(spec, gpus, force, gb):
+        g, b = traced(spec, 2)
+        out = []
+        for n in (1, ta.MAX_SWEEPS):
+            monkeypatch.setattr(ta, "MAX_SWEEPS", n)
+            out.append(plan_model(g, make_cluster("h100", gpus // 8 or 1, min(gpus, 8)), global_batch=gb,
+                                  seq_len=None, force=parse_force(force)))
+        return out
+
+    one, more = plans("llama3-8b", 64, "tp=4,tpmode=2d", 64)
+    assert more.step_time.total_s < 0.99 * one.step_time.total_s
+    assert more.mesh_shape == one.mesh_shape
+    one, more = plans(GPT, 8, "tp=4,tpmode=2d", 8)
+    assert more.strategies == one.strategies and more.step_time.total_s == one.step_time.total_s
