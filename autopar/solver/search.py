@@ -138,8 +138,7 @@ def _table_key(cfg: OuterConfig) -> tuple:
 
 
 def _bound_key(cfg: OuterConfig) -> tuple:
-    """What its bounds depend on: the one-axis tables of the total tp (``table``), whatever the
-    tensor mesh's shape."""
+    """What its bounds depend on: the one-axis tables of the total tp (``table``), any mesh shape."""
     return (cfg.tp, cfg.sp, cfg.mbs, cfg.cp, cfg.cp_mode)
 
 
@@ -249,7 +248,8 @@ class _Searcher:
                  tp_shape=()) -> AxisSolution:
         key = (tp, sp, mbs, cp, cp_mode, tp_shape)
         if key not in self.solutions and tp_shape:
-            tab, choice, summary, outer = solve_axes(self, tp_shape, sp, mbs, cp, cp_mode)
+            sweeps = None if self.force.tensor_parallel_mode else 1      # tensor_axes.py: forced families only
+            tab, choice, summary, outer = solve_axes(self, tp_shape, sp, mbs, cp, cp_mode, sweeps)
             self.solutions[key] = AxisSolution(tab, choice, summary, None, outer)
         if key not in self.solutions:
             tab = self.table(tp, sp, mbs, cp, cp_mode)

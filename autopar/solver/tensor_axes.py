@@ -21,10 +21,14 @@ The combined summary is step 3's (compute and memory per rank are those of all a
 with every axis' collectives added, named by axis ("tp:all_reduce", "tp2:all_gather", ...).
 This is coordinate descent, not the joint optimum. Steps 2-3 repeat as sweeps (each outer axis
 given every other axis' latest choice, then the inner one), up to ``MAX_SWEEPS`` in all, while
-the combined time per micro-batch falls (``_combined_s``): LLaMA-3 8B on 64 H100s, forced 3-D
+the combined time per micro-batch falls (``_combined_s``), where the family is forced
+(``--force tpmode=...``: ``search._Searcher.solution``): LLaMA-3 8B on 64 H100s, forced 3-D
 (2 x 2 x 2) and 2-D (2 x 2), went from 1.608 to 1.550 s and from 1.174 to 1.137 s per predicted
 step (-3.6%, -3.1%); GPTs of hidden 4096 (2 x 2) and 8192 (8 x 8) and gpt-tiny's 2-D, 2.5-D and
-3-D plans did not move. A configuration whose plan does not fit runs the memory-constrained ILP
+3-D plans did not move. The free search, which tries the families beside the single axis, ranks
+them on one sweep: more took the 1M-token LLaMA-3 8B plan from 4.4 to 6.1 s of solving (the same
+plan, 1-D), and sweeping only its winner further did not find those gains (the better plans were
+other configurations' once swept). A configuration whose plan does not fit runs the memory-constrained ILP
 (``search.memory_constraints``) on the inner axis' tables of step 3, the outer axes' choices kept.
 Sequence parallelism applies to the innermost axis.
 """
@@ -168,18 +172,18 @@ def _solve(searcher, tab: AxisTables) -> dict:
     return {k: r.choice[i] for i, k in enumerate(tab.keys)}
 
 
-def solve_axes(searcher, shape: tuple[int, ...], sp: bool, mbs: int, cp: int, cp_mode: str):
+def solve_axes(searcher, shape: tuple[int, ...], sp: bool, mbs: int, cp: int, cp_mode: str,
+               sweeps: Optional[int] = None):
     """(inner tables, inner choice, combined summary, ((axis, tables, choice) of the outer axes))
-    for the tensor mesh ``shape`` (module docstring)."""
+    for the tensor mesh ``shape`` (module docstring), in up to ``sweeps`` sweeps (default
+    ``MAX_SWEEPS``)."""
     names = axis_names(shape)
     tables = dict(sp=sp, mbs=mbs, cp=cp, cp_mode=cp_mode)
     mesh_shape = (1,) + tuple(shape)
     links = {a: axis_link(searcher.cluster, mesh_shape, i + 1) for i, a in enumerate(names)}
     first = searcher.solution(shape[-1], sp, mbs, cp, cp_mode)                     # the whole tensors
     best = _sweep(searcher, shape, {TENSOR: (first.tables, first.choice)}, links, tables)
-    for _ in range(MAX_SWEEPS - 1):
-        if len(shape) == 1:
-            break
+    for _ in range((MAX_SWEEPS if sweeps is None else sweeps) - 1):
         solved = {a: (tab, choice) for a, tab, choice in best[3]}
         solved[TENSOR] = best[:2]
         again = _sweep(searcher, shape, solved, links, tables)

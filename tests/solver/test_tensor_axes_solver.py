@@ -146,9 +146,10 @@ def test_a_two_axis_plan_over_budget_is_fitted_by_the_constrained_ilp():
 
 
 def test_further_sweeps_keep_only_what_lowers_the_step(monkeypatch):
-    """Coordinate descent over the tensor axes repeats while the combined time falls: LLaMA-3 8B
-    2-D (2 x 2) on 64 H100s was 1.174 s per step with one sweep and 1.137 s with more (measured
-    when the sweeps came in); a sweep that finds nothing better leaves the plan as it was."""
+    """With the family forced, coordinate descent over the tensor axes repeats while the combined
+    time falls: LLaMA-3 8B 2-D (2 x 2) on 64 H100s was 1.174 s per step with one sweep and 1.137 s
+    with more (measured when the sweeps came in); a sweep that finds nothing better leaves the plan
+    as it was."""
     import autopar.solver.tensor_axes as ta
 
     def plans(spec, gpus, force, gb):
