@@ -28,8 +28,9 @@ step (-3.6%, -3.1%); GPTs of hidden 4096 (2 x 2) and 8192 (8 x 8) and gpt-tiny's
 3-D plans did not move. The free search, which tries the families beside the single axis, ranks
 them on one sweep: more took the 1M-token LLaMA-3 8B plan from 4.4 to 6.1 s of solving (the same
 plan, 1-D), and sweeping only its winner further did not find those gains (the better plans were
-other configurations' once swept). A configuration whose plan does not fit runs the memory-constrained ILP
-(``search.memory_constraints``) on the inner axis' tables of step 3, the outer axes' choices kept.
+other configurations' once swept). A configuration whose plan does not fit runs the
+memory-constrained ILP (``search.memory_constraints``) on the inner axis' tables of step 3, the
+outer axes' choices kept.
 Sequence parallelism applies to the innermost axis.
 """
 from __future__ import annotations
@@ -48,8 +49,8 @@ from autopar.solver.ilp import solve_ilp
 from autopar.solver.problem import AxisBackground, AxisSummary, AxisTables, build_tables, ilp_problem, summarize
 
 CROSS_ENTROPY = "aten.cross_entropy_loss.default"
-MAX_SWEEPS = 3                 # coordinate-descent sweeps over the tensor axes (module docstring)
 EMBEDDING = "aten.embedding.default"
+MAX_SWEEPS = 3                 # coordinate-descent sweeps over the tensor axes (module docstring)
 
 
 def tensor_shape(mode: Optional[str], tp: int) -> tuple[int, ...]:
