@@ -27,7 +27,8 @@ nearly everything the offload was meant to move (the first H200 run: a 20.1 GB p
 without offload). Once more than ``2 x`` the largest tensor sent so far is in flight, the host
 thread waits for the oldest copy: the device holds about two tensors in flight, and the forward
 runs at the copy rate with its compute hidden under the copies, which is what the planner's
-``max(0, copy - window)`` prices. ``synchronize`` waits for every copy issued (before the host
+``max(0, copy - window)`` prices. Gradients going down are throttled only where the offload then
+frees them (``grads``): kept on the device anyway, waiting would only delay the next bucket. ``synchronize`` waits for every copy issued (before the host
 reads what came down). ``AUTOPAR_OFFLOAD_STREAM=0`` puts them back on the compute stream (what ran before; the A/B of
 ``benchmarks/offload_overlap.py``). On a CPU "device" both memories are the same and every copy is
 synchronous: there is nothing to overlap.
@@ -87,9 +88,10 @@ class Copies:
         """An empty contiguous host tensor of ``t``'s shape and dtype, pinned when the device is a GPU."""
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=self.device.type == "cuda")
 
-    def down(self, t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def down(self, t: torch.Tensor, out: Optional[torch.Tensor] = None, throttle: bool = True) -> torch.Tensor:
         """``t`` copied into contiguous host memory (``out`` or a new tensor); on the side stream,
-        asynchronous."""
+        asynchronous, throttled (module docstring) unless ``throttle`` is False: a caller that keeps
+        ``t`` on the device anyway gains no memory by waiting."""
         host = self.host_like(t) if out is None else out
         src = t.detach().reshape(host.shape)
         if self.stream is None:
@@ -101,7 +103,8 @@ class Copies:
             done = torch.cuda.Event()
             done.record(self.stream)
         src.record_stream(self.stream)       # t's block (src is t or a view of it, or a copy)
-        self._throttle(done, host.nbytes)
+        if throttle:
+            self._throttle(done, host.nbytes)
         return host
 
     def _throttle(self, done, nbytes: int) -> None:

@@ -121,7 +121,7 @@ class HostOptimizer:
                 g = s.local.grad
             if g is None:                        # no gradient this step: the optimizer skips it
                 continue
-            buf = self.copies.down(g, out=self._grad_bufs[s.name])
+            buf = self.copies.down(g, out=self._grad_bufs[s.name], throttle=self.frees_grads)
             s.host_grad = buf
             if self.nvme is None:                # NVMe: set per chunk, once the master is read back
                 s.host.grad = buf
