@@ -78,6 +78,13 @@ def cpu_step_bytes_per_param(moments: int = 2) -> float:
     return (FP32 + FP32 + FP32 * moments) + (FP32 + FP32 * moments)
 
 
+def resident_saved_bytes(largest: float, prefetch: bool) -> float:
+    """Saved bytes activation offload keeps on the device at once, ``largest`` being the largest
+    output: the node's own, brought back (at most that), and where the backward prefetches on a side
+    stream (``runtime/copy_stream.py``) up to as much again."""
+    return largest * (2.0 if prefetch else 1.0)
+
+
 def _exposed(t: float, window: float) -> float:
     return max(0.0, t - window)
 

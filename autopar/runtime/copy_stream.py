@@ -12,16 +12,17 @@ compute (ZeRO-Offload's and ZeRO-Infinity's overlap):
 
 The host copy is always contiguous, whatever ``t``'s layout: torch copies a non-contiguous tensor
 between devices through a contiguous temporary made like the destination, and for a strided
-pinned destination that temporary is pageable memory (a synchronous copy at a few GB/s, then a
-host-side copy). Measured on an H200: attention's q, k, v (views of the fused projection, heads
-transposed) went down that way, 33 ms each, 0.4 s of a 0.9-s step. A contiguous destination makes
+pinned destination that temporary is pageable memory (a synchronous copy, then a host-side copy).
+Measured on an H200: attention's q, k, v (67 MB each, views of the fused projection, heads
+transposed) went down that way in 33-41 ms each (about 2 GB/s), 0.4-0.5 s of a 0.8-0.9 s step. A contiguous destination makes
 the device gather ``t`` first (one kernel) and the copy a pinned DMA at ~55 GB/s. ``up`` gives the
 tensor back with ``stride`` (``dense_stride(t)``: ``t``'s own when it is dense, else the dense
 layout in its dimension order, as ``torch.empty_like`` makes).
 
 Copies down and up share the one side stream, so an upload of what was copied down is ordered after
 that copy. The copies down are throttled: a forward makes activations far faster than PCIe takes
-them (a 4-layer hidden-4096 GPT on an H200: 7.4 GB in ~27 ms of compute against ~55 GB/s), and a
+them (a 4-layer hidden-4096 GPT on an H200: 7.4 GB a step, whose whole compute took 80 ms,
+against 55 GB/s of pinned copies), and a
 tensor's device block is only reusable once its copy ran, so unthrottled the device would hold
 nearly everything the offload was meant to move (the first H200 run: a 20.1 GB peak against 10.3
 without offload). Once more than ``2 x`` the largest tensor sent so far is in flight, the host
@@ -54,6 +55,11 @@ def side_stream_enabled(device: torch.device) -> bool:
     return device.type == "cuda" and flag == "1"
 
 
+def pinned_empty(shape, dtype, device: torch.device) -> torch.Tensor:
+    """An empty contiguous host tensor, pinned when ``device`` is a GPU (asynchronous copies)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=torch.device(device).type == "cuda")
+
+
 @dataclass
 class Upload:
     """A device copy of a host tensor, maybe still in flight on the side stream."""
@@ -78,22 +84,19 @@ class Copies:
         self.stream: Optional[torch.cuda.Stream] = (
             torch.cuda.Stream(self.device) if side_stream_enabled(self.device) else None)
         self._in_flight: deque = deque()     # (event after a copy down, its bytes), oldest first
-        self._largest = 0                    # bytes of the largest tensor sent down
+        self.largest = 0                     # bytes of the largest tensor sent down (the throttle's unit)
 
     @property
     def overlapped(self) -> bool:
         return self.stream is not None
 
-    def host_like(self, t: torch.Tensor) -> torch.Tensor:
-        """An empty contiguous host tensor of ``t``'s shape and dtype, pinned when the device is a GPU."""
-        return torch.empty(t.shape, dtype=t.dtype, pin_memory=self.device.type == "cuda")
-
     def down(self, t: torch.Tensor, out: Optional[torch.Tensor] = None, throttle: bool = True) -> torch.Tensor:
         """``t`` copied into contiguous host memory (``out`` or a new tensor); on the side stream,
         asynchronous, throttled (module docstring) unless ``throttle`` is False: a caller that keeps
         ``t`` on the device anyway gains no memory by waiting."""
-        host = self.host_like(t) if out is None else out
+        host = pinned_empty(t.shape, t.dtype, self.device) if out is None else out
         src = t.detach().reshape(host.shape)
+        self.largest = max(self.largest, host.nbytes)
         if self.stream is None:
             host.copy_(src, non_blocking=host.is_pinned())
             return host
@@ -109,12 +112,12 @@ class Copies:
 
     def _throttle(self, done, nbytes: int) -> None:
         """Wait for the oldest copies down while more than twice the largest is in flight."""
-        self._largest = max(self._largest, nbytes)
+        self.largest = max(self.largest, nbytes)
         while self._in_flight and self._in_flight[0][0].query():      # already copied
             self._in_flight.popleft()
         self._in_flight.append((done, nbytes))
         pending = sum(b for _, b in self._in_flight)
-        while len(self._in_flight) > 1 and pending > 2 * self._largest:
+        while len(self._in_flight) > 1 and pending > 2 * self.largest:
             event, b = self._in_flight.popleft()
             event.synchronize()
             pending -= b
@@ -149,4 +152,4 @@ class Copies:
         self._in_flight.clear()
 
 
-__all__ = ["Copies", "Upload", "side_stream_enabled", "STREAM_ENV"]
+__all__ = ["Copies", "Upload", "pinned_empty", "side_stream_enabled", "STREAM_ENV"]

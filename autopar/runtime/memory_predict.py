@@ -97,9 +97,13 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     workspace = workspace_bytes(summary, cfg, backward_workspace_bytes(largest), st.layers,
                                 param_bytes=per["params"], autocast=profile.autocast)
     act_off = "activations" in classes
-    # saved tensors back on the device at once with activation offload: the node's own, and on a
-    # side stream (``runtime/copy_stream.py``) up to the largest's bytes prefetched for the next nodes
-    back = (2.0 if side_stream_enabled(torch.device(device)) else 1.0) if act_off else 0.0
+    prefetch = side_stream_enabled(torch.device(device))     # ``cost.offload.resident_saved_bytes``
+
+    def back(largest_out: float) -> float:
+        """Saved bytes activation offload has back on the device at once (0 without it)."""
+        from autopar.cost.offload import resident_saved_bytes
+
+        return resident_saved_bytes(largest_out, prefetch) if act_off else 0.0
 
     def piece_workspace(name: str) -> tuple[float, float]:
         """A piece's backward workspace: (what it adds to the piece's activations at the boundary
@@ -112,7 +116,7 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
         activations only). ZeRO-3's gathers beside it, and in a layer its re-materialized
         activations under recompute (``layer_memory.workspace_bytes``)."""
         part = summary.parts[name]
-        own = backward_workspace_bytes(part.max_out_bytes) + back * part.max_out_bytes
+        own = backward_workspace_bytes(part.max_out_bytes) + back(part.max_out_bytes)
         freed = 0.0
         if name == "block":
             own += 2.0 * summary.layer_input_bytes
@@ -143,7 +147,7 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
         host = off["host"]
         if act_off:                    # on the host; the backward brings one node's back at a time, at
             act_kept = 0.0             # most the largest output (the log-probabilities at the loss),
-            workspace += back * largest    # and as much again prefetched on a side stream
+            workspace += back(largest)     # and as much again prefetched on a side stream
         grad_kept = off["grads"] / total["grads"] if total["grads"] else 1.0   # grads offload: the buckets kept
         chunks = {g: _scaled(c, act_kept, grad_kept) for g, c in chunks.items()}
         total = {"params": off["params"], "grads": off["grads"], "optimizer": off["optimizer"]}

@@ -48,16 +48,11 @@ import torch
 from torch import nn
 
 from autopar.plan import parse_offload
-from autopar.runtime.copy_stream import Copies
+from autopar.runtime.copy_stream import Copies, pinned_empty
 from autopar.runtime.reshard import Observed
 
 ACTIVATION_MIN_BYTES = 1024          # smaller saved tensors stay on the device (not worth a copy)
 NVME_CHUNK_BYTES = 2 * 25 * 2 ** 20  # state bytes stepped at once with the nvme tier
-
-
-def _pinned(shape, dtype, device: torch.device) -> torch.Tensor:
-    """An empty host tensor, pinned when the device is a GPU (asynchronous copies)."""
-    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
 
 
 class HostOptimizer:
@@ -70,10 +65,10 @@ class HostOptimizer:
         self.frees_grads = "grads" in classes
         self._grad_bufs: dict[str, torch.Tensor] = {}
         for s in store.slots:
-            master = _pinned(s.opt_param.shape, torch.float32, device)
+            master = pinned_empty(s.opt_param.shape, torch.float32, device)
             master.copy_(s.opt_param.detach())
             s.host = nn.Parameter(master, requires_grad=True)
-            self._grad_bufs[s.name] = _pinned(s.opt_param.shape, torch.float32, device)
+            self._grad_bufs[s.name] = pinned_empty(s.opt_param.shape, torch.float32, device)
         self.optimizer = factory([s.host for s in store.slots])
         if hasattr(self.optimizer, "set_shard_groups") and device.type == "cuda":
             raise NotImplementedError(
@@ -208,7 +203,7 @@ class HostOptimizer:
         for s in slots:
             if s.name not in self._evicted:
                 continue
-            self._set(s, lambda shape, dtype: _pinned(shape, dtype, self.device))
+            self._set(s, lambda shape, dtype: pinned_empty(shape, dtype, self.device))
             futures += [self.nvme.read(key, t) for key, t in self._tensors(s)]
             self._evicted.discard(s.name)
         return futures
@@ -294,7 +289,6 @@ class ActivationOffload(Observed):
         self._order: list[tuple] = []            # (host copy, device stride) in packing order
         self._unpacked: set[int] = set()         # their indices brought back at least once
         self._next = -1                          # the latest-packed index that may not be unpacked yet
-        self._largest = 0                        # bytes of the largest host copy of this step (the prefetch's)
         self._ahead: dict[int, Any] = {}         # index -> copy_stream.Upload started by the prefetch
         self.unpacked = self.prefetched = 0      # over the run: saved tensors brought back (each once); prefetched
 
@@ -310,7 +304,6 @@ class ActivationOffload(Observed):
         self._unpacked.clear()
         self._ahead.clear()
         self._next = -1
-        self._largest = 0
 
     def _pack(self, t: torch.Tensor):
         from torch.distributed.tensor import DTensor
@@ -336,7 +329,6 @@ class ActivationOffload(Observed):
         else:
             index = self._next = len(self._order)
             self._order.append((self.to_host(local), self.copies.dense_stride(local)))
-            self._largest = max(self._largest, self._order[index][0].nbytes)
             self._copies[key] = (weakref.ref(storage), index)
         spec = (t.device_mesh, tuple(t.placements), t.shape, t.stride()) if isinstance(t, DTensor) else None
         host, stride = self._order[index]
@@ -366,8 +358,8 @@ class ActivationOffload(Observed):
 
     def _prefetch(self) -> None:
         """Bring back, ahead of the backward, the latest-packed tensors not unpacked yet (module
-        docstring): as many as fit in the bytes of the largest tensor packed this step (one at
-        least), so a node that saved several (attention's q, k, v and output) finds all of them
+        docstring): as many as fit in the bytes of the largest tensor sent down (``Copies.largest``;
+        one at least), so a node that saved several (attention's q, k, v and output) finds all of them
         there. A prefetch the backward passed by is dropped. Under a pipeline schedule, whose
         micro-batches' forwards pack between another's backward (1F1B), the latest packed may be
         the next micro-batch's: then at most this window waits on the device until that backward,
@@ -381,7 +373,7 @@ class ActivationOffload(Observed):
             if j in self._unpacked:
                 continue
             nbytes = self._order[j][0].nbytes
-            if want and size + nbytes > self._largest:
+            if want and size + nbytes > self.copies.largest:
                 break
             want.append(j)
             size += nbytes

@@ -69,7 +69,7 @@ from autopar.cost.hardware import ClusterSpec
 from autopar.cost.memory import model_state_bytes, pipeline_inflight_microbatches, reducer_transient_bytes
 from autopar.cost.split_backward import rank_held_affine, rank_held_bytes, rank_split_times
 from autopar.cost.offload import (bucket_bytes, offload_memory, offload_microbatch_times, offload_step_times,
-                                  optimizer_rows)
+                                  optimizer_rows, resident_saved_bytes)
 from autopar.plan import V_SCHEDULES, MemoryUse, StepTime
 from autopar.solver.balance import balance
 from autopar.solver.grad_buckets import GradPiece
@@ -505,13 +505,12 @@ def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile
     host = nvme = 0
     if cfg.classes:
         # activation offload sends every saved tensor to the host (``runtime/offload.py``: all of
-        # at least 1 KiB); the backward brings back one node's at a time: at most the largest output,
-        # and on a side stream as much again, prefetched
+        # at least 1 KiB); the backward brings back one node's at a time (``resident_saved_bytes``)
         off = offload_memory(cfg.classes, rows=optimizer_rows(numel, cfg.data, cfg.zero),
                              params_bytes=states["params"], grads_bytes=states["grads"],
                              optimizer_bytes=states["optimizer"], activations_bytes=activations,
-                             resident_saved_bytes=max(p.max_out_bytes for p, _, _ in parts) * (
-                                 2 if "activations" in copies_over else 1),
+                             resident_saved_bytes=resident_saved_bytes(max(p.max_out_bytes for p, _, _ in parts),
+                                                                       "activations" in copies_over),
                              saved_bytes_per_microbatch=per_mb,
                              inflight=inflight, microbatches=cfg.m, moments=MOMENTS)
         states = off
