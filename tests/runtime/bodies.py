@@ -103,13 +103,13 @@ def train_job(rank: int, world: int, job: dict) -> dict:
     issued = [c.key() for c in pm.collectives]
     sd = pm.full_state_dict()
     out = pm(data[STEPS][0]) if job.get("forward") else None
-    pm.close()
     res = {"losses": losses, "issued": issued, "coord": tuple(pm.mesh.get_coordinate()),
            "names": tuple(pm.mesh.mesh_dim_names), "pp_rank": pm.coordinates.get("pp", 0),
            "fallbacks": sorted(pm.fallbacks), "engine": pm.engine, "reason": pm.engine_reason,
            "runners": sorted({type(ex).__name__ for ex in pm._made}),
            "traffic": {a: t["bytes"] for a, t in traffic_by_axis(pm.collectives).items()},
            "local": {s.name: (s.local.numel(), math.prod(s.plan.shape) if s.plan.shape else 1) for s in pm.store.slots}}
+    pm.close()
     if rank == 0:
         res.update(sd=sd, grads=grads, out=out)
     return res

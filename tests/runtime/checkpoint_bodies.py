@@ -37,7 +37,8 @@ def train(rank: int, world: int, model: str, force: Optional[str], steps: int, c
     sched = torch.optim.lr_scheduler.StepLR(pm.optimizer, step_size=1, gamma=0.5) if schedule else None
     losses = train_steps(pm, b, steps, 0, ck, after_step=die, scheduler=sched)
     state = pm.full_state_dict()
+    lr = pm.optimizer.param_groups[0]["lr"]
     pm.close()
-    return {"losses": losses, "lr": pm.optimizer.param_groups[0]["lr"], "first_step": first, "plan": pm.plan.summary(),
+    return {"losses": losses, "lr": lr, "first_step": first, "plan": pm.plan.summary(),
             "state": state if rank == 0 else None,
             "resumed": pm.resumed.change_line(pm.plan) if pm.resumed else None}
