@@ -21,7 +21,8 @@ Per way: the median step time of ``--steps`` (after a warm-up step) and its rati
 planner's predicted step and its offload rows (``host:d2h``, ``host:h2d``: exposed seconds; the
 compute-stream prediction from the runtime profile without ``host_copy_overlap``), the allocator's
 peak and that peak above the memory at rest (parameters, gradients and optimizer state after the
-warm-up step: what the step's activations and copies add), the share of saved tensors the prefetch brought back, and the losses (equal in all four:
+warm-up step: what the step's activations and copies add), the weight copies a step made again
+from the weights instead of offloading them (``offload.cast_of_resident``), the share of saved tensors the prefetch brought back, and the losses (equal in all four:
 the copies are exact; on a GPU within ``--rtol``). ``--profile``: what one more step sends down
 (sizes, layouts, pinned or not) and each way's top ops (torch.profiler). First, the pinned copy
 bandwidth down and up (1 GiB) against the cluster's ``pcie_GBps``. Exit 0 when the losses agree,
@@ -100,6 +101,8 @@ def run_way(b, graph, cluster, args, recompute: str, offload: str, stream: str, 
         _sync(device)
         if i:
             times.append(time.perf_counter() - t0)
+    act = pm.offload.activations if pm.offload is not None else None
+    recast = act.recast / len(batches) if act is not None else 0      # weight copies made again, a step
     if args.profile:                    # one more step under torch.profiler: where the time goes
         from torch.profiler import ProfilerActivity, profile
 
@@ -137,7 +140,7 @@ def run_way(b, graph, cluster, args, recompute: str, offload: str, stream: str, 
     pm.close()
     comm = dict(plan.step_time.comm_s)
     return dict(step_s=statistics.median(times), predicted_s=plan.step_time.total_s,
-                d2h_s=comm.get("host:d2h", 0.0), h2d_s=comm.get("host:h2d", 0.0), peak=peak, rest=rest, served=served,
+                d2h_s=comm.get("host:d2h", 0.0), h2d_s=comm.get("host:h2d", 0.0), peak=peak, rest=rest, served=served, recast=recast,
                 losses=losses)
 
 
@@ -180,11 +183,11 @@ def main(argv=None) -> int:
     rows = {label: run_way(b, graph, cluster, args, *way, device) for label, *way in WAYS}
     base = rows["none"]
     print(f"{'':16}{'step ms':>9}{'x none':>8}{'predicted':>11}{'x none':>8}{'d2h+h2d pred':>14}"
-          f"{'peak MiB':>10}{'above rest':>12}{'prefetched':>12}")
+          f"{'peak MiB':>10}{'above rest':>12}{'prefetched':>12}{'recast':>8}")
     for label, r in rows.items():
         print(f"{label:16}{r['step_s'] * 1e3:9.1f}{r['step_s'] / base['step_s']:8.2f}{r['predicted_s'] * 1e3:11.2f}"
               f"{r['predicted_s'] / base['predicted_s']:8.2f}{(r['d2h_s'] + r['h2d_s']) * 1e3:14.2f}"
-              f"{r['peak'] / 2**20:10.0f}{(r['peak'] - r['rest']) / 2**20:12.0f}{r['served']:12.0%}")
+              f"{r['peak'] / 2**20:10.0f}{(r['peak'] - r['rest']) / 2**20:12.0f}{r['served']:12.0%}{r['recast']:8.0f}")
     side, compute = rows["side stream"], rows["compute stream"]
     print(f"side stream / compute stream: measured {side['step_s'] / compute['step_s']:.2f}, "
           f"predicted {side['predicted_s'] / compute['predicted_s']:.2f}")

@@ -74,7 +74,7 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     from autopar.cost.split_backward import is_split, rank_held_bytes
     from autopar.solver.overlap import accumulates_rows, reduces_once_per_step
     from autopar.solver.runtime_profile import AUTOPAR_RUNTIME
-    from autopar.solver.layer_memory import workspace_bytes
+    from autopar.solver.layer_memory import recast_per_microbatch, workspace_bytes
     from autopar.solver.timing import rank_parts
 
     profile = profile or AUTOPAR_RUNTIME           # what the evaluation was made with
@@ -142,7 +142,9 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
         off = offload_memory(classes, rows=optimizer_rows(st.param_numel, cfg.data, cfg.zero),
                              params_bytes=total["params"], grads_bytes=total["grads"],
                              optimizer_bytes=total["optimizer"], activations_bytes=st.inflight * per_mb,
-                             resident_saved_bytes=largest, saved_bytes_per_microbatch=per_mb, inflight=st.inflight,
+                             resident_saved_bytes=largest, inflight=st.inflight,
+                             saved_bytes_per_microbatch=per_mb - recast_per_microbatch(summary, cfg, parts, st.layers,
+                                                                                       classes),
                              microbatches=cfg.m, moments=optimizer_moments(optimizer))
         host = off["host"]
         if act_off:                    # on the host; the backward brings one node's back at a time, at

@@ -112,20 +112,28 @@ def saved_copy_factor(facts: GraphFacts, dtypes: dict, low: str, device: str, ke
     return out
 
 
+# inputs a low-precision op reads but its backward does not save: the bias of linear and of the
+# convolutions, the added term of addmm and its kin (their gradient is the output's, summed)
+_UNSAVED = {"linear": 2, "conv1d": 2, "conv2d": 2, "conv3d": 2, "convolution": 2, "_convolution": 2, "conv_tbc": 2,
+            "conv_transpose1d": 2, "conv_transpose2d": 2, "conv_transpose3d": 2, "addmm": 0, "baddbmm": 0,
+            "addbmm": 0, "addmv": 0, "addr": 0}
+
+
 def weight_copies(facts: GraphFacts, dtypes: dict) -> dict[str, tuple[tuple[int, str], ...]]:
     """Per matmul, the (input position, parameter key) of each fp32 parameter it reads first among
-    the matmuls that read it: autocast casts it once per forward and the matmul saves that copy,
-    which lives until the backward (a ZeRO-3 gather, not a leaf, is cast and saved at each use,
-    the same bytes)."""
+    the matmuls that read it and saves for its backward: autocast casts it once per forward and the
+    matmul saves that copy, which lives until the backward (a ZeRO-3 gather, not a leaf, is cast and
+    saved at each use, the same bytes). A bias is cast too, but not saved (``_UNSAVED``)."""
     seen: set = set()
     out: dict = {}
     for k in facts.part:
         n = facts.nodes[k]
         if base_name(n.target) not in LOW or not facts.needs_grad.get(k, False):
             continue
+        unsaved = _UNSAVED.get(base_name(n.target))
         for pos, r in enumerate(facts.inputs[k]):
             p = facts.nodes[r.key]
-            if p.kind == "param" and r.key not in seen and dtypes[r.key][0] == "float32":
+            if pos != unsaved and p.kind == "param" and r.key not in seen and dtypes[r.key][0] == "float32":
                 seen.add(r.key)
                 out.setdefault(k, []).append((pos, r.key))
     return {k: tuple(v) for k, v in out.items()}

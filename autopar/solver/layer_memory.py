@@ -100,6 +100,20 @@ def saved_per_microbatch(summary: AxisSummary, cfg: OuterConfig, parts, lps: flo
     return per_mb + sum(p.saved_bytes for p, _, name in parts if name != "block")
 
 
+def recast_per_microbatch(summary: AxisSummary, cfg: OuterConfig, parts, lps: float, classes) -> float:
+    """Of ``saved_per_microbatch``: the bytes of autocast's low copies of resident parameters, which
+    activation offload makes again from the parameter in the backward instead of sending them to
+    the host and back (``runtime/offload.cast_of_resident``): those of the layers that save in full
+    (a recomputed layer saves only its input; per-op recompute re-runs no matmul) and of the
+    embedding's and head's parts. None under ZeRO-3 with gathers (dp > 1 or parameters on the host):
+    a gathered copy is not resident, it is offloaded."""
+    if cfg.zero == 3 and (cfg.data > 1 or "params" in classes):
+        return 0.0
+    k = recomputed_layers(cfg, lps, for_memory=True)
+    return (lps - k) * summary.parts["block"].weight_copy_bytes + \
+        sum(p.weight_copy_bytes for p, _, name in parts if name != "block")
+
+
 def held_loss_input_bytes(summary: AxisSummary, cfg: OuterConfig) -> float:
     """What the rank holding the last pipeline stage keeps of what the loss reads (the logits):
     that stage's output, which torch's fwd_cache holds until the micro-batch's backward (without a

@@ -58,6 +58,7 @@ class NodeCost:
     param_numel: int                      # local parameter elements (params)
     out_bytes: int                        # local output bytes
     host_s: float = 0.0                   # the host's share of ``fwd_s`` (per-node cost, a ring's own)
+    copy_bytes: int = 0                   # of ``saved_bytes``: autocast's low copies of parameters it read
 
     @property
     def total_s(self) -> float:
@@ -247,15 +248,16 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
                 xf, xb = attention_comm(q, k + v, s.out_bytes_local, cp, cp_mode, compute, bwd, cp_link, elem)
                 cf, cb = cf + xf, cb + (xb if grad else ())
             saved = int(s.out_bytes_local * copy_factor.get(n.key, 1.0)) if saves else 0
-            for pos, pk in weights_read.get(n.key, ()):
-                saved += _local_numel(metas[pk][0], s.inputs[pos], t) * DTYPE_BYTES[dtype]
+            copies = sum(_local_numel(metas[pk][0], s.inputs[pos], t) * DTYPE_BYTES[dtype]
+                         for pos, pk in weights_read.get(n.key, ()))
+            saved += copies
             if mask:
                 saved += DROPOUT_MASK_BYTES_PER_ELEM * (s.out_bytes_local // max(1, DTYPE_BYTES[metas[n.key][0].dtype]))
             out_b = s.out_bytes_local
             for pos in upcast.get(n.key, ()):        # computed on an fp32 copy of a 16-bit input
                 out_b = max(out_b, _local_numel(input_meta(facts, n, pos, metas), s.inputs[pos], t)
                             * DTYPE_BYTES["float32"])
-            row.append(NodeCost(fwd, bwd, cf, cb, saved, 0, out_b, host))
+            row.append(NodeCost(fwd, bwd, cf, cb, saved, 0, out_b, host, copies))
         costs[n.key] = row
     edges = _edges(facts, metas, set(keys), carried, block_out, count, dtype if profile.autocast else None)
     return AxisTables(facts, t, sp, mbs, link, profile, tuple(keys), strategies, costs, weight, tuple(edges),
@@ -395,6 +397,7 @@ class PartCost:
     # comm, the layer's saved bytes with the set's regions, one region's re-materialized bytes)
     rc: Optional[dict] = None
     param_tensors: float = 0.0        # parameter tensors used only by this part (block: one layer's)
+    weight_copy_bytes: float = 0.0    # of ``saved_bytes``: autocast's low copies of parameters
     nodes: float = 0.0                # op nodes (each pays the host's per-node cost once per micro-batch)
     # op kind ("matmul", "attention", "memory") -> (forward, backward) compute seconds, host cost
     # excluded: what ``autopar profile`` splits the predicted compute by
@@ -444,7 +447,7 @@ def _param_part(tab: AxisTables, k: str) -> str:
 def summarize(tab: AxisTables, choice: dict) -> AxisSummary:
     """``choice``: key -> strategy index."""
     acc = {p: dict(fwd=0.0, bwd=0.0, cf={}, cb={}, saved=0.0, core_f=0.0, core_b=0.0, mx=0.0, params=0.0,
-                   tensors=0.0, nodes=0.0, kinds={}) for p in PARTS + ("shared",)}
+                   tensors=0.0, nodes=0.0, kinds={}, copies=0.0) for p in PARTS + ("shared",)}
     count = tab.count
     for k in tab.keys:
         c = tab.costs[k][choice[k]]
@@ -466,6 +469,7 @@ def summarize(tab: AxisTables, choice: dict) -> AxisSummary:
         for kd, s in c.comm_bwd:
             _add(a["cb"], kd if ":" in kd else f"{tab.axis}:{kd}", s)
         a["saved"] += c.saved_bytes
+        a["copies"] += c.copy_bytes
         a["mx"] = max(a["mx"], c.out_bytes)
         if k in tab.core:
             a["core_f"] += c.fwd_s
@@ -482,7 +486,7 @@ def summarize(tab: AxisTables, choice: dict) -> AxisSummary:
     shared = acc.pop("shared")
     parts = {p: PartCost(v["fwd"], v["bwd"], v["cf"], v["cb"], v["saved"], v["core_f"], v["core_b"], v["mx"],
                          v["params"], v["fwd"], v["bwd"], param_tensors=v["tensors"], nodes=v["nodes"],
-                         by_kind=v["kinds"])
+                         by_kind=v["kinds"], weight_copy_bytes=v["copies"])
              for p, v in acc.items()}
     if tab.op_sets:
         parts["block"] = replace(parts["block"], rc=rc_costs(tab, choice, parts["block"].saved_bytes))
@@ -507,7 +511,7 @@ def lower_bound_summary(tab: AxisTables, batch_only: bool = False) -> AxisSummar
     ``max(0, comm - window)``, is bounded below too). Used to prune outer configurations before
     their ILP is solved."""
     acc = {p: dict(fwd=0.0, bwd=0.0, saved=0.0, core_f=0.0, core_b=0.0, mx=0.0, params=0.0, wf=0.0, wb=0.0,
-                   tensors=0.0, nodes=0.0) for p in PARTS + ("shared",)}
+                   tensors=0.0, nodes=0.0, copies=0.0) for p in PARTS + ("shared",)}
     for k in tab.keys:
         cs = tab.costs[k]
         kind = tab.kinds[k]
@@ -527,13 +531,15 @@ def lower_bound_summary(tab: AxisTables, batch_only: bool = False) -> AxisSummar
         if batch_only and not tab.facts.batch_dims.get(k):
             continue
         a["saved"] += min(c.saved_bytes for c in cs)
+        a["copies"] += max(c.copy_bytes for c in cs)        # made again, not offloaded: the most
         a["mx"] = max(a["mx"], min(c.out_bytes for c in cs))
         if k in tab.core:           # saved - core_saved must bound the non-core bytes from below
             a["core_f"] += min(c.fwd_s for c in cs)
             a["core_b"] += min(c.saved_bytes for c in cs)
     shared = acc.pop("shared")
     parts = {p: PartCost(v["fwd"], v["bwd"], {}, {}, v["saved"], v["core_f"], v["core_b"], v["mx"], v["params"],
-                         v["wf"], v["wb"], param_tensors=v["tensors"], nodes=v["nodes"]) for p, v in acc.items()}
+                         v["wf"], v["wb"], param_tensors=v["tensors"], nodes=v["nodes"], weight_copy_bytes=v["copies"])
+             for p, v in acc.items()}
     if tab.op_sets:
         parts["block"] = replace(parts["block"], rc=rc_lower_bounds(tab, batch_only))
     layer_in = 0.0

@@ -79,7 +79,7 @@ from autopar.solver.overlap import (account as overlap_account, accumulates_rows
 from autopar.solver.runtime_profile import RuntimeProfile
 from autopar.recompute_ops import is_per_op
 from autopar.solver.layer_memory import (activation_bytes_per_layer, held_loss_input_bytes, rc_of, recomputed_layers,
-                                         saved_per_microbatch, workspace_bytes)
+                                         recast_per_microbatch, saved_per_microbatch, workspace_bytes)
 from autopar.solver.outer_config import OuterConfig
 
 MEMORY_RESERVE_FRACTION = 0.05       # of HBM kept free for the CUDA context, NCCL buffers, fragmentation
@@ -444,6 +444,10 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
     cls = cfg.classes
     if cls:
         saved = saved_per_microbatch(summary, cfg, parts, lps)
+        if "activations" in cls:          # weight copies made again from the weights, not offloaded
+            again = recast_per_microbatch(summary, cfg, parts, lps, cls)
+            saved -= again                # the cast writes the 16-bit copy and reads the stored weight
+            compute += again * (1 + profile.param_bytes / 2) / (gpu.hbm_Bps * gpu.memory_efficiency)
         _merge(comm, offload_microbatch_times(cls, host_params_bytes=param_b / cfg.data if cfg.zero == 3 else param_b,
                                               saved_bytes=saved, forward_window_s=win_f, backward_window_s=win_b,
                                               pcie_Bps=cluster.pcie_Bps,
@@ -499,6 +503,7 @@ def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile
     inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
     per_mb = saved_per_microbatch(summary, cfg, parts, lps)
     activations = inflight * per_mb
+    offloaded = per_mb - recast_per_microbatch(summary, cfg, parts, lps, cfg.classes)
     other = workspace_bytes(summary, cfg, max(p.max_out_bytes for p, _, _ in parts), lps,
                             param_bytes=profile.param_bytes, autocast=profile.autocast) \
         + rank_held_bytes(cfg, summary, r, lps)
@@ -511,7 +516,7 @@ def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile
                              optimizer_bytes=states["optimizer"], activations_bytes=activations,
                              resident_saved_bytes=resident_saved_bytes(max(p.max_out_bytes for p, _, _ in parts),
                                                                        "activations" in copies_over),
-                             saved_bytes_per_microbatch=per_mb,
+                             saved_bytes_per_microbatch=offloaded,
                              inflight=inflight, microbatches=cfg.m, moments=MOMENTS)
         states = off
         activations = off["activations"]

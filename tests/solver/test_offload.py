@@ -114,3 +114,38 @@ def test_offload_parse_errors_say_what_to_write():
     with pytest.raises(ValueError, match="unknown class 'gpu'"):
         parse_force("offload=gpu")
     assert parse_force("offload=activations+optimizer").offload == "optimizer+activations"
+
+
+def test_resident_weight_copies_are_recast_not_offloaded(monkeypatch):
+    """Under autocast a matmul saves a 16-bit copy of its weight; activation offload makes it again
+    from the resident weight in the backward (``runtime/offload.cast_of_resident``), so it crosses
+    PCIe only where the weight is gathered (ZeRO-3 over dp > 1). On the compute stream every copy
+    is exposed: the two plans' d2h differ by exactly the copies' bytes over PCIe, counted here from
+    the model's Linear weights (the tied head once), 2 bytes each; and the resident plan pays the
+    casts (4 bytes read, 2 written per element) in its compute."""
+    import torch
+
+    from autopar.models import build_model
+    from autopar.solver import AUTOPAR_RUNTIME
+
+    g, _ = traced(SMALL)
+    cluster = make_cluster("a100-80g", 1)
+
+    def plan(zero):
+        return plan_model(g, cluster, global_batch=64, seq_len=1024, dtype="bfloat16",
+                          force=f"tp=1,pp=1,dp=8,mbs=8,zero={zero},recompute=none,offload=activations",
+                          runtime=replace(AUTOPAR_RUNTIME, host_copy_overlap=()))
+
+    resident, gathered = plan(1), plan(3)
+    weights = {id(m.weight): m.weight.numel() for m in build_model(SMALL, device="meta").module.modules()
+               if isinstance(m, torch.nn.Linear)}
+    copies = 2.0 * sum(weights.values())
+    d2h = {p: dict(p.step_time.comm_s)["host:d2h"] for p in (resident, gathered)}
+    assert (d2h[gathered] - d2h[resident]) * cluster.pcie_Bps == pytest.approx(copies, rel=1e-9)
+    # the same resident plan priced as if the copies were offloaded: d2h up by them, the casts gone
+    monkeypatch.setattr("autopar.solver.timing.recast_per_microbatch", lambda *a, **k: 0.0)
+    sent = plan(1)
+    assert (dict(sent.step_time.comm_s)["host:d2h"] - d2h[resident]) * cluster.pcie_Bps == pytest.approx(copies)
+    gpu = cluster.gpu
+    cast = 3.0 * copies / (gpu.hbm_Bps * gpu.memory_efficiency)
+    assert resident.step_time.compute_s - sent.step_time.compute_s == pytest.approx(cast)
