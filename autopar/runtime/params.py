@@ -334,7 +334,7 @@ class ParamStore:
             from autopar.runtime.prefetch import GroupGathers
 
             ctx.groups = GroupGathers(slots, ctx)
-            ctx.reshard.gather_group = ctx.groups.gather_now
+            ctx.reshard.groups = ctx.groups
         return cls(slots, ctx, aliases)
 
     @classmethod

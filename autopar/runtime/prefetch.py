@@ -1,4 +1,5 @@
-"""ZeRO-3's forward gathers by group, the next group prefetched (``codegen/gather_groups.py``).
+"""ZeRO-3's gathers by group, the next group prefetched (``codegen/gather_groups.py``): in the
+forward here, in the backward's re-gathers by ``runtime/reshard.py`` (``start`` / ``land`` / ``drop``).
 
 ``GroupGathers.take(slot)`` is what ``ParamStore.use`` asks first for a parameter of a group: the
 gathered tensor (this rank's tp-local part, whole over dp). On the first read of a group it
@@ -84,6 +85,22 @@ class GroupGathers:
         """``slots`` gathered in one collective, now: name -> gathered tensor (the backward's
         re-gather of a group's saved weights, ``runtime/reshard.py``)."""
         return self._land(self._issue(tuple(slots), async_op=False))
+
+    def start(self, slots) -> _Flight:
+        """``slots``' gather in one collective, started (the backward's prefetch of the next
+        group's saved weights, ``runtime/reshard.py``): ``land`` it, or ``drop`` it unread."""
+        return self._issue(tuple(slots), async_op=True)
+
+    def land(self, flight: _Flight) -> dict[str, torch.Tensor]:
+        """What ``start`` gathers, once it arrived: name -> gathered tensor."""
+        return self._land(flight)
+
+    @staticmethod
+    def drop(flight: _Flight) -> None:
+        """A started gather no one reads: waited for (every rank issued it), its buffers freed."""
+        if flight.work is not None:
+            wait_for(flight.work, "all_gather")
+        release(flight.send, flight.out)
 
     def _issue(self, slots: tuple, async_op: bool) -> _Flight:
         ctx = self.ctx

@@ -12,7 +12,9 @@ consumer's backward has run) and is shared by all its saved views, so each param
 scope is gathered once more in backward if, and only if, a consumer saved it
 (``codegen/expected.py`` predicts exactly these gathers: ``solver/saved.saves_param_operand``).
 A parameter of a gather group (``codegen/gather_groups.py``) is re-gathered with the rest of its
-group's saved weights, in one collective, when the backward first needs one of them.
+group's saved weights, in one collective, when the backward first needs one of them; that
+re-gather then starts the next group's (``_regather``: the backward's prefetch, as FSDP's), so
+only each backward's first re-gather is waited for.
 
 Deterministic on every rank: records are found by storage address (DTensor's local views, made
 below autograd, have no ``_base``), confirmed by a weak reference to the gathered buffer whose
@@ -108,10 +110,15 @@ class Reshard(Observed):
         self._gathered: dict[int, tuple] = {}      # storage address -> (slot, weakref to the gathered buffer)
         self._held: dict[str, torch.Tensor] = {}   # re-gathered in this backward, until the slot's backward
         self._observers: list = []                  # see ``observing``
-        # gather groups (``runtime/prefetch.py``): ``gather_group(slots) -> {name: tensor}`` in one
-        # collective; per group, the slots whose saved views were packed in this step
-        self.gather_group = None
+        # gather groups (``runtime/prefetch.GroupGathers``: a group's saved weights in one
+        # collective); per group, the slots whose saved views were packed in this step; the groups
+        # re-gathered since they were last packed; the re-gather started ahead of the backward
+        self.groups = None
         self._packed: dict[int, dict] = {}
+        self._done: set[int] = set()
+        self._coming: dict[int, Any] = {}
+        self.regathered = self.prefetched = self.dropped = 0     # over the run: group re-gathers; of them
+                                                                 # prefetched; prefetches never read
 
     def register(self, slot, full: torch.Tensor) -> None:
         """``full`` is ``slot``'s gathered tensor (called by ``_UseParam`` on every forward gather)."""
@@ -124,9 +131,14 @@ class Reshard(Observed):
         self._held.pop(slot.name, None)
 
     def _clear(self) -> None:
+        for flight in self._coming.values():      # started for a backward that did not read it
+            self.groups.drop(flight)
+            self.dropped += 1
+        self._coming.clear()
         self._gathered.clear()
         self._held.clear()
         self._packed.clear()
+        self._done.clear()
 
     def _pack(self, t: torch.Tensor):
         from torch.distributed.tensor import DTensor
@@ -142,8 +154,9 @@ class Reshard(Observed):
         if root is None or root.untyped_storage().data_ptr() != address:
             return t
         slot = entry[0]
-        if self.gather_group is not None and slot.plan.group >= 0:
+        if self.groups is not None and slot.plan.group >= 0:
             self._packed.setdefault(slot.plan.group, {})[slot.name] = slot
+            self._done.discard(slot.plan.group)
         spec = (t.device_mesh, tuple(t.placements), t.shape, t.stride()) if isinstance(t, DTensor) else None
         return _Resharded(slot, tuple(local.size()), tuple(local.stride()), local.storage_offset(), spec)
 
@@ -153,11 +166,8 @@ class Reshard(Observed):
         from torch.distributed.tensor import DTensor
 
         full = self._held.get(saved.slot.name)
-        if full is None and self.gather_group is not None and saved.slot.plan.group >= 0:
-            # the first saved weight of its group this backward needs: the group's saved weights in
-            # one collective, each held until its own backward (they all follow in this backward)
-            group = self._packed.get(saved.slot.plan.group, {})
-            self._held.update(self.gather_group([s for n, s in group.items() if n not in self._held]))
+        if full is None and self.groups is not None and saved.slot.plan.group >= 0:
+            self._held.update(self._regather(saved.slot.plan.group))
             full = self._held.get(saved.slot.name)
         if full is None:
             full = self._held[saved.slot.name] = self._gather(saved.slot)
@@ -166,3 +176,24 @@ class Reshard(Observed):
             return local
         mesh, placements, shape, stride = saved.dtensor
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+    def _regather(self, g: int) -> dict:
+        """Group ``g``'s saved weights, the first of which this backward needs, each held until its
+        own backward (they all follow in this backward): landed from the prefetch, or gathered now in
+        one collective. Then the backward's prefetch: the re-gather of the group it needs next (the
+        backward runs the forward in reverse: the highest packed group below ``g`` not re-gathered
+        since its forward) starts, to arrive while ``g``'s layer runs its backward (as FSDP's
+        backward prefetch). Every rank packs and unpacks alike, so all issue the same gathers in
+        the same order."""
+        flight = self._coming.pop(g, None)
+        got = self.groups.land(flight) if flight is not None else self.groups.gather_now(self._wanted(g))
+        self._done.add(g)
+        self.regathered += 1
+        self.prefetched += flight is not None
+        later = [h for h in self._packed if h < g and h not in self._done and h not in self._coming]
+        if later and self._wanted(max(later)):
+            self._coming[max(later)] = self.groups.start(self._wanted(max(later)))
+        return got
+
+    def _wanted(self, g: int) -> list:
+        return [s for n, s in self._packed.get(g, {}).items() if n not in self._held]

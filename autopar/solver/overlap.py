@@ -144,18 +144,19 @@ def dp_sync(cfg, numel: float, profile, link, win_f: float, win_b: float, slowdo
     elif cfg.zero == 2:
         comm["dp:reduce_scatter"] = reduction("reduce_scatter", MB, "grad_mb")
     elif cfg.pp > 1:                     # ZeRO-3: gathers per micro-batch, one reduction per step
-        po_f = po or profile.zero3_prefetch
-        win_rs = max(0.0, win_b - ag) if po else win_b     # the last backward's, beside its re-gathers
-        comm["dp:all_gather"] = overlapped_cost(ag, win_f, po_f, slowdown) + overlapped_cost(ag, win_b, po, slowdown)
+        # the next group's gather prefetched, in the forward and in the backward's re-gathers
+        pz = po or profile.zero3_prefetch
+        win_rs = max(0.0, win_b - ag) if pz else win_b     # the last backward's, beside its re-gathers
+        comm["dp:all_gather"] = overlapped_cost(ag, win_f, pz, slowdown) + overlapped_cost(ag, win_b, pz, slowdown)
         sync["dp:reduce_scatter"] = overlapped_cost(rs, win_rs, go, slowdown)
-        rows += [_row(MB, "dp:all_gather", ag, win_f, po_f, "gather_fwd"),
-                 _row(MB, "dp:all_gather", ag, win_b, po, "gather_bwd"),
+        rows += [_row(MB, "dp:all_gather", ag, win_f, pz, "gather_fwd"),
+                 _row(MB, "dp:all_gather", ag, win_b, pz, "gather_bwd"),
                  _row(STEP, "dp:reduce_scatter", rs, win_rs, go, "grad")]
     else:
-        both = go and po
+        po_f = po or profile.zero3_prefetch       # the next group's gather is prefetched (both passes)
+        both = go and po_f                        # the backward's re-gathers and reduce-scatters hide in it
         exp_b = overlapped_cost(ag + rs, win_b, both, slowdown)
         share = ag / (ag + rs) if ag + rs > 0 else 0.0
-        po_f = po or profile.zero3_prefetch       # the forward's next group is prefetched
         comm["dp:all_gather"] = overlapped_cost(ag, win_f, po_f, slowdown) + exp_b * share
         comm["dp:reduce_scatter"] = exp_b * (1 - share)
         rows += [_row(MB, "dp:all_gather", ag, win_f, po_f, "gather_fwd"),

@@ -57,9 +57,9 @@ and why (``StepTime.overlap``, the report's "Communication" table).
   1M x dp) parameters): the buckets the overlapped gradient reduction is issued in, whose
   launches ``grad_buckets.py`` schedules against the backward (the last bucket starts when it
   ends); all 0: the reduction hides up to its window, ``min(C, W)``.
-- ``zero3_prefetch``: ZeRO-3's forward gathers the next layer's parameters while this one computes
-  (autopar's ``runtime/prefetch.py``), so they overlap the forward; FSDP-like runtimes get the same
-  from ``param_gather_overlap``. Every runtime here gathers one layer (a group or bucket) per
+- ``zero3_prefetch``: ZeRO-3 gathers the next layer's parameters while this one computes, in the
+  forward and in the backward's re-gathers (autopar's ``runtime/prefetch.py``, ``runtime/reshard.py``),
+  so they overlap both passes; FSDP-like runtimes get the same from ``param_gather_overlap``. Every runtime here gathers one layer (a group or bucket) per
   collective, each paying the link's latency (``overlap.dp_sync``).
 """
 from __future__ import annotations
@@ -129,12 +129,11 @@ def for_dtype(profile: RuntimeProfile, dtype: str, param_dtype: str = "float32")
     return replace(profile, param_bytes=4, grad_bytes=4, optimizer_bytes=8, grad_reduce_bytes=None, autocast=False)
 
 
-# autopar's own runtime (runtime/reducer.py, runtime/params.py), as it runs: ZeRO 0-2 gradient
-# buckets are reduced asynchronously during the last backward; parameter all-gathers are issued
-# when needed and waited for (ZeRO-1/2 after the optimizer step, ZeRO-3's backward re-gathers at
-# each use), so they are not overlapped, and nor is ZeRO-3's reduce-scatter (after the backward:
-# timing.py hides ZeRO-3's backward traffic only when both flags hold); ZeRO-3's forward gathers a
-# layer at a time with the next one prefetched (``zero3_prefetch``); tensor-parallel collectives are
+# autopar's own runtime (runtime/reducer.py, runtime/params.py), as it runs: gradient buckets are
+# reduced asynchronously during the backward (ZeRO 0-2: the last one; ZeRO-3: each); ZeRO-1/2's
+# parameter all-gathers after the optimizer step are waited for (not overlapped); ZeRO-3 gathers a
+# layer at a time with the next one prefetched, in the forward and in the backward's re-gathers
+# (``zero3_prefetch``), so its backward traffic hides in the backward; tensor-parallel collectives are
 # issued synchronously by the executor; offload's gradient and activation copies run on a side
 # stream on GPUs (``runtime/copy_stream.py``; the backward prefetches saved tensors up to the
 # largest's bytes ahead), the updated rows and ZeRO-3's offloaded rows go up on the compute stream

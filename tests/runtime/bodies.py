@@ -108,11 +108,17 @@ def train_job(rank: int, world: int, job: dict) -> dict:
            "fallbacks": sorted(pm.fallbacks), "engine": pm.engine, "reason": pm.engine_reason,
            "runners": sorted({type(ex).__name__ for ex in pm._made}),
            "traffic": {a: t["bytes"] for a, t in traffic_by_axis(pm.collectives).items()},
-           "local": {s.name: (s.local.numel(), math.prod(s.plan.shape) if s.plan.shape else 1) for s in pm.store.slots}}
+           "local": {s.name: (s.local.numel(), math.prod(s.plan.shape) if s.plan.shape else 1) for s in pm.store.slots},
+           "regathers": _regathers(pm.store.ctx.reshard)}
     pm.close()
     if rank == 0:
         res.update(sd=sd, grads=grads, out=out)
     return res
+
+
+def _regathers(reshard) -> tuple:
+    """ZeRO-3's backward re-gathers by group: (all, landed from a prefetch, prefetches never read)."""
+    return (reshard.regathered, reshard.prefetched, reshard.dropped) if reshard is not None else (0, 0, 0)
 
 
 def train_jobs(rank: int, world: int, jobs: list) -> list:

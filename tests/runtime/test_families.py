@@ -134,6 +134,18 @@ def test_zero3_gathers_a_layer_per_collective(two_ranks, tiny_full):
         assert sum(k[2] for k in fwd) == padded * STEPS
 
 
+def test_zero3_backward_prefetches_the_next_group(two_ranks):
+    """ZeRO-3's backward re-gathers a group's saved weights in one collective and starts the next
+    group's before the layer's backward runs (``runtime/reshard.Reshard._regather``): each step's
+    first re-gather is waited for, every later one was prefetched, none was started for nothing.
+    (The losses and gradients equal one process's: ``test_family``.)"""
+    from bodies import STEPS
+
+    for res in two_ranks["zero3_meta_init"][0]:
+        regathered, prefetched, dropped = res["regathers"]
+        assert regathered > STEPS and prefetched == regathered - STEPS and dropped == 0, res["regathers"]
+
+
 def test_vocab_parallel_loss_keeps_logits_sharded(two_ranks, four_ranks, tiny_full):
     """The vocab-parallel cross-entropy (loss_parallel) all-reduces one value per row three times
     on tp (row max, sum-exp, target logit) and never gathers the logits; with dp it all-reduces the

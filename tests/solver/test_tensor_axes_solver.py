@@ -161,7 +161,9 @@ def test_further_sweeps_keep_only_what_lowers_the_step(monkeypatch):
                                   seq_len=None, force=parse_force(force)))
         return out
 
-    one, more = plans("llama3-8b", 64, "tp=4,tpmode=2d", 64)
+    # dp and pp pinned: with one sweep the free search prefers dp=16 with ZeRO-3 (1.169 s) to this
+    # configuration, which more sweeps bring lower
+    one, more = plans("llama3-8b", 64, "tp=4,tpmode=2d,dp=8,pp=2", 64)
     assert more.step_time.total_s < 0.99 * one.step_time.total_s
     assert more.mesh_shape == one.mesh_shape
     one, more = plans(GPT, 8, "tp=4,tpmode=2d", 8)
