@@ -186,8 +186,16 @@ class ParallelModel:
             self.offload.optimizer.close()
         for name in _HOLDS_TENSORS:
             self.__dict__.pop(name, None)
+        self.__dict__["_pending"] = None          # never built: it will not be now
         self.__dict__["_closed"] = True
         gc.collect()
+
+    def __enter__(self) -> "ParallelModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """``with autoparallelize(...) as pm:`` closes the model at the block's end, raised or not."""
+        self.close()
 
     def reset_collectives(self) -> None:
         self._log.clear()

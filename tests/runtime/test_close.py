@@ -2,7 +2,8 @@
 gradients, optimizer state and saved activations' host copies are gone when it returns, with
 Python's collector disabled around it (an FX graph is a reference cycle: without the collection in
 ``close`` they waited for a later full pass, and a second model built in the same process found the
-first one still allocated). After it the model says it was closed; its plan and step count stay."""
+first one still allocated). After it the model says it was closed; its plan and step count stay;
+``with autoparallelize(...) as pm:`` closes at the block's end."""
 from __future__ import annotations
 
 import gc
@@ -39,6 +40,13 @@ def _body(rank: int, world: int, force: str) -> dict:
     pm.close()              # idempotent
     with pytest.raises(AttributeError, match="closed"):
         pm.step(x, y)
+    # a model never built (no example_target) is not built by a step after close; a with-block closes
+    lazy = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, force=force, seed=0,
+                           model_name="gpt-tiny", optimizer=adamw, record_collectives=False)
+    with lazy:
+        pass
+    with pytest.raises(AttributeError, match="closed"):
+        lazy.step(x, y)
     return {"tracked": len(refs), "alive": alive_after_close, "steps": pm.steps_done,
             "dp": pm.plan.dp, "engine": pm.engine}
 
