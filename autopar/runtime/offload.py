@@ -34,8 +34,9 @@ nvme (with optimizer)
     parameters whose ``.grad`` is None.
 
 Gradients go down on that side stream too (during the backward, as the reducer finishes buckets);
-the updated rows go up on the compute stream after the host step, and ZeRO-3's offloaded rows at
-each gather (``params.on_device``): those two are not overlapped. On a CPU-only machine "device"
+the updated rows go up on the compute stream after the host step, and with dp > 1 ZeRO-3's
+offloaded rows at each gather (``params.on_device``): those are not overlapped. With one
+data-parallel rank the rows go up a group ahead on the side stream (``runtime/prefetch.py``). On a CPU-only machine "device"
 and "host" are the same memory, so every transfer is an explicit synchronous copy into a tensor
 the offload owns (``host_tensors``): what ``runtime/memory_measure.py`` counts as host memory,
 apart from the device peak.

@@ -114,7 +114,7 @@ class ParamContext:
                                    # (the reducer's overlap: ``GradReducer._on_full_grad``)
     device: Any = None             # where the graph runs (torch.device)
     host_params: bool = False      # ZeRO-3 with parameter offload: the rows live in host memory
-    groups: Any = None             # ZeRO-3 with dp > 1: runtime/prefetch.GroupGathers (forward gathers by group)
+    groups: Any = None             # ZeRO-3 with gathers: runtime/prefetch.GroupGathers (gathers by group)
 
     @property
     def gathers(self) -> bool:
@@ -330,7 +330,7 @@ class ParamStore:
             else:
                 opt = local
             slots.append(ParamSlot(p, layout, tp_ranges, mine, local, opt))
-        if ctx.gathers and dp > 1:
+        if ctx.gathers:
             from autopar.runtime.prefetch import GroupGathers
 
             ctx.groups = GroupGathers(slots, ctx)

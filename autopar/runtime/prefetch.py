@@ -9,6 +9,12 @@ all-gathers every parameter of the group in ONE collective (their dp row chunks,
 group of this rank asynchronously; the next read of that group waits for it. Each tensor is handed
 out once; the group's collective is the only one its parameters cost in that forward.
 
+One data-parallel rank with its rows in host memory (ZeRO-3 with parameter offload on one GPU,
+ZeRO-Infinity's case): nothing to gather, a group's rows are copied up instead, on offload's side
+stream on CUDA (``copy_stream.Copies.up``; the compute stream waits for them only at the read), so
+the next group's copy runs beside this group's compute, in the forward and, through
+``runtime/reshard.py``, in the backward. On CPU ranks the copies are synchronous.
+
 Collective order: every dp rank runs the same program, so each issues the same gathers, prefetches
 included, at the same points; gloo and NCCL match concurrent collectives of a group by issue order.
 
@@ -28,21 +34,28 @@ import torch.distributed as dist
 
 from autopar.mesh import DATA
 from autopar.runtime.collectives import release, wait_for
+from autopar.runtime.copy_stream import Copies
 from autopar.runtime.params import chunk_numel, on_device, padded_rows, unpadded
 
 
 @dataclass
 class _Flight:
-    """One group's all-gather, issued."""
+    """One group's all-gather (or, one data-parallel rank with host rows, its uploads), issued."""
     slots: tuple                  # params.ParamSlot, in the order of the send buffer
-    out: torch.Tensor             # dp x (sum of the padded chunk sizes)
+    out: Optional[torch.Tensor]   # dp x (sum of the padded chunk sizes)
     work: Any                     # the async work handle (None: already complete)
     send: Optional[torch.Tensor] = None     # freed at the landing (``collectives.release``)
+    uploads: Optional[dict] = None          # name -> copy_stream.Upload (no collective)
 
 
 class GroupGathers:
     def __init__(self, slots, ctx) -> None:
         self.ctx = ctx
+        # one data-parallel rank with its rows in host memory (ZeRO-Infinity on one GPU): a group is
+        # copied up, not gathered, on offload's side stream on CUDA (``copy_stream.Copies``), so the
+        # next group's copy runs beside this one's compute
+        self._copies = Copies(ctx.device) if ctx.dp == 1 else None
+        self.started_ahead = 0            # over the run: groups fetched ahead of their first read
         groups: dict[int, list] = {}
         for s in slots:
             if s.plan.group >= 0:
@@ -70,14 +83,13 @@ class GroupGathers:
             if nxt is not None and nxt not in self._flights and \
                     not any(s.name in self._ready for s in self.groups[nxt]):
                 self._flights[nxt] = self._issue(self.groups[nxt], async_op=True)
+                self.started_ahead += 1
         return self._ready.pop(slot.name, None)
 
     def invalidate(self) -> None:
         """Drop every gathered tensor not read yet (after waiting for the gathers in flight)."""
         for f in self._flights.values():
-            if f.work is not None:
-                wait_for(f.work, "all_gather")
-            release(f.send, f.out)
+            self.drop(f)
         self._flights.clear()
         self._ready.clear()
 
@@ -97,13 +109,19 @@ class GroupGathers:
 
     @staticmethod
     def drop(flight: _Flight) -> None:
-        """A started gather no one reads: waited for (every rank issued it), its buffers freed."""
+        """A started gather no one reads: waited for (every rank issued it; an upload, before the
+        optimizer writes the host rows it reads), its buffers freed."""
         if flight.work is not None:
             wait_for(flight.work, "all_gather")
+        for up in (flight.uploads or {}).values():
+            if up.event is not None:
+                up.event.synchronize()
         release(flight.send, flight.out)
 
     def _issue(self, slots: tuple, async_op: bool) -> _Flight:
         ctx = self.ctx
+        if self._copies is not None:
+            return _Flight(slots, None, None, uploads={s.name: self._copies.up(s.local.detach()) for s in slots})
         send = torch.cat([padded_rows(s, on_device(s.local.detach(), ctx), ctx.dp) for s in slots])
         out = torch.empty(ctx.dp * send.numel(), dtype=send.dtype, device=send.device)
         work = dist.all_gather_single(out, send, group=ctx.dp_group, async_op=async_op)
@@ -111,6 +129,8 @@ class GroupGathers:
         return _Flight(slots, out, work if async_op else None, send)
 
     def _land(self, f: _Flight) -> dict[str, torch.Tensor]:
+        if f.uploads is not None:
+            return {s.name: f.uploads[s.name].get().view(s.layout.local_shape) for s in f.slots}
         if f.work is not None:
             wait_for(f.work, "all_gather")
         rows = f.out.view(self.ctx.dp, -1)

@@ -198,9 +198,10 @@ def _upstream(key: str, profile, copies_over: tuple = ()) -> tuple[str, bool]:
     return "exposed time as priced", False
 
 
-def account(bottleneck, dp_stage, m: int, profile, cluster) -> tuple[CommOverlap, ...]:
+def account(bottleneck, dp_stage, m: int, profile, cluster, data: int = 1) -> tuple[CommOverlap, ...]:
     """The step's ``CommOverlap`` rows: the slowest rank's per-micro-batch collectives x ``m`` and
-    the per-step ones of the rank with the most DP sync (the ranks ``timing.evaluate`` charges)."""
+    the per-step ones of the rank with the most DP sync (the ranks ``timing.evaluate`` charges);
+    ``data``: the data-parallel ranks (which offload copies overlap)."""
     s = cluster.overlap_slowdown
     acc: dict = {}
 
@@ -224,7 +225,7 @@ def account(bottleneck, dp_stage, m: int, profile, cluster) -> tuple[CommOverlap
         for key, v in src.items():
             rest = v * scale - covered.get((per, key), 0.0)
             if rest > 1e-12 * max(1.0, v * scale):
-                why, known = _upstream(key, profile, profile.copies_overlapped(cluster))
+                why, known = _upstream(key, profile, profile.copies_overlapped(cluster, data))
                 add(key, rest, 0.0, 0.0, rest, 0.0, why, known)
     out = []
     for key in sorted(acc):

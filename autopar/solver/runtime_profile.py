@@ -91,12 +91,16 @@ class RuntimeProfile:
     grad_bucket_params: int = 0           # or the cap in parameters: max(this, per_rank x data ranks)
     grad_bucket_params_per_rank: int = 0
 
-    def copies_overlapped(self, cluster) -> tuple[str, ...]:
-        """``host_copy_overlap`` on ``cluster``: none on CPU ranks (host and device memory are one,
-        every copy synchronous)."""
+    def copies_overlapped(self, cluster, data: int = 1) -> tuple[str, ...]:
+        """``host_copy_overlap`` on ``cluster`` with ``data`` data-parallel ranks: none on CPU ranks
+        (host and device memory are one, every copy synchronous); "params" only with one
+        data-parallel rank (autopar's runtime copies the rows up a group ahead then; with more, they
+        feed each gather's send buffer on the compute stream)."""
         from autopar.cost.hardware import device_kind
 
-        return self.host_copy_overlap if device_kind(cluster) == "cuda" else ()
+        if device_kind(cluster) != "cuda":
+            return ()
+        return tuple(c for c in self.host_copy_overlap if c != "params" or data == 1)
 
     @property
     def grad_wire_bytes(self) -> int:
@@ -136,13 +140,15 @@ def for_dtype(profile: RuntimeProfile, dtype: str, param_dtype: str = "float32")
 # (``zero3_prefetch``), so its backward traffic hides in the backward; tensor-parallel collectives are
 # issued synchronously by the executor; offload's gradient and activation copies run on a side
 # stream on GPUs (``runtime/copy_stream.py``; the backward prefetches saved tensors up to the
-# largest's bytes ahead), the updated rows and ZeRO-3's offloaded rows go up on the compute stream
-# (exposed); 16-bit plans run under torch.autocast over fp32 parameters (``autocast``: ``for_dtype``
+# largest's bytes ahead), and with one data-parallel rank ZeRO-3's offloaded rows go up a group ahead
+# there too (``runtime/prefetch.py``); the updated rows, and with dp > 1 the offloaded rows, go up on
+# the compute stream (exposed); 16-bit plans run under torch.autocast over fp32 parameters (``autocast``: ``for_dtype``
 # gives the state layout); gradients pass through the reducer's
 # buffers (``grad_passes``), buckets of 25 MiB, the first of 1 MiB (``codegen/buckets.py``).
 AUTOPAR_RUNTIME = RuntimeProfile(
     name="autopar", tp_overlap_kinds=(), grad_reduce_overlap=True, param_gather_overlap=False,
-    grad_bytes=2, zero3_prefetch=True, autocast=True, grad_passes=True, host_copy_overlap=("grads", "activations"),
+    grad_bytes=2, zero3_prefetch=True, autocast=True, grad_passes=True,
+    host_copy_overlap=("grads", "activations", "params"),
     grad_bucket_bytes=DEFAULT_BUCKET_BYTES, first_grad_bucket_bytes=DEFAULT_FIRST_BUCKET_BYTES)
 
 # Megatron-Core with --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap (the flags of

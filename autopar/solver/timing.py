@@ -384,7 +384,7 @@ def evaluate(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profi
                     comm_s=tuple(sorted(comm_total.items())), bubble_s=bubble_s,
                     optimizer_s=opt_s, total_s=total, host_s=host_s)
     if all_stages:           # the plan's evaluation: how much of each collective is hidden, and why
-        step = replace(step, overlap=overlap_account(bottleneck, dp_stage, cfg.m, profile, cluster))
+        step = replace(step, overlap=overlap_account(bottleneck, dp_stage, cfg.m, profile, cluster, cfg.data))
     heaviest = max(stages, key=lambda st: st.memory.total_bytes).memory
     if summary.is_lower_bound and p > 1:
         heaviest = memory_lower_bound(summary, cfg, profile, affine)
@@ -439,7 +439,8 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
                                                 groups, () if summary.is_lower_bound else
                                                 grad_pieces(summary, lps, first, last, profile.grad_wire_bytes))
     comm.update(dp_comm)
-    mem = _rank_memory(summary, cfg, profile, r, parts, numel, lps, profile.copies_overlapped(cluster))
+    copies_over = profile.copies_overlapped(cluster, cfg.data)      # offload's copies on a side stream
+    mem = _rank_memory(summary, cfg, profile, r, parts, numel, lps, copies_over)
     compute += grad_pass_s(cfg, numel, profile, gpu)    # the reducer's gradient copies, the micro-batches' adds
     cls = cfg.classes
     if cls:
@@ -451,7 +452,7 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
         _merge(comm, offload_microbatch_times(cls, host_params_bytes=param_b / cfg.data if cfg.zero == 3 else param_b,
                                               saved_bytes=saved, forward_window_s=win_f, backward_window_s=win_b,
                                               pcie_Bps=cluster.pcie_Bps,
-                                              overlapped=profile.copies_overlapped(cluster)), 1.0)
+                                              overlapped=copies_over), 1.0)
     compute, recompute = rank_split_times(cfg, summary, gpu, r, lps, compute, recompute)   # zero-bubble's split
     t_stage = compute + recompute + sum(comm.values())
     opt = numel * (OPTIMIZER_BYTES_PER_PARAM + profile.grad_bytes) / (gpu.hbm_Bps * gpu.memory_efficiency)
@@ -461,7 +462,7 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
         step = offload_step_times(cls, rows=optimizer_rows(numel, cfg.data, cfg.zero), grad_bytes=profile.grad_bytes,
                                   param_bytes=profile.param_bytes, backward_window_s=win_b, pcie_Bps=cluster.pcie_Bps,
                                   host_Bps=cluster.host_Bps, nvme_Bps=cluster.nvme_Bps / cluster.gpus_per_node,
-                                  moments=MOMENTS, overlap_grads="grads" in profile.copies_overlapped(cluster))
+                                  moments=MOMENTS, overlap_grads="grads" in copies_over)
         opt = step.pop("cpu:optimizer")
         _merge(dp_sync, step, 1.0)
     inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)

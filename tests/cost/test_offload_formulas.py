@@ -84,9 +84,12 @@ def test_microbatch_times():
 
 
 def test_autopar_runtime_overlaps_gradient_and_activation_copies_on_gpus_only():
+    """autopar's runtime copies gradients and saved activations on a side stream on GPUs, and the
+    parameter rows with one data-parallel rank (a group ahead, ``runtime/prefetch.py``)."""
     from autopar.solver.runtime_profile import AUTOPAR_RUNTIME, MEGATRON_RUNTIME
 
-    assert AUTOPAR_RUNTIME.copies_overlapped(make_cluster("h100", 1)) == ("grads", "activations")
+    assert AUTOPAR_RUNTIME.copies_overlapped(make_cluster("h100", 1)) == ("grads", "activations", "params")
+    assert AUTOPAR_RUNTIME.copies_overlapped(make_cluster("h100", 1), data=8) == ("grads", "activations")
     assert AUTOPAR_RUNTIME.copies_overlapped(make_cluster("cpu", 1)) == ()
     assert MEGATRON_RUNTIME.copies_overlapped(make_cluster("h100", 1)) == ()
 

@@ -109,7 +109,8 @@ def train_job(rank: int, world: int, job: dict) -> dict:
            "runners": sorted({type(ex).__name__ for ex in pm._made}),
            "traffic": {a: t["bytes"] for a, t in traffic_by_axis(pm.collectives).items()},
            "local": {s.name: (s.local.numel(), math.prod(s.plan.shape) if s.plan.shape else 1) for s in pm.store.slots},
-           "regathers": _regathers(pm.store.ctx.reshard)}
+           "regathers": _regathers(pm.store.ctx.reshard),
+           "ahead": pm.store.ctx.groups.started_ahead if pm.store.ctx.groups is not None else 0}
     pm.close()
     if rank == 0:
         res.update(sd=sd, grads=grads, out=out)

@@ -70,3 +70,9 @@ def test_offloaded_plans_train_as_one_process(tmp_path):
     for rank_results in results:           # offload moves nothing between ranks
         assert rank_results[by_name["dp_zero0_optimizer_grads"]]["issued"] == rank_results[base]["issued"]
     assert os.listdir(tmp_path) == [], "the NVMe files outlive the run"
+    # one dp rank with its rows on the host: each layer's rows are copied up a group ahead, in the
+    # forward and in the backward's re-gathers (``runtime/prefetch.py``, ZeRO-Infinity's prefetch)
+    for rank_results in results:
+        res = rank_results[by_name["tp_sp_params_micro_batches"]]
+        regathered, prefetched, dropped = res["regathers"]
+        assert res["ahead"] > 0 and prefetched > 0 and dropped == 0, (res["ahead"], res["regathers"])
