@@ -12,7 +12,8 @@
 #             one rank per visible GPU) -> $OUT/cluster.toml;
 #          6. `autopar profile` of a GPT with 2048-wide layers on one GPU, predicted with that file
 #             (benchmarks/results/calibrate_h200.toml when step 5 did not run);
-#          7. activation offload's copies on the side stream vs the compute stream (offload_overlap.py).
+#          7. offload's copies (activations; ZeRO-3's host parameter rows) on the side stream vs the
+#             compute stream (offload_overlap.py).
 #   runtime: the one-GPU training tests and steps 6-7 alone (what a runtime change needs confirmed).
 # Usage: bash benchmarks/gpu_check.sh [all|tests|bench|runtime]   (default all; the device tool allows
 # 10 minutes a command: run "tests" and "bench" as two calls there). Logs and JSON go under $OUT
@@ -54,7 +55,7 @@ measured_vs_predicted() {
   timeout "${PROFILE_TIMEOUT:-90}" python3 -m autopar.cli profile "${PROFILE[@]}" 2>&1 | tee "$OUT/profile.log"
   echo "profile exit: ${PIPESTATUS[0]}"
   # 7. activation offload: side stream vs compute stream vs none, measured and predicted
-  timeout "${OFFLOAD_TIMEOUT:-150}" python3 benchmarks/offload_overlap.py --cluster "$cluster" "${SCRIPT_DRY[@]}" \
+  timeout "${OFFLOAD_TIMEOUT:-240}" python3 benchmarks/offload_overlap.py --cluster "$cluster" "${SCRIPT_DRY[@]}" \
     ${OFFLOAD_ARGS:-} 2>&1 | tee "$OUT/offload_overlap.log"
   echo "offload overlap exit: ${PIPESTATUS[0]}"
 }

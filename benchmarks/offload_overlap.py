@@ -6,7 +6,7 @@ and predicted side by side.
 
 One process, one GPU. The model is planned for ``--cluster`` (default the H200 file ``autopar
 calibrate`` wrote, ``benchmarks/results/calibrate_h200.toml``) with dp = tp = pp = 1, no recompute,
-``--dtype`` (bf16: torch.autocast over fp32 parameters, as ``autopar run`` trains it), and run four
+``--dtype`` (bf16: torch.autocast over fp32 parameters, as ``autopar run`` trains it), and run six
 ways on the same batches, one after the other:
 
     none            no offload
@@ -16,13 +16,17 @@ ways on the same batches, one after the other:
     side stream     the same copies on a side stream, the backward prefetching saved tensors ahead
     checkpoints     full recompute with the side stream's offload: only each layer's input goes down
                     (ZeRO-Infinity's offloaded activation checkpoints), the rest is recomputed
+    params, compute ZeRO-3 with the parameters and the optimizer in host memory (ZeRO-Infinity on one
+                    GPU: the optimizer steps on the CPU, the same in both params ways), each
+                    layer's rows copied up a group ahead on the compute stream
+    params, side    the same copies on the side stream (``runtime/prefetch.py``)
 
 Per way: the median step time of ``--steps`` (after a warm-up step) and its ratio to "none", the
 planner's predicted step and its offload rows (``host:d2h``, ``host:h2d``: exposed seconds; the
 compute-stream prediction from the runtime profile without ``host_copy_overlap``), the allocator's
 peak and that peak above the memory at rest (parameters, gradients and optimizer state after the
 warm-up step: what the step's activations and copies add), the weight copies a step made again
-from the weights instead of offloading them (``offload.cast_of_resident``), the share of saved tensors the prefetch brought back, and the losses (equal in all four:
+from the weights instead of offloading them (``offload.cast_of_resident``), the share of saved tensors the prefetch brought back, and the losses (equal in all:
 the copies are exact; on a GPU within ``--rtol``). ``--profile``: what one more step sends down
 (sizes, layouts, pinned or not) and each way's top ops (torch.profiler). First, the pinned copy
 bandwidth down and up (1 GiB) against the cluster's ``pcie_GBps``. Exit 0 when the losses agree,
@@ -42,9 +46,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CLUSTER = ROOT / "benchmarks" / "results" / "calibrate_h200.toml"
 DEFAULT_SPEC = "gpt:hidden=4096,layers=4,heads=32,vocab=8192,seq=2048"
 DRY_SPEC = "gpt:hidden=64,layers=2,heads=4,vocab=256,seq=32"
-# (label, recompute, offload, AUTOPAR_OFFLOAD_STREAM)
-WAYS = (("none", "none", "none", "1"), ("compute stream", "none", "activations", "0"),
-        ("side stream", "none", "activations", "1"), ("checkpoints", "full", "activations", "1"))
+# (label, recompute, offload, AUTOPAR_OFFLOAD_STREAM, ZeRO stage)
+WAYS = (("none", "none", "none", "1", 0), ("compute stream", "none", "activations", "0", 0),
+        ("side stream", "none", "activations", "1", 0), ("checkpoints", "full", "activations", "1", 0),
+        ("params, compute", "none", "optimizer+params", "0", 3),
+        ("params, side", "none", "optimizer+params", "1", 3))
 
 
 def _sync(device) -> None:
@@ -73,7 +79,7 @@ def pinned_bandwidth(device, nbytes: int) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def run_way(b, graph, cluster, args, recompute: str, offload: str, stream: str, device) -> dict:
+def run_way(b, graph, cluster, args, recompute: str, offload: str, stream: str, zero: int, device) -> dict:
     import torch
 
     from autopar.api import autoparallelize
@@ -81,7 +87,7 @@ def run_way(b, graph, cluster, args, recompute: str, offload: str, stream: str, 
     from autopar.solver import AUTOPAR_RUNTIME, plan_model
 
     runtime = AUTOPAR_RUNTIME if stream == "1" else dataclasses.replace(AUTOPAR_RUNTIME, host_copy_overlap=())
-    force = f"tp=1,pp=1,dp=1,zero=0,recompute={recompute},mbs={args.batch},offload={offload}"
+    force = f"tp=1,pp=1,dp=1,zero={zero},recompute={recompute},mbs={args.batch},offload={offload}"
     plan = plan_model(graph, cluster, global_batch=args.batch, seq_len=args.seq_len, dtype=args.dtype,
                       force=force, runtime=runtime)
     os.environ[STREAM_ENV] = stream
@@ -188,9 +194,10 @@ def main(argv=None) -> int:
         print(f"{label:16}{r['step_s'] * 1e3:9.1f}{r['step_s'] / base['step_s']:8.2f}{r['predicted_s'] * 1e3:11.2f}"
               f"{r['predicted_s'] / base['predicted_s']:8.2f}{(r['d2h_s'] + r['h2d_s']) * 1e3:14.2f}"
               f"{r['peak'] / 2**20:10.0f}{(r['peak'] - r['rest']) / 2**20:12.0f}{r['served']:12.0%}{r['recast']:8.0f}")
-    side, compute = rows["side stream"], rows["compute stream"]
-    print(f"side stream / compute stream: measured {side['step_s'] / compute['step_s']:.2f}, "
-          f"predicted {side['predicted_s'] / compute['predicted_s']:.2f}")
+    for side, compute in (("side stream", "compute stream"), ("params, side", "params, compute")):
+        s_, c_ = rows[side], rows[compute]
+        print(f"{side} / {compute}: measured {s_['step_s'] / c_['step_s']:.2f}, "
+              f"predicted {s_['predicted_s'] / c_['predicted_s']:.2f}")
     worst = max(abs(a - b) / abs(b) for r in rows.values() for a, b in zip(r["losses"], base["losses"]))
     same = worst <= args.rtol
     print(f"losses: largest relative difference from 'none' {worst:.1e} "
