@@ -63,9 +63,11 @@ def _run(mode: str, spec: str, args, dtype, data) -> dict:
         t = time.perf_counter()
         losses.append(pm.step(x, y))            # returns a float: synchronizes
         times.append(time.perf_counter() - t)
-    return {"mode": mode, "losses": losses, "first_s": times[0], "setup_s": setup_s,
-            "step_s": statistics.median(times[1:]) if len(times) > 1 else times[0],
-            "fused": pm.fused_kernels, "fallbacks": sorted(pm.fallbacks)}
+    out = {"mode": mode, "losses": losses, "first_s": times[0], "setup_s": setup_s,
+           "step_s": statistics.median(times[1:]) if len(times) > 1 else times[0],
+           "fused": pm.fused_kernels, "fallbacks": sorted(pm.fallbacks)}
+    pm.close()                  # the next mode's model does not share the GPU with this one's
+    return out
 
 
 def main() -> int:
