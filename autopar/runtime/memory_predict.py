@@ -68,6 +68,7 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     run's parameter bytes, ``solver.layer_memory.workspace_bytes``), a split backward's held
     gradients and the reducer's transient, and the peak of the module docstring."""
     from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES
+    from autopar.cost.offload import resident_saved_bytes
     from autopar.cost.memory import (backward_workspace_bytes, model_state_bytes, reducer_end_bytes,
                                      reducer_transient_bytes, state_bytes_per_param, step_peak_bytes)
     from autopar.cost.schedule_memory import activations_only, rank_actions, replay_peak_bytes
@@ -101,8 +102,6 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
 
     def back(largest_out: float) -> float:
         """Saved bytes activation offload has back on the device at once (0 without it)."""
-        from autopar.cost.offload import resident_saved_bytes
-
         return resident_saved_bytes(largest_out, prefetch) if act_off else 0.0
 
     def piece_workspace(name: str) -> tuple[float, float]:

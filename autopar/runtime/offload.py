@@ -54,7 +54,7 @@ from torch import nn
 
 from autopar.plan import parse_offload
 from autopar.runtime.copy_stream import Copies, pinned_empty
-from autopar.runtime.reshard import Observed
+from autopar.runtime.reshard import Observed, as_saved, dtensor_spec
 
 ACTIVATION_MIN_BYTES = 1024          # smaller saved tensors stay on the device (not worth a copy)
 NVME_CHUNK_BYTES = 2 * 25 * 2 ** 20  # state bytes stepped at once with the nvme tier
@@ -313,11 +313,8 @@ def cast_of_resident(t: torch.Tensor, local: torch.Tensor) -> Optional[_Recast]:
             or not local.dtype.is_floating_point
             or local.untyped_storage().nbytes() != source.numel() * local.element_size()):
         return None
-    from torch.distributed.tensor import DTensor
-
-    spec = (t.device_mesh, tuple(t.placements), t.shape, t.stride()) if isinstance(t, DTensor) else None
     return _Recast(source, source._version, local.dtype, (tuple(local.shape), local.stride(), local.storage_offset()),
-                   spec)
+                   dtensor_spec(t))
 
 
 def recast(saved: _Recast) -> torch.Tensor:
@@ -329,12 +326,7 @@ def recast(saved: _Recast) -> torch.Tensor:
             "parameters only after the backward, or run without offload=activations")
     with torch.no_grad():
         local = saved.source.to(saved.dtype).as_strided(*saved.geometry)
-    if saved.dtensor is None:
-        return local
-    from torch.distributed.tensor import DTensor
-
-    mesh, placements, shape, stride = saved.dtensor
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+    return as_saved(local, saved.dtensor)
 
 
 class ActivationOffload(Observed):
@@ -401,9 +393,8 @@ class ActivationOffload(Observed):
             index = self._next = len(self._order)
             self._order.append((self.to_host(local), self.copies.dense_stride(local)))
             self._copies[key] = (weakref.ref(storage), index)
-        spec = (t.device_mesh, tuple(t.placements), t.shape, t.stride()) if isinstance(t, DTensor) else None
         host, stride = self._order[index]
-        return _Offloaded(host, spec, index, stride)
+        return _Offloaded(host, dtensor_spec(t), index, stride)
 
     def to_host(self, local: torch.Tensor) -> torch.Tensor:
         """``local``'s host copy (asynchronous on CUDA's side stream; ``memory_measure`` spies it)."""
@@ -414,8 +405,6 @@ class ActivationOffload(Observed):
             return recast(saved)
         if not isinstance(saved, _Offloaded):
             return self._inner_unpack(saved)
-        from torch.distributed.tensor import DTensor
-
         upload = self._ahead.pop(saved.index, None)
         self.unpacked += saved.index not in self._unpacked
         self.prefetched += upload is not None
@@ -423,11 +412,7 @@ class ActivationOffload(Observed):
         self._unpacked.add(saved.index)
         if self.copies.overlapped:
             self._prefetch()
-        local = upload.get()
-        if saved.dtensor is None:
-            return local
-        mesh, placements, shape, stride = saved.dtensor
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+        return as_saved(upload.get(), saved.dtensor)
 
     def _prefetch(self) -> None:
         """Bring back, ahead of the backward, the latest-packed tensors not unpacked yet (module

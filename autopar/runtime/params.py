@@ -177,14 +177,12 @@ def gather_rows(slot: ParamSlot, chunk: torch.Tensor, ctx: ParamContext, record:
     return unpadded(slot, out)
 
 
-def resident_source(local: torch.Tensor, pctx: ParamContext, gathered=None) -> Optional[torch.Tensor]:
+def resident_source(local: torch.Tensor, pctx: ParamContext) -> Optional[torch.Tensor]:
     """What a use of a parameter is made of when it is the stored tensor itself (not gathered, not
-    copied up from the host), for ``runtime/offload.py``: a low-precision copy autocast made of the
-    use is recast from it in the backward instead of sent to the host and back. Kept on the use's
-    autograd node (``ctx.resident``); None otherwise."""
-    if gathered is not None or pctx.gathers or pctx.host_params:
-        return None
-    return local
+    copied up from the host: ``pctx.gathers`` covers both), for ``runtime/offload.py``: a
+    low-precision copy autocast made of the use is recast from it in the backward instead of sent
+    to the host and back. Kept on the use's autograd node (``ctx.resident``); None otherwise."""
+    return None if pctx.gathers else local
 
 
 class _UseParam(torch.autograd.Function):
@@ -196,7 +194,7 @@ class _UseParam(torch.autograd.Function):
         from torch.distributed.tensor import DTensor
 
         ctx.slot, ctx.pctx = slot, pctx
-        ctx.resident = resident_source(local, pctx, gathered)
+        ctx.resident = resident_source(local, pctx)
         if gathered is not None:                 # by its group (``runtime/prefetch.py``)
             full = gathered
         else:
@@ -249,7 +247,7 @@ class _UseParamLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, slot: ParamSlot, pctx: ParamContext, gathered=None):
         ctx.slot, ctx.pctx = slot, pctx
-        ctx.resident = resident_source(local, pctx, gathered)
+        ctx.resident = resident_source(local, pctx)
         if pctx.gathers:
             full = gathered if gathered is not None else gather_rows(slot, local, pctx)
             pctx.reshard.register(slot, full)

@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import torch
 
-from autopar.runtime.reshard import Observed
+from autopar.runtime.reshard import Observed, as_saved, dtensor_spec
 from autopar.solver.rules import base_name
 from autopar.solver.saved import AUTOCAST_LOW
 
@@ -143,14 +143,9 @@ class Regather(Observed):
         for fn in self._observers:
             fn(source.shard)
         local = t._local_tensor
-        return _Saved(source, tuple(local.size()), tuple(local.stride()), local.storage_offset(),
-                      (t.device_mesh, tuple(t.placements), t.shape, t.stride()))
+        return _Saved(source, tuple(local.size()), tuple(local.stride()), local.storage_offset(), dtensor_spec(t))
 
     def _unpack(self, saved):
         if not isinstance(saved, _Saved):
             return self._inner_unpack(saved)
-        from torch.distributed.tensor import DTensor
-
-        local = saved.source.gathered().as_strided(saved.size, saved.stride, saved.offset)
-        mesh, placements, shape, stride = saved.dtensor
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+        return as_saved(saved.source.gathered().as_strided(saved.size, saved.stride, saved.offset), saved.dtensor)

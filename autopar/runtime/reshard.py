@@ -48,6 +48,24 @@ class _Resharded:
     dtensor: Optional[tuple]           # (mesh, placements, shape, stride) when it was a DTensor
 
 
+def dtensor_spec(t: torch.Tensor) -> Optional[tuple]:
+    """What rebuilds ``t`` from its local tensor after a pack hook took it apart: (mesh, placements,
+    shape, stride) for a DTensor, None for a plain tensor (``as_saved``)."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.device_mesh, tuple(t.placements), t.shape, t.stride()) if isinstance(t, DTensor) else None
+
+
+def as_saved(local: torch.Tensor, spec: Optional[tuple]) -> torch.Tensor:
+    """A pack hook's saved tensor back from its local tensor and ``dtensor_spec``."""
+    if spec is None:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    mesh, placements, shape, stride = spec
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
 def acyclic(packed, t: torch.Tensor):
     """What a pack hook that returns ``packed`` for ``t`` should hand autograd: ``t`` detached when
     the hook keeps ``t`` itself. Autograd saves an op's own output without its ``grad_fn`` (no
@@ -157,25 +175,18 @@ class Reshard(Observed):
         if self.groups is not None and slot.plan.group >= 0:
             self._packed.setdefault(slot.plan.group, {})[slot.name] = slot
             self._done.discard(slot.plan.group)
-        spec = (t.device_mesh, tuple(t.placements), t.shape, t.stride()) if isinstance(t, DTensor) else None
-        return _Resharded(slot, tuple(local.size()), tuple(local.stride()), local.storage_offset(), spec)
+        return _Resharded(slot, tuple(local.size()), tuple(local.stride()), local.storage_offset(), dtensor_spec(t))
 
     def _unpack(self, saved):
         if not isinstance(saved, _Resharded):
             return saved
-        from torch.distributed.tensor import DTensor
-
         full = self._held.get(saved.slot.name)
         if full is None and self.groups is not None and saved.slot.plan.group >= 0:
             self._held.update(self._regather(saved.slot.plan.group))
             full = self._held.get(saved.slot.name)
         if full is None:
             full = self._held[saved.slot.name] = self._gather(saved.slot)
-        local = full.as_strided(saved.size, saved.stride, saved.offset)
-        if saved.dtensor is None:
-            return local
-        mesh, placements, shape, stride = saved.dtensor
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+        return as_saved(full.as_strided(saved.size, saved.stride, saved.offset), saved.dtensor)
 
     def _regather(self, g: int) -> dict:
         """Group ``g``'s saved weights, the first of which this backward needs, each held until its

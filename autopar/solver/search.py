@@ -146,10 +146,9 @@ def _quick_summary(base: AxisSummary, cfg: OuterConfig) -> AxisSummary:
     """Memory-only bound from the tp=1, mbs=1 tables (batch-dim tensors only): activations scale as
     mbs / (tp x cp) at best, parameters as 1 / tp; weight copies as at tp=1 (the most: less offload)."""
     f = cfg.mbs / base.mbs / cfg.tp / cfg.cp
-    parts = {}
-    for k, p in base.parts.items():
-        parts[k] = PartCost(0.0, 0.0, {}, {}, p.saved_bytes * f, 0.0, p.core_saved_bytes * f, p.max_out_bytes * f,
-                            p.param_numel / cfg.tp, 0.0, 0.0, scaled_rc(p.rc, f), p.param_tensors, 0.0, {}, p.weight_copy_bytes)
+    parts = {k: PartCost(0.0, 0.0, {}, {}, p.saved_bytes * f, 0.0, p.core_saved_bytes * f, p.max_out_bytes * f,
+                         p.param_numel / cfg.tp, 0.0, 0.0, scaled_rc(p.rc, f), p.param_tensors,
+                         weight_copy_bytes=p.weight_copy_bytes) for k, p in base.parts.items()}
     return replace(base, t=cfg.tp, mbs=cfg.mbs, parts=parts, shared_param_numel=base.shared_param_numel / cfg.tp,
                    layer_input_bytes=base.layer_input_bytes * f, loss_input_bytes=base.loss_input_bytes * f,
                    is_lower_bound=True)

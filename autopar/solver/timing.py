@@ -504,8 +504,8 @@ def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile
     inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
     per_mb = saved_per_microbatch(summary, cfg, parts, lps)
     activations = inflight * per_mb
-    offloaded = per_mb - recast_per_microbatch(summary, cfg, parts, lps, cfg.classes)
-    other = workspace_bytes(summary, cfg, max(p.max_out_bytes for p, _, _ in parts), lps,
+    largest = max(p.max_out_bytes for p, _, _ in parts)
+    other = workspace_bytes(summary, cfg, largest, lps,
                             param_bytes=profile.param_bytes, autocast=profile.autocast) \
         + rank_held_bytes(cfg, summary, r, lps)
     host = nvme = 0
@@ -515,9 +515,9 @@ def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile
         off = offload_memory(cfg.classes, rows=optimizer_rows(numel, cfg.data, cfg.zero),
                              params_bytes=states["params"], grads_bytes=states["grads"],
                              optimizer_bytes=states["optimizer"], activations_bytes=activations,
-                             resident_saved_bytes=resident_saved_bytes(max(p.max_out_bytes for p, _, _ in parts),
-                                                                       "activations" in copies_over),
-                             saved_bytes_per_microbatch=offloaded,
+                             resident_saved_bytes=resident_saved_bytes(largest, "activations" in copies_over),
+                             saved_bytes_per_microbatch=per_mb - recast_per_microbatch(summary, cfg, parts, lps,
+                                                                                       cfg.classes),
                              inflight=inflight, microbatches=cfg.m, moments=MOMENTS)
         states = off
         activations = off["activations"]
