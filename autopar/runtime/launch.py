@@ -12,7 +12,8 @@ sentinels and ends the run when
   * a rank raises: that error is the cause; the others' errors that only say the connection to a
     peer broke or timed out (``RankCommunicationError``) are listed as its consequences;
   * a rank dies without a result (killed by a signal, ``os._exit``): at once, naming the rank, the
-    signal and the last step it reported;
+    signal and the last step it reported, with the Python stack of each of its threads when a fatal
+    signal (SIGABRT, SIGSEGV, SIGBUS, SIGFPE, SIGILL) killed it (``faulthandler``, to a file per rank);
   * a rank's heartbeat stops for ``heartbeat_timeout_s`` (default 30 s): a stopped (SIGSTOP) or
     hung process, which its peers' collective timeout would only notice after ``timeout_s``;
   * no rank reports progress for ``progress_timeout_s`` (default ``timeout_s + grace_s``; a rank's
@@ -37,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import datetime
+import faulthandler
 import io
 import json
 import multiprocessing as mp
@@ -47,6 +49,7 @@ import select
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -192,9 +195,11 @@ def _die_with_parent() -> None:
 
 
 def _rank_main(fn, rank: int, world: int, port: int, timeout_s: float, args: tuple, conn, board,
-               launcher_pid: int) -> None:
+               launcher_pid: int, crash_path: str) -> None:
     global _BOARD
     signal.signal(signal.SIGINT, signal.SIG_IGN)        # Ctrl-C: the launcher stops the ranks
+    crash = open(crash_path, "w")                       # kept open for the rank's life
+    faulthandler.enable(crash, all_threads=True)        # a fatal signal: where each thread was
     _die_with_parent()
     i = rank * _FIELDS
     board[i + _BEAT] = board[i + _PROGRESS] = time.monotonic()
@@ -278,12 +283,14 @@ def spawn_ranks(fn: Callable, nproc: int, args: Sequence[Any] = (), *, timeout_s
     port = free_port()
     run = _Run(nproc, board, heartbeat_timeout_s,
                progress_timeout_s if progress_timeout_s is not None else timeout_s + grace_s)
-    with _signals_stop_ranks():
+    with _signals_stop_ranks(), tempfile.TemporaryDirectory(prefix="autopar-ranks-") as crashes:
         try:
             for r in range(nproc):
                 reader, writer = ctx.Pipe(duplex=False)
+                run.crash_paths.append(os.path.join(crashes, f"rank{r}.stacks"))
                 p = ctx.Process(target=_rank_main, name=f"autopar-rank-{r}", daemon=True,
-                                args=(fn, r, nproc, port, timeout_s, tuple(args), writer, board, os.getpid()))
+                                args=(fn, r, nproc, port, timeout_s, tuple(args), writer, board, os.getpid(),
+                                      run.crash_paths[r]))
                 try:
                     p.start()
                 finally:
@@ -294,8 +301,8 @@ def spawn_ranks(fn: Callable, nproc: int, args: Sequence[Any] = (), *, timeout_s
             run.wait()
         finally:
             run.stop()
-    if run.failed():
-        raise run.failure()
+        if run.failed():
+            raise run.failure()
     return run.results()
 
 
@@ -330,6 +337,7 @@ class _Run:
         self.heartbeat_timeout_s, self.progress_timeout_s = heartbeat_timeout_s, progress_timeout_s
         self.procs: list = []
         self.readers: list = []
+        self.crash_paths: list[str] = []             # rank -> where faulthandler writes its stacks
         self.payloads: dict[int, bytes] = {}         # rank -> its result (torch.save bytes)
         self.errors: dict[int, dict] = {}            # rank -> {"error", "traceback", "peer"}
         self.exits: dict[int, int] = {}              # rank -> exit code of a rank that died without a message
@@ -467,7 +475,17 @@ class _Run:
             lines.append(f"still running when stopped{', so likely what the others waited for' if promoted else ''}"
                          f": {running}")
         details = [f"--- rank {r} ---\n{e['error']}\n{e['traceback']}" for r, e in sorted(self.errors.items())]
+        details += [f"--- rank {r} ({causes[r]}): its threads at the signal ---\n{stacks}"
+                    for r in sorted(self.exits) if (stacks := self._fatal_stacks(r))]
         return RankFailure("\n".join(lines + details), causes=causes, consequences=peer)
+
+    def _fatal_stacks(self, r: int) -> str:
+        """What faulthandler wrote for rank ``r`` (killed by a fatal signal), its last 60 lines."""
+        try:
+            with open(self.crash_paths[r]) as f:
+                return "".join(f.readlines()[-60:]).rstrip()
+        except (OSError, IndexError):
+            return ""
 
     def results(self) -> list:
         import torch

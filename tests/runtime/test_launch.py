@@ -107,6 +107,21 @@ def test_a_killed_rank_is_named_at_once_and_printed_once(tmp_path):
     assert detected < SETTLE_S + 5, detected
 
 
+def test_a_rank_killed_by_a_fatal_signal_shows_where_its_threads_were(tmp_path):
+    """SIGABRT (a native abort: gloo's or torch's C++ throwing on a thread of their own) leaves no
+    Python error: the failure carries faulthandler's stacks of the rank, naming the function that was
+    running. A SIGKILL gives no stacks (nothing runs)."""
+    with pytest.raises(RankFailure) as info:
+        spawn_ranks(signals_itself, 2, (1, 2, int(signal.SIGABRT), str(tmp_path / "s.json")), timeout_s=60)
+    text = str(info.value)
+    assert info.value.causes == {1: "was killed by SIGABRT after step 1"}, info.value.causes
+    assert "--- rank 1 (was killed by SIGABRT after step 1): its threads at the signal ---" in text, text
+    assert "Fatal Python error: Aborted" in text and 'in signals_itself' in text, text
+    with pytest.raises(RankFailure) as info:
+        spawn_ranks(signals_itself, 2, (1, 2, int(signal.SIGKILL), str(tmp_path / "k.json")), timeout_s=60)
+    assert "its threads at the signal" not in str(info.value), str(info.value)
+
+
 def test_a_stopped_rank_is_found_by_its_heartbeat(tmp_path):
     """SIGSTOP of rank 1: its peers would wait for the 60 s collective timeout; the launcher sees
     its heartbeat stop after heartbeat_timeout_s, kills every rank and says so."""

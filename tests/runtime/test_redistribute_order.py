@@ -80,6 +80,7 @@ STATES = [pl for pl in itertools.product([R, P, S(0), S(1)], repeat=2)
 def _every_pair(rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate as TReplicate, distribute_tensor
 
@@ -104,7 +105,9 @@ def _every_pair(rank: int, world: int) -> dict:
         if not any(isinstance(b, Partial) and not isinstance(a, Partial) for a, b in zip(src, dst)):
             before = len(log.records)
             with rec:                       # DTensor's own multi-axis plan, for comparison
-                x.redistribute(mesh, tuple(map(to_torch, dst)))
+                z = x.redistribute(mesh, tuple(map(to_torch, dst)))
+            if isinstance(z._local_tensor, AsyncCollectiveTensor):
+                z._local_tensor.wait()      # nothing left in flight under the next pair's collectives
             if Counter((c.kind, c.axis, c.nbytes) for c in log.records[before:]) != Counter(got):
                 out["dtensor_differs"].append((str(src), str(dst)))
     return out
