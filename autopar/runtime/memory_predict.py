@@ -6,12 +6,16 @@
 pipeline rank (``solver.timing.evaluate``: activations of the ops' saved outputs in the plan dtype,
 in-flight micro-batches, workspace), with the model states recomputed for the dtype the parameters
 actually have and the optimizer actually run (``cost.memory.state_bytes_per_param``). The step's
-peak is the larger of two moments:
+peak is the largest of these moments:
 
 - the forward and backward: without a pipeline ``cost.memory.step_peak_bytes`` (the backward's
   trade of activations for gradients, piece by piece); with one, the rank's schedule replayed
   action by action over its local stages (``cost/schedule_memory.py``: the zero-bubble schedules'
   input passes keep activations and add join-node gradients, their weight passes trade);
+- without a pipeline under ZeRO-3, a layer's gather landing in the forward (``_forward_gather_peak``:
+  the landed layer, the next one's buffers, a tied parameter gathered whole), which the backward's
+  workspace then leaves out where only the forward gathers (autocast without recompute:
+  ``layer_memory.workspace_bytes(forward_apart=True)``);
 - after it, ZeRO 1/2 over data > 1: the gradients' shards, and the all-gather of the updated rows of one
   bucket (``GradReducer.gather_params``: its send buffer and its output, in the optimizer's
   parameter dtype).
@@ -96,7 +100,7 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     # a re-materialized layer under recompute, ZeRO-3's prefetched layers (the reducer's transient
     # and a split backward's held join-node gradients below)
     workspace = workspace_bytes(summary, cfg, backward_workspace_bytes(largest), st.layers,
-                                param_bytes=per["params"], autocast=profile.autocast)
+                                param_bytes=per["params"], autocast=profile.autocast, forward_apart=cfg.pp == 1)
     act_off = "activations" in classes
     prefetch = side_stream_enabled(torch.device(device))     # ``cost.offload.resident_saved_bytes``
 
@@ -121,7 +125,7 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
             own += 2.0 * summary.layer_input_bytes
             freed = 0.0 if act_off else part.max_out_bytes
         alone = workspace_bytes(summary, cfg, own, st.layers, param_bytes=per["params"], autocast=profile.autocast,
-                                in_layer=name == "block")
+                                in_layer=name == "block", forward_apart=cfg.pp == 1)
         return alone - freed, alone
 
     spaces = {name: piece_workspace(name) for name in ("pre", "block", "post")}
@@ -166,6 +170,7 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
         workspace = max(workspace, alone) + transient
         peak = step_peak_bytes(fixed, chunk.pieces, st.inflight, workspace, grads_during_forward=st.inflight < cfg.m,
                                piece_workspace=[w + transient for w in chunk.workspace])
+        peak = max(peak, fixed + _forward_gather_peak(summary, cfg, chunk.pieces, st, per["params"]))
     if end:                      # ZeRO 1-3: the end of the reduction, beside the reduced outputs (1/data);
         # offloaded gradients leave the device as each bucket is reduced (``runtime/offload.py``)
         peak = max(peak, fixed + (0.0 if "grads" in classes else local_grads / cfg.data) + end)
@@ -190,6 +195,26 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
     cats = MemoryByCategory(int(total["params"]), int(grads), int(total["optimizer"]),
                             int(activations), int(workspace))
     return PredictedMemory(int(peak), cats, int(host))
+
+
+def _forward_gather_peak(summary, cfg, pieces, st, param_bytes: int) -> float:
+    """Without a pipeline, ZeRO-3's peak in the forward, beyond the states: at the last layer's
+    gather landing (``layer_memory.forward_gather_bytes``), the activations of every piece before it
+    (``pieces`` in backward order: the head's and that layer's are not made yet), its first op's
+    temporaries (the layer's input, its norm's output and the op's output, at most the layer's
+    largest), and the gradients of earlier micro-batches when they accumulate. 0 without gathers.
+    (Measured at the peak of ``dp=2, zero=3`` with every class offloaded, bf16: the next layer's
+    send and output buffers, this layer's copies, the tied embedding whole, then layer input, norm
+    output, the weight's 16-bit copy and the matmul's output: ``tests/runtime/test_memory_measure.py``.)"""
+    from autopar.solver.layer_memory import forward_gather_bytes
+
+    gathered = forward_gather_bytes(summary, cfg, param_bytes)
+    if not gathered:
+        return 0.0
+    before = sum(a for a, _ in pieces[(1 if st.has_post else 0) + min(st.layers, 1):])
+    grads = sum(g for _, g in pieces) if st.inflight < cfg.m else 0.0
+    temps = 2.0 * summary.layer_input_bytes + summary.parts["block"].max_out_bytes
+    return before + gathered + temps + grads
 
 
 def _chunks(evaluation, summary, pp_rank: int, grads_of, split: bool, workspace: dict) -> dict:

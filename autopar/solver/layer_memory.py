@@ -41,7 +41,8 @@ def activation_bytes_per_layer(blk: PartCost, summary: AxisSummary, recompute: s
 
 
 def workspace_bytes(summary: AxisSummary, cfg: OuterConfig, backward_bytes: float, lps: Optional[float] = None, *,
-                    param_bytes: int, autocast: bool = False, in_layer: bool = True) -> float:
+                    param_bytes: int, autocast: bool = False, in_layer: bool = True,
+                    forward_apart: bool = False) -> float:
     """Workspace at the peak: the largest output's backward (``backward_bytes``), one layer
     re-materialized under recompute, the prefetched gathered layers under ZeRO-3. "partial"
     recomputes a rank's FIRST layers, whose backward comes last, when the later layers' activations
@@ -53,7 +54,9 @@ def workspace_bytes(summary: AxisSummary, cfg: OuterConfig, backward_bytes: floa
     larger of the two counts (the fp32 norms' weights, re-gathered, are left out); a re-run forward
     is inside the backward, which does not prefetch: one layer of gathers beside it. ``in_layer``
     False: the workspace of the embedding's or the head's backward (``memory_predict``'s per-piece
-    workspace), beside which no layer is re-materialized."""
+    workspace), beside which no layer is re-materialized. ``forward_apart``: the caller counts the
+    forward's gathers at their own peak (``forward_gather_bytes``; ``runtime/memory_predict.py``), so
+    gathers that happen only in the forward (autocast without recompute) are left out here."""
     blk = summary.parts["block"]
     other = 0.0
     every_layer = cfg.recompute == "full" or (cfg.recompute == "partial" and (
@@ -77,8 +80,25 @@ def workspace_bytes(summary: AxisSummary, cfg: OuterConfig, backward_bytes: floa
     elif cfg.zero == 3 and cfg.data > 1:
         gathers = gathered * blk.param_numel * param_bytes * (1 - 1 / cfg.data)
     if autocast:
+        if forward_apart and cfg.recompute == "none":
+            return other + backward_bytes
         return other + max(backward_bytes, gathers)
     return backward_bytes + other + gathers
+
+
+def forward_gather_bytes(summary: AxisSummary, cfg: OuterConfig, param_bytes: int) -> float:
+    """ZeRO-3's gathered bytes alive at once in the forward (``runtime/prefetch.py``), beyond the
+    rank's own rows: a layer's group lands in its collective's output buffer beside its send
+    buffer and is copied out into one tensor per parameter; then the next layer's gather is issued
+    (its send and output buffers) while the landed layer's tensors wait for their readers: (2 +
+    1/dp) layers of rows at each landing. One data-parallel rank with host rows copies a layer up
+    instead (the copies are the tensors): two layers. A parameter read by the embedding and the
+    head (tied) is gathered alone and held by the forward's scope to its last reader, the head:
+    whole beside every landing. 0 without gather groups."""
+    if cfg.zero != 3 or (cfg.data == 1 and "params" not in cfg.classes):
+        return 0.0
+    layers = 2.0 if cfg.data == 1 else 2.0 + 1.0 / cfg.data
+    return (layers * summary.parts["block"].param_numel + summary.shared_param_numel) * param_bytes
 
 
 def rc_of(blk: PartCost, recompute: str) -> Optional[RcCost]:

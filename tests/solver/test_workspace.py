@@ -10,13 +10,20 @@ parameters (4 bytes each), the largest output's backward 30 bytes, ZeRO-3's two 
   100 + max(30, 20) = 130, and with the parameters on the host 100 + max(30, 40) = 140; per-op
   recompute keeps most activations through the forward, beside its two prefetched layers:
   20 (the attention core re-run) + max(30, 40) = 60;
-- ``in_layer`` False (the head's or the embedding's backward): no re-materialized layer beside it.
+- ``in_layer`` False (the head's or the embedding's backward): no re-materialized layer beside it;
+- ``forward_apart`` (the run's prediction counts the forward's gathers at their own peak): autocast
+  without recompute leaves them out, 30; with full recompute the backward's one layer stays, 130.
+
+``forward_gather_bytes``: at a layer's gather landing, its output buffer and its copies out (a layer
+each) and a send buffer (1/dp of a layer): dp=2: 2.5 x 10 x 4 = 100, dp=4: 2.25 x 40 = 90; a tied
+parameter of 3 elements gathered whole beside them: + 12; one rank with host rows copies two layers
+up: 80; ZeRO below 3, or one rank without host rows: no gathers, 0.
 """
 from types import SimpleNamespace
 
 import pytest
 
-from autopar.solver.layer_memory import workspace_bytes
+from autopar.solver.layer_memory import forward_gather_bytes, workspace_bytes
 
 
 def _cfg(**kw):
@@ -25,7 +32,7 @@ def _cfg(**kw):
 
 
 SUMMARY = SimpleNamespace(parts={"block": SimpleNamespace(saved_bytes=100.0, param_numel=10.0, core_saved_bytes=20.0,
-                                                          rc=None)})
+                                                          rc=None)}, shared_param_numel=0.0)
 
 
 @pytest.mark.parametrize("cfg, autocast, in_layer, want", [
@@ -43,3 +50,23 @@ SUMMARY = SimpleNamespace(parts={"block": SimpleNamespace(saved_bytes=100.0, par
 def test_hand_worked(cfg, autocast, in_layer, want):
     got = workspace_bytes(SUMMARY, cfg, 30.0, 2, param_bytes=4, autocast=autocast, in_layer=in_layer)
     assert got == pytest.approx(want)
+
+
+@pytest.mark.parametrize("recompute, want", [("none", 30), ("full", 100 + 30)])
+def test_forward_apart_leaves_the_forward_gathers_out(recompute, want):
+    got = workspace_bytes(SUMMARY, _cfg(recompute=recompute), 30.0, 2, param_bytes=4, autocast=True,
+                          forward_apart=True)
+    assert got == pytest.approx(want)
+
+
+@pytest.mark.parametrize("cfg, shared, want", [
+    (_cfg(), 0.0, 100),
+    (_cfg(data=4), 0.0, 90),
+    (_cfg(), 3.0, 100 + 12),
+    (_cfg(data=1, classes=("params",)), 0.0, 80),
+    (_cfg(data=1), 0.0, 0),
+    (_cfg(zero=2), 0.0, 0),
+])
+def test_forward_gathers_hand_worked(cfg, shared, want):
+    summary = SimpleNamespace(parts=SUMMARY.parts, shared_param_numel=shared)
+    assert forward_gather_bytes(summary, cfg, param_bytes=4) == pytest.approx(want)
