@@ -45,8 +45,13 @@ def _contiguous(x: DTensor) -> DTensor:
     local tensor, but ``DTensor.redistribute`` keeps the input's strides in the result's metadata:
     a non-contiguous value (after ``movedim``, or an op on one) would come out with metadata that
     its local tensor does not match, and the next ``view`` fails ("view size is not compatible
-    with input tensor's size and stride")."""
-    return x if x.is_contiguous() else x.contiguous()
+    with input tensor's size and stride"). Made contiguous locally, its placements kept: DTensor's
+    own ``contiguous`` propagates a strategy, which over three mesh axes may move a Partial value
+    (seen: (P, R, S(2)) came out (S(1), ...), a reduce-scatter the plan did not have)."""
+    if x.is_contiguous():
+        return x
+    return DTensor.from_local(x.to_local().contiguous(), x.device_mesh, x.placements, run_check=False,
+                              shape=x.shape, stride=torch.empty(x.shape, device="meta").stride())
 
 
 def release_masks(out) -> None:

@@ -57,12 +57,6 @@ def model_dims(graph: GraphIR) -> dict:
     return {"heads": heads, "hidden": hidden, "layers": layers}
 
 
-# why a multi-axis tensor mesh runs without sequence parallelism (measured, torch 2.13 on CPU)
-NO_SEQUENCE_SPLIT_WHY = ("DTensor's sharding propagation of a linear whose input is split along the sequence "
-                         "on a mesh of three axes takes 10-55 s per placement signature, against 0.1 s "
-                         "without the sequence split")
-
-
 def _family_problem(shape: tuple[int, ...], dims: dict) -> str:
     """Why the multi-axis tensor mesh ``shape`` does not fit the model ("" when it does): every
     side must divide the hidden size, the inner one the attention heads."""
@@ -77,12 +71,13 @@ def _family_problem(shape: tuple[int, ...], dims: dict) -> str:
 def tensor_shapes(force: Force, tp: int, dims: Optional[dict]) -> list[tuple[int, ...]]:
     """The tensor meshes the search tries for ``tp`` ranks (``tensor_axes.tensor_shape``; ():
     one axis): the forced family's; else one axis and, for a model with a hidden size
-    (``model_dims``) and no forced sequence parallelism, each multi-axis family of ``tp`` that fits
-    it (2-D q x q, 2.5-D d x q x q with the widest grid, 3-D q x q x q; one shape once)."""
+    (``model_dims``), each multi-axis family of ``tp`` that fits it (2-D q x q, 2.5-D d x q x q
+    with the widest grid, 3-D q x q x q; one shape once). Sequence parallelism splits the sequence
+    on the innermost axis of any of them (``tensor_axes.py``)."""
     if force.tensor_parallel_mode is not None:
         return [tensor_shape(force.tensor_parallel_mode, tp)]
     out: list[tuple[int, ...]] = [()]
-    if dims is None or not dims["hidden"] or force.sequence_parallel or tp < 4:
+    if dims is None or not dims["hidden"] or tp < 4:
         return out
     for mode in ("2d", "2.5d", "3d"):
         try:
@@ -109,8 +104,6 @@ def check_force(force: Force, graph: GraphIR, world: int, global_batch: int, seq
             raise PlanningError(f"tpmode={mode} needs the total tensor degree: force tp too, e.g. "
                                 f"tp={ {'2d': 4, '2.5d': 8, '3d': 8}[mode] },tpmode={mode}")
         shape = tensor_shape(mode, force.tp)
-        if force.sequence_parallel:
-            raise PlanningError(f"tpmode={mode} with sp=on: {NO_SEQUENCE_SPLIT_WHY}; drop sp (or use tpmode=1d)")
         problem = _family_problem(shape, dims)
         if problem:
             raise PlanningError(f"tpmode={mode} lays tp={force.tp} out as {'x'.join(map(str, shape))}, and {problem}; "
@@ -278,8 +271,10 @@ def outer_configs(force: Force, world: int, layers: int, has_block: bool, global
         for cp, cp_mode in (cp_options(rest, tp) if cp_options else [(1, "none")]):
             base = _configs_of(force, tp, pp, rest // cp, cp, cp_mode, layers, global_batch, offload_free, recomputes)
             for shape in tensor_shapes(force, tp, dims):      # () for one axis (tensor_axes.py)
-                # several tensor axes: no sequence parallelism (NO_SEQUENCE_SPLIT_WHY)
-                out += [replace(c, tp_shape=shape) if shape else c for c in base if not (shape and c.sp)]
+                # several axes: with sequence parallelism only, unless forced off -- sp=on's tables
+                # hold every strategy of sp=off's (it allows sequence splits on the inner axis)
+                out += [replace(c, tp_shape=shape) if shape else c for c in base
+                        if not shape or c.sp or force.sequence_parallel is False]
     return out
 
 

@@ -147,10 +147,12 @@ def _train_job(rank: int, world: int, plan_json: str, engine: str = "auto") -> d
     return res
 
 
-def _run_2d(rank: int, world: int, plan_json: str, directory: str, zero_json: str, solver_json: str) -> dict:
+def _run_2d(rank: int, world: int, plan_json: str, directory: str, zero_json: str, solver_json: str,
+            sp_json: str) -> dict:
     """The plan on both engines; on the emitted one also its storage sizes and a checkpoint saved,
-    re-loaded under the same plan and read by one process. Then ``zero_json`` (dp x tp2, ZeRO-3)
-    and ``solver_json`` (the planner's own 2-D plan)."""
+    re-loaded under the same plan and read by one process. Then ``zero_json`` (dp x tp2, ZeRO-3),
+    ``solver_json`` (the planner's own 2-D plan) and ``sp_json`` (its 2-D plan with sequence
+    parallelism)."""
     from autopar.runtime.checkpoint import read_checkpoint
 
     pm, res = _train(rank, plan_json, "interpreter")
@@ -171,6 +173,7 @@ def _run_2d(rank: int, world: int, plan_json: str, directory: str, zero_json: st
     out["auto"] = res
     out["zero3"] = _train_job(rank, world, zero_json)
     out["solver"] = _train_job(rank, world, solver_json)
+    out["sp"] = _train_job(rank, world, sp_json)
     return out
 
 
@@ -180,26 +183,38 @@ def plan_zero3(tiny_full):
     return tensor_2d_plan(tiny_full, dp=2, outer=2, inner=1, zero=3)
 
 
-@pytest.fixture(scope="module")
-def plan_solver(tiny_full):
-    """The planner's 2-D plan (``--force tp=4,tpmode=2d``, ``solver/tensor_axes.py``) for 4 GPUs
-    whose links cost nothing, so that splitting gpt-tiny pays on both tensor axes."""
+def _free_links_plan(graph, force: str):
+    """The planner's plan of ``graph`` under ``force`` for 4 GPUs whose links cost nothing, so that
+    splitting gpt-tiny pays on every tensor axis."""
     from autopar.cost.hardware import LinkSpec, make_cluster
     from autopar.solver.forcing import parse_force
     from autopar.solver.search import plan_model
 
     free = LinkSpec("free", busbw_Bps=1e15, latency_s=0.0, source="test")
     cluster = dataclasses.replace(make_cluster("h100", 1, 4), intra=free, inter=free)
-    seq = next(n.out.shape[1] for n in tiny_full.nodes if n.kind == "input")
-    return plan_model(tiny_full, cluster, global_batch=tiny_full.batch_size, seq_len=seq, dtype="float32",
-                      force=parse_force(f"tp=4,tpmode=2d,mbs={tiny_full.batch_size}"))
+    seq = next(n.out.shape[1] for n in graph.nodes if n.kind == "input")
+    return plan_model(graph, cluster, global_batch=graph.batch_size, seq_len=seq, dtype="float32",
+                      force=parse_force(force))
 
 
 @pytest.fixture(scope="module")
-def ran_2d(plan_2d, plan_zero3, plan_solver, tmp_path_factory):
+def plan_solver(tiny_full):
+    """The planner's 2-D plan (``--force tp=4,tpmode=2d``, ``solver/tensor_axes.py``)."""
+    return _free_links_plan(tiny_full, f"tp=4,tpmode=2d,mbs={tiny_full.batch_size}")
+
+
+@pytest.fixture(scope="module")
+def plan_sp(tiny_full):
+    """Its 2-D plan with sequence parallelism, one sequence per micro-batch (so that the inner axis
+    splits the sequence, not the batch)."""
+    return _free_links_plan(tiny_full, "tp=4,tpmode=2d,sp=on,mbs=1")
+
+
+@pytest.fixture(scope="module")
+def ran_2d(plan_2d, plan_zero3, plan_solver, plan_sp, tmp_path_factory):
     d = str(tmp_path_factory.mktemp("ck2d") / "ck")
-    return spawn_ranks(_run_2d, 4, (plan_2d.to_json(), d, plan_zero3.to_json(), plan_solver.to_json()),
-                       timeout_s=120)
+    return spawn_ranks(_run_2d, 4, (plan_2d.to_json(), d, plan_zero3.to_json(), plan_solver.to_json(),
+                                    plan_sp.to_json()), timeout_s=120)
 
 
 @functools.lru_cache(maxsize=None)
@@ -308,3 +323,31 @@ def test_the_planners_2d_plan_trains_like_one_process(ran_2d, plan_solver, tiny_
         assert r["traffic"]["tp"] > 0 and r["traffic"]["tp2"] > 0, r["traffic"]
     check_collectives_per_rank(runs, lambda res: expected_collectives(
         tiny_full, plan_solver, tp_rank=dict(zip(res["names"], res["coord"]))))
+
+
+def _sequence_split(plan: Plan, graph, axis: str) -> list[str]:
+    """Keys of the nodes whose output ``plan`` splits along the sequence (dim 1 of a (B, T, ...)
+    activation) on mesh axis ``axis``."""
+    i = plan.mesh_axes.index(axis)
+    seq = {n.key for n in graph.nodes if n.outputs and len(n.out.shape) >= 3 and n.kind == "op"}
+    return [s.key for s in plan.strategies if s.key in seq and s.output and s.output[i] == Shard(1)]
+
+
+@pytest.mark.slow
+def test_2d_sequence_parallel_plan_trains_like_one_process(ran_2d, plan_sp, tiny_full):
+    """Sequence parallelism on a 2 x 2 tensor mesh (the inner axis, ``tensor_axes.py``): the
+    planner's plan splits the norms' and residual adds' sequence on tp (and gathers it before each
+    linear), trains like one process and issues exactly the predicted collectives on tp2 and tp."""
+    from autopar.codegen.expected import expected_collectives
+    from bodies import full_trace
+
+    assert plan_sp.sequence_parallel and plan_sp.mesh_axes == ("tp2", "tp")
+    split = _sequence_split(plan_sp, tiny_full, "tp")
+    assert any("layer_norm" in k for k in split) and any("add" in k for k in split), split
+    runs = [r["sp"] for r in ran_2d]
+    check_against_reference(runs, _reference())
+    for r in runs:
+        assert r["traffic"]["tp"] > 0 and r["traffic"]["tp2"] > 0, r["traffic"]
+    graph = full_trace(tiny_full.batch_size // plan_sp.num_micro_batches)     # one micro-batch's
+    check_collectives_per_rank(runs, lambda res: expected_collectives(
+        graph, plan_sp, tp_rank=dict(zip(res["names"], res["coord"]))))

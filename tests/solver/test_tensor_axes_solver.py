@@ -89,7 +89,7 @@ DIMS = {"hidden": 4096, "heads": 32, "layers": 4}
     ("", 8, DIMS, [(), (2, 2, 2)]),                      # 8: 2.5-D's widest grid is the 3-D mesh
     ("", 2, DIMS, [()]),                                 # too few ranks for two axes
     ("tpmode=1d", 16, DIMS, [()]),
-    ("sp=on", 16, DIMS, [()]),                           # several axes run without sp (configs.py)
+    ("sp=on", 16, DIMS, [(), (4, 4), (4, 2, 2)]),        # sequence parallelism on the inner axis of each
     ("tpmode=2d,tp=16", 16, DIMS, [(4, 4)]),
     ("", 16, {"hidden": 96, "heads": 6, "layers": 2}, [(), (4, 2, 2)]),   # 2-D's inner 4: not 6 heads
     ("", 4, {"hidden": 96, "heads": 6, "layers": 2}, [(), (2, 2)]),
@@ -101,13 +101,15 @@ def test_the_free_search_tries_each_family_that_fits(force, tp, dims, shapes):
     assert tensor_shapes(parse_force(force), tp, dims) == shapes
 
 
-def test_outer_configs_list_the_families_without_sequence_parallelism():
+def test_outer_configs_try_several_axes_with_sequence_parallelism_unless_forced_off():
     from autopar.solver.configs import outer_configs
     from autopar.solver.forcing import Force
 
     configs = outer_configs(Force(tp=16), 16, 4, True, 16, dims=DIMS)
     assert {c.tp_shape for c in configs} == {(), (4, 4), (4, 2, 2)}
-    assert not any(c.sp for c in configs if c.tp_shape) and any(c.sp for c in configs if not c.tp_shape)
+    assert {(c.tp_shape, c.sp) for c in configs} == {((), False), ((), True), ((4, 4), True), ((4, 2, 2), True)}
+    off = outer_configs(Force(tp=16, sequence_parallel=False), 16, 4, True, 16, dims=DIMS)
+    assert {(c.tp_shape, c.sp) for c in off} == {((), False), ((4, 4), False), ((4, 2, 2), False)}
     assert {c.tp_shape for c in outer_configs(Force(tp=16), 16, 4, True, 16)} == {()}
 
 
