@@ -101,15 +101,15 @@ def test_the_free_search_tries_each_family_that_fits(force, tp, dims, shapes):
     assert tensor_shapes(parse_force(force), tp, dims) == shapes
 
 
-def test_outer_configs_try_several_axes_with_sequence_parallelism_unless_forced_off():
+def test_outer_configs_try_several_axes_with_sequence_parallelism_where_forced_on():
     from autopar.solver.configs import outer_configs
     from autopar.solver.forcing import Force
 
     configs = outer_configs(Force(tp=16), 16, 4, True, 16, dims=DIMS)
     assert {c.tp_shape for c in configs} == {(), (4, 4), (4, 2, 2)}
-    assert {(c.tp_shape, c.sp) for c in configs} == {((), False), ((), True), ((4, 4), True), ((4, 2, 2), True)}
-    off = outer_configs(Force(tp=16, sequence_parallel=False), 16, 4, True, 16, dims=DIMS)
-    assert {(c.tp_shape, c.sp) for c in off} == {((), False), ((4, 4), False), ((4, 2, 2), False)}
+    assert {(c.tp_shape, c.sp) for c in configs} == {((), False), ((), True), ((4, 4), False), ((4, 2, 2), False)}
+    on = outer_configs(Force(tp=16, sequence_parallel=True), 16, 4, True, 16, dims=DIMS)
+    assert {(c.tp_shape, c.sp) for c in on} == {((), True), ((4, 4), True), ((4, 2, 2), True)}
     assert {c.tp_shape for c in outer_configs(Force(tp=16), 16, 4, True, 16)} == {()}
 
 
