@@ -20,12 +20,15 @@ What the file says, so that peak x efficiency is the MEASURED rate the cost mode
 - CPU (``gpu = "cpu"``, no datasheet): ``peak_TFLOPs`` per dtype = the measured GEMM rate (FLOP-
   weighted over all shapes and passes) and ``matmul_efficiency = 1.0``; ``vector`` = the measured
   fp32 elementwise rate; ``hbm_GBps`` = the measured copy rate (read + write) and
-  ``memory_efficiency = 1.0``. Rates are per rank with every rank busy, one thread each, as an
+  ``memory_efficiency = 1.0``; ``<class>_memory_efficiency`` = each memory-bound op class's measured
+  rate (layer norm, gelu, softmax, an add, at the GEMMs' token x hidden shapes) / the copy rate
+  (gelu runs at a fraction of it on CPU cores). Rates are per rank with every rank busy, one thread each, as an
   ``autopar run`` rank computes. A training dtype not measured within the budget is priced at the
   slowest measured one (the file's source says so).
 - GPU: datasheet peaks; ``matmul_efficiency`` = bf16 GEMM rate / bf16 peak; other dtypes whose
   rate differs get ``peak_TFLOPs`` = their rate / matmul_efficiency (fp32 runs as torch is set:
-  TF32 only if ``torch.backends.cuda.matmul.allow_tf32``); ``memory_efficiency`` = copy / datasheet.
+  TF32 only if ``torch.backends.cuda.matmul.allow_tf32``); ``memory_efficiency`` = copy / datasheet,
+  ``<class>_memory_efficiency`` = each memory-bound op class's rate / datasheet.
 - ``attention_efficiency`` = SDPA causal forward+backward rate / peak of its dtype (fp32 on CPU,
   bf16 on GPU), FLOPs counted FULL and x3.5, as autopar/trace and ``compute.backward_factor`` do.
 - ``overlap_slowdown`` (2+ ranks): compute's slowdown beside an overlapped collective, fitted to a
@@ -111,6 +114,7 @@ class Calibration:
     step_overhead: Optional[float] = None    # s per autopar step beside its graph's nodes (CPU)
     ring_attention_overhead: Optional[float] = None   # s per ring attention node per micro-batch (CPU)
     overlap: Optional[OverlapFigures] = None   # compute beside an async all-reduce (calibrate_overlap.py)
+    memory_classes: tuple[tuple[str, float], ...] = ()   # (class, bytes/s) of memory-bound ops (calibrate_bench)
 
 
 def _setup(device_kind: str) -> dict:
@@ -213,7 +217,8 @@ def _aggregate(results: list[dict], cfg: dict, kind: str, nproc: int, start: flo
         if "dtensor_2d" in results[0].get("runtime_overhead", {}) else None,
         step_overhead=_mean([r["runtime_overhead"]["step"] for r in results]) if "runtime_overhead" in results[0] else None,
         ring_attention_overhead=_ring_host(results, by_kind.get("all_to_all", link)),
-        overlap=overlap_figures(results[0]["overlap"]) if "overlap" in results[0] else None)
+        overlap=overlap_figures(results[0]["overlap"]) if "overlap" in results[0] else None,
+        memory_classes=tuple((c, _hmean([r["memory_classes"][c] for r in results])) for c in results[0]["memory_classes"]))
 
 
 def _ring_host(results: list[dict], rotation: Optional[LinkFit]) -> Optional[float]:
@@ -339,6 +344,8 @@ def figures_table(cal: Calibration, cluster: ClusterSpec) -> Table:
                       f"attention_noncausal_eff {g.attention_noncausal_efficiency:.3g}")
     t.add_row("memory copy (read + write)", f"{cal.copy_Bps / GB:.4g} GB/s",
               f"{g.hbm_Bps / GB:.4g} GB/s x memory_eff {g.memory_efficiency:.3g}")
+    for c, bps in cal.memory_classes:
+        t.add_row(f"memory-bound: {c}", f"{bps / GB:.4g} GB/s", f"{c}_memory_eff {g.memory_eff_for(c):.3g}")
     if cal.vector_flops:
         t.add_row("elementwise fp32", f"{cal.vector_flops / 1e9:.4g} GFLOP/s", "peak vector")
     t.add_row("per-op overhead (1-element add)", f"{cal.overhead_s * 1e6:.3g} us", "(recorded)")

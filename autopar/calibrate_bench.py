@@ -15,6 +15,8 @@ returns seconds or rates; none decides what the figures mean for the cost model 
   ``SDPA_FWD_FLOPS`` is the FULL count 4*B*H*T*T*D (not halved for causal), as autopar/trace counts
   it, and ``SDPA_TRAIN_FACTOR`` = 3.5 (forward + backward = 1 + 2.5, ``compute.backward_factor``).
 - ``copy_Bps``: ``dst.copy_(src)`` bytes read + written per second.
+- ``memory_class_Bps``: the same per memory-bound op class (norm, activation, softmax, elementwise)
+  at transformer activation shapes.
 """
 from __future__ import annotations
 
@@ -166,6 +168,46 @@ def copy_Bps(nbytes: int, dtype: torch.dtype, device: torch.device, min_time_s: 
     dst = torch.empty_like(src)
     t = time_per_call(lambda: dst.copy_(src), device, min_time_s=min_time_s)
     return 2.0 * n * src.element_size() / t
+
+
+def memory_class_Bps(tokens: Sequence[int], hiddens: Sequence[int], dtype: torch.dtype, device: torch.device,
+                     min_time_s: float = 0.01) -> dict[str, float]:
+    """Bytes read + written per second of each memory-bound op class (``cost.compute.memory_class``)
+    at transformer activation shapes (M tokens x h): "norm" ``layer_norm`` over h, "activation"
+    ``gelu`` of the MLP's M x 4h, "softmax" over h, "elementwise" ``a + b``; per class the total
+    bytes over the total time of every shape (the rate that makes the summed prediction the summed
+    time), forward only, as ``compute.op_time_s`` prices a forward."""
+    cases = {"norm": lambda m, h: _norm_case(m, h, dtype, device),
+             "activation": lambda m, h: _unary_case(F.gelu, m, 4 * h, dtype, device),
+             "softmax": lambda m, h: _unary_case(lambda x: torch.softmax(x, -1), m, h, dtype, device),
+             "elementwise": lambda m, h: _add_case(m, h, dtype, device)}
+    out = {}
+    for name, case in cases.items():
+        nbytes = seconds = 0.0
+        for m in tokens:
+            for h in hiddens:
+                fn, b = case(m, h)
+                seconds += time_per_call(fn, device, min_time_s=min_time_s, max_reps=1000)
+                nbytes += b
+        out[name] = nbytes / seconds
+    return out
+
+
+def _norm_case(m: int, h: int, dtype: torch.dtype, device: torch.device):
+    x = torch.randn(m, h, dtype=dtype, device=device)
+    w, b = torch.ones(h, dtype=dtype, device=device), torch.zeros(h, dtype=dtype, device=device)
+    return (lambda: F.layer_norm(x, (h,), w, b)), 2 * x.numel() * x.element_size()
+
+
+def _unary_case(fn, m: int, n: int, dtype: torch.dtype, device: torch.device):
+    x = torch.randn(m, n, dtype=dtype, device=device)
+    return (lambda: fn(x)), 2 * x.numel() * x.element_size()
+
+
+def _add_case(m: int, h: int, dtype: torch.dtype, device: torch.device):
+    a, b = torch.randn(m, h, dtype=dtype, device=device), torch.randn(m, h, dtype=dtype, device=device)
+    c = torch.empty_like(a)
+    return (lambda: torch.add(a, b, out=c)), 3 * a.numel() * a.element_size()
 
 
 def elementwise_flops(numel: int, device: torch.device, min_time_s: float = 0.02) -> float:

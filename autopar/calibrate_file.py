@@ -40,6 +40,7 @@ def cluster_dict(cal: Calibration, nodes: int = 1) -> dict[str, Any]:
         if cal.vector_flops:
             peaks["vector"] = _sig(cal.vector_flops / 1e12)
         over = {"hbm_GBps": _sig(cal.copy_Bps / GB), "memory_efficiency": 1.0, "matmul_efficiency": matmul_eff}
+        over.update({f"{c}_memory_efficiency": _sig(bps / cal.copy_Bps) for c, bps in cal.memory_classes})
         if cal.runtime_overhead is not None:
             over["op_overhead_us"] = _sig(cal.runtime_overhead[0] * 1e6)
             over["dtensor_op_overhead_us"] = _sig(cal.runtime_overhead[1] * 1e6)
@@ -57,6 +58,7 @@ def cluster_dict(cal: Calibration, nodes: int = 1) -> dict[str, Any]:
         peaks = {d: _sig(r / matmul_eff / 1e12) for d, r in rates.items()
                  if d != "bfloat16" and abs(r / base.peak_flops_for(d) / matmul_eff - 1) > 0.02}
         over = {"memory_efficiency": _sig(cal.copy_Bps / base.hbm_Bps), "matmul_efficiency": matmul_eff}
+        over.update({f"{c}_memory_efficiency": _sig(min(1.0, bps / base.hbm_Bps)) for c, bps in cal.memory_classes})
     if cal.sdpa is not None:
         sdpa_peak = ref_peak if ref_peak is not None else peaks[cal.sdpa.dtype] * 1e12
         over["attention_efficiency"] = _sig(cal.sdpa.train_rate / sdpa_peak)
@@ -100,6 +102,8 @@ def measured_dict(cal: Calibration, budget_s: float, wall_s: float) -> dict[str,
                          "date": cal.date, "nproc": cal.nproc, "threads_per_rank": cal.threads_per_rank,
                          "budget_s": budget_s, "wall_s": round(wall_s, 2), "op_overhead_us": cal.overhead_s * 1e6,
                          "copy_GBps": cal.copy_Bps / GB}
+    if cal.memory_classes:
+        m["memory_class_GBps"] = {c: bps / GB for c, bps in cal.memory_classes}
     if cal.vector_flops:
         m["vector_GFLOPs"] = cal.vector_flops / 1e9
     if cal.runtime_overhead is not None:      # per graph node of an autopar step (calibrate_runtime.py)

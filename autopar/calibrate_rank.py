@@ -6,7 +6,8 @@ all take part in the collectives. Rank 0 alone decides whether the next measurem
 time budget and broadcasts the decision over the default (gloo) group, so every rank runs the same
 measurements; rank 0 also writes the progress file the launcher's progress bar reads.
 
-Order: per-op overhead, memory copy, elementwise rate (CPU), GEMMs per dtype, SDPA, collectives,
+Order: per-op overhead, memory copy, memory-bound op classes (norm, activation, softmax,
+elementwise, at the GEMMs' token and hidden sizes), elementwise rate (CPU), GEMMs per dtype, SDPA, collectives,
 GEMMs beside async all-reduces (``calibrate_overlap.py``, outside the budget: ~1-2 s), then (CPU)
 autopar's per-node step overhead (``calibrate_runtime.py``, outside the budget: ~10 s, ~15 s on 4
 ranks or more, which also time DTensor on a 2-D mesh).
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.calibrate_bench import (CALLS_PER_MEASUREMENT, GEMM_PASSES, SDPA_TRAIN_FACTOR, copy_Bps, elementwise_flops,
+                                  memory_class_Bps,
                                      gemm_shapes, op_overhead_s, sdpa_fwd_flops, time_gemm, time_sdpa)
 from autopar.calibrate_comm import collective_op, time_collective
 from autopar.runtime.launch import report_progress
@@ -138,7 +140,7 @@ def _collectives(gate: _Gate, cfg: dict, rank: int, world: int, device: torch.de
 def total_steps(cfg: dict, world: int) -> int:
     """How many progress steps a rank makes (what the launcher's bar counts to)."""
     shapes = gemm_shapes(cfg["gemm_tokens"], cfg["gemm_hiddens"], cfg["gemm_splits"])
-    basics = 3 if cfg["vector_numel"] else 2
+    basics = 4 if cfg["vector_numel"] else 3
     comm = len(cfg["sizes"]) * len(cfg["kinds"]) + 1 if world > 1 else 0      # + the overlap measurement
     runtime = 1 if cfg["device"] == "cpu" else 0
     return basics + len(shapes) * len(cfg["dtypes"]) + len(cfg["sdpa"]["heads"]) + 1 + comm + runtime
@@ -165,6 +167,9 @@ def rank_main(rank: int, world: int, cfg: dict) -> dict[str, Any]:
     gate.step("per-op overhead")
     out["copy_Bps"] = copy_Bps(cfg["copy_bytes"], parse_dtype(cfg["copy_dtype"]), device)
     gate.step("memory copy")
+    out["memory_classes"] = memory_class_Bps(cfg["gemm_tokens"], cfg["gemm_hiddens"], parse_dtype(cfg["copy_dtype"]),
+                                             device)
+    gate.step("memory-bound ops")
     if cfg["vector_numel"]:
         out["vector_flops"] = elementwise_flops(cfg["vector_numel"], device)
         gate.step("elementwise")

@@ -54,7 +54,8 @@ def test_fit_errors():
         fit_link([CollectivePoint("p2p", 2, 1024, 0.0), CollectivePoint("p2p", 2, 4096, 1e-3)])
 
 
-def _calibration(kind: str, rates: dict[str, float], copy: float, sdpa_rate: float, points=()) -> Calibration:
+def _calibration(kind: str, rates: dict[str, float], copy: float, sdpa_rate: float, points=(),
+                 memory_classes=()) -> Calibration:
     shape = GemmShape(1024, 1024, 1024)
     gemm = tuple((d, summarize_gemms([(shape, {"fwd": shape.flops / r})]), 0) for d, r in rates.items())
     return Calibration(device_kind=kind, device_name="NVIDIA H200" if kind == "cuda" else "cpu",
@@ -66,7 +67,7 @@ def _calibration(kind: str, rates: dict[str, float], copy: float, sdpa_rate: flo
                        link=fit_link([p for p in points if p.kind == "all_reduce"]) if points else None,
                        link_kind="all_reduce" if points else "", joint=fit_link(points) if points else None,
                        link_note="" if points else "1 rank",
-                       measure_s=1.0)
+                       measure_s=1.0, memory_classes=tuple(memory_classes))
 
 
 def _rate(gpu, dtype: str, kind: str = "matmul") -> float:
@@ -93,6 +94,30 @@ def test_cpu_file_prices_what_was_measured(tmp_path):
     assert tomllib.loads(p.read_text())["measured"]["gemm"]["float32"]["TFLOPs"] == pytest.approx(0.0413)
     p.write_text(cluster_to_toml(c))
     assert load_cluster(p) == c
+
+
+def test_memory_bound_op_classes_priced_at_their_measured_rates(tmp_path):
+    """A class's measured bytes/s becomes its efficiency over the file's bandwidth (the copy's on a
+    CPU, the datasheet's on a GPU): a layer norm moving 1 GB at 2.5 GB/s takes 0.4 s, where the
+    copy's 12.5 GB/s would say 0.08 s; a class not measured runs at the copy's rate. The figures
+    round-trip through the TOML and are kept raw in [measured]."""
+    classes = (("norm", 2.5e9), ("activation", 1.25e9), ("softmax", 3.125e9), ("elementwise", 15e9))
+    cal = _calibration("cpu", {"float32": 41.3e9}, copy=12.5e9, sdpa_rate=20e9, memory_classes=classes)
+    c = cluster_from_dict(cluster_dict(cal))
+    assert c.gpu.memory_eff_for("norm") == pytest.approx(0.2) and c.gpu.memory_eff_for("elementwise") == pytest.approx(1.2)
+    assert op_time_s(0.0, 1e9, "float32", c.gpu, "memory", mclass="norm") == pytest.approx(0.4)
+    assert op_time_s(0.0, 1e9, "float32", c.gpu, "memory", mclass="activation") == pytest.approx(0.8)
+    assert op_time_s(0.0, 1e9, "float32", c.gpu, "memory") == pytest.approx(1 / 15)     # elementwise: the add's
+    bare = cluster_from_dict(cluster_dict(_calibration("cpu", {"float32": 41.3e9}, copy=12.5e9, sdpa_rate=20e9)))
+    assert op_time_s(0.0, 1e9, "float32", bare.gpu, "memory", mclass="norm") == pytest.approx(0.08)
+    p = tmp_path / "c.toml"
+    p.write_text(calibration_toml(c, measured_dict(cal, 10.0, 12.0)))
+    assert load_cluster(p) == c
+    assert tomllib.loads(p.read_text())["measured"]["memory_class_GBps"]["activation"] == pytest.approx(1.25)
+    h200 = get_gpu("h200")
+    g = cluster_from_dict(cluster_dict(_calibration("cuda", {"bfloat16": 0.7 * h200.peak_flops_for("bf16")}, copy=4.2e12,
+                                                    sdpa_rate=1e15, memory_classes=(("norm", 2.4e12),))))
+    assert g.gpu.memory_eff_for("norm") == pytest.approx(0.5) and g.gpu.memory_eff_for("softmax") == pytest.approx(4.2 / 4.8)
 
 
 def test_per_node_step_costs_reach_the_cluster(tmp_path):
@@ -201,6 +226,9 @@ def test_real_run_writes_a_cluster_the_planner_uses(tmp_path):
     assert (c.gpu.op_overhead_s, c.gpu.dtensor_op_overhead_s) == pytest.approx(
         (per_node["plain"] * 1e-6, per_node["dtensor"] * 1e-6), rel=1e-3)
     assert c.intra.name == "measured-gloo" and set(m["collectives"]) == set(COLLECTIVE_KINDS)
+    assert set(m["memory_class_GBps"]) == {"norm", "activation", "softmax", "elementwise"}
+    assert all(c.gpu.memory_eff_for(k) == pytest.approx(v / m["copy_GBps"], rel=1e-3)
+               for k, v in m["memory_class_GBps"].items())
     assert all(t > 0 for k in m["collectives"].values() for t in k["seconds"])
 
     b = build_model("gpt-tiny", device="meta")

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping, Union
 
+from autopar.cost.compute import MEMORY_CLASSES
 from autopar.cost.hardware import (_T, _US, GB, TRAINING_DTYPES, ClusterSpec, LinkSpec, _canonical_dtype, get_gpu,
                                    make_cluster)
 
@@ -22,6 +23,9 @@ _LINK_KEYS = ("busbw_GBps", "latency_us", "name", "source", "busbw_scale")
 _OVERRIDE_KEYS = ("memory_GB", "hbm_GBps", "matmul_efficiency", "attention_efficiency", "attention_noncausal_efficiency",
                   "memory_efficiency", "peak_TFLOPs", "op_overhead_us", "dtensor_op_overhead_us",
                   "dtensor_2d_op_overhead_us", "step_overhead_us", "ring_attention_overhead_us", "source")
+# memory-bound ops measured apart, by class (``compute.MEMORY_CLASSES``): bytes/s / hbm_Bps
+_CLASS_KEYS = tuple((f"{c}_memory_efficiency", c) for c in MEMORY_CLASSES)
+_OVERRIDE_KEYS += tuple(k for k, _ in _CLASS_KEYS)
 _OVERHEADS = (("op_overhead_us", "op_overhead_s"), ("dtensor_op_overhead_us", "dtensor_op_overhead_s"),
               ("dtensor_2d_op_overhead_us", "dtensor_2d_op_overhead_s"), ("step_overhead_us", "step_overhead_s"),
               ("ring_attention_overhead_us", "ring_attention_overhead_s"))
@@ -86,6 +90,16 @@ def cluster_from_dict(d: Mapping[str, Any], where: str = "cluster") -> ClusterSp
                 changes[k] = float(o[k])
         if "peak_TFLOPs" in o:
             changes["peak_flops"] = _peaks_with(gpu.peak_flops, o["peak_TFLOPs"], f"{where} [gpu_overrides]")
+        classes = dict(gpu.memory_class_efficiency)
+        for key, mclass in _CLASS_KEYS:
+            if key in o:
+                eff = float(o[key])
+                if not 0.0 < eff < float("inf"):
+                    raise ValueError(f"{where} [gpu_overrides] {key} = {o[key]!r}: give the class's bytes/s over "
+                                     f"hbm_GBps, a number > 0")
+                classes[mclass] = eff
+        if classes:
+            changes["memory_class_efficiency"] = tuple(sorted(classes.items()))
         for key, field_ in _OVERHEADS:
             if key in o:
                 us = float(o[key])
@@ -187,6 +201,11 @@ def cluster_to_toml(c: ClusterSpec) -> str:
     for key, field_ in _OVERHEADS:
         if getattr(c.gpu, field_) != getattr(base, field_):
             over.append(f"{key} = {toml_value(getattr(c.gpu, field_) / _US)}")
+    base_classes = dict(base.memory_class_efficiency)
+    for key, mclass in _CLASS_KEYS:
+        eff = dict(c.gpu.memory_class_efficiency).get(mclass)
+        if eff is not None and eff != base_classes.get(mclass):
+            over.append(f"{key} = {toml_value(eff)}")
     if c.gpu.peak_flops != base.peak_flops:
         changed = [(d, f) for d, f in c.gpu.peak_flops if (d, f) not in base.peak_flops]
         over.append("peak_TFLOPs = { " + ", ".join(f"{d} = {toml_value(f / _T)}" for d, f in changed) + " }")

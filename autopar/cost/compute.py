@@ -7,7 +7,10 @@
 count, 4*B*H*T*T*D forward for causal too, as autopar/trace counts them; a non-causal attention
 (BERT, ViT) gets ``attention_noncausal_efficiency``, see ``GPUSpec.attention_eff``); "memory" ->
 CUDA-core FP32 rate ("vector" entry of peak_flops), efficiency 1 (elementwise FLOPs almost never
-bind); "free" (views) -> 0. Efficiencies are empirical (calibration.json).
+bind), and the bytes at the memory efficiency of the op's class (``memory_class``: "norm",
+"activation", "softmax" or "elementwise"; ``GPUSpec.memory_eff_for``: a class measured apart, by
+``autopar calibrate`` at transformer activation sizes, or the copy's ``memory_efficiency``);
+"free" (views) -> 0. Efficiencies are empirical (calibration.json).
 
 Backward time = ``backward_factor(kind) * forward time``: matmul 2.0 (two GEMMs of the forward's
 size: dX and dW); attention 2.5 (FlashAttention-2's backward does 5 GEMMs to the forward's 2 and
@@ -37,6 +40,30 @@ _FREE = frozenset({
     "movedim", "lift_fresh", "numpy_t", "mT", "sym_size", "sym_numel", "sym_stride",
     "_assert_tensor_metadata", "_assert_async", "real", "view_as_real", "view_as_complex",
 })
+
+
+# memory-bound ops that run far below the copy bandwidth (CPU: gelu's erf, the norms' and softmax's
+# reductions; on the H200 layer_norm reached 0.58 of HBM where a copy reaches 0.88)
+_NORM = frozenset({"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm",
+                   "native_group_norm", "batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+                   "_native_batch_norm_legit_no_training", "instance_norm"})
+_ACTIVATION = frozenset({"gelu", "silu", "tanh", "sigmoid", "erf", "exp", "log", "elu", "selu", "softplus",
+                         "mish", "hardswish", "gelu_backward", "silu_backward"})
+_SOFTMAX = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "cross_entropy_loss", "nll_loss",
+                      "nll_loss_forward", "nll_loss_nd", "logsumexp"})
+MEMORY_CLASSES = ("norm", "activation", "softmax", "elementwise")
+
+
+def memory_class(target: str) -> str:
+    """The class of a memory-bound op whose bandwidth is measured apart (``MEMORY_CLASSES``)."""
+    name = _base_name(target)
+    if name in _NORM:
+        return "norm"
+    if name in _ACTIVATION:
+        return "activation"
+    if name in _SOFTMAX:
+        return "softmax"
+    return "elementwise"
 
 
 def _base_name(target: str) -> str:
@@ -73,10 +100,12 @@ def _efficiency(gpu: GPUSpec, kind: str, causal: bool) -> float:
     return gpu.matmul_efficiency if kind == "matmul" else gpu.attention_eff(causal)
 
 
-def op_time_s(flops: float, bytes_moved: float, dtype: str, gpu: GPUSpec, kind: str, causal: bool = True) -> float:
+def op_time_s(flops: float, bytes_moved: float, dtype: str, gpu: GPUSpec, kind: str, causal: bool = True,
+              mclass: str = "elementwise") -> float:
     """Roofline forward time in seconds (module docstring). ``dtype`` is the compute dtype of the op
     (its output's); for "memory"/"free" ops it is not used. ``causal``: for attention, whether the
-    kernel is causal (``GPUSpec.attention_eff``; non-causal kernels do all the counted work)."""
+    kernel is causal (``GPUSpec.attention_eff``; non-causal kernels do all the counted work).
+    ``mclass``: a memory op's ``memory_class``."""
     if kind not in OP_KINDS:
         raise ValueError(f"unknown op kind {kind!r}; expected one of {OP_KINDS}")
     if kind == "free":
@@ -85,7 +114,7 @@ def op_time_s(flops: float, bytes_moved: float, dtype: str, gpu: GPUSpec, kind: 
         compute_s = flops / gpu.peak_flops_for("vector") if flops else 0.0
     else:
         compute_s = flops / (gpu.peak_flops_for(dtype) * _efficiency(gpu, kind, causal)) if flops else 0.0
-    memory_s = bytes_moved / (gpu.hbm_Bps * gpu.memory_efficiency)
+    memory_s = bytes_moved / (gpu.hbm_Bps * (gpu.memory_eff_for(mclass) if kind == "memory" else gpu.memory_efficiency))
     return max(compute_s, memory_s)
 
 

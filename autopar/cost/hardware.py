@@ -54,6 +54,9 @@ Cluster TOML (``cluster_file.load_cluster``)::
     attention_efficiency = 0.5
     attention_noncausal_efficiency = 0.3   # BERT/ViT attention (default: attention_efficiency / 2)
     memory_efficiency = 0.85
+    norm_memory_efficiency = 0.55   # layer/RMS norms' bytes/s over hbm_GBps (default: memory_efficiency);
+                                    # also activation_ (gelu, silu), softmax_ (softmax, cross-entropy),
+                                    # elementwise_ (the other memory-bound ops): ``compute.memory_class``
     peak_TFLOPs = { float32 = 0.05, bfloat16 = 0.03, vector = 0.002 }   # per-dtype peaks replaced
     op_overhead_us = 60.0         # host time per graph node per step, plain tensors (default 0)
     dtensor_op_overhead_us = 250.0   # the same under DTensor (tp > 1) (default 0)
@@ -136,6 +139,13 @@ class GPUSpec:
     ring_attention_overhead_s: float = 0.0
     # non-causal attention (BERT, ViT): achieved FLOP/s / peak, FULL count; None: not measured
     attention_noncausal_efficiency: Optional[float] = None
+    # memory-bound ops of a class (``compute.MEMORY_CLASSES``) measured apart: (class, bytes/s /
+    # hbm_Bps); a class not listed runs at ``memory_efficiency``
+    memory_class_efficiency: tuple[tuple[str, float], ...] = ()
+
+    def memory_eff_for(self, mclass: str) -> float:
+        """The memory efficiency of a memory-bound op of class ``mclass`` (``compute.memory_class``)."""
+        return dict(self.memory_class_efficiency).get(mclass, self.memory_efficiency)
 
     def node_overhead_s(self, dtensor: bool, mesh_axes: int = 1) -> float:
         """The host's cost per graph node per step: plain tensors, DTensor, or DTensor over a mesh
@@ -293,10 +303,28 @@ class Efficiency:
     memory: float
     source: str
     attention_noncausal: Optional[float] = None     # None: not measured (GPUSpec.attention_eff)
+    memory_classes: tuple[tuple[str, float], ...] = ()    # GPUSpec.memory_class_efficiency
 
 
 _EFF_KEYS = ("matmul_efficiency", "attention_efficiency", "attention_noncausal_efficiency", "memory_efficiency",
-             "source", "compute_from", "measured")
+             "memory_class_efficiency", "source", "compute_from", "measured")
+
+
+def _memory_classes(path: str, fam: str, table: Any) -> tuple[tuple[str, float], ...]:
+    """``"memory_class_efficiency": {"norm": 0.58}``: the classes of ``compute.MEMORY_CLASSES``."""
+    from autopar.cost.compute import MEMORY_CLASSES
+
+    if not isinstance(table, dict):
+        raise ValueError(f"{path}: family {fam!r} memory_class_efficiency must be an object like {{\"norm\": 0.58}}")
+    out = []
+    for mclass, val in sorted(table.items()):
+        if mclass not in MEMORY_CLASSES:
+            raise ValueError(f"{path}: family {fam!r} memory_class_efficiency has unknown class {mclass!r}; "
+                             f"allowed: {list(MEMORY_CLASSES)}")
+        if not isinstance(val, (int, float)) or not 0.0 < val <= 1.0:
+            raise ValueError(f"{path}: family {fam!r} memory_class_efficiency.{mclass}={val!r} is outside (0, 1]")
+        out.append((mclass, float(val)))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=8)
@@ -323,7 +351,8 @@ def _parse_calibration(path: str, text: str) -> Mapping[str, Efficiency]:
             noncausal = base.get("attention_noncausal_efficiency")
             eff = Efficiency(float(base["matmul_efficiency"]), float(base["attention_efficiency"]),
                              float(entry["memory_efficiency"]), src,
-                             float(noncausal) if noncausal is not None else None)
+                             float(noncausal) if noncausal is not None else None,
+                             _memory_classes(path, fam, entry.get("memory_class_efficiency", {})))
         except (KeyError, TypeError) as e:
             raise ValueError(f"{path}: family {fam!r} lacks a number for {e.args[0]!r}") from None
         # attention may exceed 1: its FLOPs are counted FULL, so causal kernels (half the work) can
@@ -360,6 +389,7 @@ def get_gpu(name: str, calibration: Union[str, Path, None] = None) -> GPUSpec:
     return GPUSpec(name=key, peak_flops=ds.peak_flops, hbm_bytes=ds.hbm_bytes, hbm_Bps=ds.hbm_Bps,
                    matmul_efficiency=eff.matmul, attention_efficiency=eff.attention,
                    attention_noncausal_efficiency=eff.attention_noncausal, memory_efficiency=eff.memory,
+                   memory_class_efficiency=eff.memory_classes,
                    source=f"peaks/HBM: {ds.source}; efficiencies (empirical): {eff.source}", emulated=ds.emulated)
 
 

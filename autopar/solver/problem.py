@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 from autopar.cost.collectives import axis_link, collective_s
-from autopar.cost.compute import backward_factor, op_kind, op_time_s
+from autopar.cost.compute import backward_factor, memory_class, op_kind, op_time_s
 from autopar.cost.hardware import ClusterSpec, LinkSpec, device_kind
 from autopar.ir import DTYPE_BYTES, SDPA_TARGET, TensorMeta
 from autopar.mesh import TENSOR
@@ -230,12 +230,13 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
         saves = n.key in kept
         mask = is_dropout(n) and grad
         causal = kind != "attention" or causal_attention(n)
+        mclass = memory_class(n.target)
         host = overhead                       # the node's whole host cost of a step, counted once
         if cp > 1 and cp_mode == "ring" and n.target == SDPA_TARGET:
             host += gpu.ring_attention_overhead_s    # the ring's blocks, merges and rotations from Python
         row = []
         for s in strats:
-            compute = op_time_s(flops * s.compute_scale, nbytes * s.compute_scale, dtype, gpu, kind, causal)
+            compute = op_time_s(flops * s.compute_scale, nbytes * s.compute_scale, dtype, gpu, kind, causal, mclass)
             fwd = compute + host
             bwd = compute * backward_factor(kind) if grad else 0.0
             cf = tuple((c.kind, collective_s(c.kind, c.nbytes * share, t, link)) for c in s.comms if c.phase == "fwd")

@@ -3,7 +3,7 @@ import pytest
 
 from autopar.cost.collectives import (all_gather_s, all_reduce_s, all_to_all_s, axis_link, bus_factor,
                                       collective_s, p2p_s, reduce_scatter_s, stage_link)
-from autopar.cost.compute import backward_factor, op_kind, op_time_s
+from autopar.cost.compute import backward_factor, memory_class, op_kind, op_time_s
 from autopar.cost.hardware import LinkSpec, get_gpu, make_cluster
 
 A100_NVSWITCH = LinkSpec("t", 230e9, 2e-6, "test: nccl_busbw_reference.csv 8x A100 all_reduce 230 GB/s")
@@ -110,6 +110,26 @@ def test_roofline_hand_cases():
     assert backward_factor("memory") == 2.0 and backward_factor("free") == 0.0
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         op_time_s(1, 1, "float8_e4m3fn", get_gpu("a100-80g"), "matmul")
+
+
+@pytest.mark.parametrize("target, mclass", [
+    ("aten.layer_norm.default", "norm"), ("aten.native_layer_norm.default", "norm"), ("aten.rms_norm.default", "norm"),
+    ("aten.gelu.default", "activation"), ("aten.silu.default", "activation"),
+    ("aten._log_softmax.default", "softmax"), ("aten.cross_entropy_loss.default", "softmax"),
+    ("aten.add.Tensor", "elementwise"), ("aten.native_dropout.default", "elementwise"),
+])
+def test_memory_classes(target, mclass):
+    assert memory_class(target) == mclass
+
+
+def test_layer_norm_on_the_h200_runs_at_its_measured_bandwidth():
+    """calibration.json's H200 entry: layer_norm over h=4096 measured 0.58 of the 4.8 TB/s datasheet
+    (``measured.elementwise.layer_norm_efficiency``), a copy 0.88: a layer norm moving 1 GB takes
+    1e9 / (4.8e12 x 0.5797) s; a gelu (not measured apart) the copy's 1e9 / (4.8e12 x 0.8837)."""
+    g = get_gpu("h200")
+    assert op_time_s(0, 1e9, "bfloat16", g, "memory", mclass="norm") == pytest.approx(1e9 / (4.8e12 * 0.5797))
+    assert op_time_s(0, 1e9, "bfloat16", g, "memory", mclass="activation") == pytest.approx(1e9 / (4.8e12 * 0.8837))
+    assert get_gpu("h100").memory_eff_for("norm") == get_gpu("h100").memory_efficiency     # not measured there
 
 
 def test_noncausal_attention_is_priced_at_its_measured_efficiency():

@@ -47,6 +47,12 @@ def test_calibration_file_is_single_source(tmp_path):
     p.write_text(json.dumps(cal))
     with pytest.raises(ValueError, match="matmul_eff"):
         load_calibration(p)
+    del cal["families"]["a100"]["matmul_eff"]
+    for bad, message in (({"gelu": 0.5}, "unknown class 'gelu'"), ({"norm": 1.5}, r"outside \(0, 1\]")):
+        cal["families"]["a100"]["memory_class_efficiency"] = bad
+        p.write_text(json.dumps(cal))
+        with pytest.raises(ValueError, match=message):
+            load_calibration(p)
 
 
 def test_make_cluster_defaults():
