@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from autopar.calibrate_bench import (CALLS_PER_MEASUREMENT, GEMM_PASSES, SDPA_TRAIN_FACTOR, copy_Bps, elementwise_flops,
-                                  memory_class_Bps,
-                                     gemm_shapes, op_overhead_s, sdpa_fwd_flops, time_gemm, time_sdpa)
+                                     gemm_shapes, memory_class_Bps, op_overhead_s, sdpa_fwd_flops, time_gemm,
+                                     time_sdpa)
 from autopar.calibrate_comm import collective_op, time_collective
 from autopar.runtime.launch import report_progress
 from autopar.runtime.precision import parse_dtype
