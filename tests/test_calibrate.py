@@ -97,27 +97,29 @@ def test_cpu_file_prices_what_was_measured(tmp_path):
 
 
 def test_memory_bound_op_classes_priced_at_their_measured_rates(tmp_path):
-    """A class's measured bytes/s becomes its efficiency over the file's bandwidth (the copy's on a
-    CPU, the datasheet's on a GPU): a layer norm moving 1 GB at 2.5 GB/s takes 0.4 s, where the
-    copy's 12.5 GB/s would say 0.08 s; a class not measured runs at the copy's rate. The figures
-    round-trip through the TOML and are kept raw in [measured]."""
+    """On a GPU a class's measured bytes/s over the datasheet bandwidth is its efficiency: a layer
+    norm at 2.4 TB/s on an H200 (4.8 TB/s) moves 1 GB in 1e9 / 2.4e12 s; a class not measured runs
+    at the copy's rate. On a CPU the classes are recorded in [measured], not priced (measured at the
+    calibration's shapes they run from cache, faster than a model's small ops do). The files
+    round-trip through the TOML."""
+    h200 = get_gpu("h200")
+    cal = _calibration("cuda", {"bfloat16": 0.7 * h200.peak_flops_for("bf16")}, copy=4.2e12, sdpa_rate=1e15,
+                       memory_classes=(("norm", 2.4e12), ("activation", 3.6e12)))
+    g = cluster_from_dict(cluster_dict(cal))
+    assert g.gpu.memory_eff_for("norm") == pytest.approx(0.5) and g.gpu.memory_eff_for("softmax") == pytest.approx(4.2 / 4.8)
+    assert op_time_s(0.0, 1e9, "bfloat16", g.gpu, "memory", mclass="norm") == pytest.approx(1e9 / 2.4e12)
+    assert op_time_s(0.0, 1e9, "bfloat16", g.gpu, "memory", mclass="activation") == pytest.approx(1e9 / 3.6e12)
+    assert op_time_s(0.0, 1e9, "bfloat16", g.gpu, "memory") == pytest.approx(1e9 / 4.2e12)
+    p = tmp_path / "g.toml"
+    p.write_text(calibration_toml(g, measured_dict(cal, 10.0, 12.0)))
+    assert load_cluster(p) == g
     classes = (("norm", 2.5e9), ("activation", 1.25e9), ("softmax", 3.125e9), ("elementwise", 15e9))
     cal = _calibration("cpu", {"float32": 41.3e9}, copy=12.5e9, sdpa_rate=20e9, memory_classes=classes)
     c = cluster_from_dict(cluster_dict(cal))
-    assert c.gpu.memory_eff_for("norm") == pytest.approx(0.2) and c.gpu.memory_eff_for("elementwise") == pytest.approx(1.2)
-    assert op_time_s(0.0, 1e9, "float32", c.gpu, "memory", mclass="norm") == pytest.approx(0.4)
-    assert op_time_s(0.0, 1e9, "float32", c.gpu, "memory", mclass="activation") == pytest.approx(0.8)
-    assert op_time_s(0.0, 1e9, "float32", c.gpu, "memory") == pytest.approx(1 / 15)     # elementwise: the add's
-    bare = cluster_from_dict(cluster_dict(_calibration("cpu", {"float32": 41.3e9}, copy=12.5e9, sdpa_rate=20e9)))
-    assert op_time_s(0.0, 1e9, "float32", bare.gpu, "memory", mclass="norm") == pytest.approx(0.08)
-    p = tmp_path / "c.toml"
+    assert c.gpu.memory_class_efficiency == () and op_time_s(0.0, 1e9, "float32", c.gpu, "memory", mclass="norm") == \
+        pytest.approx(0.08)
     p.write_text(calibration_toml(c, measured_dict(cal, 10.0, 12.0)))
-    assert load_cluster(p) == c
     assert tomllib.loads(p.read_text())["measured"]["memory_class_GBps"]["activation"] == pytest.approx(1.25)
-    h200 = get_gpu("h200")
-    g = cluster_from_dict(cluster_dict(_calibration("cuda", {"bfloat16": 0.7 * h200.peak_flops_for("bf16")}, copy=4.2e12,
-                                                    sdpa_rate=1e15, memory_classes=(("norm", 2.4e12),))))
-    assert g.gpu.memory_eff_for("norm") == pytest.approx(0.5) and g.gpu.memory_eff_for("softmax") == pytest.approx(4.2 / 4.8)
 
 
 def test_per_node_step_costs_reach_the_cluster(tmp_path):
@@ -227,8 +229,7 @@ def test_real_run_writes_a_cluster_the_planner_uses(tmp_path):
         (per_node["plain"] * 1e-6, per_node["dtensor"] * 1e-6), rel=1e-3)
     assert c.intra.name == "measured-gloo" and set(m["collectives"]) == set(COLLECTIVE_KINDS)
     assert set(m["memory_class_GBps"]) == {"norm", "activation", "softmax", "elementwise"}
-    assert all(c.gpu.memory_eff_for(k) == pytest.approx(v / m["copy_GBps"], rel=1e-3)
-               for k, v in m["memory_class_GBps"].items())
+    assert all(v > 0 for v in m["memory_class_GBps"].values()) and c.gpu.memory_class_efficiency == ()
     assert all(t > 0 for k in m["collectives"].values() for t in k["seconds"])
 
     b = build_model("gpt-tiny", device="meta")
