@@ -127,7 +127,7 @@ class ParallelModel:
         self._pipeline: Optional[PipelineRunner] = None
         # the engine (``autopar/engine.py``): decided from what every rank has alike, before any step
         self.engine, self.engine_reason, modules = decide(parts.engine, self._train_graph, self.program, parts.cut,
-                                                          fused=parts.fused, context=parts.context, device=self.device)
+                                                          fused=parts.fused, device=self.device)
         self._modules: dict = {id(self._train_graph): modules}      # graph -> emitted module per part
         if parts.cut is None:
             self._train = self._executor(self._train_graph, self.program)
@@ -475,7 +475,7 @@ class ParallelModel:
         self._warn_random_ops(graph)
         if id(graph) not in self._modules:    # a forward-only graph (pm(inputs)): emitted where covered
             self._modules[id(graph)] = forward_modules(self.engine, graph, program, cut, fused=self._fused,
-                                                       context=self._context, device=self.device)
+                                                       device=self.device)
         ex = make_runner(self, graph, program, part, want, self._modules[id(graph)].pop(part, None))
         self._made.append(ex)
         return ex

@@ -10,7 +10,7 @@ the interpreter's interface (``run(inputs, target, seed) -> list``, ``fallbacks`
 (``runtime/pipeline.py``) run either. ``"interpreter"``: ``codegen/executor.GraphExecutor``.
 
 The choice is made once, before the first step, from what every rank has alike (the traced graph,
-the program, the pipeline cut, the fused-kernel and cp settings): ``emission_gap`` emits EVERY
+the program, the pipeline cut, the fused-kernel settings): ``emission_gap`` emits EVERY
 part of the graph (not only this rank's stages), so every rank takes the same path. ``"auto"``
 falls back to the interpreter on a gap and records it (``pm.engine_reason``, logged);
 ``"emitted"`` raises ``EngineError`` naming the gap, on every rank.
@@ -76,7 +76,7 @@ def _parts(cut) -> list[tuple[Optional[frozenset], tuple]]:
     return parts + ([(frozenset(cut.loss), (cut.loss_output,))] if cut.loss else [])
 
 
-def emission_gap(graph, program, cut, *, fused=None, context=None, device="cpu") -> tuple[Optional[str], dict]:
+def emission_gap(graph, program, cut, *, fused=None, device="cpu") -> tuple[Optional[str], dict]:
     """(why the emitted modules cannot run this graph, or None; the emitted module per part).
     Deterministic: the same on every rank (it reads only what every rank has alike)."""
     from torch.export.graph_signature import OutputKind
@@ -85,9 +85,6 @@ def emission_gap(graph, program, cut, *, fused=None, context=None, device="cpu")
     from autopar.codegen.emit import emit_part
     from autopar.trace import graph_on_device
 
-    if context is not None:
-        return ("context parallelism (cp > 1): ring / Ulysses attention and each rank's positions run in the "
-                "interpreter's ContextRun (codegen/context_run.py)"), {}
     if fused is not None:
         return ("fused kernels (kernels='on', or 'auto' on CUDA): the substitution is decided per node from the "
                 "operands' run-time placements (codegen/fused.py); pass kernels='off' to train on the emitted "
@@ -112,7 +109,7 @@ def emission_gap(graph, program, cut, *, fused=None, context=None, device="cpu")
     return None, modules
 
 
-def decide(requested: str, graph, program, cut, *, fused=None, context=None, device="cpu"
+def decide(requested: str, graph, program, cut, *, fused=None, device="cpu"
            ) -> tuple[str, str, dict]:
     """(engine, reason, emitted module per part) for ``requested`` ("auto", "emitted", "interpreter")."""
     if requested not in ENGINES:
@@ -120,7 +117,7 @@ def decide(requested: str, graph, program, cut, *, fused=None, context=None, dev
     if requested == "interpreter":
         engine, reason, modules = "interpreter", "engine='interpreter' was asked for", {}
     else:
-        gap, modules = emission_gap(graph, program, cut, fused=fused, context=context, device=device)
+        gap, modules = emission_gap(graph, program, cut, fused=fused, device=device)
         if gap is not None and requested == "emitted":
             raise EngineError(f"engine='emitted' cannot run this plan: the emitted code does not cover {gap}; "
                               "use engine='interpreter' or engine='auto'")
@@ -130,12 +127,12 @@ def decide(requested: str, graph, program, cut, *, fused=None, context=None, dev
     return engine, reason, modules
 
 
-def forward_modules(engine: str, graph, program, cut, *, fused=None, context=None, device="cpu") -> dict:
+def forward_modules(engine: str, graph, program, cut, *, fused=None, device="cpu") -> dict:
     """A forward-only graph's (``pm(inputs)``) emitted modules per part: under the training
     engine "emitted" where they cover it (else the interpreter, logged), none under "interpreter"."""
     if engine == "interpreter":
         return {}
-    gap, modules = emission_gap(graph, program, cut, fused=fused, context=context, device=device)
+    gap, modules = emission_gap(graph, program, cut, fused=fused, device=device)
     if gap is not None:
         log.info("the forward-only graph runs on the interpreter: the emitted code does not cover %s", gap)
     return modules
@@ -152,7 +149,7 @@ def make_runner(pm, graph, program, part: Optional[frozenset], want: tuple, modu
     constants = constants_of(graph, pm.device)
     if module is not None:
         bind(module, mesh=pm.mesh, params=pm.store, buffers=pm._buffers, constants=constants,
-             local_dp=bool(program.local_dp), log_paused=pm._log.paused)
+             local_dp=bool(program.local_dp), log_paused=pm._log.paused, context=pm._context)
         plans = {n.name: n for n in program.nodes}
         phs = [n for n in module.graph.nodes if n.op == "placeholder"]
         recv = tuple(n.name for n in phs if plans[n.name].kind != "input")

@@ -32,7 +32,10 @@ running the interpreter's code (``emit_runtime.py``): ``vocab_parallel_cross_ent
 (``vocab_ce.py``), ``strided_split`` (fused QKV), ``local_op`` (attention on the CPU, split
 convolutions, and any op without a registered DTensor rule: probed once per placements, unlogged,
 then run on local tensors if DTensor cannot, as the interpreter's ``_call``),
-``assert_global_metadata``; a recompute region is a submodule ``self.recompute_<i>`` run by
+``assert_global_metadata``, and under context parallelism (cp > 1) ``context_attention`` (ring or
+Ulysses over the cp ranks) and ``context_positions`` (a position source given this rank's chunk's
+positions), the interpreter's ``ContextRun`` (``context_run.py``), whose values' gradient summands
+stay Partial on the data axis up to the reducer (``program.positional``); a recompute region is a submodule ``self.recompute_<i>`` run by
 ``recompute(...)`` (``torch.utils.checkpoint``, non-reentrant, early stop off). Local-dp mode
 (``program.local_dp``): the plain nodes are plain aten calls on the local batch; a DTensor node
 (the loss) wraps its plain operands (``wrap_plain``), as the interpreter.
@@ -49,7 +52,6 @@ The interpreter (``executor.GraphExecutor``) is still needed, and chosen by ``en
 - constant attention masks checked on the first step (``causal_check.py``): the executor runs the
   first step masked, agrees over the ranks, then drops the mask for ``is_causal=True`` -- the
   module would change between steps;
-- context parallelism (cp > 1): ring / Ulysses attention and per-rank positions (``context_run.py``);
 - ops that have a registered DTensor rule that nonetheless rejects the plan's placements are not
   probed here (the executor probes every op once): such a plan fails on its first step with
   DTensor's error; ``engine="interpreter"`` runs it.
@@ -64,15 +66,15 @@ import torch
 from torch import fx, nn
 
 from autopar.codegen import fallback
-from autopar.codegen.emit_runtime import (StageRuntime, buffer, fmt, forced_local_op, local_op, norm, param,
-                                          parse, pin, place, recompute, redistribute, redistribute_saved,
-                                          replicated_input, strided_split, vocab_parallel_cross_entropy, wrap_plain,
-                                          has_dtensor_rule)
+from autopar.codegen.emit_runtime import (StageRuntime, buffer, context_attention, context_positions, fmt,
+                                          forced_local_op, has_dtensor_rule, local_op, norm, param, parse, pin, place,
+                                          recompute, redistribute, redistribute_saved, replicated_input, strided_split,
+                                          vocab_parallel_cross_entropy, wrap_plain)
 from autopar.codegen.program import RankProgram, axis_index, compile_program
 from autopar.codegen.stages import PipelineCut, wire_placements
 from autopar.codegen.vocab_ce import VOCAB_CE_TARGET
 from autopar.codegen.writes import written_args
-from autopar.ir import GraphIR
+from autopar.ir import SDPA_TARGET, GraphIR
 from autopar.mesh import DATA, TENSOR
 from autopar.placements import Partial, Replicate, Shard
 
@@ -171,7 +173,8 @@ class _Emitter:
         if self.plain(node.name):            # local-dp mode: the op on plain local tensors, no edges
             args = fx.node.map_arg(node.args, lambda a: self.value(a, g, env, rt, params))
             kwargs = fx.node.map_arg(node.kwargs, lambda a: self.value(a, g, env, rt, params))
-            env[node.name] = g.call_function(node.target, args, kwargs, name=node.name)
+            out = self.call(node, p, g, rt, args, kwargs)
+            env[node.name] = out if out is not None else g.call_function(node.target, args, kwargs, name=node.name)
             return
         counter = [0]
 
@@ -194,7 +197,7 @@ class _Emitter:
             want = p.inputs[i] if p.inputs and i < len(p.inputs) and p.inputs[i] is not None \
                 else (None,) * len(self.axes)
             want = norm(want, nd)
-            keep_axis = self.data if ap.kind == "param" else None
+            keep_axis = self.data if (ap.kind == "param" or ap.key in self.program.positional) else None
             kw = {"keep_partial_grad": self.axes[keep_axis]} if keep_axis is not None else {}
             resolved = tuple(h if w is None or (isinstance(w, Partial) and isinstance(h, Partial)) else w
                              for h, w in zip(have, want)) if have is not None else None
@@ -210,7 +213,10 @@ class _Emitter:
         args = fx.node.map_arg(node.args, arg)
         kwargs = fx.node.map_arg(node.kwargs, arg)
         t = p.target
-        if p.strided:
+        context = self.call(node, p, g, rt, args, kwargs)
+        if context is not None:
+            out = context
+        elif p.strided:
             out = g.call_function(strided_split, (args[0], p.strided), name=node.name)
         elif t == VOCAB_CE_TARGET and self._maybe_class_sharded(p, node):
             out = g.call_function(vocab_parallel_cross_entropy, args, kwargs, name=node.name)
@@ -226,10 +232,22 @@ class _Emitter:
             isinstance(v, torch.Tensor) for a in node.all_input_nodes
             for v in torch.utils._pytree.tree_leaves(a.meta.get("val")))
         if p.output is not None or (factory and not self.local_dp):
+            keep = (self.axes[self.data],) if p.key in self.program.positional and self.data is not None else ()
             out = g.call_function(pin, (rt, out, fmt(norm(p.output or (None,) * len(self.axes),
-                                                          meta.dim() if meta is not None else 0))),
+                                                          meta.dim() if meta is not None else 0)), *keep),
                                   name=f"{node.name}_pinned")
         env[node.name] = out
+
+    def call(self, node: fx.Node, p, g: fx.Graph, rt: fx.Node, args, kwargs) -> Optional[fx.Node]:
+        """cp > 1: attention over the cp ranks, or a position source given this rank's chunk's
+        positions (the interpreter's ``_context_node``); None for any other node."""
+        if not self.program.context:
+            return None
+        if p.target == SDPA_TARGET:
+            return g.call_function(context_attention, (rt, *args), kwargs, name=node.name)
+        if p.key in self.program.positions:
+            return g.call_function(context_positions, (rt, node.target, p.target, *args), kwargs, name=node.name)
+        return None
 
     def value(self, a: fx.Node, g: fx.Graph, env: dict, rt: fx.Node, params: dict):
         ap = self.plans[a.name]
@@ -350,12 +368,13 @@ def constants_of(graph: GraphIR, device: Any = "cpu") -> dict:
 
 
 def bind(gm: fx.GraphModule, *, mesh, params, buffers: Optional[dict] = None, constants: Optional[dict] = None,
-         local_dp: bool = False, log_paused=None) -> fx.GraphModule:
+         local_dp: bool = False, log_paused=None, context=None) -> fx.GraphModule:
     """Make ``gm`` runnable on ``mesh`` (the stage's DeviceMesh, axes named as the plan's);
-    ``local_dp``: the program's local-dp mode; ``log_paused``: see ``StageRuntime``."""
+    ``local_dp``: the program's local-dp mode; ``log_paused``: see ``StageRuntime``; ``context``:
+    this rank's ``context_run.ContextRun`` (cp > 1)."""
     import contextlib
 
-    gm.rt = StageRuntime(mesh, params, buffers, constants, local_dp, log_paused or contextlib.nullcontext)
+    gm.rt = StageRuntime(mesh, params, buffers, constants, local_dp, log_paused or contextlib.nullcontext, context)
     return gm
 
 
@@ -367,10 +386,6 @@ def emit_plan(plan, stage: Optional[int] = None) -> list[tuple[str, fx.GraphModu
     from autopar.models import build_model
     from autopar.trace import trace_model
 
-    if plan.context_parallel > 1:
-        raise ValueError(f"the generated modules do not cover context parallelism yet (the plan has cp="
-                         f"{plan.context_parallel}); `autopar inspect` without --code shows the plan, and the "
-                         "runtime runs it")
     n = len(plan.stages) if plan.pp > 1 else 1
     if stage is not None and not 0 <= stage < n:
         raise ValueError(f"--stage {stage} is out of range: the plan has {n} stage{'s' if n > 1 else ''} (0..{n - 1})")
@@ -380,8 +395,14 @@ def emit_plan(plan, stage: Optional[int] = None) -> list[tuple[str, fx.GraphModu
     except Exception as e:                  # a user file that moved, a spec this version lacks
         raise ValueError(f"cannot rebuild the plan's model {plan.model_name!r} to emit its code: "
                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    graph = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
-                        collapse_repeats=False, model_name=b.name)
+    xs, y = b.example_inputs, b.example_target
+    if plan.context_parallel > 1:            # the runtime traces the folded batch (``context_run.py``)
+        from autopar.codegen.context_run import ContextRun
+
+        ctx = ContextRun.make(None, 0, plan.context_parallel, plan.context_parallel_mode, plan.seq_len, plan.dp,
+                              "meta")
+        xs, y = tuple(ctx.fold(x) for x in xs), ctx.fold(y)
+    graph = trace_model(b.module, xs, loss_fn=b.loss_fn, example_target=y, collapse_repeats=False, model_name=b.name)
     program = compile_program(graph, plan)
     cut = cut_pipeline(graph, plan) if plan.pp > 1 else None
     mesh = plan.stage_mesh.describe()

@@ -52,8 +52,9 @@ class StageRuntime:
     manager under which ``local_op``'s one-time probes run unlogged (the interpreter's)."""
 
     def __init__(self, mesh, params, buffers: Optional[dict] = None, constants: Optional[dict] = None,
-                 local_dp: bool = False, log_paused=contextlib.nullcontext) -> None:
+                 local_dp: bool = False, log_paused=contextlib.nullcontext, context=None) -> None:
         self.mesh, self.params = mesh, params
+        self.context = context                    # cp > 1: this rank's ``context_run.ContextRun``
         self.buffers, self.constants = buffers or {}, constants or {}
         self.local_dp = local_dp
         self.log_paused = log_paused
@@ -129,16 +130,30 @@ def replicated_input(x, placements: str, keep_partial_grad: Optional[str] = None
     return redistribute(x, placements, keep_partial_grad)
 
 
-def pin(rt: StageRuntime, out, placements: str):
+def pin(rt: StageRuntime, out, placements: str, keep_partial_grad: Optional[str] = None):
     """An op's output in its planned placements where DTensor's rule gave others (the executor's
-    ``_fix_output``: a plain tensor becomes a replicated DTensor first, outside local-dp mode)."""
+    ``_fix_output``: a plain tensor becomes a replicated DTensor first, outside local-dp mode).
+    ``keep_partial_grad``: as ``redistribute``'s (a value of this cp rank's positions)."""
     if isinstance(out, torch.Tensor) and not isinstance(out, DTensor) and not rt.local_dp:
         out = DTensor.from_local(out, rt.mesh, tuple(TReplicate() for _ in range(rt.mesh.ndim)), run_check=False)
     if isinstance(out, DTensor):
-        return redistribute(out, placements)
+        return redistribute(out, placements, keep_partial_grad)
     if isinstance(out, (tuple, list)):
-        return type(out)(redistribute(o, placements) if isinstance(o, DTensor) else o for o in out)
+        return type(out)(redistribute(o, placements, keep_partial_grad) if isinstance(o, DTensor) else o
+                         for o in out)
     return out
+
+
+def context_attention(rt: StageRuntime, *args, **kwargs):
+    """cp > 1: ``aten.scaled_dot_product_attention`` over the cp ranks, ring or Ulysses
+    (``context_run.ContextRun.attention``)."""
+    return rt.context.attention(args, kwargs)
+
+
+def context_positions(rt: StageRuntime, op, target: str, *args, **kwargs):
+    """cp > 1: a position source (``arange(0, T)``, a RoPE table's first T rows) computed at the
+    chunk's length, then given this rank's chunk's positions (``ContextRun.position_value``)."""
+    return rt.context.position_value(target, op(*args, **kwargs), args)
 
 
 def strided_split(x: DTensor, k: int) -> tuple:

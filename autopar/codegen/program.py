@@ -129,6 +129,7 @@ class RankProgram:
     # embedding): their values differ across the DATA axis' cp ranks, so their gradient summands
     # stay Partial on DATA up to the reducer, as a parameter's do
     positional: frozenset[str] = frozenset()
+    context: bool = False          # cp > 1: attention runs over the cp ranks (``context_run.py``)
 
     def node(self, name: str) -> NodePlan:
         for n in self.nodes:
@@ -508,7 +509,8 @@ def compile_program(graph: GraphIR, plan: Plan, *, local_dp: Optional[frozenset[
         positional = _positional(graph, positions)
     return RankProgram(mesh=mesh, zero_stage=plan.zero_stage, recompute=plan.recompute,
                        nodes=tuple(nodes), params=params, regions=regions, unplanned=tuple(unplanned),
-                       local_dp=local_dp is not None, positions=positions, positional=positional)
+                       local_dp=local_dp is not None, positions=positions, positional=positional,
+                       context=plan.context_parallel > 1)
 
 
 def needs_grad(graph: GraphIR, received: Collection[str] = ()) -> dict[str, bool]:

@@ -4,6 +4,7 @@ model -- losses, each step's gradients and the final parameters within the fp32 
 of ``bodies.py`` (3 SGD-momentum steps), the forward output reassembled -- and every rank issued
 exactly the predicted collectives, ring or Ulysses traffic on the "cp" axis included.
 
+Every case trains on the emitted modules (``codegen/emit.py``), ring cp=2 on the interpreter too.
 Cases: ring cp=2 and cp=4 (gpt-tiny, causal, learned positions: ``arange`` replaced by each rank's
 zig-zag positions), ring cp=2 with zig-zag pieces of 3 tokens, ring cp=2 with every layer recomputed (the ring re-runs in the backward),
 Ulysses cp=2 (LLaMA: RoPE tables sliced by the rank's positions), ring cp=2 x Megatron tp=2 (the
@@ -31,6 +32,9 @@ GPT_ODD = "gpt:hidden=32,layers=2,heads=4,vocab=128,seq=12"
 # name: (world, hand_plan kwargs, job extras)
 CASES_2 = {
     "ring": dict(plan=dict(dp=1, tp=1, cp=2, cp_mode="ring"), forward=True),
+    # the emitted modules run every case (``emit.py``: ``context_attention`` / ``context_positions``);
+    # the interpreter's ContextRun path once
+    "ring_interpreter": dict(plan=dict(dp=1, tp=1, cp=2, cp_mode="ring"), forward=True, engine="interpreter"),
     "ring_recompute_full": dict(plan=dict(dp=1, tp=1, cp=2, cp_mode="ring", recompute="full")),
     "ulysses_llama_rope": dict(plan=dict(dp=1, tp=1, cp=2, cp_mode="ulysses"), spec=LLAMA_TINY, forward=True),
     # odd pieces: 12 tokens in 4 zig-zag pieces of 3 (bidirectional attention is the engine tests':
@@ -114,6 +118,7 @@ def _check(results, plan, spec):
             folded, plan, pp_rank=res["pp_rank"], coord=res["coord"]))
     for res in results:                # the cp axis really carried attention's exchange
         assert any(k[1] == "cp" and k[0] == "all_to_all" for k in res["issued"]), res["issued"][:5]
+        assert res["engine"] == spec.get("engine", "emitted"), (res["engine"], res["reason"])
 
 
 @pytest.mark.parametrize("case", list(CASES_2))

@@ -115,3 +115,18 @@ def test_cli_inspect_code(tmp_path, capsys):
     assert main(["inspect", moved, "--code"]) == 2
     err = capsys.readouterr().err
     assert "cannot rebuild the plan's model" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_inspect_code_of_a_context_parallel_plan(tmp_path, capsys):
+    """A cp=2 ring plan prints as the runtime runs it: traced on the folded batch (each sequence's
+    chunk of 16 tokens as rows), the learned positions' ``arange`` given this rank's chunk
+    (``context_positions``) and each attention run over the cp ranks (``context_attention``)."""
+    from autopar.cli import main
+
+    path = str(tmp_path / "plan.json")
+    assert main(["plan", "gpt-tiny", "--gpus-per-node", "2", "--force", "cp=2,cpmode=ring", "--json", path]) == 0
+    capsys.readouterr()
+    assert main(["inspect", path, "--code"]) == 0
+    out = capsys.readouterr().out
+    assert "context_positions(rt, torch.ops.aten.arange.start, 'aten.arange.start', 0, 16" in out, out[:2000]
+    assert out.count("context_attention(rt, ") == 2 and "scaled_dot_product_attention.default(" not in out
