@@ -36,9 +36,10 @@ then run on local tensors if DTensor cannot, as the interpreter's ``_call``),
 Ulysses over the cp ranks) and ``context_positions`` (a position source given this rank's chunk's
 positions), the interpreter's ``ContextRun`` (``context_run.py``), whose values' gradient summands
 stay Partial on the data axis up to the reducer (``program.positional``); a recompute region is a
-submodule ``self.recompute_<i>`` run by ``recompute(...)`` (``torch.utils.checkpoint``, non-reentrant, early stop off). Local-dp mode
-(``program.local_dp``): the plain nodes are plain aten calls on the local batch; a DTensor node
-(the loss) wraps its plain operands (``wrap_plain``), as the interpreter.
+submodule ``self.recompute_<i>`` run by ``recompute(...)`` (``torch.utils.checkpoint``,
+non-reentrant, early stop off). Local-dp mode (``program.local_dp``): the plain nodes are plain
+aten calls on the local batch; a DTensor node (the loss) wraps its plain operands
+(``wrap_plain``), as the interpreter.
 
 The interpreter (``executor.GraphExecutor``) is still needed, and chosen by ``engine="auto"``
 (``engine.emission_gap``, decided alike on every rank before the first step), for:
