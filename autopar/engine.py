@@ -79,8 +79,6 @@ def _parts(cut) -> list[tuple[Optional[frozenset], tuple]]:
 def emission_gap(graph, program, cut, *, fused=None, device="cpu") -> tuple[Optional[str], dict]:
     """(why the emitted modules cannot run this graph, or None; the emitted module per part).
     Deterministic: the same on every rank (it reads only what every rank has alike)."""
-    from torch.export.graph_signature import OutputKind
-
     from autopar.codegen.causal_check import RuntimeCausalMasks
     from autopar.codegen.emit import emit_part
     from autopar.trace import graph_on_device
@@ -89,11 +87,6 @@ def emission_gap(graph, program, cut, *, fused=None, device="cpu") -> tuple[Opti
         return ("fused kernels (kernels='on', or 'auto' on CUDA): the substitution is decided per node from the "
                 "operands' run-time placements (codegen/fused.py); pass kernels='off' to train on the emitted "
                 "modules"), {}
-    specs = graph.exported.graph_signature.output_specs
-    mutated = [s.target for s in specs if s.kind == OutputKind.BUFFER_MUTATION]
-    if mutated:
-        return (f"in-place buffer writes ({', '.join(mutated[:3])}{', ...' if len(mutated) > 3 else ''}: "
-                "BatchNorm statistics, counters), which the interpreter writes back into the full buffer"), {}
     gm = graph_on_device(graph, device)
     masks = RuntimeCausalMasks(gm.graph)
     masked = [n.name for n in gm.graph.nodes if masks.mask_node(n) is not None]

@@ -37,7 +37,12 @@ Ulysses over the cp ranks) and ``context_positions`` (a position source given th
 positions), the interpreter's ``ContextRun`` (``context_run.py``), whose values' gradient summands
 stay Partial on the data axis up to the reducer (``program.positional``); a recompute region is a
 submodule ``self.recompute_<i>`` run by ``recompute(...)`` (``torch.utils.checkpoint``,
-non-reentrant, early stop off). Local-dp mode (``program.local_dp``): the plain nodes are plain
+non-reentrant, early stop off). In-place buffer writes (BatchNorm statistics, counters, caches):
+an op that writes a buffer is followed by ``write_back(rt, out, ...)``, which copies a write that
+landed in a moved or sharded copy into the full buffer (gathered), once per step; a probe writes
+copies, and a region that writes what it reads gets ``written=`` positions, kept out of
+checkpoint's saved inputs, its replay running on copies of what the forward read with no write-back
+(the interpreter's ``_write_back`` and ``_run_region``). Local-dp mode (``program.local_dp``): the plain nodes are plain
 aten calls on the local batch; a DTensor node (the loss) wraps its plain operands
 (``wrap_plain``), as the interpreter.
 
@@ -46,10 +51,6 @@ The interpreter (``executor.GraphExecutor``) is still needed, and chosen by ``en
 - fused kernels (``kernels="on"``, or "auto" on CUDA): whether a node or region runs a kernel is
   decided at run time from its operands' actual placements and the adapters' checks
   (``fused.py``, ``patterns.py``), and a region defers its members to its anchor;
-- in-place buffer writes (BatchNorm statistics, counters, caches): a write through a moved or
-  sharded copy must be written back into the full buffer (gathered), exactly once per step, never
-  by a probe or a recompute replay (which needs copies of what the forward read): the executor's
-  ``_write_back`` / region bookkeeping; emission raises ``NotImplementedError`` naming the node;
 - constant attention masks checked on the first step (``causal_check.py``): the executor runs the
   first step masked, agrees over the ranks, then drops the mask for ``is_causal=True`` -- the
   module would change between steps;
@@ -70,11 +71,11 @@ from autopar.codegen import fallback
 from autopar.codegen.emit_runtime import (StageRuntime, buffer, context_attention, context_positions, fmt,
                                           forced_local_op, has_dtensor_rule, local_op, norm, param, parse, pin, place,
                                           recompute, redistribute, redistribute_saved, replicated_input, strided_split,
-                                          vocab_parallel_cross_entropy, wrap_plain)
+                                          vocab_parallel_cross_entropy, wrap_plain, write_back)
 from autopar.codegen.program import RankProgram, axis_index, compile_program
 from autopar.codegen.stages import PipelineCut, wire_placements
 from autopar.codegen.vocab_ce import VOCAB_CE_TARGET
-from autopar.codegen.writes import written_args
+from autopar.codegen.writes import is_view, written_args, written_root
 from autopar.ir import SDPA_TARGET, GraphIR
 from autopar.mesh import DATA, TENSOR
 from autopar.placements import Partial, Replicate, Shard
@@ -151,7 +152,9 @@ class _Emitter:
         sub.output(tuple(inner_env[n] for n in used_after))
         attr = f"recompute_{region.index}"
         setattr(self.root, attr, fx.GraphModule(nn.Module(), sub, class_name=f"Recompute{region.index}"))
-        call = g.call_function(recompute, (g.get_attr(attr), rt, *[env[n] for n in reads]))
+        written = _written_reads(inner, names, reads)
+        call = g.call_function(recompute, (g.get_attr(attr), rt, *[env[n] for n in reads]),
+                               {"written": written} if written else {})
         for i, name in enumerate(used_after):
             env[name] = g.call_function(operator.getitem, (call, i), name=name)
 
@@ -166,16 +169,15 @@ class _Emitter:
             return                           # inputs: made by the caller; parameters: on first use
         if node.op != "call_function":
             raise NotImplementedError(f"{node.format_node()}: node op {node.op!r} is not emitted")
-        if written_args(node):
-            raise NotImplementedError(f"in-place buffer writes (node {p.key}: {p.target}; BatchNorm statistics, "
-                                      "counters), which the interpreter writes back into the full buffer")
+        writes = self.writes(node)
         self.grad[node.name] = any(self.grad.get(a.name, False) for a in node.all_input_nodes) and (
             meta is None or meta.is_floating_point())
         if self.plain(node.name):            # local-dp mode: the op on plain local tensors, no edges
             args = fx.node.map_arg(node.args, lambda a: self.value(a, g, env, rt, params))
             kwargs = fx.node.map_arg(node.kwargs, lambda a: self.value(a, g, env, rt, params))
             out = self.call(node, p, g, rt, args, kwargs)
-            env[node.name] = out if out is not None else g.call_function(node.target, args, kwargs, name=node.name)
+            out = out if out is not None else g.call_function(node.target, args, kwargs, name=node.name)
+            env[node.name] = self.written(out, writes, p, g, rt, args)
             return
         counter = [0]
 
@@ -229,6 +231,7 @@ class _Emitter:
             out = g.call_function(local_op, (rt, node.target, *args), kwargs, name=node.name)
         else:
             out = g.call_function(node.target, args, kwargs, name=node.name)
+        out = self.written(out, writes, p, g, rt, args)
         factory = meta is not None and not any(
             isinstance(v, torch.Tensor) for a in node.all_input_nodes
             for v in torch.utils._pytree.tree_leaves(a.meta.get("val")))
@@ -238,6 +241,28 @@ class _Emitter:
                                                           meta.dim() if meta is not None else 0)), *keep),
                                   name=f"{node.name}_pinned")
         env[node.name] = out
+
+    def writes(self, node: fx.Node) -> tuple:
+        """((operand position, buffer name, whether the operand is the buffer's placeholder itself),
+        ...) of the buffers ``node`` writes in place (BatchNorm statistics, counters, caches)."""
+        out = []
+        for i in written_args(node):
+            a = node.args[i]
+            if not isinstance(a, fx.Node):
+                continue
+            root, direct = written_root(a)
+            rp = self.plans.get(root.name)
+            if root.op == "placeholder" and rp is not None and rp.kind == "buffer" and rp.param_name:
+                out.append((i, rp.param_name, direct))
+        return tuple(out)
+
+    @staticmethod
+    def written(out: fx.Node, writes: tuple, p, g: fx.Graph, rt: fx.Node, args) -> fx.Node:
+        """``out`` after ``write_back`` of what its op wrote in place (nothing without ``writes``)."""
+        if not writes:
+            return out
+        return g.call_function(write_back, (rt, out, p.target, tuple((name, direct) for _, name, direct in writes),
+                                            *(args[i] for i, _, _ in writes)), name=f"{out.name}_written")
 
     def call(self, node: fx.Node, p, g: fx.Graph, rt: fx.Node, args, kwargs) -> Optional[fx.Node]:
         """cp > 1: attention over the cp ranks, or a position source given this rank's chunk's
@@ -273,6 +298,20 @@ class _Emitter:
         w = p.inputs[0][self.tensor]
         nd = _tensor_meta(node.args[0]).dim()
         return isinstance(w, Shard) and w.dim % nd == 1
+
+
+def _written_reads(inner: list, names: set, reads: list) -> tuple[int, ...]:
+    """Positions in ``reads`` (what a recompute region reads from outside) of the values its ops
+    write in place, followed back through views inside the region (``emit_runtime.recompute``)."""
+    written = set()
+    for n in inner:
+        for i in written_args(n):
+            v = n.args[i]
+            while isinstance(v, fx.Node) and v.name in names and is_view(v) and isinstance(v.args[0], fx.Node):
+                v = v.args[0]
+            if isinstance(v, fx.Node) and v.name not in names:
+                written.add(v.name)
+    return tuple(i for i, name in enumerate(reads) if name in written)
 
 
 def _ident(name: str) -> str:

@@ -19,6 +19,7 @@ from autopar.codegen import fallback
 from autopar.codegen.edges import edge, release_masks, resolve_placements
 from autopar.codegen.shards import contiguous_stride, local_ranges, slice_of
 from autopar.codegen.vocab_ce import VocabParallelCE, ce_arg, vocab_parallel_ce
+from autopar.codegen.writes import probe_copies, write_back as write_buffers
 from autopar.mesh import TENSOR
 from autopar.placements import Partial, Replicate, Shard, parse_placement, to_torch
 
@@ -64,6 +65,7 @@ class StageRuntime:
         self.probed: set = set()
         self.local_sigs: set = set()
         self.regather = getattr(params, "regather", None)   # a ParamStore's (``runtime/regather.py``)
+        self.replaying = False                    # a recompute region's replay runs (no write-back)
 
 
 def axis_index_of(mesh, role: str) -> Optional[int]:
@@ -200,7 +202,8 @@ def _lacks_rule(rt: StageRuntime, op, target: str, args, kwargs) -> bool:
     """The executor's ``_lacks_rule``: run ``op`` once on DTensors (copies of what it writes)."""
     if target in fallback.SDPA_TARGETS or target in fallback.CONV_TARGETS:
         return False                          # DTensor runs these where ``needs_local`` did not say local
-    try:                                      # (ops that write in place are not emitted)
+    args = probe_copies(op, args)             # the probe must not write: copies of the written operands
+    try:
         with torch.no_grad(), rt.log_paused():
             release_masks(op(*args, **kwargs))
     except NotImplementedError as e:
@@ -221,16 +224,50 @@ def forced_local_op(op, *args, **kwargs):
     return fallback.run_local(op, str(op), args, kwargs, flat[0].device_mesh)
 
 
-def recompute(region: nn.Module, rt: StageRuntime, *values):
-    """A recompute region: ``torch.utils.checkpoint`` (non-reentrant, early stop off)."""
+def recompute(region: nn.Module, rt: StageRuntime, *values, written: tuple = ()):
+    """A recompute region: ``torch.utils.checkpoint`` (non-reentrant, early stop off). ``written``:
+    positions of ``values`` the region writes in place (a BatchNorm's running statistics): they
+    stay out of checkpoint's saved inputs (its version check rejects changed ones) and the replay
+    in backward gets copies of what the forward read, its writes not written back (the
+    interpreter's ``_run_region``)."""
     from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+    if not written:
+        with set_checkpoint_early_stop(False):
+            return checkpoint(region, rt, *values, use_reentrant=False)
+    kept = {i: values[i] for i in written}
+    saved = {i: v.detach().clone() for i, v in kept.items()
+             if isinstance(v, torch.Tensor)} if torch.is_grad_enabled() else {}
+    passed = [i for i in range(len(values)) if i not in kept]
+    calls = [0]
+
+    def fn(*vals):
+        calls[0] += 1
+        replay = calls[0] > 1
+        full = dict(zip(passed, vals))
+        full.update({i: saved[i].clone() if replay and i in saved else v for i, v in kept.items()})
+        rt.replaying, was = replay or rt.replaying, rt.replaying
+        try:
+            return region(rt, *(full[i] for i in range(len(values))))
+        finally:
+            rt.replaying = was
+
     with set_checkpoint_early_stop(False):
-        return checkpoint(region, rt, *values, use_reentrant=False)
+        return checkpoint(fn, *(values[i] for i in passed), use_reentrant=False)
+
+
+def write_back(rt: StageRuntime, out, target: str, writes: tuple, *written):
+    """After op ``target`` wrote buffers in place: ``writes.write_back`` (a write that did not land
+    in the whole buffer copied into it), once per step, never in a replay (the interpreter's
+    ``_write_back``). Returns ``out``, the op's result."""
+    if not rt.replaying:
+        write_buffers(rt.buffers, writes, written, target)
+    return out
 
 
 HELPERS = (param, place, buffer, wrap_plain, redistribute, replicated_input, pin, strided_split,
-           vocab_parallel_cross_entropy, local_op, forced_local_op, recompute, fallback.assert_global_metadata)
+           vocab_parallel_cross_entropy, local_op, forced_local_op, recompute, write_back, context_attention,
+           context_positions, fallback.assert_global_metadata)
 
 
 def _register_names() -> None:

@@ -71,7 +71,7 @@ from autopar.codegen.fused import FusedKernels
 from autopar.codegen.patterns import Match, find_fusions, node_inputs
 from autopar.codegen.program import NodePlan, Placements, Region, RankProgram, axis_index
 from autopar.codegen.shards import contiguous_stride, local_ranges, slice_of
-from autopar.codegen.writes import is_view, local_of, same_storage, whole_of, written_args, written_root
+from autopar.codegen.writes import is_view, probe_copies, write_back, written_args, written_root
 from autopar.codegen.vocab_ce import (VOCAB_CE_TARGET, VocabParallelCE, ce_arg, class_sharded_on_tp,
                                       vocab_parallel_ce)
 from autopar.ir import SDPA_TARGET
@@ -267,26 +267,12 @@ class GraphExecutor:
 
     def _write_back(self, node: fx.Node, args) -> None:
         """After ``node`` wrote buffers in place (see the module docstring): a write that did not
-        land in the whole buffer is copied into it (a sharded or moved value: gathered in full)."""
+        land in the whole buffer is copied into it (``writes.write_back``), never in a replay."""
         if self._replaying:
             return
-        for i, name, direct in self._writes[node.name]:
-            buf, v = self.buffers[name], args[i]
-            if not isinstance(v, torch.Tensor):
-                continue
-            local = local_of(v)
-            if whole_of(local, buf):
-                continue
-            if not direct:
-                if same_storage(local, buf) and (not isinstance(v, DTensor) or
-                                                  all(p.is_replicate() for p in v.placements)):
-                    continue                       # a view of the full buffer: written through
-                raise NotImplementedError(
-                    f"{node.format_node()}: writes a view of buffer {name!r} that the plan shards or "
-                    "moves; the write would be lost. Plan that buffer replicated (or write the "
-                    "whole buffer, not a slice of it)")
-            with torch.no_grad():
-                buf.copy_(v.full_tensor() if isinstance(v, DTensor) else v)
+        found = self._writes[node.name]
+        write_back(self.buffers, [(name, direct) for _, name, direct in found], [args[i] for i, _, _ in found],
+                   node.format_node())
 
     # ---- running ----
     def run(self, inputs: Sequence[torch.Tensor], target: Optional[torch.Tensor] = None,
@@ -530,10 +516,7 @@ class GraphExecutor:
         """Probe once per (target, placements), without autograd and with the collective log
         paused, whether DTensor can run the op. Deciding before the real call keeps a recompute
         region's replay identical to its forward."""
-        written = written_args(node)
-        if written:                    # the probe must not write: copies of the written operands
-            args = tuple(a.detach().clone() if i in written and isinstance(a, torch.Tensor) else a
-                         for i, a in enumerate(args))
+        args = probe_copies(node.target, args)      # the probe must not write: copies of the written operands
         try:
             with torch.no_grad(), self.log_paused():
                 release_masks(node.target(*args, **kwargs))

@@ -17,14 +17,24 @@ _RUNNING_STATS = {_aten.batch_norm.default: ((3, 4), 5), _aten.instance_norm.def
 def written_args(node: fx.Node) -> tuple[int, ...]:
     """Positions of ``node.args`` the op writes in place: the schema's ``Tensor(a!)`` arguments,
     and the running statistics of batch / instance norm in training mode."""
-    t = node.target
-    if not isinstance(t, torch._ops.OpOverload):
+    return written_positions(node.target, node.args)
+
+
+def written_positions(op, args) -> tuple[int, ...]:
+    """``written_args`` of a call of ``op`` with positional ``args``."""
+    if not isinstance(op, torch._ops.OpOverload):
         return ()
-    if t in _RUNNING_STATS:
-        pos, flag = _RUNNING_STATS[t]
-        return pos if len(node.args) > flag and node.args[flag] is True else ()
-    return tuple(i for i, a in enumerate(t._schema.arguments)
-                 if i < len(node.args) and a.alias_info is not None and a.alias_info.is_write)
+    if op in _RUNNING_STATS:
+        pos, flag = _RUNNING_STATS[op]
+        return pos if len(args) > flag and args[flag] is True else ()
+    return tuple(i for i, a in enumerate(op._schema.arguments)
+                 if i < len(args) and a.alias_info is not None and a.alias_info.is_write)
+
+
+def probe_copies(op, args) -> tuple:
+    """``args`` with the operands ``op`` writes in place copied, for a probe that must not write."""
+    written = written_positions(op, args)
+    return tuple(a.detach().clone() if i in written and isinstance(a, torch.Tensor) else a for i, a in enumerate(args))
 
 
 def is_view(node: fx.Node) -> bool:
@@ -56,3 +66,24 @@ def whole_of(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def local_of(v) -> torch.Tensor:
     return v._local_tensor if isinstance(v, DTensor) else v
+
+
+def write_back(buffers: dict, writes, values, where: str) -> None:
+    """After an op wrote buffers in place (``writes``: (buffer name, whether the operand is the
+    buffer's placeholder itself) per operand in ``values``): a write that did not land in the whole
+    buffer (a sharded or moved value) is copied into it, gathered in full (``full_tensor``: a
+    collective only then). ``where``: the op, for the error a lost write raises."""
+    for (name, direct), v in zip(writes, values):
+        if not isinstance(v, torch.Tensor):
+            continue
+        buf, local = buffers[name], local_of(v)
+        if whole_of(local, buf):
+            continue
+        if not direct:
+            if same_storage(local, buf) and (not isinstance(v, DTensor) or all(p.is_replicate() for p in v.placements)):
+                continue                       # a view of the full buffer: written through
+            raise NotImplementedError(
+                f"{where}: writes a view of buffer {name!r} that the plan shards or moves; the write would be "
+                "lost. Plan that buffer replicated (or write the whole buffer, not a slice of it)")
+        with torch.no_grad():
+            buf.copy_(v.full_tensor() if isinstance(v, DTensor) else v)

@@ -91,15 +91,15 @@ def reference() -> dict:
 
 
 def bn_job(rank: int, world: int, job: dict) -> dict:
-    """One autoparallelize run: ``job`` has ``force`` (None: the free plan) and ``deferred``
-    (no example_target: built on the first step)."""
+    """One autoparallelize run: ``job`` has ``force`` (None: the free plan), ``deferred`` (no
+    example_target: built on the first step) and ``engine`` (default "auto")."""
     from autopar.api import autoparallelize
 
     m = build()
     batches = data()
     x0, y0 = batches[0]
     pm = autoparallelize(m, x0, loss_fn=loss_fn, example_target=None if job.get("deferred") else y0,
-                         optimizer=sgd, force=job.get("force"), timeout_s=60)
+                         optimizer=sgd, force=job.get("force"), timeout_s=60, engine=job.get("engine", "auto"))
     res: dict = {}
     if job.get("deferred"):
         try:
@@ -112,7 +112,7 @@ def bn_job(rank: int, world: int, job: dict) -> dict:
     pm.eval()
     out = pm(batches[STEPS][0])
     res.update(losses=losses, state=sd, eval_out=out, recompute=pm.plan.recompute,
-               dims=tuple(pm.mesh.shape), regions=len(pm.program.regions))
+               dims=tuple(pm.mesh.shape), regions=len(pm.program.regions), engine=pm.engine, reason=pm.engine_reason)
     return res
 
 

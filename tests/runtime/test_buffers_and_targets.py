@@ -3,7 +3,8 @@ on 2 gloo ranks against one process (``buffer_bodies.py``).
 
 BatchNorm2d / BatchNorm1d running statistics and ``num_batches_tracked``, a cache written with
 ``copy_`` and a counter (``+= 1``) must equal one process after 3 SGD steps, under dp=2, tp=2 and
-the free plan, with and without recompute, and so must the eval-mode forward that reads them.
+the free plan, with and without recompute, and so must the eval-mode forward that reads them: on
+the emitted modules, and twice on the interpreter.
 Every plan here computes BatchNorm's batch statistics over the GLOBAL batch (the solver has no
 sharding rule for batch_norm: its input is gathered on dp, replicated on tp), which is what one
 process computes on the same global batch.
@@ -33,6 +34,10 @@ BN_JOBS = {
     "dp2_recompute_full": dict(force="dp=2,recompute=full"),
     "free_deferred": dict(force=None, deferred=True),
     "tp2_deferred": dict(force="tp=2", deferred=True),
+    # the emitted modules run the cases above (``emit_runtime.write_back``, ``recompute(written=)``);
+    # the interpreter's write-back twice
+    "dp2_interpreter": dict(force="dp=2", engine="interpreter"),
+    "tp2_recompute_full_interpreter": dict(force="tp=2,recompute=full", engine="interpreter"),
 }
 DROPOUT_PS = (0.1, 0.0)
 
@@ -70,6 +75,7 @@ def test_buffers_match_one_process(name, ranks, ref):
     results = [_ok(res, f"{name}, rank {r}") for r, res in enumerate(ranks["bn"][name])]
     spec = BN_JOBS[name]
     top = results[0]
+    assert all(r["engine"] == spec.get("engine", "emitted") for r in results), (name, top["engine"], top["reason"])
     if spec["force"]:                                     # the plan is the one forced
         degrees = dict(kv.split("=") for kv in spec["force"].split(","))
         assert top["dims"] == (int(degrees.get("dp", 1)), int(degrees.get("tp", 1)))
