@@ -52,7 +52,13 @@ class EmittedRunner:
     def fused_kernels(self) -> tuple:
         return ()
 
+    @property
+    def causal_masks(self):
+        """Constant attention masks' verdicts (``causal_check.MaskVerdicts``), as the executor's."""
+        return self.gm.rt.masks
+
     def run(self, inputs, target=None, seed: Optional[dict] = None) -> list:
+        self.gm.rt.masks.begin_step()       # verdicts of earlier steps apply (the executor's begin_step)
         seed = seed or {}
         args = [seed[name] for name in self.recv]
         for i in self._slots:
@@ -79,7 +85,6 @@ def _parts(cut) -> list[tuple[Optional[frozenset], tuple]]:
 def emission_gap(graph, program, cut, *, fused=None, device="cpu") -> tuple[Optional[str], dict]:
     """(why the emitted modules cannot run this graph, or None; the emitted module per part).
     Deterministic: the same on every rank (it reads only what every rank has alike)."""
-    from autopar.codegen.causal_check import RuntimeCausalMasks
     from autopar.codegen.emit import emit_part
     from autopar.trace import graph_on_device
 
@@ -88,11 +93,6 @@ def emission_gap(graph, program, cut, *, fused=None, device="cpu") -> tuple[Opti
                 "operands' run-time placements (codegen/fused.py); pass kernels='off' to train on the emitted "
                 "modules"), {}
     gm = graph_on_device(graph, device)
-    masks = RuntimeCausalMasks(gm.graph)
-    masked = [n.name for n in gm.graph.nodes if masks.mask_node(n) is not None]
-    if masked:
-        return (f"a constant attention mask checked on the first step ({masked[0]}: codegen/causal_check.py), "
-                "after which the interpreter drops the mask for is_causal=True"), {}
     modules = {}
     for part, want in _parts(cut):
         try:

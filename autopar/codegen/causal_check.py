@@ -34,7 +34,7 @@ class RuntimeCausalMasks:
         self._users: dict[fx.Node, list[fx.Node]] = {}  # mask -> its attention nodes
         self._subgraph: dict[fx.Node, list[fx.Node]] = {}
         self.verdicts: dict[str, bool] = {}             # mask name -> causal on every rank
-        self._active: set[str] = set()                  # causal masks dropped from the calls
+        self.active: set[str] = set()                  # causal masks dropped from the calls
         self.skip: set[str] = set()                     # nodes no longer computed
         for node in graph.nodes:
             if node.op != "call_function" or node.target is not SDPA:
@@ -59,25 +59,54 @@ class RuntimeCausalMasks:
         """Decide ``node``'s mask from its value ``mask`` (a DTensor or this rank's plain piece);
         ``agree(flag)`` is True only if every rank's flag is."""
         q, k = node.args[0].meta["val"], node.args[1].meta["val"]
-        ok = agree(_local_causal(mask, q.shape[-2], k.shape[-2]))
+        ok = agree(local_causal(mask, q.shape[-2], k.shape[-2]))
         self.verdicts[self._mask_of[node.name].name] = ok
 
     def begin_step(self) -> None:
         """Apply the causal verdicts reached so far (between steps, never inside one)."""
         for m, users in self._users.items():
-            if self.verdicts.get(m.name) and m.name not in self._active:
-                self._active.add(m.name)
+            if self.verdicts.get(m.name) and m.name not in self.active:
+                self.active.add(m.name)
                 self.skip |= {n.name for n in unused_after_fold(self._subgraph[m], set(users))}
 
     def call(self, node: fx.Node) -> tuple[tuple, dict]:
         """``node``'s arguments: without the mask and with is_causal=True once it is verified causal."""
         mask = self._mask_of.get(node.name)
-        if mask is not None and mask.name in self._active:
+        if mask is not None and mask.name in self.active:
             return causal_call(node.args, node.kwargs)
         return node.args, node.kwargs
 
 
-def _local_causal(mask, tq: int, tk: int) -> bool:
+class MaskVerdicts:
+    """The emitted modules' side (``emit_runtime.masked_attention``): per attention node with a
+    constant mask, its verdict (reached the first time the mask is computed, every rank agreeing)
+    and whether it is applied (from the next ``begin_step`` on, never inside a step). The mask is
+    still computed each step (``skip`` stays empty): the module does not change between steps."""
+
+    def __init__(self) -> None:
+        self.verdicts: dict[str, bool] = {}
+        self.active: set[str] = set()
+        self.skip: frozenset = frozenset()
+
+    def begin_step(self) -> None:
+        self.active |= {k for k, ok in self.verdicts.items() if ok}
+
+
+def agree_on_every_rank(flag: bool, device, log_paused) -> bool:
+    """True only if ``flag`` is True on every rank (one MIN all-reduce, unlogged under ``log_paused()``)."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    t = torch.tensor([int(flag)], device=device)
+    with log_paused():
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def local_causal(mask, tq: int, tk: int) -> bool:
+    """Whether this rank's piece of ``mask`` is causal for ``tq`` queries and ``tk`` keys (a shard
+    of the last two dims or a Partial counts as not causal)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if isinstance(mask, DTensor):

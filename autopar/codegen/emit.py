@@ -42,7 +42,10 @@ an op that writes a buffer is followed by ``write_back(rt, out, ...)``, which co
 landed in a moved or sharded copy into the full buffer (gathered), once per step; a probe writes
 copies, and a region that writes what it reads gets ``written=`` positions, kept out of
 checkpoint's saved inputs, its replay running on copies of what the forward read with no write-back
-(the interpreter's ``_write_back`` and ``_run_region``). Local-dp mode (``program.local_dp``): the plain nodes are plain
+(the interpreter's ``_write_back`` and ``_run_region``). An attention with a constant mask the
+trace could not fold calls ``masked_attention``: checked on the first step, every rank agreeing,
+and from the next step on causal ones run ``is_causal=True`` (the mask is still computed: the
+interpreter stops computing it). Local-dp mode (``program.local_dp``): the plain nodes are plain
 aten calls on the local batch; a DTensor node (the loss) wraps its plain operands
 (``wrap_plain``), as the interpreter.
 
@@ -51,9 +54,6 @@ The interpreter (``executor.GraphExecutor``) is still needed, and chosen by ``en
 - fused kernels (``kernels="on"``, or "auto" on CUDA): whether a node or region runs a kernel is
   decided at run time from its operands' actual placements and the adapters' checks
   (``fused.py``, ``patterns.py``), and a region defers its members to its anchor;
-- constant attention masks checked on the first step (``causal_check.py``): the executor runs the
-  first step masked, agrees over the ranks, then drops the mask for ``is_causal=True`` -- the
-  module would change between steps;
 - ops that have a registered DTensor rule that nonetheless rejects the plan's placements are not
   probed here (the executor probes every op once): such a plan fails on its first step with
   DTensor's error; ``engine="interpreter"`` runs it.
@@ -68,8 +68,10 @@ import torch
 from torch import fx, nn
 
 from autopar.codegen import fallback
+from autopar.codegen.causal_check import RuntimeCausalMasks
 from autopar.codegen.emit_runtime import (StageRuntime, buffer, context_attention, context_positions, fmt,
-                                          forced_local_op, has_dtensor_rule, local_op, norm, param, parse, pin, place,
+                                          forced_local_op, has_dtensor_rule, local_op, masked_attention, norm, param,
+                                          parse, pin, place,
                                           recompute, redistribute, redistribute_saved, replicated_input, strided_split,
                                           vocab_parallel_cross_entropy, wrap_plain, write_back)
 from autopar.codegen.program import RankProgram, axis_index, compile_program
@@ -92,6 +94,7 @@ class _Emitter:
     def __init__(self, gm: fx.GraphModule, program: RankProgram, fallbacks: frozenset,
                  known: Optional[dict] = None) -> None:
         self.gm, self.program = gm, program
+        self.masks = RuntimeCausalMasks(gm.graph)     # attention with a constant, unfolded mask
         self.plans = {n.name: n for n in program.nodes}
         self.axes = tuple(program.mesh.axes)
         self.sizes = tuple(program.mesh.shape)
@@ -266,9 +269,13 @@ class _Emitter:
 
     def call(self, node: fx.Node, p, g: fx.Graph, rt: fx.Node, args, kwargs) -> Optional[fx.Node]:
         """cp > 1: attention over the cp ranks, or a position source given this rank's chunk's
-        positions (the interpreter's ``_context_node``); None for any other node."""
+        positions (the interpreter's ``_context_node``); else an attention whose constant mask is
+        checked on the first step (``masked_attention``); None for any other node."""
         if not self.program.context:
-            return None
+            if self.masks.mask_node(node) is None:
+                return None
+            return g.call_function(masked_attention, (rt, node.name, not self.plain(node.name), node.target, *args),
+                                   kwargs, name=node.name)
         if p.target == SDPA_TARGET:
             return g.call_function(context_attention, (rt, *args), kwargs, name=node.name)
         if p.key in self.program.positions:

@@ -16,11 +16,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate as TReplicate
 
 from autopar.codegen import fallback
+from autopar.codegen.causal_check import MaskVerdicts, agree_on_every_rank, local_causal
 from autopar.codegen.edges import edge, release_masks, resolve_placements
 from autopar.codegen.shards import contiguous_stride, local_ranges, slice_of
 from autopar.codegen.vocab_ce import VocabParallelCE, ce_arg, vocab_parallel_ce
 from autopar.codegen.writes import probe_copies, write_back as write_buffers
 from autopar.mesh import TENSOR
+from autopar.trace.causal_masks import causal_call
 from autopar.placements import Partial, Replicate, Shard, parse_placement, to_torch
 
 log = logging.getLogger("autopar.codegen")
@@ -66,6 +68,7 @@ class StageRuntime:
         self.local_sigs: set = set()
         self.regather = getattr(params, "regather", None)   # a ParamStore's (``runtime/regather.py``)
         self.replaying = False                    # a recompute region's replay runs (no write-back)
+        self.masks = MaskVerdicts()               # constant attention masks (``masked_attention``)
 
 
 def axis_index_of(mesh, role: str) -> Optional[int]:
@@ -144,6 +147,21 @@ def pin(rt: StageRuntime, out, placements: str, keep_partial_grad: Optional[str]
         return type(out)(redistribute(o, placements, keep_partial_grad) if isinstance(o, DTensor) else o
                          for o in out)
     return out
+
+
+def masked_attention(rt: StageRuntime, key: str, dtensors: bool, op, *args, **kwargs):
+    """``aten.scaled_dot_product_attention`` with a constant mask the trace could not fold
+    (``causal_check.py``): the first time, every rank checks its piece of the mask and all agree;
+    from the next step on (``rt.masks.begin_step``) a causal one is dropped for ``is_causal=True``.
+    ``dtensors``: through ``local_op`` (DTensor operands), else the op on plain tensors."""
+    masks = rt.masks
+    if key in masks.active:
+        args, kwargs = causal_call(args, kwargs)
+    elif key not in masks.verdicts:
+        mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+        masks.verdicts[key] = agree_on_every_rank(local_causal(mask, args[0].shape[-2], args[1].shape[-2]),
+                                                  rt.device, rt.log_paused)
+    return local_op(rt, op, *args, **kwargs) if dtensors else op(*args, **kwargs)
 
 
 def context_attention(rt: StageRuntime, *args, **kwargs):
@@ -267,7 +285,7 @@ def write_back(rt: StageRuntime, out, target: str, writes: tuple, *written):
 
 HELPERS = (param, place, buffer, wrap_plain, redistribute, replicated_input, pin, strided_split,
            vocab_parallel_cross_entropy, local_op, forced_local_op, recompute, write_back, context_attention,
-           context_positions, fallback.assert_global_metadata)
+           context_positions, masked_attention, fallback.assert_global_metadata)
 
 
 def _register_names() -> None:

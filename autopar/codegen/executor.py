@@ -64,7 +64,7 @@ from torch import fx
 from torch.distributed.tensor import DTensor, Replicate as TReplicate
 
 from autopar.codegen import fallback
-from autopar.codegen.causal_check import RuntimeCausalMasks
+from autopar.codegen.causal_check import RuntimeCausalMasks, agree_on_every_rank
 from autopar.codegen.context_run import ContextRun
 from autopar.codegen.edges import edge, release_masks, resolve, resolve_placements
 from autopar.codegen.fused import FusedKernels
@@ -478,14 +478,7 @@ class GraphExecutor:
 
     def _agree(self, flag: bool) -> bool:
         """True only if ``flag`` is True on every rank (one MIN all-reduce, not logged)."""
-        import torch.distributed as dist
-
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return flag
-        t = torch.tensor([int(flag)], device=self.device)
-        with self.log_paused():
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return bool(t.item())
+        return agree_on_every_rank(flag, self.device, self.log_paused)
 
     def _wrap_plain(self, t: torch.Tensor, producer: str) -> DTensor:
         """A plain local-batch tensor entering a DTensor node: its planned placement, its global

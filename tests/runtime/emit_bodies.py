@@ -37,27 +37,20 @@ def engine_jobs(rank: int, world: int, jobs: list) -> list:
 
 
 def gap_job(rank: int, world: int) -> dict:
-    """A model whose constant causal mask is checked on the first step (``causal_check.py``; the
-    trace-time fold turned off on this rank, as ``tests/trace/test_causal_masks.py`` does) planned
-    dp=2: "auto" falls back to the interpreter (one step runs), "emitted" raises."""
-    import torch
-
+    """gpt-tiny planned dp=2 with fused kernels on (``kernels="on"``: substituted per node from the
+    run-time placements, ``codegen/fused.py``): "auto" builds on the interpreter, "emitted" raises.
+    (No step: the kernels run under Triton's interpreter here; ``test_fused_kernels.py`` trains them.)"""
     from autopar.api import autoparallelize
-    from autopar.trace import causal_masks
-    from masked_attention import T, MaskedAttention, loss
+    from bodies import build, sgd
 
-    causal_masks.MAX_ELEMENTS = 0               # this rank only: nothing folds at trace time
-    torch.manual_seed(0)
-    x = torch.randint(0, 16, (4, T), generator=torch.Generator().manual_seed(1))
-    sgd = lambda params: torch.optim.SGD(params, lr=0.5)      # noqa: E731
-    pm = autoparallelize(MaskedAttention("causal"), (x,), loss_fn=loss, example_target=x, optimizer=sgd,
-                         force="dp=2", timeout_s=60, engine="auto")
-    pm.step((x,), x)
+    b = build(False)
+    pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
+                         optimizer=sgd, force="dp=2", timeout_s=60, engine="auto", kernels="on")
     out = {"engine": pm.engine, "reason": pm.engine_reason,
            "runners": sorted({type(ex).__name__ for ex in pm._made})}
     try:
-        autoparallelize(MaskedAttention("causal"), (x,), loss_fn=loss, example_target=x, optimizer=sgd,
-                        plan=pm.plan, timeout_s=60, engine="emitted")
+        autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
+                        optimizer=sgd, plan=pm.plan, timeout_s=60, engine="emitted", kernels="on")
         out["error"] = "no error"
     except Exception as e:  # the test inspects what every rank raised
         out["error"] = f"{type(e).__name__}: {e}"

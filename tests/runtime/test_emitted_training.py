@@ -4,8 +4,8 @@ process within the bounds of ``bodies.py``, and every rank issued exactly the co
 predicts (``codegen/expected.py``, ``expected_pipeline.py``), as the interpreter does
 (``test_families.py``, ``test_pipeline.py``). Each case asserts that the emitted modules really ran
 (``pm.engine``, the runners' type): a silent fallback would prove nothing. A plan the emitted code
-does not cover (a constant attention mask checked on the first step) falls back under "auto" with
-the reason, and raises a one-line error under "emitted" on every rank.
+does not cover (fused kernels, decided per node at run time) falls back under "auto" with the
+reason, and raises a one-line error under "emitted" on every rank.
 
 One launch per world size runs all its cases."""
 from __future__ import annotations
@@ -110,16 +110,16 @@ def test_emitted_training_pipeline(pipeline_ranks):
 
 
 def test_auto_falls_back_and_emitted_refuses(two_ranks):
-    """A constant attention mask checked on the first step: "auto" runs the interpreter and says
-    why; "emitted" raises the same one-line error on every rank, naming the gap and the way out.
-    (BatchNorm's in-place statistics were the gap until the twentieth session: they run on the
-    emitted modules now, ``test_buffers_and_targets.py``.)"""
+    """Fused kernels on: "auto" runs the interpreter and says why; "emitted" raises the same
+    one-line error on every rank, naming the gap and the way out. (BatchNorm's in-place statistics
+    and constant attention masks were gaps until the twentieth session: they run on the emitted
+    modules now, ``test_buffers_and_targets.py``, ``tests/trace/test_causal_masks.py``.)"""
     gaps = two_ranks[2]
     for g in gaps:
         assert g["engine"] == "interpreter" and g["runners"] == ["GraphExecutor"], g
-        assert "constant attention mask" in g["reason"], g["reason"]
+        assert "fused kernels" in g["reason"], g["reason"]
         err = g["error"]
         assert err.startswith("EngineError: engine='emitted' cannot run this plan"), err
-        assert "constant attention mask" in err and "engine='interpreter'" in err and "engine='auto'" in err
+        assert "fused kernels" in err and "engine='interpreter'" in err and "engine='auto'" in err
         assert "\n" not in err
     assert gaps[0]["error"] == gaps[1]["error"]
