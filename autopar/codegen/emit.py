@@ -77,7 +77,7 @@ from autopar.codegen.emit_runtime import (StageRuntime, buffer, context_attentio
 from autopar.codegen.program import RankProgram, axis_index, compile_program
 from autopar.codegen.stages import PipelineCut, wire_placements
 from autopar.codegen.vocab_ce import VOCAB_CE_TARGET
-from autopar.codegen.writes import is_view, written_args, written_root
+from autopar.codegen.writes import buffer_writes, written_from_outside
 from autopar.ir import SDPA_TARGET, GraphIR
 from autopar.mesh import DATA, TENSOR
 from autopar.placements import Partial, Replicate, Shard
@@ -246,18 +246,8 @@ class _Emitter:
         env[node.name] = out
 
     def writes(self, node: fx.Node) -> tuple:
-        """((operand position, buffer name, whether the operand is the buffer's placeholder itself),
-        ...) of the buffers ``node`` writes in place (BatchNorm statistics, counters, caches)."""
-        out = []
-        for i in written_args(node):
-            a = node.args[i]
-            if not isinstance(a, fx.Node):
-                continue
-            root, direct = written_root(a)
-            rp = self.plans.get(root.name)
-            if root.op == "placeholder" and rp is not None and rp.kind == "buffer" and rp.param_name:
-                out.append((i, rp.param_name, direct))
-        return tuple(out)
+        """The buffers ``node`` writes in place (``writes.buffer_writes``)."""
+        return buffer_writes(node, self.plans)
 
     @staticmethod
     def written(out: fx.Node, writes: tuple, p, g: fx.Graph, rt: fx.Node, args) -> fx.Node:
@@ -309,15 +299,8 @@ class _Emitter:
 
 def _written_reads(inner: list, names: set, reads: list) -> tuple[int, ...]:
     """Positions in ``reads`` (what a recompute region reads from outside) of the values its ops
-    write in place, followed back through views inside the region (``emit_runtime.recompute``)."""
-    written = set()
-    for n in inner:
-        for i in written_args(n):
-            v = n.args[i]
-            while isinstance(v, fx.Node) and v.name in names and is_view(v) and isinstance(v.args[0], fx.Node):
-                v = v.args[0]
-            if isinstance(v, fx.Node) and v.name not in names:
-                written.add(v.name)
+    write in place (``emit_runtime.recompute``)."""
+    written = set().union(*(written_from_outside(n, names) for n in inner))
     return tuple(i for i, name in enumerate(reads) if name in written)
 
 

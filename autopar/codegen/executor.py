@@ -71,7 +71,7 @@ from autopar.codegen.fused import FusedKernels
 from autopar.codegen.patterns import Match, find_fusions, node_inputs
 from autopar.codegen.program import NodePlan, Placements, Region, RankProgram, axis_index
 from autopar.codegen.shards import contiguous_stride, local_ranges, slice_of
-from autopar.codegen.writes import is_view, probe_copies, write_back, written_args, written_root
+from autopar.codegen.writes import buffer_writes, probe_copies, write_back, written_from_outside
 from autopar.codegen.vocab_ce import (VOCAB_CE_TARGET, VocabParallelCE, ce_arg, class_sharded_on_tp,
                                       vocab_parallel_ce)
 from autopar.ir import SDPA_TARGET
@@ -244,21 +244,8 @@ class GraphExecutor:
             inside = {n.name for n in members}
             read_written = set()
             for n in members:
-                found = []
-                for i in written_args(n):
-                    a = n.args[i]
-                    if not isinstance(a, fx.Node):
-                        continue
-                    root, direct = written_root(a)
-                    p = self.plans.get(root.name)
-                    if root.op == "placeholder" and p is not None and p.kind == "buffer" and p.param_name:
-                        found.append((i, p.param_name, direct))
-                    # the value that is written, as the region receives it from outside
-                    v = a
-                    while v.name in inside and is_view(v) and isinstance(v.args[0], fx.Node):
-                        v = v.args[0]
-                    if v.name not in inside:
-                        read_written.add(v.name)
+                found = buffer_writes(n, self.plans)
+                read_written |= written_from_outside(n, inside)
                 if found:
                     writes[n.name] = tuple(found)
             if u[0] == "region" and read_written:

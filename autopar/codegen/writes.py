@@ -37,6 +37,35 @@ def probe_copies(op, args) -> tuple:
     return tuple(a.detach().clone() if i in written and isinstance(a, torch.Tensor) else a for i, a in enumerate(args))
 
 
+def buffer_writes(node: fx.Node, plans: dict) -> tuple:
+    """((operand position, buffer name, whether the operand is the buffer's placeholder itself),
+    ...) of the buffers ``node`` writes in place (BatchNorm statistics, counters, caches);
+    ``plans``: node name -> its ``program.NodePlan``."""
+    out = []
+    for i in written_args(node):
+        a = node.args[i]
+        if not isinstance(a, fx.Node):
+            continue
+        root, direct = written_root(a)
+        p = plans.get(root.name)
+        if root.op == "placeholder" and p is not None and p.kind == "buffer" and p.param_name:
+            out.append((i, p.param_name, direct))
+    return tuple(out)
+
+
+def written_from_outside(node: fx.Node, inside: set) -> set:
+    """Names of the values from outside ``inside`` (node names) that ``node`` writes in place,
+    followed back through views inside (what a recompute region reads and writes)."""
+    out = set()
+    for i in written_args(node):
+        v = node.args[i]
+        while isinstance(v, fx.Node) and v.name in inside and is_view(v) and isinstance(v.args[0], fx.Node):
+            v = v.args[0]
+        if isinstance(v, fx.Node) and v.name not in inside:
+            out.add(v.name)
+    return out
+
+
 def is_view(node: fx.Node) -> bool:
     t = node.target
     if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or not node.args:
