@@ -14,6 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate as TReplicate, Shard as TShard
 
 from autopar.codegen.program import Placements
+from autopar.codegen.shards import contiguous_stride
 from autopar.placements import Partial, Replicate, Shard, gathers_only, redistribute_steps, to_torch
 
 
@@ -51,7 +52,7 @@ def _contiguous(x: DTensor) -> DTensor:
     if x.is_contiguous():
         return x
     return DTensor.from_local(x.to_local().contiguous(), x.device_mesh, x.placements, run_check=False,
-                              shape=x.shape, stride=torch.empty(x.shape, device="meta").stride())
+                              shape=x.shape, stride=contiguous_stride(x.shape))
 
 
 def release_masks(out) -> None:

@@ -172,7 +172,7 @@ class _Emitter:
             return                           # inputs: made by the caller; parameters: on first use
         if node.op != "call_function":
             raise NotImplementedError(f"{node.format_node()}: node op {node.op!r} is not emitted")
-        writes = self.writes(node)
+        writes = buffer_writes(node, self.plans)
         self.grad[node.name] = any(self.grad.get(a.name, False) for a in node.all_input_nodes) and (
             meta is None or meta.is_floating_point())
         if self.plain(node.name):            # local-dp mode: the op on plain local tensors, no edges
@@ -244,10 +244,6 @@ class _Emitter:
                                                           meta.dim() if meta is not None else 0)), *keep),
                                   name=f"{node.name}_pinned")
         env[node.name] = out
-
-    def writes(self, node: fx.Node) -> tuple:
-        """The buffers ``node`` writes in place (``writes.buffer_writes``)."""
-        return buffer_writes(node, self.plans)
 
     @staticmethod
     def written(out: fx.Node, writes: tuple, p, g: fx.Graph, rt: fx.Node, args) -> fx.Node:

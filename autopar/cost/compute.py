@@ -48,7 +48,7 @@ _NORM = frozenset({"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_no
                    "native_group_norm", "batch_norm", "native_batch_norm", "_native_batch_norm_legit",
                    "_native_batch_norm_legit_no_training", "instance_norm"})
 _ACTIVATION = frozenset({"gelu", "silu", "tanh", "sigmoid", "erf", "exp", "log", "elu", "selu", "softplus",
-                         "mish", "hardswish", "gelu_backward", "silu_backward"})
+                         "mish", "hardswish"})
 _SOFTMAX = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "cross_entropy_loss", "nll_loss",
                       "nll_loss_forward", "nll_loss_nd", "logsumexp"})
 MEMORY_CLASSES = ("norm", "activation", "softmax", "elementwise")

@@ -145,7 +145,10 @@ class GPUSpec:
 
     def memory_eff_for(self, mclass: str) -> float:
         """The memory efficiency of a memory-bound op of class ``mclass`` (``compute.memory_class``)."""
-        return dict(self.memory_class_efficiency).get(mclass, self.memory_efficiency)
+        for c, eff in self.memory_class_efficiency:      # (no dict: once per strategy of every node)
+            if c == mclass:
+                return eff
+        return self.memory_efficiency
 
     def node_overhead_s(self, dtensor: bool, mesh_axes: int = 1) -> float:
         """The host's cost per graph node per step: plain tensors, DTensor, or DTensor over a mesh

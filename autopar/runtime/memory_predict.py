@@ -146,8 +146,7 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
                              params_bytes=total["params"], grads_bytes=total["grads"],
                              optimizer_bytes=total["optimizer"], activations_bytes=st.inflight * per_mb,
                              resident_saved_bytes=largest, inflight=st.inflight,
-                             saved_bytes_per_microbatch=per_mb - recast_per_microbatch(summary, cfg, parts, st.layers,
-                                                                                       classes),
+                             saved_bytes_per_microbatch=per_mb - recast_per_microbatch(summary, cfg, parts, st.layers),
                              microbatches=cfg.m, moments=optimizer_moments(optimizer))
         host = off["host"]
         if act_off:                    # on the host; the backward brings one node's back at a time, at

@@ -201,9 +201,10 @@ class Reshard(Observed):
         self._done.add(g)
         self.regathered += 1
         self.prefetched += flight is not None
-        later = [h for h in self._packed if h < g and h not in self._done and h not in self._coming]
-        if later and self._wanted(max(later)):
-            self._coming[max(later)] = self.groups.start(self._wanted(max(later)))
+        nxt = max((h for h in self._packed if h < g and h not in self._done and h not in self._coming), default=None)
+        wanted = self._wanted(nxt) if nxt is not None else []
+        if wanted:
+            self._coming[nxt] = self.groups.start(wanted)
         return got
 
     def _wanted(self, g: int) -> list:

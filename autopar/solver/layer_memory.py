@@ -95,7 +95,7 @@ def forward_gather_bytes(summary: AxisSummary, cfg: OuterConfig, param_bytes: in
     instead (the copies are the tensors): two layers. A parameter read by the embedding and the
     head (tied) is gathered alone and held by the forward's scope to its last reader, the head:
     whole beside every landing. 0 without gather groups."""
-    if cfg.zero != 3 or (cfg.data == 1 and "params" not in cfg.classes):
+    if not zero3_gathers(cfg):
         return 0.0
     layers = 2.0 if cfg.data == 1 else 2.0 + 1.0 / cfg.data
     return (layers * summary.parts["block"].param_numel + summary.shared_param_numel) * param_bytes
@@ -120,14 +120,20 @@ def saved_per_microbatch(summary: AxisSummary, cfg: OuterConfig, parts, lps: flo
     return per_mb + sum(p.saved_bytes for p, _, name in parts if name != "block")
 
 
-def recast_per_microbatch(summary: AxisSummary, cfg: OuterConfig, parts, lps: float, classes) -> float:
+def zero3_gathers(cfg: OuterConfig) -> bool:
+    """ZeRO-3 gathers parameters before use: over dp > 1 ranks, or from the host (parameter
+    offload); the planner's ``runtime/params.ParamContext.gathers``."""
+    return cfg.zero == 3 and (cfg.data > 1 or "params" in cfg.classes)
+
+
+def recast_per_microbatch(summary: AxisSummary, cfg: OuterConfig, parts, lps: float) -> float:
     """Of ``saved_per_microbatch``: the bytes of autocast's low copies of resident parameters, which
     activation offload makes again from the parameter in the backward instead of sending them to
     the host and back (``runtime/offload.cast_of_resident``): those of the layers that save in full
     (a recomputed layer saves only its input; per-op recompute re-runs no matmul) and of the
     embedding's and head's parts. None under ZeRO-3 with gathers (dp > 1 or parameters on the host):
     a gathered copy is not resident, it is offloaded."""
-    if cfg.zero == 3 and (cfg.data > 1 or "params" in classes):
+    if zero3_gathers(cfg):
         return 0.0
     k = recomputed_layers(cfg, lps, for_memory=True)
     return (lps - k) * summary.parts["block"].weight_copy_bytes + \

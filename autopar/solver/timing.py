@@ -446,7 +446,7 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
     if cls:
         saved = saved_per_microbatch(summary, cfg, parts, lps)
         if "activations" in cls:          # weight copies made again from the weights, not offloaded
-            again = recast_per_microbatch(summary, cfg, parts, lps, cls)
+            again = recast_per_microbatch(summary, cfg, parts, lps)
             saved -= again                # the cast writes the 16-bit copy and reads the stored weight
             compute += again * (1 + profile.param_bytes / 2) / (gpu.hbm_Bps * gpu.memory_efficiency)
         _merge(comm, offload_microbatch_times(cls, host_params_bytes=param_b / cfg.data if cfg.zero == 3 else param_b,
@@ -516,8 +516,7 @@ def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile
                              params_bytes=states["params"], grads_bytes=states["grads"],
                              optimizer_bytes=states["optimizer"], activations_bytes=activations,
                              resident_saved_bytes=resident_saved_bytes(largest, "activations" in copies_over),
-                             saved_bytes_per_microbatch=per_mb - recast_per_microbatch(summary, cfg, parts, lps,
-                                                                                       cfg.classes),
+                             saved_bytes_per_microbatch=per_mb - recast_per_microbatch(summary, cfg, parts, lps),
                              inflight=inflight, microbatches=cfg.m, moments=MOMENTS)
         states = off
         activations = off["activations"]
