@@ -155,9 +155,14 @@ class MemoryUse:
     optimizer_bytes: int
     activations_bytes: int
     other_bytes: int
-    total_bytes: int                 # on the GPU (the categories above)
+    total_bytes: int                 # the peak on the GPU: the categories' sum or less (they need not peak at once)
     host_bytes: int = 0              # offloaded to host memory, per GPU (the rank that needs most)
     nvme_bytes: int = 0              # offloaded to NVMe, per GPU
+
+    @property
+    def categories_bytes(self) -> int:
+        """Each category's peak added: the peak were they all at once (``solver/step_memory.py``)."""
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes + self.other_bytes
 
 
 @dataclass(frozen=True)

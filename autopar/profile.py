@@ -106,7 +106,7 @@ def compute_shares(evaluation, summary, profile, cluster) -> dict[str, float]:
     (``memory_predict.plan_evaluation``) on ``cluster``."""
     from autopar.solver.layer_memory import recomputed_layers
     from autopar.solver.overlap import grad_pass_s
-    from autopar.solver.timing import rank_parts
+    from autopar.solver.layer_memory import rank_parts
 
     ev = evaluation
     st = max(ev.stages, key=lambda s: s.layers)

@@ -28,6 +28,7 @@ def test_largest_model_quick(tmp_path, capsys):
     assert list(rows) == ["DDP", "ZeRO-3", "autopar"]
     for r in rows.values():
         assert 0 < float(r["peak_mib"]) <= float(r["budget_mib"]), r
+        assert r["layers"] == r["planned_layers"], r       # the planned model itself fit (the plan's peak held)
         assert float(r["step_s"]) > 0 and float(r["loss_last"]) == float(r["loss_last"]), r
     params = {k: int(r["params"]) for k, r in rows.items()}
     assert params["autopar"] > params["ZeRO-3"] > params["DDP"], params

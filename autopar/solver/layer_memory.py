@@ -1,8 +1,8 @@
 """What one layer keeps and needs beside it, per micro-batch: the activations it saves under each
 recompute choice, the workspace of a backward (the largest output's gradients, a re-materialized
 layer, ZeRO-3's gathered layers) and what the last pipeline stage holds for the loss. Shared by the
-step model (``timing._rank_memory``), the search's memory-constrained ILP and the run's predicted
-peak (``runtime/memory_predict.py``).
+step model (``timing._rank_memory``), the search's memory-constrained ILP and the peak by moments
+(``solver/step_memory.py``, which the plan reports and ``runtime/memory_predict.py`` prints).
 """
 from __future__ import annotations
 
@@ -14,6 +14,16 @@ from autopar.solver.outer_config import OuterConfig
 from autopar.solver.problem import AxisSummary, PartCost
 
 ZERO3_PREFETCH_LAYERS = 2            # gathered layers resident at once under ZeRO-3 (current + prefetch)
+
+
+def rank_parts(summary: AxisSummary, layers: float, has_pre: bool, has_post: bool) -> list[tuple[PartCost, float, str]]:
+    """A rank's parts as (cost, count, name): its ``layers`` blocks, the embedding and the head where it holds them."""
+    parts = [(summary.parts["block"], float(layers), "block")]
+    if has_pre:
+        parts.append((summary.parts["pre"], 1.0, "pre"))
+    if has_post:
+        parts.append((summary.parts["post"], 1.0, "post"))
+    return parts
 
 
 def recomputed_layers(cfg: OuterConfig, lps: float, for_memory: bool) -> float:
@@ -44,7 +54,10 @@ def workspace_bytes(summary: AxisSummary, cfg: OuterConfig, backward_bytes: floa
                     param_bytes: int, autocast: bool = False, in_layer: bool = True,
                     forward_apart: bool = False) -> float:
     """Workspace at the peak: the largest output's backward (``backward_bytes``), one layer
-    re-materialized under recompute, the prefetched gathered layers under ZeRO-3. "partial"
+    re-materialized under recompute, ZeRO-3's gathers inside a layer's backward: the layer in use
+    and the next one prefetched, its collective's output and send buffers (2 + 1/dp layers, each a
+    whole copy beside the rank's own rows; measured so at the peak, the storage tracker's live
+    list: the layer's copies, a layer-sized output buffer, a half-layer send buffer over dp=2). "partial"
     recomputes a rank's FIRST layers, whose backward comes last, when the later layers' activations
     are freed: a re-materialized layer adds to the peak only when every layer recomputes (``lps``
     unknown: as "full", the least memory). ZeRO-3 gathers a layer again in the backward only for
@@ -53,9 +66,10 @@ def workspace_bytes(summary: AxisSummary, cfg: OuterConfig, backward_bytes: floa
     layer), so the gathers peak in the (re-run) forward, not beside the backward's workspace: the
     larger of the two counts (the fp32 norms' weights, re-gathered, are left out); a re-run forward
     is inside the backward, which does not prefetch: one layer of gathers beside it. ``in_layer``
-    False: the workspace of the embedding's or the head's backward (``memory_predict``'s per-piece
-    workspace), beside which no layer is re-materialized. ``forward_apart``: the caller counts the
-    forward's gathers at their own peak (``forward_gather_bytes``; ``runtime/memory_predict.py``), so
+    False: the workspace of the embedding's or the head's backward (``step_memory``'s per-piece
+    workspace), beside which no layer is re-materialized or gathered (a layer's re-gather starts
+    with its own backward). ``forward_apart``: the caller counts the
+    forward's gathers at their own peak (``forward_gather_bytes``; ``solver/step_memory.py``), so
     gathers that happen only in the forward (autocast without recompute) are left out here."""
     blk = summary.parts["block"]
     other = 0.0
@@ -75,10 +89,9 @@ def workspace_bytes(summary: AxisSummary, cfg: OuterConfig, backward_bytes: floa
         # most activations through the forward, beside which the forward's two layers may peak.)
         gathered = 1
     gathers = 0.0
-    if cfg.zero == 3 and "params" in cfg.classes:     # the rank's own rows are on the host too
-        gathers = gathered * blk.param_numel * param_bytes
-    elif cfg.zero == 3 and cfg.data > 1:
-        gathers = gathered * blk.param_numel * param_bytes * (1 - 1 / cfg.data)
+    if zero3_gathers(cfg) and in_layer:
+        layers = gathered + (1.0 / cfg.data if gathered > 1 and cfg.data > 1 else 0.0)
+        gathers = layers * blk.param_numel * param_bytes
     if autocast:
         if forward_apart and cfg.recompute == "none":
             return other + backward_bytes

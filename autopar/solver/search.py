@@ -157,9 +157,12 @@ def _quick_summary(base: AxisSummary, cfg: OuterConfig) -> AxisSummary:
 # ---- the memory-constrained ILP ----------------------------------------------------------------------
 
 def memory_constraints(tab: AxisTables, cfg: OuterConfig, unconstrained: Evaluation, profile: RuntimeProfile,
-                       budget: float, layer_input_bytes: float) -> tuple[LinearConstraint, ...]:
+                       budget: float, layer_input_bytes: float, by_moments: bool = True) -> tuple[LinearConstraint, ...]:
     """Memory of each rank evaluated (at the unconstrained solution's cut) as a linear function of the
-    strategy choice."""
+    strategy choice: the sum of each category's peak. Where the evaluation takes the peak by moments
+    (``step_memory.py``: without a pipeline), the categories do not all peak at once; ``by_moments``
+    gives the constraint the unconstrained solution's difference between the two as room (the
+    search evaluates the constrained choice by moments and retries without it if that fails)."""
     per_param = _state_bytes_per_param(cfg, profile)
     # activation offload: no saved tensor stays on the device but what the backward brings back,
     # the evaluation's resident bytes (``timing._rank_memory``), a constant of the choice here
@@ -198,6 +201,8 @@ def memory_constraints(tab: AxisTables, cfg: OuterConfig, unconstrained: Evaluat
                         continue
                 coeffs.append(tuple(c.saved_bytes * inflight * mult for c in tab.costs[k]))
         const = st.memory.other_bytes + _grads_const(cfg) + (st.memory.activations_bytes if act_off else 0.0)
+        if by_moments:
+            const -= st.memory.categories_bytes - st.memory.total_bytes
         if cfg.recompute == "full":        # each layer keeps its input (the carried stream), fixed here
             const += inflight * lps * layer_input_bytes
         out.append(LinearConstraint(f"stage{s}", tuple(coeffs), budget - const))
@@ -262,11 +267,13 @@ class _Searcher:
             self.solutions[key] = AxisSolution(tab, choice, summarize(tab, choice), ilp)
         return self.solutions[key]
 
-    def constrained(self, cfg: OuterConfig, base: AxisSolution, ev: Evaluation) -> Optional[AxisSolution]:
+    def constrained(self, cfg: OuterConfig, base: AxisSolution, ev: Evaluation,
+                    by_moments: bool = True) -> Optional[AxisSolution]:
         """The memory-constrained ILP; with several tensor axes, of the inner axis given the outer
-        axes' choices (its tables hold the tensors as one rank of them does: ``tensor_axes.py``)."""
+        axes' choices (its tables hold the tensors as one rank of them does: ``tensor_axes.py``).
+        ``by_moments``: ``memory_constraints``'."""
         tab = base.tables
-        cons = memory_constraints(tab, cfg, ev, self.profile, self.budget, base.summary.layer_input_bytes)
+        cons = memory_constraints(tab, cfg, ev, self.profile, self.budget, base.summary.layer_input_bytes, by_moments)
         if any(c.rhs < 0 for c in cons):
             return None
         ilp = solve_ilp(ilp_problem(tab, cons))
@@ -403,20 +410,10 @@ class _Searcher:
                     continue
             else:
                 # lb_ev holds the exact evaluation here (in the offload pass: of the leanest variant)
-                csol = self.constrained(lb_ev.config, sol, lb_ev)
-                if csol is None:
+                found = self._constrained_fit(cfg, sol, lb_ev)
+                if found is None:
                     continue
-                if self.offload_pass:
-                    fit, ev, blocked = best_variant(csol.summary, cfg, self.cluster, self.profile, self.budget)
-                    self._note_blocked(blocked)
-                    ev = fit or ev
-                else:
-                    ev = evaluate(csol.summary, cfg, self.cluster, self.profile, self.budget)
-                if ev.fits_device and not ev.fits:
-                    self._note_blocked(ev)
-                if not ev.fits:
-                    continue
-                sol = csol
+                sol, ev = found
             if best is None or ev.step.total_s < best[0].step.total_s:
                 best = (ev, sol)
         self.progress("search", total, total)
@@ -428,6 +425,27 @@ class _Searcher:
                     smallest = (need, cfg)
             raise self._infeasible(smallest, smallest_exact)
         return best
+
+    def _constrained_fit(self, cfg: OuterConfig, sol: AxisSolution,
+                         ev: Evaluation) -> Optional[tuple[AxisSolution, Evaluation]]:
+        """The memory-constrained ILP's choice for ``cfg`` (``ev``: its unconstrained evaluation)
+        and its evaluation, when it fits: first with the room the peak by moments leaves, then,
+        if that choice does not fit, with every category at its peak at once."""
+        for by_moments in (True, False):
+            csol = self.constrained(ev.config, sol, ev, by_moments)
+            if csol is None:
+                continue
+            if self.offload_pass:
+                fit, cev, blocked = best_variant(csol.summary, cfg, self.cluster, self.profile, self.budget)
+                self._note_blocked(blocked)
+                cev = fit or cev
+            else:
+                cev = evaluate(csol.summary, cfg, self.cluster, self.profile, self.budget)
+            if cev.fits_device and not cev.fits:
+                self._note_blocked(cev)
+            if cev.fits:
+                return csol, cev
+        return None
 
     def _note_blocked(self, ev: Optional[Evaluation]) -> None:
         """Keep the offload plan that fit the GPU but not the host / NVMe budget with the least host

@@ -78,9 +78,11 @@ from autopar.solver.overlap import (account as overlap_account, accumulates_rows
                                     grad_pass_s, reduces_once_per_step)
 from autopar.solver.runtime_profile import RuntimeProfile
 from autopar.recompute_ops import is_per_op
-from autopar.solver.layer_memory import (activation_bytes_per_layer, held_loss_input_bytes, rc_of, recomputed_layers,
-                                         recast_per_microbatch, saved_per_microbatch, workspace_bytes)
+from autopar.solver.layer_memory import (activation_bytes_per_layer, held_loss_input_bytes, rank_parts, rc_of,
+                                         recast_per_microbatch, recomputed_layers, saved_per_microbatch,
+                                         workspace_bytes)
 from autopar.solver.outer_config import OuterConfig
+from autopar.solver.step_memory import RankShape, rank_peak
 
 MEMORY_RESERVE_FRACTION = 0.05       # of HBM kept free for the CUDA context, NCCL buffers, fragmentation
 # Adam step traffic per parameter besides the gradient: read param 2 + master 4 + m 4 + v 4,
@@ -135,15 +137,6 @@ def host_budgets(cluster: ClusterSpec) -> tuple[float, float]:
     and its NVMe, shared by its GPUs."""
     return (cluster.host_memory_bytes * (1.0 - HOST_MEMORY_RESERVE_FRACTION) / cluster.gpus_per_node,
             cluster.nvme_bytes / cluster.gpus_per_node)
-
-
-def rank_parts(summary: AxisSummary, layers: float, has_pre: bool, has_post: bool) -> list[tuple[PartCost, float, str]]:
-    parts = [(summary.parts["block"], float(layers), "block")]
-    if has_pre:
-        parts.append((summary.parts["pre"], 1.0, "pre"))
-    if has_post:
-        parts.append((summary.parts["post"], 1.0, "post"))
-    return parts
 
 
 def grad_pieces(summary: AxisSummary, lps: int, first: bool, last: bool, wire_bytes: int) -> tuple[GradPiece, ...]:
@@ -527,7 +520,14 @@ def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile
     other += reducer_transient_bytes(numel * profile.grad_bytes, cfg.data, cfg.zero, bucket_bytes(), activations + other,
                                      accumulates_rows(cfg))
     params, grads, optim = (int(states["params"]), int(states["grads"]), int(states["optimizer"]))
-    total = params + grads + optim + int(activations) + int(other)
+    if cfg.pp == 1:         # the categories peak at different moments (``step_memory.py``)
+        shape = RankShape(r, lps, *rank_holds(cfg, r), inflight, numel, activations)
+        per = {"params": profile.param_bytes, "grads": profile.grad_bytes, "optimizer": profile.optimizer_bytes}
+        total = int(rank_peak(summary, cfg, shape, parts, per, autocast=profile.autocast, moments=MOMENTS,
+                              prefetch="activations" in copies_over).peak)
+    else:                   # a pipeline rank: each category's peak added, a bound (its schedule's
+        # replay, what the run predicts, would cost the search one per evaluated rank)
+        total = params + grads + optim + int(activations) + int(other)
     return MemoryUse(params, grads, optim, int(activations), int(other), total, host, nvme)
 
 

@@ -75,7 +75,7 @@ def test_zero_bubble_hand_worked():
     assert replay_peak_bytes(acts, chunks, workspace=4.0) == pytest.approx(30.0)
     # a larger workspace binds at the input pass instead of the held gradients: 20 + 5 + 9
     assert replay_peak_bytes(acts, chunks, workspace=9.0) == pytest.approx(34.0)
-    # the activations alone (``memory_predict``'s category): 20 after 3F1, each stage's own in-flight count
+    # the activations alone (``step_memory``'s category): 20 after 3F1, each stage's own in-flight count
     assert replay_peak_bytes(acts, {s: activations_only(c) for s, c in chunks.items()}) == pytest.approx(20.0)
 
 

@@ -44,7 +44,7 @@ BASE = {"dp": "dp=2,zero=0", "tp": "tp=2", "dp_zero3": "dp=2,zero=3", "pp": "pp=
         "dp_zero3_micro_batches": "dp=2,zero=3,mbs=1"}
 # offload (``runtime/offload.py``): the host's share is not device memory; the device keeps the rest
 # (bf16 activation offload: the peak is inside a layer's backward, beside the gradients of the layers
-# after it, not at the loss's, beside none: ``memory_predict.piece_workspace``; predicted 27% over before)
+# after it, not at the loss's, beside none: ``step_memory.rank_peak``'s ``piece_workspace``; predicted 27% over before)
 OFFLOAD = {"dp_offload_optimizer": "dp=2,offload=optimizer",
            "tp_offload_optimizer_activations": "tp=2,offload=optimizer+activations",
            "tp_offload_optimizer_activations_bf16": "tp=2,offload=optimizer+activations",
@@ -54,7 +54,7 @@ OFFLOAD = {"dp_offload_optimizer": "dp=2,offload=optimizer",
            "dp_zero3_offload_all_bf16": "dp=2,zero=3,offload=optimizer+grads+params+activations,recompute=full",
            # the same without recompute (the solver's choice once biases' 16-bit copies stopped being
            # counted as saved): its peak is in the forward, at a layer's gather landing, beside no
-           # gradient (``memory_predict._forward_gather_peak``; predicted 13% over while the gathers
+           # gradient (``step_memory._forward_gather_peak``; predicted 13% over while the gathers
            # were counted in the backward, beside the gradients)
            "dp_zero3_offload_all_no_recompute_bf16": "dp=2,zero=3,offload=optimizer+grads+params+activations,"
                                                      "recompute=none"}

@@ -1,0 +1,75 @@
+"""The plan's peak memory by moments (``solver/step_memory.py``): the figure ``autopar plan`` reports
+and the search fits to the budget is the one ``autopar run --memory`` predicts for the same dtype and
+optimizer (which ``tests/runtime/test_memory_measure.py`` holds within 10% of the measured peak);
+the categories' sum (the plan's figure before) over-counts what the backward has freed."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autopar.solver import plan_model, solve
+from autopar.solver.forcing import parse_force
+
+from solver_helpers import traced
+
+MiB = 2**20
+SPEC = "gpt:hidden=256,layers=24,heads=4,vocab=512,seq=64"
+FAMILIES = ("dp=2,zero=0,recompute=none", "dp=2,zero=1,recompute=none", "dp=2,zero=2,recompute=none",
+            "dp=2,zero=3,recompute=none", "dp=2,zero=3,recompute=full", "tp=2,recompute=none",
+            "dp=2,zero=3,offload=optimizer+grads+params", "dp=2,zero=0,mbs=1,recompute=none")
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from autopar.cost.hardware import resolve_cluster
+
+    g, _ = traced(SPEC, batch=4)
+    return g, dataclasses.replace(resolve_cluster("cpu", nodes=1, gpus_per_node=2), host_memory_bytes=6e9)
+
+
+def _solve(setup, force: str, budget_mib: float = 4096):
+    g, cluster = setup
+    return solve(g, cluster, global_batch=4, seq_len=64, dtype="float32", memory_budget_bytes=budget_mib * MiB,
+                 force=parse_force(force))
+
+
+@pytest.mark.parametrize("force", FAMILIES)
+def test_the_plan_reports_the_peak_the_run_predicts(setup, force):
+    from autopar.runtime.memory_predict import plan_evaluation, predict_memory
+
+    g, cluster = setup
+    plan = _solve(setup, force).plan
+    ev, summary, profile = plan_evaluation(plan, g, cluster)
+    run = predict_memory(ev, summary, 0, "float32", "adamw", profile, "cpu")
+    assert plan.memory.total_bytes == run.peak_bytes
+    assert plan.memory.total_bytes <= plan.memory.categories_bytes
+    if "recompute=none" in force and "mbs=1" not in force:
+        # one micro-batch: the gradients grow as the backward frees the activations
+        assert plan.memory.total_bytes < 0.95 * plan.memory.categories_bytes
+
+
+def test_a_budget_the_peak_fits_needs_no_recompute(setup):
+    """Between the no-recompute plan's peak and its categories' sum, nothing needs recomputing
+    (adding the categories, the search recomputed)."""
+    g, cluster = setup
+    none = _solve(setup, "dp=2,zero=3,recompute=none").plan
+    budget = (none.memory.total_bytes + none.memory.categories_bytes) / 2
+    plan = plan_model(g, cluster, global_batch=4, seq_len=64, dtype="float32", memory_budget_bytes=budget,
+                      force="dp=2,zero=3,mbs=2")
+    assert plan.recompute == "none" and plan.memory.total_bytes <= budget < plan.memory.categories_bytes
+
+
+@pytest.mark.parametrize("force", ["dp=2,zero=3,recompute=none", "tp=2,recompute=none", "tp=2,recompute=selective"])
+def test_the_memory_constraint_at_the_unconstrained_choice(setup, force):
+    """The memory-constrained ILP's linear constraint, at the choice it starts from, is the
+    evaluated peak (``by_moments``: the room the moments leave) or the categories' sum."""
+    from autopar.solver.search import memory_constraints
+
+    res = _solve(setup, force)
+    ev, sol = res.evaluation, res.solution
+    for by_moments, want in ((True, ev.memory.total_bytes), (False, ev.memory.categories_bytes)):
+        (c,) = memory_constraints(sol.tables, ev.config, ev, res.profile, 0.0, sol.summary.layer_input_bytes,
+                                  by_moments)
+        lhs = sum(co[sol.choice[k]] for co, k in zip(c.coeffs, sol.tables.keys))
+        assert lhs - c.rhs == pytest.approx(want, rel=1e-9)
