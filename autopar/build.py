@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import sys
 import warnings
 from typing import Any, Callable, Optional, Union
 
@@ -34,6 +36,17 @@ from autopar.solver.forcing import Force, check_world, parse_force
 log = logging.getLogger("autopar.runtime")
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+
+
+def _caller_level() -> int:
+    """``warnings.warn``'s stacklevel, from the function that calls this one, of the first frame
+    outside the autopar package: the user's ``autoparallelize`` (or first ``step``) line, however
+    deep the build ran."""
+    pkg = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(pkg + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class IdleAxisWarning(UserWarning):
@@ -210,7 +223,7 @@ def build(s: Setup, example_target: torch.Tensor) -> Built:
         from autopar.report import idle_axis_notes
 
         for note in idle_axis_notes(plan_):
-            warnings.warn(note, IdleAxisWarning, stacklevel=2)
+            warnings.warn(note, IdleAxisWarning, stacklevel=_caller_level())
     log.info("rank %d: plan %s zero=%d recompute=%s sp=%s", s.rank, whole.describe(),
              plan_.zero_stage, plan_.recompute, plan_.sequence_parallel)
     return Built(model=model, plan=plan_, train_graph=graph, mesh=mesh, program=program, store=store,

@@ -61,8 +61,13 @@ def _recompute_fields(ev: Evaluation) -> dict:
 
 def stage_layers(cfg, cuts) -> tuple[dict[int, list[int]], list[int]]:
     """(rank -> its global stages, layers of each of the pp * v stages): rank r's layers
-    ``cuts[r]`` split over its v stages as evenly as possible (the stage with the embedding or head
-    gets the smaller share); ``stage_rank``'s layout."""
+    ``cuts[r]`` split over its v stages as evenly as possible; ``stage_rank``'s layout. The
+    remainder goes to the rank's later local stages: its first one runs the warm-up's forwards and
+    holds the most micro-batches at the activation peak (interleaved_zb, p=8, m=64: 16 of rank 2's
+    first stage, none of its second), so a larger first stage would make the rank's peak more than
+    its layers times the schedule's average in-flight count, which the step model charges
+    (``cost.memory.pipeline_inflight_microbatches``). A stage with the embedding or the head takes
+    the smaller share."""
     p, v, n_st = cfg.pp, cfg.v, cfg.pp * cfg.v
     if cfg.schedule in V_SCHEDULES:
         local = {r: [r, 2 * p - 1 - r] for r in range(p)}
@@ -71,7 +76,7 @@ def stage_layers(cfg, cuts) -> tuple[dict[int, list[int]], list[int]]:
     layers = [0] * n_st
     for r, idx in local.items():
         q, extra = divmod(cuts[r], v)
-        order = sorted(idx, key=lambda g: (g in (0, n_st - 1), g))     # plain stages take the remainder
+        order = sorted(idx, key=lambda g: (g in (0, n_st - 1), -idx.index(g)))   # later plain stages: the remainder
         for j, g in enumerate(order):
             layers[g] = q + (1 if j < extra else 0)
     return local, layers

@@ -97,6 +97,7 @@ class SearchStats:
     pruned_memory: int = 0           # by bound 2
     pruned_bound: int = 0            # by bound 3
     evaluated: int = 0               # evaluated exactly
+    pruned_replay: int = 0           # pipelined candidates over the budget by a rank's schedule replay
     tables_built: int = 0
     ilp_solves: int = 0
     ilp_constrained: int = 0
@@ -415,6 +416,10 @@ class _Searcher:
                     continue
                 sol, ev = found
             if best is None or ev.step.total_s < best[0].step.total_s:
+                if ev.config.pp > 1 and not evaluate(sol.summary, ev.config, self.cluster, self.profile, self.budget,
+                                                     all_stages=True).fits:
+                    self.stats.pruned_replay += 1     # a rank's schedule replay exceeds the budget
+                    continue
                 best = (ev, sol)
         self.progress("search", total, total)
         if best is None:
@@ -533,7 +538,9 @@ def _build_plan(s: _Searcher, ev: Evaluation, sol: AxisSolution, seq_len, solve_
     stages = plan_stages(full, sol.summary)
     notes = [f"runtime profile: {s.profile.name}",
              f"search: {s.stats.configs} configurations; pruned {s.stats.pruned_memory_quick + s.stats.pruned_memory} "
-             f"by memory bounds, {s.stats.pruned_bound} by the step-time bound; {s.stats.evaluated} evaluated exactly",
+             f"by memory bounds, {s.stats.pruned_bound} by the step-time bound; {s.stats.evaluated} evaluated exactly"
+             + (f"; {s.stats.pruned_replay} pipelined over the budget by a rank's schedule replay"
+                if s.stats.pruned_replay else ""),
              f"tp-axis ILP: {s.stats.ilp_solves} solves ({s.stats.ilp_constrained} memory-constrained) with "
              f"{s.stats.solver or 'no solver (tp=1 only)'}, {s.stats.ilp_time_s:.2f} s, up to "
              f"{s.stats.ilp_max_variables} variables / {s.stats.ilp_max_constraints} constraints"]

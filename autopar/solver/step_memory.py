@@ -186,7 +186,7 @@ def _forward_gather_peak(summary: AxisSummary, cfg: OuterConfig, pieces: Sequenc
     gathered = forward_gather_bytes(summary, cfg, param_bytes)
     if not gathered:
         return 0.0
-    before = sum(a for a, _ in pieces[(1 if rank.has_post else 0) + min(rank.layers, 1):])
+    before = sum(a for a, _ in pieces[(1 if rank.has_post else 0) + int(min(rank.layers, 1)):])
     grads = sum(g for _, g in pieces) if rank.inflight < cfg.m else 0.0
     temps = 2.0 * summary.layer_input_bytes + summary.parts["block"].max_out_bytes
     return before + gathered + temps + grads

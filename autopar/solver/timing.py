@@ -361,6 +361,8 @@ def evaluate(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profi
         slow = max(range(p), key=lambda r: a * cuts[r] + (e_pre if holds[r][0] else 0) + (e_post if holds[r][1] else 0))
         ranks = sorted({0, p - 1, heavy, slow})
     stages = [_rank_eval(summary, cfg, cluster, profile, r, cuts[r]) for r in ranks]
+    if all_stages and p > 1 and not summary.is_lower_bound:
+        stages = [_replayed(summary, cfg, cluster, profile, st, cuts) for st in stages]
 
     bottleneck = max(stages, key=lambda st: st.time_per_microbatch_s)
     t_max = bottleneck.time_per_microbatch_s
@@ -461,6 +463,23 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
     inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)
     return StageEval(r, t_stage, compute, recompute, comm, dp_sync, opt, mem, numel, lps, first, last, inflight,
                      tuple(dp_rows))
+
+
+def _replayed(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profile: RuntimeProfile,
+              st: StageEval, cuts) -> StageEval:
+    """Pipeline rank ``st`` with its peak from its schedule's replay (``step_memory.rank_peak``, what
+    ``autopar run --memory`` predicts): the categories' sum the search fits cuts and strategies
+    with can fall short of it (interleaved_zb, p=8: the first local stage holds 16 micro-batches at
+    the activation peak and the second none, where the sum charges 8 of both; the head's backward
+    holds two logits-sized gradients). The plan's evaluation (``evaluate(all_stages=True)``), which
+    the search also checks each pipelined plan it would keep against (``search.py``)."""
+    shape = RankShape(st.index, st.layers, st.has_pre, st.has_post, st.inflight, st.param_numel,
+                      st.memory.activations_bytes, tuple(cuts))
+    per = {"params": profile.param_bytes, "grads": profile.grad_bytes, "optimizer": profile.optimizer_bytes}
+    peak = rank_peak(summary, cfg, shape, rank_parts(summary, st.layers, st.has_pre, st.has_post), per,
+                     autocast=profile.autocast, moments=MOMENTS,
+                     prefetch="activations" in profile.copies_overlapped(cluster, cfg.data)).peak
+    return replace(st, memory=replace(st.memory, total_bytes=int(peak)))
 
 
 def fit_partial(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profile: RuntimeProfile,

@@ -4,6 +4,7 @@ and a hand-written cache buffer, trained with SGD; and dropout / no-dropout mode
 random-ops warning. Module-level: spawned ranks import this file."""
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -179,4 +180,5 @@ def plan_outcome_job(rank: int, world: int, spec: str, force: str) -> dict:
                             force=force, model_name=spec, timeout_s=60)
         except PlanningError as e:
             return {"error": type(e).__name__, "message": str(e)}
-    return {"idle": [str(w.message) for w in caught if issubclass(w.category, IdleAxisWarning)]}
+    idle = [w for w in caught if issubclass(w.category, IdleAxisWarning)]
+    return {"idle": [str(w.message) for w in idle], "where": [os.path.basename(w.filename) for w in idle]}

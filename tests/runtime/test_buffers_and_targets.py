@@ -146,6 +146,7 @@ def test_idle_forced_axis_warns_and_planning_errors_keep_their_class():
 
     out = spawn_ranks(plan_outcome_job, 2, ("gpt-tiny", "tp=2"), timeout_s=60)
     assert len(out[0]["idle"]) == 1 and "tp axis" in out[0]["idle"][0] and out[1]["idle"] == []
+    assert out[0]["where"] == ["buffer_bodies.py"]      # the caller's autoparallelize line, not autopar's
     out = spawn_ranks(plan_outcome_job, 2, ("gpt:hidden=32,layers=2,heads=1,vocab=64,seq=16", "tp=2"), timeout_s=60)
     assert [o["error"] for o in out] == ["PlanningError"] * 2
     assert out[0]["message"].startswith("planning failed on rank 0: PlanningError: tp=2 does not divide")

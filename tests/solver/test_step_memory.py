@@ -73,3 +73,26 @@ def test_the_memory_constraint_at_the_unconstrained_choice(setup, force):
                                   by_moments)
         lhs = sum(co[sol.choice[k]] for co, k in zip(c.coeffs, sol.tables.keys))
         assert lhs - c.rhs == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("collapsed", [True, False])
+def test_the_memory_bound_of_a_zero3_configuration_is_by_moments_too(setup, collapsed):
+    """The search's memory bound (``timing.memory_lower_bound``: layer counts as floats, 0.0 for a
+    graph traced without collapsing its layers, whose tied embedding ZeRO-3 still gathers) takes the
+    same moments, ZeRO-3's forward gathers among them, and stays under the evaluated peak."""
+    from autopar.models import build_model
+    from autopar.solver.problem import lower_bound_summary
+    from autopar.solver.timing import memory_lower_bound
+    from autopar.trace import trace_model
+
+    g, cluster = setup
+    if not collapsed:
+        b = build_model("gpt-tiny", device="meta")
+        g = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
+                        collapse_repeats=False, model_name="gpt-tiny")
+    res = solve(g, cluster, global_batch=4, seq_len=None, dtype="float32", memory_budget_bytes=4096 * MiB,
+                force=parse_force("dp=2,zero=3,recompute=none"))
+    lb = memory_lower_bound(lower_bound_summary(res.solution.tables), res.evaluation.config, res.profile)
+    exact = memory_lower_bound(res.solution.summary, res.evaluation.config, res.profile)
+    assert exact.total_bytes == res.evaluation.memory.total_bytes
+    assert 0 < lb.total_bytes <= exact.total_bytes
