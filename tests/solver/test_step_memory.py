@@ -96,3 +96,44 @@ def test_the_memory_bound_of_a_zero3_configuration_is_by_moments_too(setup, coll
     exact = memory_lower_bound(res.solution.summary, res.evaluation.config, res.profile)
     assert exact.total_bytes == res.evaluation.memory.total_bytes
     assert 0 < lb.total_bytes <= exact.total_bytes
+
+
+# a pipeline whose last rank's peak is the head's backward: two logits-sized gradients beside the
+# in-flight activations, more than its categories added
+PIPE = "gpt:hidden=64,layers=4,heads=4,vocab=8192,seq=64"
+
+
+@pytest.mark.parametrize("force", ["pp=2,mbs=1", "pp=2,mbs=1,schedule=interleaved_zb,vpp=2"])
+def test_a_pipelined_plan_reports_and_fits_its_schedule_replay(force):
+    from autopar.cost.hardware import resolve_cluster
+    from autopar.runtime.memory_predict import plan_evaluation, predict_memory
+    from autopar.solver.errors import PlanningError
+
+    g, _ = traced(PIPE, batch=8)
+    cluster = resolve_cluster("cpu", nodes=1, gpus_per_node=2)
+    plan = plan_model(g, cluster, global_batch=8, seq_len=None, dtype="float32", force=force)
+    ev, summary, profile = plan_evaluation(plan, g, cluster)
+    replays = [predict_memory(ev, summary, r, "float32", "adamw", profile, "cpu").peak_bytes for r in range(2)]
+    assert plan.memory.total_bytes == max(replays) > plan.memory.categories_bytes
+    # a budget the categories' sum fits and the replay does not: the plan found (if any) fits the replay
+    budget = (plan.memory.total_bytes + plan.memory.categories_bytes) / 2
+    try:
+        tight = plan_model(g, cluster, global_batch=8, seq_len=None, dtype="float32", force=force,
+                           memory_budget_bytes=budget)
+    except PlanningError:
+        return
+    assert tight.memory.total_bytes <= budget
+
+
+@pytest.mark.parametrize("schedule, local_first, local_second", [("interleaved_zb", 5, 6), ("zbv", 5, 6)])
+def test_a_ranks_remainder_layers_go_to_its_later_local_stage(schedule, local_first, local_second):
+    """Its first local stage holds the most micro-batches at the activation peak (the warm-up's
+    forwards): the larger share goes to the later one (``plan_parts.stage_layers``)."""
+    from types import SimpleNamespace
+
+    from autopar.solver.plan_parts import stage_layers
+
+    cfg = SimpleNamespace(pp=4, v=2, schedule=schedule)
+    local, layers = stage_layers(cfg, (11, 11, 11, 11))
+    first, second = local[1]                         # rank 1: neither the embedding nor the head
+    assert (layers[first], layers[second]) == (local_first, local_second)
