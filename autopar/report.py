@@ -204,10 +204,9 @@ def memory_table(plan: Plan) -> Table:
                     ("other (workspace, buffers)", mem.other_bytes)):
         t.add_row(name, _gb(b))
     t.add_row("[bold]peak[/bold]", f"[bold]{_gb(mem.total_bytes)}[/bold]")
+    if mem.total_bytes != mem.categories_bytes:       # they do not all peak at once
+        t.add_row("[dim](the categories added)[/dim]", f"[dim]{_gb(mem.categories_bytes)}[/dim]")
     t.caption = f"budget {_gb(plan.cluster.memory_budget_bytes)}"
-    if mem.total_bytes < mem.categories_bytes:
-        t.caption += (f"; the categories peak at different moments (all at once: {_gb(mem.categories_bytes)}; "
-                      "the backward trades activations for gradients)")
     c = plan.cluster
     if plan.offload != "none":       # offloaded bytes per GPU against their share of the node's
         t.add_section()

@@ -137,3 +137,16 @@ def test_a_ranks_remainder_layers_go_to_its_later_local_stage(schedule, local_fi
     local, layers = stage_layers(cfg, (11, 11, 11, 11))
     first, second = local[1]                         # rank 1: neither the embedding nor the head
     assert (layers[first], layers[second]) == (local_first, local_second)
+
+
+def test_the_report_shows_the_peak_and_the_categories_added(setup):
+    from rich.console import Console
+
+    from autopar.report import memory_table
+
+    plan = _solve(setup, "dp=2,zero=3,recompute=none").plan
+    console = Console(width=100, record=True)
+    console.print(memory_table(plan))
+    text = console.export_text()
+    peak, added = (f"{b / 1e9:.2f} GB" for b in (plan.memory.total_bytes, plan.memory.categories_bytes))
+    assert "peak" in text and peak in text and "(the categories added)" in text and added in text
