@@ -70,9 +70,9 @@ def test_sweep_rows_match_plan_and_errors_do_not_stop_it(swept, tmp_path, capsys
     for r in (rows[0], rows[2], rows[3]):
         assert r["error"] == "" and r["model"] == MODEL and r["gpu"] == "h100"
         assert int(r["dp"]) * int(r["tp"]) * int(r["pp"]) == int(r["gpus"])
-        parts = sum(int(r[k]) for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
-                                        "other_bytes"))
-        assert parts == int(r["peak_memory_bytes"]) > 0
+        parts = [int(r[k]) for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
+                                     "other_bytes")]
+        assert int(r["peak_memory_bytes"]) > 0 and min(parts) >= 0 and max(parts) > 0   # the peak: by moments
         assert 0 < float(r["mfu"]) < 1 and float(r["tflops_per_gpu"]) > 0 and float(r["solve_time_s"]) > 0
     assert rows[3]["dp"] == "8"
     assert read_rows(str(out / "sweep.csv")) == list(result.rows)
@@ -84,6 +84,7 @@ def test_sweep_rows_match_plan_and_errors_do_not_stop_it(swept, tmp_path, capsys
         assert (s["data_parallel"], s["tensor_parallel"], s["pipeline_parallel"], s["zero_stage"],
                 s["micro_batch_size"]) == tuple(int(free[k]) for k in ("dp", "tp", "pp", "zero", "mbs"))
         assert s["estimated_step_time_s"] == pytest.approx(float(free["step_time_s"]), rel=1e-12)
+        assert s["peak_memory_bytes_per_gpu"] == int(free["peak_memory_bytes"])
     capsys.readouterr()
 
     for name in PLOT_NAMES:
