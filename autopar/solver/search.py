@@ -416,10 +416,13 @@ class _Searcher:
                     continue
                 sol, ev = found
             if best is None or ev.step.total_s < best[0].step.total_s:
-                if ev.config.pp > 1 and not evaluate(sol.summary, ev.config, self.cluster, self.profile, self.budget,
-                                                     all_stages=True).fits:
-                    self.stats.pruned_replay += 1     # a rank's schedule replay exceeds the budget
-                    continue
+                if ev.config.pp > 1:                  # the plan's peak: each rank's schedule replay
+                    full = evaluate(sol.summary, ev.config, self.cluster, self.profile, self.budget, all_stages=True)
+                    if not full.fits:
+                        self.stats.pruned_replay += 1
+                        if smallest_exact is None or full.memory.total_bytes < smallest_exact.memory.total_bytes:
+                            smallest_exact = full
+                        continue
                 best = (ev, sol)
         self.progress("search", total, total)
         if best is None:

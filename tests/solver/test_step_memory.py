@@ -150,3 +150,18 @@ def test_the_report_shows_the_peak_and_the_categories_added(setup):
     text = console.export_text()
     peak, added = (f"{b / 1e9:.2f} GB" for b in (plan.memory.total_bytes, plan.memory.categories_bytes))
     assert "peak" in text and peak in text and "(the categories added)" in text and added in text
+
+
+def test_a_pipeline_only_its_replay_rules_out_says_what_it_needs():
+    """Everything forced, a budget between its categories' sum and its replay: no plan, and the
+    error names the replayed need (the lower bound alone, the sum, is under the budget)."""
+    from autopar.cost.hardware import resolve_cluster
+    from autopar.solver import InfeasibleError
+
+    g, _ = traced(PIPE, batch=8)
+    cluster = resolve_cluster("cpu", nodes=1, gpus_per_node=2)
+    force = "pp=2,mbs=1,recompute=none,zero=0,offload=none,schedule=1f1b"
+    plan = plan_model(g, cluster, global_batch=8, seq_len=None, dtype="float32", force=force)
+    budget = (plan.memory.total_bytes + plan.memory.categories_bytes) / 2
+    with pytest.raises(InfeasibleError, match="the leanest plan evaluated in full needs"):
+        plan_model(g, cluster, global_batch=8, seq_len=None, dtype="float32", force=force, memory_budget_bytes=budget)
