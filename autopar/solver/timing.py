@@ -475,11 +475,17 @@ def _replayed(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, prof
     the search also checks each pipelined plan it would keep against (``search.py``)."""
     shape = RankShape(st.index, st.layers, st.has_pre, st.has_post, st.inflight, st.param_numel,
                       st.memory.activations_bytes, tuple(cuts))
+    peak = _peak(summary, cfg, profile, shape, rank_parts(summary, st.layers, st.has_pre, st.has_post),
+                 prefetch="activations" in profile.copies_overlapped(cluster, cfg.data))
+    return replace(st, memory=replace(st.memory, total_bytes=peak))
+
+
+def _peak(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile, shape: RankShape, parts,
+          prefetch: bool) -> int:
+    """``step_memory.rank_peak`` for the states ``profile`` keeps and the planner's AdamW."""
     per = {"params": profile.param_bytes, "grads": profile.grad_bytes, "optimizer": profile.optimizer_bytes}
-    peak = rank_peak(summary, cfg, shape, rank_parts(summary, st.layers, st.has_pre, st.has_post), per,
-                     autocast=profile.autocast, moments=MOMENTS,
-                     prefetch="activations" in profile.copies_overlapped(cluster, cfg.data)).peak
-    return replace(st, memory=replace(st.memory, total_bytes=int(peak)))
+    return int(rank_peak(summary, cfg, shape, parts, per, autocast=profile.autocast, moments=MOMENTS,
+                         prefetch=prefetch).peak)
 
 
 def fit_partial(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profile: RuntimeProfile,
@@ -540,12 +546,10 @@ def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile
                                      accumulates_rows(cfg))
     params, grads, optim = (int(states["params"]), int(states["grads"]), int(states["optimizer"]))
     if cfg.pp == 1:         # the categories peak at different moments (``step_memory.py``)
-        shape = RankShape(r, lps, *rank_holds(cfg, r), inflight, numel, activations)
-        per = {"params": profile.param_bytes, "grads": profile.grad_bytes, "optimizer": profile.optimizer_bytes}
-        total = int(rank_peak(summary, cfg, shape, parts, per, autocast=profile.autocast, moments=MOMENTS,
-                              prefetch="activations" in copies_over).peak)
-    else:                   # a pipeline rank: each category's peak added, a bound (its schedule's
-        # replay, what the run predicts, would cost the search one per evaluated rank)
+        total = _peak(summary, cfg, profile, RankShape(r, lps, *rank_holds(cfg, r), inflight, numel, activations),
+                      parts, prefetch="activations" in copies_over)
+    else:                   # a pipeline rank: each category's peak added, the search's measure (a replay
+        # per evaluated rank would cost too much there); the plan's own is the replay (``_replayed``)
         total = params + grads + optim + int(activations) + int(other)
     return MemoryUse(params, grads, optim, int(activations), int(other), total, host, nvme)
 
