@@ -14,6 +14,7 @@ import dataclasses
 import json
 import sys
 import time
+import warnings
 from typing import Callable, Optional
 
 from autopar.runtime.launch import DEFAULT_RUN_TIMEOUT_S, RankFailure, spawn_ranks
@@ -44,18 +45,20 @@ def _train_rank(rank: int, world: int, model: str, steps: int, plan_json: Option
                 batch: Optional[int], seq_len: Optional[int], seed: int, timeout_s: float,
                 optimizer: str, checkpoint: Optional["CheckpointArgs"] = None, memory: bool = False,
                 dtype: Optional[str] = None, nvme_dir: Optional[str] = None, engine: str = "auto") -> dict:
-    from autopar.api import autoparallelize
+    from autopar.api import IdleAxisWarning, autoparallelize
     from autopar.models import build_model
     from autopar.plan import Plan
 
     b = build_model(model, batch=batch, seq_len=seq_len, device="meta")
     plan = Plan.from_json(plan_json) if plan_json else None
-    pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn,
-                         example_target=b.example_target, plan=plan, force=force, seed=seed,
-                         timeout_s=timeout_s, model_name=model,
-                         optimizer=lambda params: make_optimizer(optimizer, params),
-                         resume=checkpoint.directory if checkpoint is not None and checkpoint.resume else None,
-                         dtype=dtype, nvme_dir=nvme_dir, engine=engine)
+    with warnings.catch_warnings():        # the command prints the idle-axis notes itself, once
+        warnings.simplefilter("ignore", IdleAxisWarning)
+        pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn,
+                             example_target=b.example_target, plan=plan, force=force, seed=seed,
+                             timeout_s=timeout_s, model_name=model,
+                             optimizer=lambda params: make_optimizer(optimizer, params),
+                             resume=checkpoint.directory if checkpoint is not None and checkpoint.resume else None,
+                             dtype=dtype, nvme_dir=nvme_dir, engine=engine)
     measured: list = []
     step = None
     if memory:                    # the last step runs measured (``runtime/memory_measure.py``)
