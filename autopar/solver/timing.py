@@ -66,7 +66,8 @@ from dataclasses import dataclass, replace
 from autopar.cost.collectives import axis_link, collective_s, stage_link
 from autopar.cost.flops import pipeline_bubble_fraction, pipeline_bubble_units, pipeline_step_time_s
 from autopar.cost.hardware import ClusterSpec
-from autopar.cost.memory import model_state_bytes, pipeline_inflight_microbatches, reducer_transient_bytes
+from autopar.cost.memory import (backward_workspace_bytes, model_state_bytes, pipeline_inflight_microbatches,
+                                 reducer_transient_bytes)
 from autopar.cost.split_backward import rank_held_affine, rank_held_bytes, rank_split_times
 from autopar.cost.offload import (bucket_bytes, offload_memory, offload_microbatch_times, offload_step_times,
                                   optimizer_rows, resident_saved_bytes)
@@ -222,7 +223,7 @@ def _memory_affine(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfi
         held_logits = held_loss_input_bytes(summary, cfg) if hh else 0.0    # not offloaded: no saved tensor
         largest = max([blk.max_out_bytes] + ([pre.max_out_bytes] if hp else []) + ([post.max_out_bytes] if hh else []))
         held_slope, held_const = rank_held_affine(cfg, summary, r)   # zero-bubble: gradients held from B to W
-        out_b = workspace_bytes(summary, cfg, largest, param_bytes=profile.param_bytes,
+        out_b = workspace_bytes(summary, cfg, backward_workspace_bytes(largest), param_bytes=profile.param_bytes,
                                 autocast=profile.autocast) + held_const
         if offloaded:
             slopes.append(rate * blk.param_numel + held_slope)
@@ -523,7 +524,7 @@ def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile
     per_mb = saved_per_microbatch(summary, cfg, parts, lps)
     activations = inflight * per_mb
     largest = max(p.max_out_bytes for p, _, _ in parts)
-    other = workspace_bytes(summary, cfg, largest, lps,
+    other = workspace_bytes(summary, cfg, backward_workspace_bytes(largest), lps,
                             param_bytes=profile.param_bytes, autocast=profile.autocast) \
         + rank_held_bytes(cfg, summary, r, lps)
     host = nvme = 0
