@@ -576,7 +576,7 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
         backward under ``torch.autocast``, fp32 master weights, gradients reduced in ``dtype``, and
         for fp16 a dynamic loss scale common to every rank (an overflow anywhere skips the step
         everywhere; ``pm.loss_scaler``). ``pm.precision`` says what runs.
-    nvme_dir: a directory on a fast local disk, for a plan that offloads the optimizer state to NVMe
+    nvme_dir: a directory on a fast local disk, for a plan that offloads the optimizer state (and with ``nvme_params`` the parameter rows) to NVMe
         (``offload`` with ``nvme``; ``runtime/offload.py``): each rank keeps its files in its own
         subdirectory, removed at exit.
     engine: what runs the graph (``autopar/engine.py``): "emitted" the generated ``fx.GraphModule``

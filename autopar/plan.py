@@ -44,9 +44,12 @@ RECOMPUTE_CHOICES = ("none", "selective", "full")
 #                the backward (``saved_tensors_hooks``)
 #   nvme         (with optimizer) the optimizer's host state lives in files on NVMe between steps
 #                and is streamed through host memory chunk by chunk in the step (ZeRO-Infinity)
-OFFLOAD_CLASSES = ("optimizer", "grads", "params", "activations", "nvme")
+# nvme: the optimizer's masters and state in files; nvme_params: ZeRO-3's parameter rows too (read
+# from the masters' files at each gather, none in host memory: ZeRO-Infinity's parameter tier)
+OFFLOAD_CLASSES = ("optimizer", "grads", "params", "activations", "nvme", "nvme_params")
 OFFLOAD_CHOICES = ("none",) + OFFLOAD_CLASSES      # single classes (``--force offload=`` joins them with +)
-_OFFLOAD_NEEDS = {"grads": "optimizer", "params": "optimizer", "nvme": "optimizer"}
+_OFFLOAD_NEEDS = {"grads": ("optimizer",), "params": ("optimizer",), "nvme": ("optimizer",),
+                  "nvme_params": ("optimizer", "params", "nvme")}
 # Pipeline schedules, as torch.distributed.pipelining (2.13) names its classes:
 #   gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B, interleaved_1f1b -> ScheduleInterleaved1F1B,
 #   interleaved_zb -> ScheduleInterleavedZeroBubble, zbv -> ScheduleZBVZeroBubble,
@@ -590,9 +593,10 @@ def parse_offload(text: str) -> tuple[str, ...]:
         raise ValueError(f"offload={text!r}: unknown class {unknown[0]!r}; write 'none' or classes joined "
                          f"by '+' from {', '.join(OFFLOAD_CLASSES)}")
     for w in words:
-        need = _OFFLOAD_NEEDS.get(w)
-        if need is not None and need not in words:
-            raise ValueError(f"offload={text!r}: {w} offload needs {need} offload too; write {need}+{w}")
+        need = [n for n in _OFFLOAD_NEEDS.get(w, ()) if n not in words]
+        if need:
+            raise ValueError(f"offload={text!r}: {w} offload needs {' and '.join(need)} offload too; write "
+                             f"{offload_name(set(words) | set(need))}")
     return tuple(c for c in OFFLOAD_CLASSES if c in words)
 
 

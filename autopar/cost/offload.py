@@ -20,10 +20,14 @@ ZeRO >= 1: ``optimizer_rows``), m = optimizer moments (2 Adam/AdamW/LAMB, 1 LARS
                  per step: grads down rows x grad_bytes / PCIe (overlapped with the backward like
                  the reducer), CPU step rows x ((4 + 4 + 4m) + (4 + 4m)) / host_Bps (28 B for Adam:
                  read master, grad, moments; write master, moments; not overlapped), updated rows
-                 up rows x param_bytes / PCIe (not overlapped). Replaces the device step.
+                 up rows x param_bytes / PCIe (not overlapped; with params offload the rows are on
+                 the host: fp32 rows without nvme ARE the masters, stepped in place, nothing to
+                 copy or hold twice; else rows x (4 + param_bytes) / host_Bps). Replaces the
+                 device step.
     grads        device grads -> min(G, 2 B) with one micro-batch per step, else unchanged (they
                  accumulate on the device); no time of its own
-    params       (ZeRO-3) host += P (the rank's device param bytes), device params -> 0; per
+    params       (ZeRO-3) host += P (the rank's device param bytes; 0 for fp32 rows without nvme:
+                 the masters), device params -> 0; per
                  micro-batch P up before the forward's gather and P again before the backward's
     activations  device activations -> ``resident_saved_bytes`` (autopar's runtime: every saved
                  tensor goes down and the backward brings back one node's at a time, at most the
@@ -32,6 +36,16 @@ ZeRO >= 1: ``optimizer_rows``), m = optimizer moments (2 Adam/AdamW/LAMB, 1 LARS
                  forward and up in the backward
     nvme         master + moments (rows x (4 + 4m)) in files; the host keeps 2 chunks of
                  2 B of it; per step read and written once: 2 rows (4 + 4m) / NVMe Bps per GPU
+    nvme_params  (with params and nvme; ZeRO-3: a rank's parameter rows are its optimizer rows)
+                 the rows are not kept on the host: each gather reads them from the masters'
+                 files (fp32, cast to the parameter's dtype), so host -= P and the NVMe holds
+                 nothing more; the host holds the rows being read (at most ``group_bytes``:
+                 the largest gather group's master bytes of this rank); per micro-batch
+                 rows x 4 are read before the forward's gathers and again before the backward's
+                 re-gathers, on the rank's thread (not overlapped: 2 rows 4 / NVMe Bps exposed);
+                 the updated rows are not copied up after the step (the files are the rows); the
+                 reads come in the forward / backward, so the host peak is the larger of the
+                 step's and rows x 4 (gradient buffers) + offloaded activations + group_bytes
 
 Transfers hidden behind compute cost ``max(0, t - window)`` (``runtime_profile.py``'s rule) when
 the runtime overlaps them (``RuntimeProfile.host_copy_overlap``: on GPUs autopar's runtime copies
@@ -43,6 +57,7 @@ share the host->device direction (one transfer of their sum).
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 FP32 = 4                      # bytes of the host's master copy, moments and gradient buffer
@@ -92,11 +107,12 @@ def _exposed(t: float, window: float) -> float:
 def offload_memory(classes: Iterable[str], *, rows: float, params_bytes: float, grads_bytes: float,
                    optimizer_bytes: float, activations_bytes: float, resident_saved_bytes: float,
                    saved_bytes_per_microbatch: float, inflight: float, microbatches: int,
-                   moments: int = 2, bucket: float | None = None) -> dict[str, float]:
+                   moments: int = 2, bucket: float | None = None, group_bytes: float = 0.0) -> dict[str, float]:
     """Per-rank bytes by category with ``classes`` offloaded: device "params", "grads",
     "optimizer", "activations", and "host", "nvme" (module docstring). The ``*_bytes`` arguments
     are the rank's device bytes without offload; ``resident_saved_bytes``: what activation offload
-    leaves on the device (one layer's saved bytes + the embedding's / head's)."""
+    leaves on the device (one layer's saved bytes + the embedding's / head's); ``group_bytes``
+    (nvme_params): the fp32 master bytes of the rank's largest gather group."""
     cls = set(classes)
     out = {"params": float(params_bytes), "grads": float(grads_bytes), "optimizer": float(optimizer_bytes),
            "activations": float(activations_bytes), "host": 0.0, "nvme": 0.0}
@@ -111,11 +127,18 @@ def offload_memory(classes: Iterable[str], *, rows: float, params_bytes: float, 
     if "grads" in cls and microbatches == 1:
         out["grads"] = min(out["grads"], 2 * (bucket_bytes() if bucket is None else bucket))
     if "params" in cls:
-        out["host"] += out["params"]
+        # fp32 rows (params_bytes == rows x 4: ZeRO-3's rows are the optimizer's) without nvme are the
+        # masters themselves (``runtime/offload.HostOptimizer``): no second copy
+        masters = "nvme" not in cls and math.isclose(out["params"], rows * FP32)
+        out["host"] += 0.0 if ("nvme_params" in cls or masters) else out["params"]
         out["params"] = 0.0
+    act_host = inflight * saved_bytes_per_microbatch if "activations" in cls else 0.0
     if "activations" in cls:
         out["activations"] = min(float(activations_bytes), float(resident_saved_bytes))
-        out["host"] += inflight * saved_bytes_per_microbatch
+        out["host"] += act_host
+    if "nvme_params" in cls:     # a gather's rows read from the files, in the forward / backward: beside the
+        # gradient buffers and the offloaded activations, not beside the step's state read back
+        out["host"] = max(out["host"], rows * FP32 + act_host + group_bytes)
     return out
 
 
@@ -124,13 +147,18 @@ def offload_step_times(classes: Iterable[str], *, rows: float, grad_bytes: float
                        moments: int = 2, overlap_grads: bool = True) -> dict[str, float]:
     """Exposed seconds per step: "host:d2h" (gradients down, against the last backward when
     ``overlap_grads``), "host:h2d" (updated rows up), "cpu:optimizer" (the CPU step, which
-    replaces the device step) and "nvme:io" (state read + written; ``nvme_Bps`` per GPU)."""
+    replaces the device step) and "nvme:io" (state read + written; ``nvme_Bps`` per GPU). With
+    params offload the updated rows are copied into the host rows ("host:copy": read the fp32
+    master, write the row, at ``host_Bps``), with nvme_params they stay in the files (neither)."""
     cls = set(classes)
     out: dict[str, float] = {}
     if "optimizer" in cls:
         down = rows * grad_bytes / pcie_Bps
         out["host:d2h"] = _exposed(down, backward_window_s) if overlap_grads else down
-        out["host:h2d"] = rows * param_bytes / pcie_Bps
+        if "params" not in cls:
+            out["host:h2d"] = rows * param_bytes / pcie_Bps
+        elif "nvme_params" not in cls and ("nvme" in cls or param_bytes != FP32):
+            out["host:copy"] = rows * (FP32 + param_bytes) / host_Bps     # master -> the host rows
         out["cpu:optimizer"] = rows * cpu_step_bytes_per_param(moments) / host_Bps
     if "nvme" in cls:
         out["nvme:io"] = 2 * nvme_state_bytes(rows, moments) / nvme_Bps
@@ -139,12 +167,14 @@ def offload_step_times(classes: Iterable[str], *, rows: float, grad_bytes: float
 
 def offload_microbatch_times(classes: Iterable[str], *, host_params_bytes: float, saved_bytes: float,
                              forward_window_s: float, backward_window_s: float, pcie_Bps: float,
-                             overlapped: Iterable[str] = ("params", "activations")) -> dict[str, float]:
+                             overlapped: Iterable[str] = ("params", "activations"), nvme_rows_bytes: float = 0.0,
+                             nvme_Bps: float = float("inf")) -> dict[str, float]:
     """Exposed seconds per micro-batch: "host:h2d" (params up before the forward and before the
-    backward, activations up in the backward) and "host:d2h" (activations down in the forward).
-    ``host_params_bytes``: the rank's params on the host (P); ``saved_bytes``: the activations
-    saved per micro-batch. Only the copies of the ``overlapped`` classes hide in the windows; the
-    backward's uploads of both share the host->device direction (one window)."""
+    backward, activations up in the backward), "host:d2h" (activations down in the forward) and,
+    with nvme_params, "nvme:params" (``nvme_rows_bytes``, the rank's fp32 rows, read twice, not
+    overlapped). ``host_params_bytes``: the rank's params on the host (P); ``saved_bytes``: the
+    activations saved per micro-batch. Only the copies of the ``overlapped`` classes hide in the
+    windows; the backward's uploads of both share the host->device direction (one window)."""
     cls, over = set(classes), set(overlapped)
     p = host_params_bytes / pcie_Bps if "params" in cls else 0.0
     a = saved_bytes / pcie_Bps if "activations" in cls else 0.0
@@ -157,4 +187,6 @@ def offload_microbatch_times(classes: Iterable[str], *, host_params_bytes: float
     down = a - a_over + _exposed(a_over, forward_window_s)
     if down:
         out["host:d2h"] = down
+    if "nvme_params" in cls:
+        out["nvme:params"] = 2 * nvme_rows_bytes / nvme_Bps
     return out

@@ -361,6 +361,8 @@ def _spies(tracker: StorageTracker, pm) -> list[_Spy]:
     if host is not None:                         # NVMe: the state read back chunk by chunk in the step
         spies.append(_Spy(host, "_read", after=lambda args, out: [
             tracker.mark(t, HOST) for s in args[0] for _, t in host._tensors(s)]))
+        if host.rows is not None:                # nvme_params: a gather's rows read from the files
+            spies.append(_Spy(host.rows, "rows", after=lambda args, out: tracker.mark(out, HOST)))
     runner = getattr(pm, "_pipeline", None)
     if runner is not None:
         sched = runner.schedule

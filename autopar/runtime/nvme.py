@@ -3,6 +3,7 @@
     with NvmeStore("/mnt/nvme", rank=r) as store:     # DIR/autopar-nvme-<pid>-<rank>-<random>/
         store.write("exp_avg.3", chunk)               # async; bytes copied at once, chunk reusable
         store.read("exp_avg.4", buf).result()         # async read into a CPU contiguous tensor
+        store.read_now("exp_avg.4", buf)              # the same, waited for, nothing kept
         store.wait()                                  # all I/O done; first error as NvmeError
 
 The optimizer streams its state chunk by chunk (read k+1 while k steps, write k back while k+1
@@ -320,6 +321,19 @@ class NvmeStore:
                            self.align, self.directory, key, out)
         e.pending = [f for f in e.pending if not f.done()] + [fut]
         return fut
+
+    def read_now(self, key: str, out: torch.Tensor) -> torch.Tensor:
+        """``read`` waited for, keeping nothing of it: a done read's future holds ``out`` until
+        ``wait``, which would keep every buffer read between two waits alive. Its error is raised
+        here (NvmeError)."""
+        fut = self.read(key, out)
+        try:
+            fut.result()
+        finally:
+            self._inflight = [f for f in self._inflight if f is not fut]
+            e = self._entries[key]
+            e.pending = [f for f in e.pending if f is not fut]
+        return out
 
     def nbytes(self) -> int:
         """Bytes held in files (padded sizes), counting writes issued but still pending."""

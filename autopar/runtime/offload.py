@@ -3,7 +3,8 @@ off the device, and when it comes back. The plan's cost of each is ``autopar/cos
 
 optimizer (ZeRO-Offload, Ren et al. 2021)  ``HostOptimizer``
     Each optimizer parameter (the rows this rank updates: ``ParamSlot.opt_param``) gets an fp32
-    master copy in host memory (pinned on CUDA), ``ParamSlot.host``, and a host gradient buffer;
+    master copy in host memory (pinned on CUDA), ``ParamSlot.host``, and a host gradient buffer
+    (with params offload and no nvme the master IS the stored fp32 rows, already on the host);
     the user's optimizer is built on the masters, so its state lives on the host and its step runs
     on the CPU. After the reduction each bucket's gradients are copied down as the bucket finishes
     (``GradReducer.on_reduced``: during the backward, the reducer's overlap), the optimizer steps on
@@ -32,6 +33,9 @@ nvme (with optimizer)
     runs chunk by chunk (chunks of about ``chunk_bytes`` of state): chunk k + 1 is read while chunk
     k steps, chunk k is written while k + 1 steps. A chunk steps alone because torch optimizers skip
     parameters whose ``.grad`` is None.
+nvme_params (with params and nvme)  ``runtime/nvme_rows.NvmeRows``
+    ZeRO-3's parameter rows are not kept in host memory: each gather reads them from the masters'
+    files, and the step's updated masters, written there, are not copied up.
 
 Gradients go down on that side stream too (during the backward, as the reducer finishes buckets);
 the updated rows go up on the compute stream after the host step, and with dp > 1 ZeRO-3's
@@ -69,9 +73,15 @@ class HostOptimizer:
         self.copies = Copies(device)
         self.frees_grads = "grads" in classes
         self._grad_bufs: dict[str, torch.Tensor] = {}
+        # ZeRO-3's rows in host memory (params offload) are fp32 masters already: the optimizer steps
+        # them in place, one copy, none after the step (not with nvme, whose masters leave for files)
+        self.shares_rows = store.ctx.host_params and "nvme" not in classes
         for s in store.slots:
-            master = pinned_empty(s.opt_param.shape, torch.float32, device)
-            master.copy_(s.opt_param.detach())
+            if self.shares_rows and s.opt_param.dtype == torch.float32:
+                master = s.opt_param.data
+            else:
+                master = pinned_empty(s.opt_param.shape, torch.float32, device)
+                master.copy_(s.opt_param.detach())
             s.host = nn.Parameter(master, requires_grad=True)
             self._grad_bufs[s.name] = pinned_empty(s.opt_param.shape, torch.float32, device)
         self.optimizer = factory([s.host for s in store.slots])
@@ -94,6 +104,16 @@ class HostOptimizer:
             self._chunks = _chunks(store.slots, chunk_bytes)
             self._evicted: set[str] = set()
             self._evict(store.slots)                     # the masters go to the files at once
+        self.rows = None                                 # nvme_params: runtime/nvme_rows.NvmeRows
+        if "nvme_params" in classes:
+            if not store.ctx.host_params:
+                raise ValueError("offload nvme_params keeps ZeRO-3's parameter rows on NVMe: the plan needs params "
+                                 "offload and ZeRO-3 (--force zero=3,offload=optimizer+params+nvme+nvme_params)")
+            from autopar.runtime.nvme_rows import NvmeRows
+
+            self.rows = NvmeRows(self.nvme, store.slots, device)
+            self.rows.release()                          # the masters' files are the rows now
+            store.ctx.nvme_rows = self.rows
 
     # ---- gradients down ------------------------------------------------------------------------
     def attach(self, reducer) -> None:
@@ -158,14 +178,16 @@ class HostOptimizer:
     def _copy_up(self, slots) -> None:
         with torch.no_grad():
             for s in slots:
-                s.opt_param.copy_(s.host.detach().view(s.opt_param.shape), non_blocking=True)
+                if s.host.data_ptr() != s.opt_param.data_ptr():       # not the rows themselves
+                    s.opt_param.copy_(s.host.detach().view(s.opt_param.shape), non_blocking=True)
 
     def reload(self) -> None:
         """The device parameters changed (a checkpoint was loaded, inside ``resident``): refresh
         the masters."""
         with torch.no_grad():
             for s in self.store.slots:
-                s.host.copy_(s.opt_param.detach())
+                if s.host.data_ptr() != s.opt_param.data_ptr():
+                    s.host.copy_(s.opt_param.detach())
 
     @contextlib.contextmanager
     def resident(self):
@@ -174,8 +196,11 @@ class HostOptimizer:
             yield
             return
         self._restore(self.store.slots)
+        rows = self.rows.materialized({s.name: s.host for s in self.store.slots}) if self.rows is not None \
+            else contextlib.nullcontext()
         try:
-            yield
+            with rows:
+                yield
         finally:
             self._evict(self.store.slots)
 
@@ -228,7 +253,8 @@ class HostOptimizer:
             for s in self.store.slots:
                 s.host.grad = grads[s.name] if any(s is c for c in chunk) else None
             run()
-            self._copy_up(chunk)
+            if self.rows is None:                # nvme_params: the files written below are the rows
+                self._copy_up(chunk)
             self.copies.synchronize()
             for s in chunk:
                 s.host.grad = None

@@ -115,6 +115,7 @@ class ParamContext:
     device: Any = None             # where the graph runs (torch.device)
     host_params: bool = False      # ZeRO-3 with parameter offload: the rows live in host memory
     groups: Any = None             # ZeRO-3 with gathers: runtime/prefetch.GroupGathers (gathers by group)
+    nvme_rows: Any = None          # offload nvme_params: runtime/nvme_rows.NvmeRows (the rows in files)
 
     @property
     def gathers(self) -> bool:
@@ -140,6 +141,12 @@ def on_device(chunk: torch.Tensor, ctx: ParamContext) -> torch.Tensor:
     if ctx.host_params or (ctx.device is not None and chunk.device != ctx.device):
         chunk = torch.empty(chunk.shape, dtype=chunk.dtype, device=ctx.device).copy_(chunk, non_blocking=True)
     return chunk
+
+
+def stored_rows(slot: ParamSlot, ctx: ParamContext) -> torch.Tensor:
+    """This rank's stored rows of ``slot``: the parameter, or with the rows on NVMe (offload
+    nvme_params, ``runtime/nvme_rows.py``) read from its file."""
+    return ctx.nvme_rows.rows(slot) if ctx.nvme_rows is not None else slot.local.detach()
 
 
 def chunk_numel(slot: ParamSlot, dp: int) -> int:
@@ -198,7 +205,7 @@ class _UseParam(torch.autograd.Function):
         if gathered is not None:                 # by its group (``runtime/prefetch.py``)
             full = gathered
         else:
-            full = gather_rows(slot, local, pctx) if pctx.gathers else local.view_as(local)
+            full = gather_rows(slot, stored_rows(slot, pctx), pctx) if pctx.gathers else local.view_as(local)
         if pctx.reshard is not None:
             pctx.reshard.register(slot, full)
         return DTensor.from_local(full, pctx.mesh, pctx.placements(slot.name),
@@ -249,7 +256,7 @@ class _UseParamLocal(torch.autograd.Function):
         ctx.slot, ctx.pctx = slot, pctx
         ctx.resident = resident_source(local, pctx)
         if pctx.gathers:
-            full = gathered if gathered is not None else gather_rows(slot, local, pctx)
+            full = gathered if gathered is not None else gather_rows(slot, stored_rows(slot, pctx), pctx)
             pctx.reshard.register(slot, full)
             return full
         return local.view_as(local)
@@ -298,7 +305,7 @@ class ParamStore:
         if ctx.gathers:
             from autopar.runtime.reshard import Reshard
 
-            ctx.reshard = Reshard(lambda slot: gather_rows(slot, slot.local, ctx))
+            ctx.reshard = Reshard(lambda slot: gather_rows(slot, stored_rows(slot, ctx), ctx))
         ctx.regather = Regather(inner=ctx.reshard)
         slots = []
         for p in plans:
@@ -426,7 +433,7 @@ class ParamStore:
     def full_tensor(self, slot: ParamSlot, which: str = "param") -> torch.Tensor:
         ctx = self.ctx
         if which == "param":
-            t = slot.local.detach()
+            t = stored_rows(slot, ctx)
             if ctx.gathers:
                 t = gather_rows(slot, t, ctx, record=False)
         else:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from autopar.mesh import DATA
 from autopar.runtime.collectives import release, wait_for
 from autopar.runtime.copy_stream import Copies
-from autopar.runtime.params import chunk_numel, on_device, padded_rows, unpadded
+from autopar.runtime.params import chunk_numel, on_device, padded_rows, stored_rows, unpadded
 
 
 @dataclass
@@ -121,8 +121,8 @@ class GroupGathers:
     def _issue(self, slots: tuple, async_op: bool) -> _Flight:
         ctx = self.ctx
         if self._copies is not None:
-            return _Flight(slots, None, None, uploads={s.name: self._copies.up(s.local.detach()) for s in slots})
-        send = torch.cat([padded_rows(s, on_device(s.local.detach(), ctx), ctx.dp) for s in slots])
+            return _Flight(slots, None, None, uploads={s.name: self._copies.up(stored_rows(s, ctx)) for s in slots})
+        send = torch.cat([padded_rows(s, on_device(stored_rows(s, ctx), ctx), ctx.dp) for s in slots])
         out = torch.empty(ctx.dp * send.numel(), dtype=send.dtype, device=send.device)
         work = dist.all_gather_single(out, send, group=ctx.dp_group, async_op=async_op)
         ctx.log.add("all_gather", DATA, out.numel() * out.element_size(), "zero")

@@ -6,7 +6,7 @@ interleaved_1f1b, interleaved_zb, zbv, dualpipev) and ``vpp=K`` the stages per p
 (``configs.check_force``).
 
 ``offload=CLASSES`` pins the offloaded tensor classes, joined by "+" (``plan.parse_offload``:
-optimizer, grads, params, activations, nvme; "none" forbids offload), e.g. offload=optimizer+grads.
+optimizer, grads, params, activations, nvme, nvme_params; "none" forbids offload), e.g. offload=optimizer+grads.
 
 ``cp=N`` splits every sequence over N context-parallel ranks and ``cpmode=ring|ulysses`` pins how
 attention crosses them (``solver/context.py``).

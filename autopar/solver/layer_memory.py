@@ -26,6 +26,14 @@ def rank_parts(summary: AxisSummary, layers: float, has_pre: bool, has_post: boo
     return parts
 
 
+def largest_group_numel(summary: AxisSummary, parts, shared: bool) -> float:
+    """Elements (tp-local, whole over dp) of a rank's largest ZeRO-3 gather group among its ``parts``
+    (``codegen/gather_groups.py``: one per layer and per part with parameters; a tied parameter,
+    ``shared``, is gathered alone)."""
+    out = max((p.param_numel for p, c, _ in parts if c and p.param_tensors), default=0.0)
+    return max(out, summary.shared_param_numel if shared else 0.0)
+
+
 def recomputed_layers(cfg: OuterConfig, lps: float, for_memory: bool) -> float:
     """Layers of a rank's ``lps`` that recompute in full. "partial" with ``recompute_layers`` unset
     (a configuration not yet fitted): all of them for memory, none for time, so that both stay

@@ -24,7 +24,7 @@ GB = 1e9
 
 def offload_variants(cfg: OuterConfig) -> list[OuterConfig]:
     """``cfg`` with each valid non-empty set of offloaded classes (optimizer first: grads, params
-    and nvme need it; params needs ZeRO-3), fewest classes first."""
+    and nvme need it; params needs ZeRO-3; nvme_params needs params and nvme), fewest classes first."""
     out = []
     for act, opt in product((False, True), (False, True)):
         if not opt:
@@ -37,6 +37,8 @@ def offload_variants(cfg: OuterConfig) -> list[OuterConfig]:
             cls = ("optimizer",) + (("grads",) if grads else ()) + (("params",) if params else ()) \
                 + (("activations",) if act else ()) + (("nvme",) if nvme else ())
             out.append(cls)
+            if params and nvme:             # the parameter rows in the files too, none on the host
+                out.append(cls + ("nvme_params",))
     if cfg.data == 1 and cfg.zero == 3:        # ZeRO-3 on one rank is only worth it to offload params
         out = [c for c in out if "params" in c]
     out.sort(key=len)
@@ -44,12 +46,13 @@ def offload_variants(cfg: OuterConfig) -> list[OuterConfig]:
 
 
 def lean_configs(cfg: OuterConfig) -> list[OuterConfig]:
-    """The variants of least device memory: every class offloaded, and (ZeRO-3) the same without
-    params, whose gathered window can outweigh a rank's own rows."""
+    """The variants of least device memory: every class offloaded (the parameter rows on NVMe, the
+    least host memory too), and (ZeRO-3) the same without params, whose gathered window can outweigh
+    a rank's own rows."""
     full = ("optimizer", "grads", "activations", "nvme")
     out = [replace(cfg, offload=offload_name(full))]
     if cfg.zero == 3:
-        out.append(replace(cfg, offload=offload_name(full + ("params",))))
+        out.append(replace(cfg, offload=offload_name(full + ("params", "nvme_params"))))
         if cfg.data == 1:
             out = out[1:]
     return out

@@ -190,6 +190,11 @@ def _upstream(key: str, profile, copies_over: tuple = ()) -> tuple[str, bool]:
             return ("remainder after each ring rotation overlaps one attention block "
                     "(solver/context.py; hidden part not carried here)"), False
         return "exposed: context-parallel all-to-alls are not overlapped", True
+    charged = {("nvme", "params"): "ZeRO-3's rows read from the NVMe files on the rank's thread before each gather",
+               ("nvme", "io"): "the optimizer state read back and written around the CPU step",
+               ("host", "copy"): "the updated masters copied into the host rows after the CPU step"}
+    if (axis, kind) in charged:
+        return f"exposed, charged in full: {charged[axis, kind]}", True
     if axis in ("host", "nvme", "cpu"):
         if copies_over:
             return (f"remainder after the copies of {'/'.join(copies_over)} overlap compute on a side stream "

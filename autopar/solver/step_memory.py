@@ -28,10 +28,10 @@ from typing import Callable, Mapping, Sequence
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES
 from autopar.cost.memory import (backward_workspace_bytes, model_state_bytes, reducer_end_bytes,
                                  reducer_transient_bytes, step_peak_bytes)
-from autopar.cost.offload import offload_memory, optimizer_rows, resident_saved_bytes
+from autopar.cost.offload import FP32, offload_memory, optimizer_rows, resident_saved_bytes
 from autopar.cost.schedule_memory import Chunk, activations_only, rank_actions, replay_peak_bytes
 from autopar.cost.split_backward import chunk_held_bytes, is_split, rank_held_bytes
-from autopar.solver.layer_memory import (activation_bytes_per_layer, forward_gather_bytes,
+from autopar.solver.layer_memory import (activation_bytes_per_layer, forward_gather_bytes, largest_group_numel,
                                          recast_per_microbatch, workspace_bytes)
 from autopar.solver.outer_config import OuterConfig
 from autopar.solver.overlap import accumulates_rows, reduces_once_per_step
@@ -126,7 +126,8 @@ def rank_peak(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, parts: Se
                              optimizer_bytes=total["optimizer"], activations_bytes=rank.inflight * per_mb,
                              resident_saved_bytes=largest, inflight=rank.inflight,
                              saved_bytes_per_microbatch=per_mb - recast_per_microbatch(summary, cfg, parts, rank.layers),
-                             microbatches=cfg.m, moments=moments)
+                             microbatches=cfg.m, moments=moments,
+                             group_bytes=FP32 * largest_group_numel(summary, parts, rank.has_pre or rank.has_post) / cfg.data)
         host = off["host"]
         if act_off:                    # on the host; the backward brings one node's back at a time, at
             act_kept = 0.0             # most the largest output (the log-probabilities at the loss),

@@ -69,7 +69,7 @@ from autopar.cost.hardware import ClusterSpec
 from autopar.cost.memory import (backward_workspace_bytes, model_state_bytes, pipeline_inflight_microbatches,
                                  reducer_transient_bytes)
 from autopar.cost.split_backward import rank_held_affine, rank_held_bytes, rank_split_times
-from autopar.cost.offload import (bucket_bytes, offload_memory, offload_microbatch_times, offload_step_times,
+from autopar.cost.offload import (FP32, bucket_bytes, offload_memory, offload_microbatch_times, offload_step_times,
                                   optimizer_rows, resident_saved_bytes)
 from autopar.plan import V_SCHEDULES, MemoryUse, StepTime
 from autopar.solver.balance import balance
@@ -79,7 +79,8 @@ from autopar.solver.overlap import (account as overlap_account, accumulates_rows
                                     grad_pass_s, reduces_once_per_step)
 from autopar.solver.runtime_profile import RuntimeProfile
 from autopar.recompute_ops import is_per_op
-from autopar.solver.layer_memory import (activation_bytes_per_layer, held_loss_input_bytes, rank_parts, rc_of,
+from autopar.solver.layer_memory import (activation_bytes_per_layer, held_loss_input_bytes, largest_group_numel,
+                                         rank_parts, rc_of,
                                          recast_per_microbatch, recomputed_layers, saved_per_microbatch,
                                          workspace_bytes)
 from autopar.solver.outer_config import OuterConfig
@@ -447,8 +448,9 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
             compute += again * (1 + profile.param_bytes / 2) / (gpu.hbm_Bps * gpu.memory_efficiency)
         _merge(comm, offload_microbatch_times(cls, host_params_bytes=param_b / cfg.data if cfg.zero == 3 else param_b,
                                               saved_bytes=saved, forward_window_s=win_f, backward_window_s=win_b,
-                                              pcie_Bps=cluster.pcie_Bps,
-                                              overlapped=copies_over), 1.0)
+                                              pcie_Bps=cluster.pcie_Bps, overlapped=copies_over,
+                                              nvme_rows_bytes=FP32 * optimizer_rows(numel, cfg.data, cfg.zero),
+                                              nvme_Bps=cluster.nvme_Bps / cluster.gpus_per_node), 1.0)
     compute, recompute = rank_split_times(cfg, summary, gpu, r, lps, compute, recompute)   # zero-bubble's split
     t_stage = compute + recompute + sum(comm.values())
     opt = numel * (OPTIMIZER_BYTES_PER_PARAM + profile.grad_bytes) / (gpu.hbm_Bps * gpu.memory_efficiency)
@@ -536,7 +538,8 @@ def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile
                              optimizer_bytes=states["optimizer"], activations_bytes=activations,
                              resident_saved_bytes=resident_saved_bytes(largest, "activations" in copies_over),
                              saved_bytes_per_microbatch=per_mb - recast_per_microbatch(summary, cfg, parts, lps),
-                             inflight=inflight, microbatches=cfg.m, moments=MOMENTS)
+                             inflight=inflight, microbatches=cfg.m, moments=MOMENTS,
+                             group_bytes=FP32 * largest_group_numel(summary, parts, any(rank_holds(cfg, r))) / cfg.data)
         states = off
         activations = off["activations"]
         host, nvme = int(off["host"]), int(off["nvme"])

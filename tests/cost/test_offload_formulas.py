@@ -38,12 +38,29 @@ def test_memory_by_class():
     # params: host 16e9 + P 2e9 = 18e9, device params 0
     par = _mem(("optimizer", "params"))
     assert par["params"] == 0 and par["host"] == 18e9
+    # fp32 rows (4e9 = 1e9 rows x 4) are the masters themselves: host 16e9, not 20e9; with nvme the
+    # masters go to files and the rows stay: 4e9 + 104,857,600 + 4e9
+    assert _mem(("optimizer", "params"), params_bytes=4e9)["host"] == 16e9
+    assert _mem(("optimizer", "params", "nvme"), params_bytes=4e9)["host"] == pytest.approx(8e9 + 104_857_600)
     # activations: device 3e9 (one layer + embedding/head); host += 4 in flight x 10e9 = 40e9
     act = _mem(("activations",))
     assert act["activations"] == 3e9 and act["host"] == 40e9
     # nvme: 12e9 of state to files; host keeps 16e9 - 12e9 + 2 chunks x 2 x 26,214,400 = 4e9 + 104,857,600
     nv = _mem(("optimizer", "nvme"))
     assert nv["nvme"] == 12e9 and nv["host"] == pytest.approx(4e9 + 104_857_600)
+    # nvme_params: the rows are the masters' files (nvme unchanged, 12e9); the host drops P = 2e9. It
+    # reads a gather's rows in the forward / backward, beside the gradient buffers (1e9 x 4), not
+    # beside the step's state: max(4e9 + 104,857,600, 4e9 + group) -- the step's with a group of
+    # 5e7, 4e9 + 2e8 with one of 2e8, and + 40e9 of offloaded activations (4 x 10e9) in both
+    nvp = _mem(("optimizer", "params", "nvme", "nvme_params"), group_bytes=5e7)
+    par_nv = _mem(("optimizer", "params", "nvme"), group_bytes=5e7)
+    assert nvp["nvme"] == 12e9 and nvp["host"] == pytest.approx(4e9 + 104_857_600)
+    assert par_nv["host"] - nvp["host"] == pytest.approx(2e9)
+    assert _mem(("optimizer", "params", "nvme", "nvme_params"), group_bytes=2e8)["host"] == pytest.approx(4.2e9)
+    assert _mem(("optimizer", "params", "activations", "nvme", "nvme_params"), group_bytes=2e8)["host"] == \
+        pytest.approx(4.2e9 + 40e9)
+    assert {k: nvp[k] for k in ("params", "grads", "optimizer", "activations")} == \
+        {k: par_nv[k] for k in ("params", "grads", "optimizer", "activations")}
 
 
 def test_step_times():
@@ -58,6 +75,29 @@ def test_step_times():
     assert t["host:d2h"] == pytest.approx(0.2) and "nvme:io" not in t
     assert offload_step_times(("activations",), rows=1e9, grad_bytes=2, param_bytes=2, backward_window_s=0,
                               pcie_Bps=1, host_Bps=1, nvme_Bps=1) == {}
+    # params offload: the updated rows are copied master -> host rows, 1e9 x (4 + 2) / 20e9 = 0.3 s, not
+    # over PCIe; nvme_params: they stay in the files, no copy at all
+    kw = dict(rows=1e9, grad_bytes=2, param_bytes=2, backward_window_s=0.15, pcie_Bps=10e9, host_Bps=20e9, nvme_Bps=4e9)
+    t = offload_step_times(("optimizer", "params", "nvme"), **kw)
+    assert "host:h2d" not in t and t["host:copy"] == pytest.approx(0.3)
+    t = offload_step_times(("optimizer", "params", "nvme", "nvme_params"), **kw)
+    assert "host:h2d" not in t and "host:copy" not in t and t["nvme:io"] == pytest.approx(6.0)
+    t = offload_step_times(("optimizer", "params"), **{**kw, "param_bytes": 4})    # fp32 rows: the masters
+    assert "host:h2d" not in t and "host:copy" not in t
+
+
+def test_nvme_params_reads_per_micro_batch():
+    # rows 1e9 fp32 = 4e9 B read before the forward and again before the backward at 4 GB/s: 2 s,
+    # on the rank's thread (not overlapped); the params' PCIe uploads as with params offload
+    kw = dict(host_params_bytes=2e9, saved_bytes=0, forward_window_s=1, backward_window_s=1, pcie_Bps=10e9,
+              overlapped=())
+    t = offload_microbatch_times(("optimizer", "params", "nvme", "nvme_params"), nvme_rows_bytes=4e9, nvme_Bps=4e9,
+                                 **kw)
+    assert t["nvme:params"] == pytest.approx(2.0)
+    assert t["host:h2d"] == offload_microbatch_times(("optimizer", "params", "nvme"), **kw)["host:h2d"] == \
+        pytest.approx(0.4)
+    assert "nvme:params" not in offload_microbatch_times(("optimizer", "params", "nvme"), nvme_rows_bytes=4e9,
+                                                         nvme_Bps=4e9, **kw)
 
 
 def test_microbatch_times():

@@ -110,11 +110,18 @@ def train_job(rank: int, world: int, job: dict) -> dict:
            "traffic": {a: t["bytes"] for a, t in traffic_by_axis(pm.collectives).items()},
            "local": {s.name: (s.local.numel(), math.prod(s.plan.shape) if s.plan.shape else 1) for s in pm.store.slots},
            "regathers": _regathers(pm.store.ctx.reshard),
-           "ahead": pm.store.ctx.groups.started_ahead if pm.store.ctx.groups is not None else 0}
+           "ahead": pm.store.ctx.groups.started_ahead if pm.store.ctx.groups is not None else 0,
+           "nvme_rows": _nvme_rows(pm.store.ctx.nvme_rows),
+           "held_bytes": sum(s.local.untyped_storage().nbytes() for s in pm.store.slots)}
     pm.close()
     if rank == 0:
         res.update(sd=sd, grads=grads, out=out)
     return res
+
+
+def _nvme_rows(rows) -> tuple:
+    """Offload nvme_params (``runtime/nvme_rows.py``): (reads of rows from the files, their bytes)."""
+    return (rows.reads, rows.read_bytes) if rows is not None else (0, 0)
 
 
 def _regathers(reshard) -> tuple:

@@ -57,7 +57,10 @@ OFFLOAD = {"dp_offload_optimizer": "dp=2,offload=optimizer",
            # gradient (``step_memory._forward_gather_peak``; predicted 13% over while the gathers
            # were counted in the backward, beside the gradients)
            "dp_zero3_offload_all_no_recompute_bf16": "dp=2,zero=3,offload=optimizer+grads+params+activations,"
-                                                     "recompute=none"}
+                                                     "recompute=none",
+           # the parameter rows in the NVMe files: the host holds the gradient buffers, the state
+           # read back in the step and a gather's rows read from the files, not the rows
+           "dp_zero3_nvme_params": "dp=2,zero=3,offload=optimizer+grads+params+nvme+nvme_params"}
 # bf16 under torch.autocast over the fp32 model (``runtime/precision.py``): fp32 states, autocast's
 # per-op activation dtypes and its 16-bit copies of what matmuls read (``solver/autocast.py``)
 # (ZeRO-3: the matmuls save 16-bit copies, so the backward re-gathers only the norms' weights and
@@ -81,16 +84,19 @@ def measure_families(rank: int, world: int, families: dict) -> dict:
     """On each rank: per family ((model, force)), one ordinary step (the optimizer state appears)
     then one measured."""
     import dataclasses
+    import tempfile
 
     from autopar.api import autoparallelize
     from autopar.models import build_model
     from autopar.runtime.memory_measure import measure_step
 
     out = {}
+    nvme = tempfile.TemporaryDirectory()
     for name, (model, force, dtype) in families.items():
         b = build_model(model, device="meta")
         pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
-                             force=force, seed=0, model_name=model, record_collectives=False, dtype=dtype)
+                             force=force, seed=0, model_name=model, record_collectives=False, dtype=dtype,
+                             nvme_dir=nvme.name if "nvme" in force else None)
         x, y = b.make_batch(b.example_inputs[0].shape[0], torch.Generator().manual_seed(0))
         pm.step(x, y)
         _, m = measure_step(pm, x, y)

@@ -30,6 +30,10 @@ CASES_2 = {            # name: (hand_plan kwargs, offload)
     # ZeRO-3 over one dp rank: parameter offload alone makes each use fetch the rows
     "tp_sp_params_micro_batches": (dict(dp=1, tp=2, family="megatron_sp", mbs=2), "optimizer+grads+params+activations"),
     "pp_optimizer_activations": (dict(dp=1, tp=1, pp=2, mbs=1), "optimizer+activations"),
+    # the parameter rows on NVMe too (ZeRO-Infinity's parameter tier): read from the masters' files
+    # at every gather, over two dp ranks and, the rows copied up without a gather, over one
+    "dp_zero3_nvme_params_micro_batches": (dict(dp=2, tp=1, zero=3, mbs=1), "optimizer+grads+params+nvme+nvme_params"),
+    "tp_sp_nvme_params": (dict(dp=1, tp=2, family="megatron_sp"), "optimizer+params+activations+nvme+nvme_params"),
 }
 
 
@@ -76,3 +80,16 @@ def test_offloaded_plans_train_as_one_process(tmp_path):
         res = rank_results[by_name["tp_sp_params_micro_batches"]]
         regathered, prefetched, dropped = res["regathers"]
         assert res["ahead"] > 0 and prefetched > 0 and dropped == 0, (res["ahead"], res["regathers"])
+    # nvme_params: no rows held in memory, every gather read them from the files: at least once per
+    # parameter per micro-batch's forward (and per full tensor the test asks for), their fp32 bytes
+    for rank_results in results:
+        for name in ("dp_zero3_nvme_params_micro_batches", "tp_sp_nvme_params"):
+            res = rank_results[by_name[name]]
+            reads, nbytes = res["nvme_rows"]
+            held = res["held_bytes"]
+            base = rank_results[by_name["dp_zero3_params_micro_batches" if name.startswith("dp") else
+                                        "tp_sp_params_micro_batches"]]
+            rows = sum(local for local, _ in base["local"].values())
+            assert held == 0 and reads >= len(res["local"]) * 3 and nbytes >= rows * 4 * 3, (name, held, reads, nbytes)
+        assert rank_results[by_name["dp_zero3_nvme_params_micro_batches"]]["issued"] == \
+            rank_results[by_name["dp_zero3_params_micro_batches"]]["issued"]
