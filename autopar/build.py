@@ -169,6 +169,10 @@ def build(s: Setup, example_target: torch.Tensor) -> Built:
             raise PlanMismatchError(f"the plan was made for {plan_.dtype} compute, but dtype={dtype_name(s.dtype)} "
                                     "was asked for: re-plan with that dtype, or leave dtype out to run the plan's")
     precision = precision_for(plan_.dtype, next(model.parameters()).dtype)
+    if precision.compute == torch.float16 and "nvme_grads" in parse_offload(plan_.offload):
+        raise ValueError("offload nvme_grads keeps the gradients in files, where fp16's loss scaling cannot "
+                         "check them for overflow before the step: use --dtype bf16, or drop nvme_grads from "
+                         "the offload classes")
     whole = runtime_mesh(plan_)
     if whole.size != s.world:
         raise PlanMismatchError(world_size_message(plan_.mesh, s.world))

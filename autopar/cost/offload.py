@@ -36,6 +36,11 @@ ZeRO >= 1: ``optimizer_rows``), m = optimizer moments (2 Adam/AdamW/LAMB, 1 LARS
                  forward and up in the backward
     nvme         master + moments (rows x (4 + 4m)) in files; the host keeps 2 chunks of
                  2 B of it; per step read and written once: 2 rows (4 + 4m) / NVMe Bps per GPU
+    nvme_grads   (with nvme) the gradient buffers (rows x 4) in files: each gradient written as it
+                 is taken down (at most a chunk C = 2 B of writes in flight), read back by its chunk
+                 in the step: host -= rows x 4, += min(rows x 4, 2 C / 3) (the stepping and the next
+                 chunk's gradients: a third of a chunk's 3 tensors); nvme += rows x 4; "nvme:io"
+                 += 2 rows x 4 / NVMe Bps (written and read once per step)
     nvme_params  (with params and nvme; ZeRO-3: a rank's parameter rows are its optimizer rows)
                  the rows are not kept on the host: each gather reads them from the masters'
                  files (fp32, cast to the parameter's dtype), so host -= P and the NVMe holds
@@ -45,7 +50,8 @@ ZeRO >= 1: ``optimizer_rows``), m = optimizer moments (2 Adam/AdamW/LAMB, 1 LARS
                  re-gathers, on the rank's thread (not overlapped: 2 rows 4 / NVMe Bps exposed);
                  the updated rows are not copied up after the step (the files are the rows); the
                  reads come in the forward / backward, so the host peak is the larger of the
-                 step's and rows x 4 (gradient buffers) + offloaded activations + group_bytes
+                 step's and the gradient buffers (rows x 4; nvme_grads: min(rows x 4, C)) +
+                 offloaded activations + group_bytes
 
 Transfers hidden behind compute cost ``max(0, t - window)`` (``runtime_profile.py``'s rule) when
 the runtime overlaps them (``RuntimeProfile.host_copy_overlap``: on GPUs autopar's runtime copies
@@ -119,11 +125,17 @@ def offload_memory(classes: Iterable[str], *, rows: float, params_bytes: float, 
     if "optimizer" in cls:
         out["optimizer"] = 0.0
         out["host"] += host_optimizer_bytes(rows, moments)
+    chunk = 2 * (bucket_bytes() if bucket is None else bucket)
+    bwd_grads = rows * FP32            # the host's gradient buffers, filled in the backward
     if "nvme" in cls:
         state = nvme_state_bytes(rows, moments)
-        chunk = 2 * (bucket_bytes() if bucket is None else bucket)
         out["nvme"] += state
         out["host"] += min(state, HOST_CHUNKS * chunk) - state
+    if "nvme_grads" in cls:            # in files: the step's chunks read theirs back (a third of a
+        # chunk's 3 tensors, ``runtime/offload._chunks``), the backward's writes in flight <= a chunk
+        out["nvme"] += rows * FP32
+        out["host"] += min(rows * FP32, HOST_CHUNKS * chunk / 3) - rows * FP32
+        bwd_grads = min(rows * FP32, chunk)
     if "grads" in cls and microbatches == 1:
         out["grads"] = min(out["grads"], 2 * (bucket_bytes() if bucket is None else bucket))
     if "params" in cls:
@@ -138,7 +150,7 @@ def offload_memory(classes: Iterable[str], *, rows: float, params_bytes: float, 
         out["host"] += act_host
     if "nvme_params" in cls:     # a gather's rows read from the files, in the forward / backward: beside the
         # gradient buffers and the offloaded activations, not beside the step's state read back
-        out["host"] = max(out["host"], rows * FP32 + act_host + group_bytes)
+        out["host"] = max(out["host"], bwd_grads + act_host + group_bytes)
     return out
 
 
@@ -147,7 +159,8 @@ def offload_step_times(classes: Iterable[str], *, rows: float, grad_bytes: float
                        moments: int = 2, overlap_grads: bool = True) -> dict[str, float]:
     """Exposed seconds per step: "host:d2h" (gradients down, against the last backward when
     ``overlap_grads``), "host:h2d" (updated rows up), "cpu:optimizer" (the CPU step, which
-    replaces the device step) and "nvme:io" (state read + written; ``nvme_Bps`` per GPU). With
+    replaces the device step) and "nvme:io" (state, and with nvme_grads the gradients, read +
+    written; ``nvme_Bps`` per GPU). With
     params offload the updated rows are copied into the host rows ("host:copy": read the fp32
     master, write the row, at ``host_Bps``), with nvme_params they stay in the files (neither)."""
     cls = set(classes)
@@ -161,7 +174,7 @@ def offload_step_times(classes: Iterable[str], *, rows: float, grad_bytes: float
             out["host:copy"] = rows * (FP32 + param_bytes) / host_Bps     # master -> the host rows
         out["cpu:optimizer"] = rows * cpu_step_bytes_per_param(moments) / host_Bps
     if "nvme" in cls:
-        out["nvme:io"] = 2 * nvme_state_bytes(rows, moments) / nvme_Bps
+        out["nvme:io"] = 2 * (nvme_state_bytes(rows, moments) + ("nvme_grads" in cls) * rows * FP32) / nvme_Bps
     return out
 
 

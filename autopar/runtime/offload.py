@@ -33,6 +33,9 @@ nvme (with optimizer)
     runs chunk by chunk (chunks of about ``chunk_bytes`` of state): chunk k + 1 is read while chunk
     k steps, chunk k is written while k + 1 steps. A chunk steps alone because torch optimizers skip
     parameters whose ``.grad`` is None.
+nvme_grads (with nvme)  ``runtime/nvme_grads.NvmeGrads``
+    Each gradient taken down goes to a file at once instead of a host buffer; the step reads each
+    chunk's gradients back with its masters and state.
 nvme_params (with params and nvme)  ``runtime/nvme_rows.NvmeRows``
     ZeRO-3's parameter rows are not kept in host memory: each gather reads them from the masters'
     files, and the step's updated masters, written there, are not copied up.
@@ -104,6 +107,14 @@ class HostOptimizer:
             self._chunks = _chunks(store.slots, chunk_bytes)
             self._evicted: set[str] = set()
             self._evict(store.slots)                     # the masters go to the files at once
+        self.grad_files = None                           # nvme_grads: runtime/nvme_grads.NvmeGrads
+        self._chunk_grads: dict[str, torch.Tensor] = {}  # ... the stepping chunks' gradients, read back
+        if "nvme_grads" in classes:
+            from autopar.runtime.nvme_grads import NvmeGrads
+
+            self.grad_files = NvmeGrads(self.nvme, device, window=chunk_bytes)
+            self._grad_bufs.clear()                      # no gradient waits in host memory
+            store.ctx.grad_files = self.grad_files
         self.rows = None                                 # nvme_params: runtime/nvme_rows.NvmeRows
         if "nvme_params" in classes:
             if not store.ctx.host_params:
@@ -141,8 +152,12 @@ class HostOptimizer:
                 g = s.local.grad
             if g is None:                        # no gradient this step: the optimizer skips it
                 continue
-            buf = self.copies.down(g, out=self._grad_bufs[s.name], throttle=self.frees_grads)
-            s.host_grad = buf
+            buf = self.copies.down(g, out=self._grad_bufs.get(s.name), throttle=self.frees_grads)
+            if self.grad_files is not None:      # to its file now (complete first), not kept
+                self.copies.synchronize()
+                self.grad_files.put(s.name, buf)
+            else:
+                s.host_grad = buf
             if self.nvme is None:                # NVMe: set per chunk, once the master is read back
                 s.host.grad = buf
             self._taken.add(s.name)
@@ -172,7 +187,8 @@ class HostOptimizer:
         self._taken.clear()
 
     def grads(self) -> list[torch.Tensor]:
-        """The host gradients of this step (what fp16's unscale checks)."""
+        """The host gradients of this step (what fp16's unscale checks; not with nvme_grads, which
+        ``build`` refuses under fp16)."""
         return [self._grad_bufs[name] for name in sorted(self._taken)]
 
     def _copy_up(self, slots) -> None:
@@ -228,9 +244,13 @@ class HostOptimizer:
                 st[k] = make(*self._shapes[key])
 
     def _read(self, slots) -> list:
-        """Start reading ``slots``' tensors back; their futures."""
+        """Start reading ``slots``' tensors back (and with nvme_grads their gradients of this step);
+        their futures."""
         futures = []
         for s in slots:
+            if self.grad_files is not None and s.name in self._taken and s.name not in self._chunk_grads:
+                self._chunk_grads[s.name], fut = self.grad_files.read(s.name)
+                futures.append(fut)
             if s.name not in self._evicted:
                 continue
             self._set(s, lambda shape, dtype: pinned_empty(shape, dtype, self.device))
@@ -244,27 +264,30 @@ class HostOptimizer:
         self.nvme.wait()
 
     def _step_chunks(self, run: Callable[[], None]) -> None:
-        grads = {s.name: self._grad_bufs[s.name] if s.name in self._taken else None for s in self.store.slots}
+        grads = {s.name: self._grad_bufs.get(s.name) if s.name in self._taken else None for s in self.store.slots}
         pending = self._read(self._chunks[0]) if self._chunks else []
         for i, chunk in enumerate(self._chunks):
             for f in pending:
                 f.result()
             pending = self._read(self._chunks[i + 1]) if i + 1 < len(self._chunks) else []
             for s in self.store.slots:
-                s.host.grad = grads[s.name] if any(s is c for c in chunk) else None
+                mine = any(s is c for c in chunk)
+                s.host.grad = (self._chunk_grads.get(s.name) if self.grad_files is not None else grads[s.name]) \
+                    if mine else None
             run()
             if self.rows is None:                # nvme_params: the files written below are the rows
                 self._copy_up(chunk)
             self.copies.synchronize()
             for s in chunk:
                 s.host.grad = None
+                self._chunk_grads.pop(s.name, None)
             self._evict(chunk)
         self.nvme.wait()
 
     def host_tensors(self) -> list[torch.Tensor]:
         """The host memory this offload owns now (masters, gradient buffers, optimizer state; the
         parameter rows themselves with parameter offload)."""
-        out = list(self._grad_bufs.values())
+        out = list(self._grad_bufs.values()) + list(self._chunk_grads.values())
         if self.store.ctx.host_params:
             out += [s.local for s in self.store.slots]
         for s in self.store.slots:

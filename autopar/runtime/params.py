@@ -116,6 +116,7 @@ class ParamContext:
     host_params: bool = False      # ZeRO-3 with parameter offload: the rows live in host memory
     groups: Any = None             # ZeRO-3 with gathers: runtime/prefetch.GroupGathers (gathers by group)
     nvme_rows: Any = None          # offload nvme_params: runtime/nvme_rows.NvmeRows (the rows in files)
+    grad_files: Any = None         # offload nvme_grads: runtime/nvme_grads.NvmeGrads (host gradients in files)
 
     @property
     def gathers(self) -> bool:
@@ -414,6 +415,8 @@ class ParamStore:
         """Drop every gradient of the last step. ZeRO 0/1 with dp > 1: ``.grad`` is a view of a
         bucket buffer of the reducer's, which dropping its last views frees (the next backward
         allocates the step's own: gradients start each step unallocated, as the plan counts)."""
+        if self.ctx.grad_files is not None:
+            self.ctx.grad_files.forget()
         for s in self.slots:
             s.local.grad = None
             s.opt_param.grad = None
@@ -483,8 +486,11 @@ class ParamStore:
 
     def _tp_local_grad(self, slot: ParamSlot) -> torch.Tensor:
         ctx = self.ctx
-        if slot.host_grad is not None:           # offloaded: the optimizer's rows, on the host
-            g = slot.host_grad.to(ctx.device or slot.local.device, _dtype(slot.plan.dtype), copy=True)   # reused buffer
+        host = slot.host_grad
+        if host is None and ctx.grad_files is not None and slot.name in ctx.grad_files.held:
+            host = ctx.grad_files.read_now(slot.name)     # nvme_grads: in its file
+        if host is not None:                     # offloaded: the optimizer's rows, on the host
+            g = host.to(ctx.device or slot.local.device, _dtype(slot.plan.dtype), copy=True)   # reused buffer
             if ctx.zero_stage >= 1 and ctx.dp > 1:
                 return gather_rows(slot, g.reshape(-1), ctx, record=False)
             return g.reshape(slot.layout.local_shape)

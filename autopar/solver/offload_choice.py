@@ -24,7 +24,8 @@ GB = 1e9
 
 def offload_variants(cfg: OuterConfig) -> list[OuterConfig]:
     """``cfg`` with each valid non-empty set of offloaded classes (optimizer first: grads, params
-    and nvme need it; params needs ZeRO-3; nvme_params needs params and nvme), fewest classes first."""
+    and nvme need it; params needs ZeRO-3; nvme_params needs params and nvme, nvme_grads nvme), fewest
+    classes first."""
     out = []
     for act, opt in product((False, True), (False, True)):
         if not opt:
@@ -36,9 +37,12 @@ def offload_variants(cfg: OuterConfig) -> list[OuterConfig]:
                 continue
             cls = ("optimizer",) + (("grads",) if grads else ()) + (("params",) if params else ()) \
                 + (("activations",) if act else ()) + (("nvme",) if nvme else ())
-            out.append(cls)
-            if params and nvme:             # the parameter rows in the files too, none on the host
-                out.append(cls + ("nvme_params",))
+            if not nvme:
+                out.append(cls)
+                continue
+            # on NVMe beside the state: the parameter rows (ZeRO-3), the gradients, both, or neither
+            for more in ((), ("nvme_grads",)) + ((("nvme_params",), ("nvme_params", "nvme_grads")) if params else ()):
+                out.append(cls + more)
     if cfg.data == 1 and cfg.zero == 3:        # ZeRO-3 on one rank is only worth it to offload params
         out = [c for c in out if "params" in c]
     out.sort(key=len)
@@ -46,10 +50,10 @@ def offload_variants(cfg: OuterConfig) -> list[OuterConfig]:
 
 
 def lean_configs(cfg: OuterConfig) -> list[OuterConfig]:
-    """The variants of least device memory: every class offloaded (the parameter rows on NVMe, the
-    least host memory too), and (ZeRO-3) the same without params, whose gathered window can outweigh
+    """The variants of least device memory: every class offloaded (the parameter rows and gradients
+    on NVMe, the least host memory too), and (ZeRO-3) the same without params, whose gathered window can outweigh
     a rank's own rows."""
-    full = ("optimizer", "grads", "activations", "nvme")
+    full = ("optimizer", "grads", "activations", "nvme", "nvme_grads")
     out = [replace(cfg, offload=offload_name(full))]
     if cfg.zero == 3:
         out.append(replace(cfg, offload=offload_name(full + ("params", "nvme_params"))))
@@ -92,7 +96,7 @@ def host_note(ev: Optional[Evaluation], cluster) -> str:
         need = math.ceil(m.host_bytes * g / GB / (host_b * g / cluster.host_memory_bytes) / 10) * 10
         extra = "" if "nvme" in ev.config.classes else " or nvme offload (--force offload=...+nvme)"
         return (f"; with offload={ev.config.offload} it needs {m.host_bytes / GB:.1f} GB of host memory per GPU, "
-                f"over the host budget of {host_b / GB:.1f} GB per GPU ({cluster.host_memory_bytes / GB:.0f} GB "
+                f"over the host budget of {host_b / GB:.1f} GB per GPU ({cluster.host_memory_bytes / GB:.3g} GB "
                 f"per node, less a reserve, over {g} GPUs); try --host-memory-gb {need:.0f}{extra}")
     if m.nvme_bytes > nvme_b:
         need = math.ceil(m.nvme_bytes * g / GB)

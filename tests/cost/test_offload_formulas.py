@@ -48,6 +48,10 @@ def test_memory_by_class():
     # nvme: 12e9 of state to files; host keeps 16e9 - 12e9 + 2 chunks x 2 x 26,214,400 = 4e9 + 104,857,600
     nv = _mem(("optimizer", "nvme"))
     assert nv["nvme"] == 12e9 and nv["host"] == pytest.approx(4e9 + 104_857_600)
+    # nvme_grads: the 4e9 of gradient buffers go to files too (nvme 16e9); the step holds two chunks'
+    # gradients, a third of each chunk: 2 x 52,428,800 / 3; host 4e9 + 104,857,600 - 4e9 + 34,952,533
+    ng = _mem(("optimizer", "nvme", "nvme_grads"))
+    assert ng["nvme"] == 16e9 and ng["host"] == pytest.approx(104_857_600 + 2 * 52_428_800 / 3)
     # nvme_params: the rows are the masters' files (nvme unchanged, 12e9); the host drops P = 2e9. It
     # reads a gather's rows in the forward / backward, beside the gradient buffers (1e9 x 4), not
     # beside the step's state: max(4e9 + 104,857,600, 4e9 + group) -- the step's with a group of
@@ -82,6 +86,8 @@ def test_step_times():
     assert "host:h2d" not in t and t["host:copy"] == pytest.approx(0.3)
     t = offload_step_times(("optimizer", "params", "nvme", "nvme_params"), **kw)
     assert "host:h2d" not in t and "host:copy" not in t and t["nvme:io"] == pytest.approx(6.0)
+    # nvme_grads: 1e9 x 4 of gradients written and read once more: 6 + 2 x 4e9 / 4e9 = 8 s
+    assert offload_step_times(("optimizer", "nvme", "nvme_grads"), **kw)["nvme:io"] == pytest.approx(8.0)
     t = offload_step_times(("optimizer", "params"), **{**kw, "param_bytes": 4})    # fp32 rows: the masters
     assert "host:h2d" not in t and "host:copy" not in t
 

@@ -112,7 +112,9 @@ def train_job(rank: int, world: int, job: dict) -> dict:
            "regathers": _regathers(pm.store.ctx.reshard),
            "ahead": pm.store.ctx.groups.started_ahead if pm.store.ctx.groups is not None else 0,
            "nvme_rows": _nvme_rows(pm.store.ctx.nvme_rows),
-           "held_bytes": sum(s.local.untyped_storage().nbytes() for s in pm.store.slots)}
+           "held_bytes": sum(s.local.untyped_storage().nbytes() for s in pm.store.slots),
+           "grads_written": pm.store.ctx.grad_files.written if pm.store.ctx.grad_files is not None else 0,
+           "opt_rows": sum(s.opt_param.numel() for s in pm.store.slots)}
     pm.close()
     if rank == 0:
         res.update(sd=sd, grads=grads, out=out)

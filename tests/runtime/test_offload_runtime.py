@@ -33,7 +33,10 @@ CASES_2 = {            # name: (hand_plan kwargs, offload)
     # the parameter rows on NVMe too (ZeRO-Infinity's parameter tier): read from the masters' files
     # at every gather, over two dp ranks and, the rows copied up without a gather, over one
     "dp_zero3_nvme_params_micro_batches": (dict(dp=2, tp=1, zero=3, mbs=1), "optimizer+grads+params+nvme+nvme_params"),
-    "tp_sp_nvme_params": (dict(dp=1, tp=2, family="megatron_sp"), "optimizer+params+activations+nvme+nvme_params"),
+    # ... and the gradients wait for the step in files too (every model state on NVMe)
+    "tp_sp_nvme_params": (dict(dp=1, tp=2, family="megatron_sp"),
+                          "optimizer+params+activations+nvme+nvme_params+nvme_grads"),
+    "dp_zero2_nvme_grads_micro_batches": (dict(dp=2, tp=1, zero=2, mbs=1), "optimizer+grads+nvme+nvme_grads"),
 }
 
 
@@ -60,7 +63,14 @@ def _jobs(graph, cases, nvme_dir):
 def test_offloaded_plans_train_as_one_process(tmp_path):
     graph = full_trace(4)
     jobs = _jobs(graph, CASES_2, str(tmp_path))
+    # fp16 cannot check gradients in files for overflow: refused when built, on every rank
+    fp16 = dataclasses.replace(hand_plan(graph, dp=2, tp=1, zero=2), offload="optimizer+nvme+nvme_grads",
+                               dtype="float16")
+    jobs.append({"plan": fp16.to_json(), "nvme_dir": str(tmp_path), "name": "fp16_nvme_grads", "expect_error": True})
     results = spawn_ranks(train_jobs, 2, args=(jobs,), timeout_s=60)
+    errors = [r.pop()["error"] for r in results]
+    jobs.pop()
+    assert all(e.startswith("ValueError: offload nvme_grads") and "--dtype bf16" in e for e in errors), errors
     ref = reference(False)
     bad = []
     for i, job in enumerate(jobs):
@@ -93,3 +103,8 @@ def test_offloaded_plans_train_as_one_process(tmp_path):
             assert held == 0 and reads >= len(res["local"]) * 3 and nbytes >= rows * 4 * 3, (name, held, reads, nbytes)
         assert rank_results[by_name["dp_zero3_nvme_params_micro_batches"]]["issued"] == \
             rank_results[by_name["dp_zero3_params_micro_batches"]]["issued"]
+    # nvme_grads: each step's gradient rows went to the files (4 bytes per optimizer row per step)
+    for rank_results in results:
+        for name in ("tp_sp_nvme_params", "dp_zero2_nvme_grads_micro_batches"):
+            res = rank_results[by_name[name]]
+            assert res["grads_written"] == 3 * 4 * res["opt_rows"], (name, res["grads_written"], res["opt_rows"])

@@ -1,0 +1,67 @@
+"""The gradients' NVMe tier (offload class ``nvme_grads``): a rank's reduced gradients wait for the
+optimizer step in files, not in host memory.
+
+With optimizer offload every gradient the reducer finishes is copied to the host
+(``runtime/offload.HostOptimizer.take``), where it waited in a buffer of its own until the step:
+4 bytes per optimizer row, the largest host allocation after the state itself once that state is on
+NVMe. Here each one is written to ``<name>/grad`` as it arrives (``put``; ``NvmeStore.write`` copies
+its bytes at once, so the host copy is dropped right away) and at most ``window`` bytes of writes
+are in flight (the oldest waited for beyond that). The step, chunk by chunk as it streams the
+masters and state, reads each chunk's gradients back beside them (``HostOptimizer._read``).
+
+``held`` names the gradients of the last backward in the files (what ``ParamStore.full_dict("grad")``
+reads back with ``read_now``); the next step's ``ParamStore.zero_grad`` forgets them.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from autopar.runtime.copy_stream import pinned_empty
+
+
+class NvmeGrads:
+    """Gradients in ``store``'s files (``runtime/nvme.NvmeStore``); module docstring."""
+
+    def __init__(self, store, device: torch.device, window: int) -> None:
+        self.store, self.device, self.window = store, device, window
+        self.held: dict[str, tuple] = {}           # name -> (shape, dtype) of this step's gradient in its file
+        self._writes: deque = deque()              # (future, bytes) of the writes in flight, oldest first
+        self._in_flight = 0
+        self.written = 0                           # over the run: gradient bytes written
+
+    @staticmethod
+    def key(name: str) -> str:
+        return f"{name}/grad"
+
+    def put(self, name: str, grad: torch.Tensor) -> None:
+        """Write ``grad`` (a CPU contiguous tensor, complete) as ``name``'s gradient of this step."""
+        nbytes = grad.numel() * grad.element_size()
+        self._writes.append((self.store.write(self.key(name), grad), nbytes))
+        self.held[name] = (tuple(grad.shape), grad.dtype)
+        self.written += nbytes
+        self._in_flight += nbytes
+        while self._in_flight > self.window and self._writes:
+            fut, n = self._writes.popleft()
+            fut.result()
+            self._in_flight -= n
+
+    def read(self, name: str):
+        """Start reading ``name``'s gradient back: (its buffer, the read's future)."""
+        shape, dtype = self.held[name]
+        out = pinned_empty(shape, dtype, self.device)
+        return out, self.store.read(self.key(name), out)
+
+    def read_now(self, name: str) -> torch.Tensor:
+        shape, dtype = self.held[name]
+        return self.store.read_now(self.key(name), pinned_empty(shape, dtype, self.device))
+
+    def forget(self) -> None:
+        """A new step: the files' gradients are the last step's."""
+        self.held.clear()
+        self._writes.clear()
+        self._in_flight = 0
+
+
+__all__ = ["NvmeGrads"]
