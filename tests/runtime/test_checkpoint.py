@@ -70,8 +70,9 @@ def saved(tmp_path_factory):
     (TINY, "dp=2,tp=2,zero=2", "tp=2,zero=3", 2),        # tp x dp, ZeRO-2 -> tp, ZeRO-3
     # -> offloaded: the AdamW state onto host masters in NVMe files (and back out, bit for bit)
     (TINY, "dp=2,tp=2,zero=2", "dp=2,zero=1,offload=optimizer+nvme", 2),
-    # -> ZeRO-3 with the parameter rows in those files too (read back for the save, written on load)
-    (TINY, "dp=2,tp=2,zero=2", "dp=2,zero=3,offload=optimizer+params+nvme+nvme_params", 2),
+    # -> ZeRO-3 with the parameter rows (read back for the save, written on load) and the gradients in
+    # those files too
+    (TINY, "dp=2,tp=2,zero=2", "dp=2,zero=3,offload=optimizer+params+nvme+nvme_params+nvme_grads", 2),
 ])
 def test_checkpoint_loads_under_another_plan(saved, tmp_path, model, saved_under, load_under, world):
     src = str(tmp_path / "src")
