@@ -182,8 +182,8 @@ class ParallelModel:
         step count stay readable."""
         if self.__dict__.get("_closed"):
             return
-        if self.__dict__.get("offload") is not None and self.offload.optimizer is not None:
-            self.offload.optimizer.close()
+        if self.__dict__.get("offload") is not None:
+            self.offload.close()
         for name in _HOLDS_TENSORS:
             self.__dict__.pop(name, None)
         self.__dict__["_pending"] = None          # never built: it will not be now

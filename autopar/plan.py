@@ -46,11 +46,14 @@ RECOMPUTE_CHOICES = ("none", "selective", "full")
 #                and is streamed through host memory chunk by chunk in the step (ZeRO-Infinity)
 # nvme: the optimizer's masters and state in files; nvme_params: ZeRO-3's parameter rows too (read
 # from the masters' files at each gather, none in host memory: ZeRO-Infinity's parameter tier);
-# nvme_grads: the reduced gradients wait for the step in files, not in host buffers
-OFFLOAD_CLASSES = ("optimizer", "grads", "params", "activations", "nvme", "nvme_params", "nvme_grads")
+# nvme_grads: the reduced gradients wait for the step in files, not in host buffers;
+# nvme_activations: the offloaded saved tensors wait for the backward in files
+OFFLOAD_CLASSES = ("optimizer", "grads", "params", "activations", "nvme", "nvme_params", "nvme_grads",
+                   "nvme_activations")
 OFFLOAD_CHOICES = ("none",) + OFFLOAD_CLASSES      # single classes (``--force offload=`` joins them with +)
 _OFFLOAD_NEEDS = {"grads": ("optimizer",), "params": ("optimizer",), "nvme": ("optimizer",),
-                  "nvme_params": ("optimizer", "params", "nvme"), "nvme_grads": ("optimizer", "nvme")}
+                  "nvme_params": ("optimizer", "params", "nvme"), "nvme_grads": ("optimizer", "nvme"),
+                  "nvme_activations": ("activations",)}
 # Pipeline schedules, as torch.distributed.pipelining (2.13) names its classes:
 #   gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B, interleaved_1f1b -> ScheduleInterleaved1F1B,
 #   interleaved_zb -> ScheduleInterleavedZeroBubble, zbv -> ScheduleZBVZeroBubble,

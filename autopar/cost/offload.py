@@ -41,6 +41,12 @@ ZeRO >= 1: ``optimizer_rows``), m = optimizer moments (2 Adam/AdamW/LAMB, 1 LARS
                  in the step: host -= rows x 4, += min(rows x 4, 2 C / 3) (the stepping and the next
                  chunk's gradients: a third of a chunk's 3 tensors); nvme += rows x 4; "nvme:io"
                  += 2 rows x 4 / NVMe Bps (written and read once per step)
+    nvme_activations  (with activations) the host copies of saved tensors in files: nvme += m x
+                 saved bytes per micro-batch (keys of their own per micro-batch of the step); host
+                 activations -> min(inflight x saved, what the backward brings back at once), the
+                 writes being waited for one by one (their aligned staging copy not counted);
+                 per micro-batch the saved bytes written in the forward and read in the backward on
+                 the rank's thread ("nvme:activations": 2 x saved / NVMe Bps, exposed)
     nvme_params  (with params and nvme; ZeRO-3: a rank's parameter rows are its optimizer rows)
                  the rows are not kept on the host: each gather reads them from the masters'
                  files (fp32, cast to the parameter's dtype), so host -= P and the NVMe holds
@@ -145,6 +151,10 @@ def offload_memory(classes: Iterable[str], *, rows: float, params_bytes: float, 
         out["host"] += 0.0 if ("nvme_params" in cls or masters) else out["params"]
         out["params"] = 0.0
     act_host = inflight * saved_bytes_per_microbatch if "activations" in cls else 0.0
+    if "nvme_activations" in cls:      # in files (a step's micro-batches each under keys of their own);
+        # the host holds the one being written and what the backward reads back at once
+        out["nvme"] += microbatches * saved_bytes_per_microbatch
+        act_host = min(act_host, resident_saved_bytes)
     if "activations" in cls:
         out["activations"] = min(float(activations_bytes), float(resident_saved_bytes))
         out["host"] += act_host
@@ -185,7 +195,7 @@ def offload_microbatch_times(classes: Iterable[str], *, host_params_bytes: float
     """Exposed seconds per micro-batch: "host:h2d" (params up before the forward and before the
     backward, activations up in the backward), "host:d2h" (activations down in the forward) and,
     with nvme_params, "nvme:params" (``nvme_rows_bytes``, the rank's fp32 rows, read twice, not
-    overlapped). ``host_params_bytes``: the rank's params on the host (P); ``saved_bytes``: the
+    overlapped), with nvme_activations "nvme:activations" (the saved bytes written and read back). ``host_params_bytes``: the rank's params on the host (P); ``saved_bytes``: the
     activations saved per micro-batch. Only the copies of the ``overlapped`` classes hide in the
     windows; the backward's uploads of both share the host->device direction (one window)."""
     cls, over = set(classes), set(overlapped)
@@ -202,4 +212,6 @@ def offload_microbatch_times(classes: Iterable[str], *, host_params_bytes: float
         out["host:d2h"] = down
     if "nvme_params" in cls:
         out["nvme:params"] = 2 * nvme_rows_bytes / nvme_Bps
+    if "nvme_activations" in cls:
+        out["nvme:activations"] = 2 * saved_bytes / nvme_Bps
     return out

@@ -355,8 +355,12 @@ def _spies(tracker: StorageTracker, pm) -> list[_Spy]:
     # post-accumulate hook (the reducer's, registered before the tracker's) launched it (ZeRO 1/2
     # missed gpt-tiny's tied embedding gradient so, 64 KiB)
     spies.append(_Spy(pm.reducer, "_launch", before=lambda: _mark_state(tracker, pm)))
-    if pm.offload.activations is not None:       # an offloaded activation's host copy
-        spies.append(_Spy(pm.offload.activations, "to_host", after=lambda args, out: tracker.mark(out, HOST)))
+    acts = pm.offload.activations
+    if acts is not None:                         # an offloaded activation's host copy
+        spies.append(_Spy(acts, "to_host", after=lambda args, out: tracker.mark(out, HOST)))
+        if getattr(acts, "writes", None) is not None:     # nvme_activations: on its way to its file, and back
+            spies.append(_Spy(acts.writes, "write", after=lambda args, out: tracker.mark(args[1], HOST)))
+            spies.append(_Spy(acts, "from_host", after=lambda args, out: tracker.mark(out, HOST)))
     host = pm.offload.optimizer
     if host is not None:                         # NVMe: the state read back chunk by chunk in the step
         spies.append(_Spy(host, "_read", after=lambda args, out: [

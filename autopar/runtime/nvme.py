@@ -21,6 +21,7 @@ not): the caller moves them to and from the GPU. The directory goes at ``close()
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import errno
 import os
@@ -374,3 +375,32 @@ class NvmeStore:
         except NvmeError:
             if exc_type is None:
                 raise               # else the exception already leaving the block is the one to see
+
+
+class BoundedWrites:
+    """Writes to ``store`` with at most ``window`` bytes in flight: ``NvmeStore.write`` copies a
+    tensor's bytes into a buffer of its own at once, held until its thread has written them, so a
+    stream of writes faster than the disk would pile them up in host memory; beyond the window the
+    oldest are waited for."""
+
+    def __init__(self, store: NvmeStore, window: int) -> None:
+        self.store, self.window = store, window
+        self._writes: collections.deque = collections.deque()     # (future, bytes), oldest first
+        self._in_flight = 0
+        self.written = 0                                           # over the run: bytes written
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        self._writes.append((self.store.write(key, tensor), nbytes))
+        self.written += nbytes
+        self._in_flight += nbytes
+        while self._in_flight > self.window and self._writes:
+            fut, n = self._writes.popleft()
+            fut.result()
+            self._in_flight -= n
+
+    def forget(self) -> None:
+        """Stop counting the writes issued so far (a later read of a key waits for its write)."""
+        self._writes.clear()
+        self._in_flight = 0
+

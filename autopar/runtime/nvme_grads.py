@@ -14,22 +14,24 @@ reads back with ``read_now``); the next step's ``ParamStore.zero_grad`` forgets 
 """
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 
 from autopar.runtime.copy_stream import pinned_empty
+from autopar.runtime.nvme import BoundedWrites
 
 
 class NvmeGrads:
     """Gradients in ``store``'s files (``runtime/nvme.NvmeStore``); module docstring."""
 
     def __init__(self, store, device: torch.device, window: int) -> None:
-        self.store, self.device, self.window = store, device, window
+        self.store, self.device = store, device
         self.held: dict[str, tuple] = {}           # name -> (shape, dtype) of this step's gradient in its file
-        self._writes: deque = deque()              # (future, bytes) of the writes in flight, oldest first
-        self._in_flight = 0
-        self.written = 0                           # over the run: gradient bytes written
+        self._writes = BoundedWrites(store, window)
+
+    @property
+    def written(self) -> int:
+        """Over the run: gradient bytes written."""
+        return self._writes.written
 
     @staticmethod
     def key(name: str) -> str:
@@ -37,15 +39,8 @@ class NvmeGrads:
 
     def put(self, name: str, grad: torch.Tensor) -> None:
         """Write ``grad`` (a CPU contiguous tensor, complete) as ``name``'s gradient of this step."""
-        nbytes = grad.numel() * grad.element_size()
-        self._writes.append((self.store.write(self.key(name), grad), nbytes))
+        self._writes.write(self.key(name), grad)
         self.held[name] = (tuple(grad.shape), grad.dtype)
-        self.written += nbytes
-        self._in_flight += nbytes
-        while self._in_flight > self.window and self._writes:
-            fut, n = self._writes.popleft()
-            fut.result()
-            self._in_flight -= n
 
     def read(self, name: str):
         """Start reading ``name``'s gradient back: (its buffer, the read's future)."""
@@ -60,8 +55,7 @@ class NvmeGrads:
     def forget(self) -> None:
         """A new step: the files' gradients are the last step's."""
         self.held.clear()
-        self._writes.clear()
-        self._in_flight = 0
+        self._writes.forget()
 
 
 __all__ = ["NvmeGrads"]

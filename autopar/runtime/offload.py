@@ -36,6 +36,8 @@ nvme (with optimizer)
 nvme_grads (with nvme)  ``runtime/nvme_grads.NvmeGrads``
     Each gradient taken down goes to a file at once instead of a host buffer; the step reads each
     chunk's gradients back with its masters and state.
+nvme_activations (with activations)  ``runtime/nvme_activations.NvmeActivations``
+    Each saved tensor's host copy goes to a file at once; the backward reads it back to bring it up.
 nvme_params (with params and nvme)  ``runtime/nvme_rows.NvmeRows``
     ZeRO-3's parameter rows are not kept in host memory: each gather reads them from the masters'
     files, and the step's updated masters, written there, are not copied up.
@@ -446,8 +448,16 @@ class ActivationOffload(Observed):
         return _Offloaded(host, dtensor_spec(t), index, stride)
 
     def to_host(self, local: torch.Tensor) -> torch.Tensor:
-        """``local``'s host copy (asynchronous on CUDA's side stream; ``memory_measure`` spies it)."""
+        """``local``'s host copy (asynchronous on CUDA's side stream; ``memory_measure`` spies it), or
+        what stands for it (``from_host`` gives the copy back): the next index of ``_order``'s."""
         return self.copies.down(local)
+
+    def from_host(self, index: int, host: torch.Tensor) -> torch.Tensor:
+        """The host copy of the ``index``-th tensor packed, which ``to_host`` gave ``host``."""
+        return host
+
+    def close(self) -> None:
+        """Release what outlives a step (nothing here; the NVMe tier's files)."""
 
     def _unpack(self, saved):
         if isinstance(saved, _Recast):
@@ -457,7 +467,7 @@ class ActivationOffload(Observed):
         upload = self._ahead.pop(saved.index, None)
         self.unpacked += saved.index not in self._unpacked
         self.prefetched += upload is not None
-        upload = upload or self.copies.up(saved.host, saved.stride)
+        upload = upload or self.copies.up(self.from_host(saved.index, saved.host), saved.stride)
         self._unpacked.add(saved.index)
         if self.copies.overlapped:
             self._prefetch()
@@ -488,7 +498,8 @@ class ActivationOffload(Observed):
             del self._ahead[k]
         for j in want:
             if j not in self._ahead:
-                self._ahead[j] = self.copies.up(*self._order[j])
+                host, stride = self._order[j]
+                self._ahead[j] = self.copies.up(self.from_host(j, host), stride)
 
 
 @dataclasses.dataclass
@@ -497,6 +508,12 @@ class Offload:
     classes: tuple
     optimizer: Optional[HostOptimizer] = None
     activations: Optional[ActivationOffload] = None
+
+    def close(self) -> None:
+        """An NVMe tier's files removed (``pm.close()``)."""
+        for part in (self.optimizer, self.activations):
+            if part is not None:
+                part.close()
 
     def saved_hooks(self, store):
         """The ``saved_tensors_hooks`` a step's forward and backward run in."""
@@ -515,8 +532,13 @@ def make_offload(plan_offload: str, store, factory, device: torch.device, *, nvm
     if "optimizer" in classes:
         out.optimizer = HostOptimizer(store, factory, classes, device, nvme_dir=nvme_dir, rank=rank)
     if "activations" in classes:
-        out.activations = ActivationOffload(
-            device, lambda: {s.local.untyped_storage().data_ptr() for s in store.slots}, inner=store.ctx.regather)
+        storages = lambda: {s.local.untyped_storage().data_ptr() for s in store.slots}   # noqa: E731
+        if "nvme_activations" in classes:
+            from autopar.runtime.nvme_activations import NvmeActivations
+
+            out.activations = NvmeActivations(device, storages, nvme_dir, rank, inner=store.ctx.regather)
+        else:
+            out.activations = ActivationOffload(device, storages, inner=store.ctx.regather)
     return out
 
 

@@ -24,25 +24,25 @@ GB = 1e9
 
 def offload_variants(cfg: OuterConfig) -> list[OuterConfig]:
     """``cfg`` with each valid non-empty set of offloaded classes (optimizer first: grads, params
-    and nvme need it; params needs ZeRO-3; nvme_params needs params and nvme, nvme_grads nvme), fewest
-    classes first."""
+    and nvme need it; params needs ZeRO-3; nvme_params needs params and nvme, nvme_grads nvme,
+    nvme_activations activations), fewest classes first."""
     out = []
     for act, opt in product((False, True), (False, True)):
         if not opt:
             if act:
-                out.append(("activations",))
+                out += [("activations",), ("activations", "nvme_activations")]
             continue
         for grads, params, nvme in product((False, True), (False, True), (False, True)):
             if params and cfg.zero != 3:
                 continue
             cls = ("optimizer",) + (("grads",) if grads else ()) + (("params",) if params else ()) \
                 + (("activations",) if act else ()) + (("nvme",) if nvme else ())
-            if not nvme:
-                out.append(cls)
-                continue
-            # on NVMe beside the state: the parameter rows (ZeRO-3), the gradients, both, or neither
-            for more in ((), ("nvme_grads",)) + ((("nvme_params",), ("nvme_params", "nvme_grads")) if params else ()):
-                out.append(cls + more)
+            # on NVMe beside the state: the parameter rows (ZeRO-3), the gradients, both, or neither;
+            # the saved activations (offloaded) in files or in host memory
+            tiers = [()] if not nvme else [(), ("nvme_grads",)] + (
+                [("nvme_params",), ("nvme_params", "nvme_grads")] if params else [])
+            for more, files in product(tiers, (False, True) if act else (False,)):
+                out.append(cls + more + (("nvme_activations",) if files else ()))
     if cfg.data == 1 and cfg.zero == 3:        # ZeRO-3 on one rank is only worth it to offload params
         out = [c for c in out if "params" in c]
     out.sort(key=len)
@@ -53,7 +53,7 @@ def lean_configs(cfg: OuterConfig) -> list[OuterConfig]:
     """The variants of least device memory: every class offloaded (the parameter rows and gradients
     on NVMe, the least host memory too), and (ZeRO-3) the same without params, whose gathered window can outweigh
     a rank's own rows."""
-    full = ("optimizer", "grads", "activations", "nvme", "nvme_grads")
+    full = ("optimizer", "grads", "activations", "nvme", "nvme_grads", "nvme_activations")
     out = [replace(cfg, offload=offload_name(full))]
     if cfg.zero == 3:
         out.append(replace(cfg, offload=offload_name(full + ("params", "nvme_params"))))

@@ -192,6 +192,7 @@ def _upstream(key: str, profile, copies_over: tuple = ()) -> tuple[str, bool]:
         return "exposed: context-parallel all-to-alls are not overlapped", True
     charged = {("nvme", "params"): "ZeRO-3's rows read from the NVMe files on the rank's thread before each gather",
                ("nvme", "io"): "the optimizer state read back and written around the CPU step",
+               ("nvme", "activations"): "saved tensors written in the forward and read in the backward",
                ("host", "copy"): "the updated masters copied into the host rows after the CPU step"}
     if (axis, kind) in charged:
         return f"exposed, charged in full: {charged[axis, kind]}", True

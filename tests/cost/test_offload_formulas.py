@@ -48,6 +48,11 @@ def test_memory_by_class():
     # nvme: 12e9 of state to files; host keeps 16e9 - 12e9 + 2 chunks x 2 x 26,214,400 = 4e9 + 104,857,600
     nv = _mem(("optimizer", "nvme"))
     assert nv["nvme"] == 12e9 and nv["host"] == pytest.approx(4e9 + 104_857_600)
+    # nvme_activations: the 40e9 the host held (4 in flight x 10e9) go to files, one micro-batch's
+    # 10e9 per micro-batch of the step (2: 20e9); the host holds what the backward brings back at
+    # once, 3e9 (the forward writes one tensor at a time, no more); the device as activation offload
+    na = _mem(("activations", "nvme_activations"), microbatches=2)
+    assert na["nvme"] == 20e9 and na["host"] == pytest.approx(3e9) and na["activations"] == 3e9
     # nvme_grads: the 4e9 of gradient buffers go to files too (nvme 16e9); the step holds two chunks'
     # gradients, a third of each chunk: 2 x 52,428,800 / 3; host 4e9 + 104,857,600 - 4e9 + 34,952,533
     ng = _mem(("optimizer", "nvme", "nvme_grads"))
@@ -104,6 +109,10 @@ def test_nvme_params_reads_per_micro_batch():
         pytest.approx(0.4)
     assert "nvme:params" not in offload_microbatch_times(("optimizer", "params", "nvme"), nvme_rows_bytes=4e9,
                                                          nvme_Bps=4e9, **kw)
+    # nvme_activations: 2e9 saved per micro-batch written and read back at 4 GB/s: 1 s, exposed
+    t = offload_microbatch_times(("activations", "nvme_activations"), nvme_Bps=4e9,
+                                 **{**kw, "saved_bytes": 2e9})
+    assert t["nvme:activations"] == pytest.approx(1.0)
 
 
 def test_microbatch_times():

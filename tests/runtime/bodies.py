@@ -114,11 +114,17 @@ def train_job(rank: int, world: int, job: dict) -> dict:
            "nvme_rows": _nvme_rows(pm.store.ctx.nvme_rows),
            "held_bytes": sum(s.local.untyped_storage().nbytes() for s in pm.store.slots),
            "grads_written": pm.store.ctx.grad_files.written if pm.store.ctx.grad_files is not None else 0,
-           "opt_rows": sum(s.opt_param.numel() for s in pm.store.slots)}
+           "opt_rows": sum(s.opt_param.numel() for s in pm.store.slots),
+           "acts_nvme": _acts_nvme(pm.offload.activations)}
     pm.close()
     if rank == 0:
         res.update(sd=sd, grads=grads, out=out)
     return res
+
+
+def _acts_nvme(acts) -> tuple:
+    """Offload nvme_activations (``runtime/nvme_activations.py``): (bytes written, bytes read back)."""
+    return (acts.written_bytes, acts.read_bytes) if getattr(acts, "writes", None) is not None else (0, 0)
 
 
 def _nvme_rows(rows) -> tuple:

@@ -62,7 +62,9 @@ OFFLOAD = {"dp_offload_optimizer": "dp=2,offload=optimizer",
            # read back in the step and a gather's rows read from the files, not the rows
            "dp_zero3_nvme_params": "dp=2,zero=3,offload=optimizer+grads+params+nvme+nvme_params",
            # and the gradients: written as they come down, read back by the step's chunks
-           "dp_zero2_nvme_grads": "dp=2,zero=2,offload=optimizer+grads+nvme+nvme_grads"}
+           "dp_zero2_nvme_grads": "dp=2,zero=2,offload=optimizer+grads+nvme+nvme_grads",
+           # the saved activations in files: the host holds the writes in flight and what is read back
+           "tp_offload_nvme_activations": "tp=2,offload=optimizer+activations+nvme_activations,recompute=none"}
 # bf16 under torch.autocast over the fp32 model (``runtime/precision.py``): fp32 states, autocast's
 # per-op activation dtypes and its 16-bit copies of what matmuls read (``solver/autocast.py``)
 # (ZeRO-3: the matmuls save 16-bit copies, so the backward re-gathers only the norms' weights and

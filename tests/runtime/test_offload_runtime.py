@@ -37,6 +37,8 @@ CASES_2 = {            # name: (hand_plan kwargs, offload)
     "tp_sp_nvme_params": (dict(dp=1, tp=2, family="megatron_sp"),
                           "optimizer+params+activations+nvme+nvme_params+nvme_grads"),
     "dp_zero2_nvme_grads_micro_batches": (dict(dp=2, tp=1, zero=2, mbs=1), "optimizer+grads+nvme+nvme_grads"),
+    # the saved activations wait for the backward in files (a pipeline's micro-batches interleaved)
+    "pp_nvme_activations": (dict(dp=1, tp=1, pp=2, mbs=1), "activations+nvme_activations"),
 }
 
 
@@ -108,3 +110,7 @@ def test_offloaded_plans_train_as_one_process(tmp_path):
         for name in ("tp_sp_nvme_params", "dp_zero2_nvme_grads_micro_batches"):
             res = rank_results[by_name[name]]
             assert res["grads_written"] == 3 * 4 * res["opt_rows"], (name, res["grads_written"], res["opt_rows"])
+    # nvme_activations: what the plan without it sends to the host went to the files, and came back
+    for rank_results in results:
+        written, read = rank_results[by_name["pp_nvme_activations"]]["acts_nvme"]
+        assert written > 0 and read >= written, (written, read)
