@@ -576,9 +576,9 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
         backward under ``torch.autocast``, fp32 master weights, gradients reduced in ``dtype``, and
         for fp16 a dynamic loss scale common to every rank (an overflow anywhere skips the step
         everywhere; ``pm.loss_scaler``). ``pm.precision`` says what runs.
-    nvme_dir: a directory on a fast local disk, for a plan that offloads the optimizer state (and with ``nvme_params`` the parameter rows) to NVMe
-        (``offload`` with ``nvme``; ``runtime/offload.py``): each rank keeps its files in its own
-        subdirectory, removed at exit.
+    nvme_dir: a directory on a fast local disk, for a plan with an NVMe tier (``offload`` with ``nvme``,
+        ``nvme_params``, ``nvme_grads`` or ``nvme_activations``; ``runtime/offload.py``): each rank
+        keeps its files in its own subdirectories, removed at exit.
     engine: what runs the graph (``autopar/engine.py``): "emitted" the generated ``fx.GraphModule``
         per stage (``codegen/emit.py``), "interpreter" the ``GraphExecutor``, "auto" (default) the
         emitted modules where they cover the plan, else the interpreter; ``pm.engine`` and

@@ -116,9 +116,9 @@ def _parser() -> argparse.ArgumentParser:
                    "weights, gradients reduced in that dtype; fp16 with a dynamic loss scale); the reference "
                    "is one process under torch.autocast (and GradScaler)")
     p.add_argument("--nvme-dir", default=None, metavar="DIR",
-                   help="for a plan that offloads the optimizer state (--force offload=optimizer+nvme), and with "
-                   "nvme_params the ZeRO-3 parameter rows, to NVMe: a directory on a fast local disk; each rank's "
-                   "files are removed at the end")
+                   help="for a plan with an NVMe tier (offload classes nvme, nvme_params, nvme_grads, "
+                   "nvme_activations, e.g. --force offload=optimizer+nvme): a directory on a fast local disk; "
+                   "each rank's files are removed at the end")
     p.add_argument("--engine", default="auto", choices=("auto", "emitted", "interpreter"),
                    help="what runs the graph: the emitted fx.GraphModule per stage, the interpreter, or "
                    "(auto, default) the emitted modules where they cover the plan")
