@@ -14,7 +14,8 @@ fits without). For each:
    (``solver.search.solve`` on the meta model: doubling, then bisection). The host budget G
    (``ClusterSpec.host_memory_bytes``, per node) bounds what offload may keep in host memory; NVMe
    is off (``nvme_bytes=0``) unless ``--nvme-gb`` gives a disk budget per node (ZeRO-Infinity's tier:
-   the optimizer state in files under ``--nvme-dir``, written and read by the runtime).
+   the optimizer state, and as the solver chooses the parameter rows, gradients and saved
+   activations, in files under ``--nvme-dir``, written and read by the runtime).
 2. train: that model with that plan for 3 steps on N gloo ranks (fp32, AdamW, autopar's own init
    on the meta model), then one more step under ``runtime.memory_measure.measure_step``: the device
    peak as the storage tracker counts it (offloaded tensors counted apart, as host memory). If any
