@@ -22,27 +22,29 @@ from autopar.solver.timing import Evaluation, OuterConfig, evaluate, host_budget
 GB = 1e9
 
 
-def offload_variants(cfg: OuterConfig) -> list[OuterConfig]:
+def offload_variants(cfg: OuterConfig, nvme: bool = True) -> list[OuterConfig]:
     """``cfg`` with each valid non-empty set of offloaded classes (optimizer first: grads, params
     and nvme need it; params needs ZeRO-3; nvme_params needs params and nvme, nvme_grads nvme,
-    nvme_activations activations), fewest classes first."""
+    nvme_activations activations), fewest classes first. ``nvme`` False (no NVMe budget): none
+    with an NVMe tier."""
     out = []
+    files = (False, True) if nvme else (False,)
     for act, opt in product((False, True), (False, True)):
         if not opt:
             if act:
-                out += [("activations",), ("activations", "nvme_activations")]
+                out += [("activations",)] + ([("activations", "nvme_activations")] if nvme else [])
             continue
-        for grads, params, nvme in product((False, True), (False, True), (False, True)):
+        for grads, params, on_nvme in product((False, True), (False, True), files):
             if params and cfg.zero != 3:
                 continue
             cls = ("optimizer",) + (("grads",) if grads else ()) + (("params",) if params else ()) \
-                + (("activations",) if act else ()) + (("nvme",) if nvme else ())
+                + (("activations",) if act else ()) + (("nvme",) if on_nvme else ())
             # on NVMe beside the state: the parameter rows (ZeRO-3), the gradients, both, or neither;
             # the saved activations (offloaded) in files or in host memory
-            tiers = [()] if not nvme else [(), ("nvme_grads",)] + (
+            tiers = [()] if not on_nvme else [(), ("nvme_grads",)] + (
                 [("nvme_params",), ("nvme_params", "nvme_grads")] if params else [])
-            for more, files in product(tiers, (False, True) if act else (False,)):
-                out.append(cls + more + (("nvme_activations",) if files else ()))
+            for more, on_disk in product(tiers, files if act else (False,)):
+                out.append(cls + more + (("nvme_activations",) if on_disk else ()))
     if cfg.data == 1 and cfg.zero == 3:        # ZeRO-3 on one rank is only worth it to offload params
         out = [c for c in out if "params" in c]
     out.sort(key=len)
@@ -51,8 +53,8 @@ def offload_variants(cfg: OuterConfig) -> list[OuterConfig]:
 
 def lean_configs(cfg: OuterConfig) -> list[OuterConfig]:
     """The variants of least device memory: every class offloaded (the parameter rows and gradients
-    on NVMe, the least host memory too), and (ZeRO-3) the same without params, whose gathered window can outweigh
-    a rank's own rows."""
+    on NVMe, the least host memory too), and (ZeRO-3) the same without params, whose gathered window
+    can outweigh a rank's own rows."""
     full = ("optimizer", "grads", "activations", "nvme", "nvme_grads", "nvme_activations")
     out = [replace(cfg, offload=offload_name(full))]
     if cfg.zero == 3:
@@ -73,7 +75,7 @@ def best_variant(summary, cfg: OuterConfig, cluster, profile,
     the memory-constrained ILP; the variant that fits the GPU but not the host / NVMe with the
     least host bytes, or None, for the infeasibility message)."""
     best = lean = blocked = None
-    for c in offload_variants(cfg):
+    for c in offload_variants(cfg, nvme=host_budgets(cluster)[1] > 0):
         ev = evaluate(summary, c, cluster, profile, budget)
         if ev.fits and (best is None or ev.step.total_s < best.step.total_s):
             best = ev

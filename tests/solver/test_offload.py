@@ -189,3 +189,18 @@ def test_resident_weight_copies_are_recast_not_offloaded(monkeypatch):
     gpu = cluster.gpu
     cast = 3.0 * copies / (gpu.hbm_Bps * gpu.memory_efficiency)
     assert resident.step_time.compute_s - sent.step_time.compute_s == pytest.approx(cast)
+
+
+def test_offload_variants_without_an_nvme_budget_have_no_nvme_tier():
+    """The search evaluates each variant: without NVMe it skips the tiers that could never fit
+    (ZeRO-3 over dp=2: 9 variants in host memory; 50 with the NVMe tiers, none repeated: activations
+    alone 2, with optimizer offload and no nvme 2 x 2 x (1 + 2), with nvme 2 x (2 + 4 + 4 + 8))."""
+    from autopar.solver.offload_choice import offload_variants
+    from autopar.solver.outer_config import OuterConfig
+
+    cfg = OuterConfig(tp=1, pp=1, dp=2, mbs=2, m=1, recompute="full", zero=3, sp=False)
+    every, host = offload_variants(cfg), offload_variants(cfg, nvme=False)
+    assert len({c.offload for c in every}) == len(every) == 50
+    assert len(host) == 9 and not any("nvme" in c.offload for c in host)
+    assert {c.offload for c in host} <= {c.offload for c in every}
+
