@@ -129,7 +129,7 @@ def _do_write(deps, path, flags, buf, padded, directory, key) -> None:
         raise _io_error(exc, path, directory, padded, f"writing {key!r}") from exc
 
 
-def _do_read(dep, path, flags, dst, nbytes, align, directory, key, out):
+def _do_read(dep, path, flags, dst, nbytes, align, directory, key):
     if dep is not None:
         cf.wait([dep])
         exc = cf.CancelledError() if dep.cancelled() else dep.exception()
@@ -152,7 +152,6 @@ def _do_read(dep, path, flags, dst, nbytes, align, directory, key, out):
             os.close(fd)
     except OSError as exc:
         raise _io_error(exc, path, directory, 0, f"reading {key!r}") from exc
-    return out
 
 
 def _alive(pid: int) -> bool:
@@ -310,7 +309,8 @@ class NvmeStore:
 
     def read(self, key: str, out: torch.Tensor) -> cf.Future:
         """Read ``key`` into ``out`` (CPU, contiguous, the numel and dtype written), asynchronously,
-        after any write of ``key`` issued before. Future's result: ``out``."""
+        after any write of ``key`` issued before. Future's result: None (a result would keep ``out``
+        alive as long as the store keeps the future, until ``wait``)."""
         t = self._host(out, "read into")
         e = self._entries.get(key)
         if e is None:
@@ -319,14 +319,13 @@ class NvmeStore:
             raise NvmeError(f"read of {key!r}: out holds {t.numel()} x {t.dtype} but {e.numel} x "
                             f"{e.dtype} were written; pass a tensor of the written numel and dtype")
         fut = self._submit(_do_read, e.last_write, e.path, self._flags, _bytes_of(t), e.nbytes,
-                           self.align, self.directory, key, out)
+                           self.align, self.directory, key)
         e.pending = [f for f in e.pending if not f.done()] + [fut]
         return fut
 
     def read_now(self, key: str, out: torch.Tensor) -> torch.Tensor:
-        """``read`` waited for, keeping nothing of it: a done read's future holds ``out`` until
-        ``wait``, which would keep every buffer read between two waits alive. Its error is raised
-        here (NvmeError)."""
+        """``read`` waited for (its error raised here, NvmeError), dropped from the futures ``wait``
+        reports; ``out``."""
         fut = self.read(key, out)
         try:
             fut.result()

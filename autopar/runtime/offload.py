@@ -88,7 +88,8 @@ class HostOptimizer:
                 master = pinned_empty(s.opt_param.shape, torch.float32, device)
                 master.copy_(s.opt_param.detach())
             s.host = nn.Parameter(master, requires_grad=True)
-            self._grad_bufs[s.name] = pinned_empty(s.opt_param.shape, torch.float32, device)
+            if "nvme_grads" not in classes:              # else no gradient waits in host memory
+                self._grad_bufs[s.name] = pinned_empty(s.opt_param.shape, torch.float32, device)
         self.optimizer = factory([s.host for s in store.slots])
         if hasattr(self.optimizer, "set_shard_groups") and device.type == "cuda":
             raise NotImplementedError(
@@ -115,7 +116,6 @@ class HostOptimizer:
             from autopar.runtime.nvme_grads import NvmeGrads
 
             self.grad_files = NvmeGrads(self.nvme, device, window=chunk_bytes)
-            self._grad_bufs.clear()                      # no gradient waits in host memory
             store.ctx.grad_files = self.grad_files
         self.rows = None                                 # nvme_params: runtime/nvme_rows.NvmeRows
         if "nvme_params" in classes:
