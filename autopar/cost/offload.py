@@ -195,9 +195,10 @@ def offload_microbatch_times(classes: Iterable[str], *, host_params_bytes: float
     """Exposed seconds per micro-batch: "host:h2d" (params up before the forward and before the
     backward, activations up in the backward), "host:d2h" (activations down in the forward) and,
     with nvme_params, "nvme:params" (``nvme_rows_bytes``, the rank's fp32 rows, read twice, not
-    overlapped), with nvme_activations "nvme:activations" (the saved bytes written and read back). ``host_params_bytes``: the rank's params on the host (P); ``saved_bytes``: the
-    activations saved per micro-batch. Only the copies of the ``overlapped`` classes hide in the
-    windows; the backward's uploads of both share the host->device direction (one window)."""
+    overlapped), with nvme_activations "nvme:activations" (the saved bytes written and read back).
+    ``host_params_bytes``: the rank's params on the host (P); ``saved_bytes``: the activations
+    saved per micro-batch. Only the copies of the ``overlapped`` classes hide in the windows; the
+    backward's uploads of both share the host->device direction (one window)."""
     cls, over = set(classes), set(overlapped)
     p = host_params_bytes / pcie_Bps if "params" in cls else 0.0
     a = saved_bytes / pcie_Bps if "activations" in cls else 0.0
