@@ -80,9 +80,9 @@ class HostOptimizer:
         self._grad_bufs: dict[str, torch.Tensor] = {}
         # ZeRO-3's rows in host memory (params offload) are fp32 masters already: the optimizer steps
         # them in place, one copy, none after the step (not with nvme, whose masters leave for files)
-        self.shares_rows = store.ctx.host_params and "nvme" not in classes
+        shares_rows = store.ctx.host_params and "nvme" not in classes
         for s in store.slots:
-            if self.shares_rows and s.opt_param.dtype == torch.float32:
+            if shares_rows and s.opt_param.dtype == torch.float32:
                 master = s.opt_param.data
             else:
                 master = pinned_empty(s.opt_param.shape, torch.float32, device)

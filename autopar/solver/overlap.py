@@ -55,6 +55,13 @@ _WHY = {     # reason code -> (overlapped, not overlapped)
 }
 
 
+# offload transfers the step model charges whole (``cost/offload.py``): (axis, kind) -> what they are
+_CHARGED_IN_FULL = {("nvme", "params"): "ZeRO-3's rows read from the NVMe files on the rank's thread "
+                                      "before each gather",
+                    ("nvme", "io"): "the optimizer state read back and written around the CPU step",
+                    ("nvme", "activations"): "saved tensors written in the forward and read in the backward",
+                    ("host", "copy"): "the updated masters copied into the host rows after the CPU step"}
+
 def overlapped_cost(comm_s: float, window_s: float, overlapped: bool, slowdown: float) -> float:
     """``exposed + contention`` of a collective of ``comm_s`` beside ``window_s`` of compute."""
     if not overlapped:
@@ -190,12 +197,8 @@ def _upstream(key: str, profile, copies_over: tuple = ()) -> tuple[str, bool]:
             return ("remainder after each ring rotation overlaps one attention block "
                     "(solver/context.py; hidden part not carried here)"), False
         return "exposed: context-parallel all-to-alls are not overlapped", True
-    charged = {("nvme", "params"): "ZeRO-3's rows read from the NVMe files on the rank's thread before each gather",
-               ("nvme", "io"): "the optimizer state read back and written around the CPU step",
-               ("nvme", "activations"): "saved tensors written in the forward and read in the backward",
-               ("host", "copy"): "the updated masters copied into the host rows after the CPU step"}
-    if (axis, kind) in charged:
-        return f"exposed, charged in full: {charged[axis, kind]}", True
+    if (axis, kind) in _CHARGED_IN_FULL:
+        return f"exposed, charged in full: {_CHARGED_IN_FULL[axis, kind]}", True
     if axis in ("host", "nvme", "cpu"):
         if copies_over:
             return (f"remainder after the copies of {'/'.join(copies_over)} overlap compute on a side stream "

@@ -29,7 +29,7 @@ step (-3.6%, -3.1%); GPTs of hidden 4096 (2 x 2) and 8192 (8 x 8) and gpt-tiny's
 them on one sweep: more took the 1M-token LLaMA-3 8B plan from 4.4 to 6.1 s of solving (the same
 plan, 1-D), and sweeping only its winner further did not find those gains (the better plans were
 other configurations' once swept). A configuration whose plan does not fit runs the
-memory-constrained ILP (``search.memory_constraints``) on the inner axis' tables of step 3, the
+memory-constrained ILP (``memory_constraints.memory_constraints``) on the inner axis' tables of step 3, the
 outer axes' choices kept.
 Sequence parallelism applies to the innermost axis.
 """

@@ -64,7 +64,7 @@ def test_a_budget_the_peak_fits_needs_no_recompute(setup):
 def test_the_memory_constraint_at_the_unconstrained_choice(setup, force):
     """The memory-constrained ILP's linear constraint, at the choice it starts from, is the
     evaluated peak (``by_moments``: the room the moments leave) or the categories' sum."""
-    from autopar.solver.search import memory_constraints
+    from autopar.solver.memory_constraints import memory_constraints
 
     res = _solve(setup, force)
     ev, sol = res.evaluation, res.solution
