@@ -233,6 +233,64 @@ def reducer_transient_bytes(grad_bytes: float, data: int, zero: int, bucket: flo
     return max(during, reducer_end_bytes(grad_bytes, data, zero, bucket, accumulating) - activation_bytes)
 
 
+def reducer_piece_transients(summands: Sequence[float], data: int, zero: int, bucket: float, first: float,
+                             rows_kept: bool = True, own: float = 0.0) -> list[tuple[float, float]]:
+    """The reducer's bytes during each piece's backward (ZeRO 2/3 over ``data`` > 1; zeros
+    otherwise), ``summands`` being the pieces' full local gradient bytes in backward order: per
+    piece (beside its ops' workspace, at a launch). The buckets fill in that order
+    (``codegen.buckets``: the first up to ``first``, then ``bucket`` each, b_0, b_1, ...). Between
+    launches the open bucket's summands and the previous bucket's send buffer are alive, counted
+    beside the piece's workspace: those of its start and the fraction ``own`` of its own summands
+    made before its widest op's backward (a layer's MLP output projection comes first: a third of
+    a GPT layer's parameters, 4h^2 of 12h^2; 0 where a recomputed layer's replay, its workspace,
+    comes first). Counting none put gpt-tiny's ZeRO-3 peak with every class offloaded 10% under
+    the measurement; counting all of them 10% to 12% over it (ZeRO-3 over 12 layers; bf16).
+    Launching bucket i (from a gradient hook, between ops; ``runtime/reducer._launch`` finishes the
+    buckets before i - 1 first) allocates its send buffer while its summands, copied in one by
+    one, and bucket i - 1's send buffer are alive:
+
+        2 b_i + b_(i-1)    (+ b_(i-1) / data, its output, when the reduced rows leave the device
+                            as each bucket finishes, ``rows_kept`` False: gradient offload)
+
+    Kept, the reduced rows exist from their bucket's launch (its output), where the caller counts
+    the rows of every piece before (1/data of their summands, ``step_peak_bytes``): the difference
+    is given back (the rows of the open bucket, counted twice otherwise: 8% of a 12-layer GPT's
+    ZeRO-3 peak).
+
+    Both beside the piece's activations (its ops free them as they run: an upper bound). The last
+    bucket's launch ends the backward: ``reducer_end_bytes``, beside no activation. (Counting
+    the largest of these beside every piece's workspace, the backward's first included, put a
+    24-layer GPT's ZeRO-3 peak 22% over the measurement.)"""
+    if data <= 1 or zero < 2:
+        return [(0.0, 0.0)] * len(summands)
+    sizes, left, cap = [], float(sum(summands)), min(first, bucket)
+    while left > 1e-9:
+        sizes.append(min(cap, left))
+        left -= sizes[-1]
+        cap = bucket
+    ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+
+    def behind(i: int) -> float:          # bucket i's send buffer in flight (and its output)
+        return 0.0 if i < 0 else sizes[i] * (1.0 if rows_kept else 1.0 + 1.0 / data)
+
+    def rows(made: float) -> float:       # reduced rows of the buckets launched by then (kept ones)
+        return made / data if rows_kept else 0.0
+
+    def alive(made: float) -> float:      # the open bucket's summands, the one in flight, the rows out
+        launched = [i for i, e in enumerate(ends) if e <= made + 1e-9]
+        out_to = ends[launched[-1]] if launched else 0.0
+        return made - out_to + behind(launched[-1] if launched else -1) + rows(out_to)
+
+    out, done = [], 0.0
+    for g in summands:
+        start, done = done, done + g
+        spikes = [2 * sizes[i] + behind(i - 1) + rows(ends[i - 1] if i else 0.0)
+                  for i, e in enumerate(ends[:-1]) if start + 1e-9 < e <= done + 1e-9]
+        # less the rows the caller counts as made by the pieces before (``step_peak_bytes``' gradients)
+        out.append((alive(start + own * g) - rows(start), max(spikes, default=0.0) - rows(start) if spikes else 0.0))
+    return out
+
+
 def reducer_end_bytes(grad_bytes: float, data: int, zero: int, bucket: float, accumulating: bool = False) -> float:
     """``reducer_transient_bytes``' term at the end of the reduction (the activations freed): the
     last bucket's summands and send buffer and the previous one's, before the last output exists.

@@ -34,12 +34,14 @@ ZeRO >= 1: ``optimizer_rows``), m = optimizer moments (2 Adam/AdamW/LAMB, 1 LARS
                  largest output; a prefetching runtime would keep a layer); host += inflight x
                  saved bytes per micro-batch; per micro-batch the saved bytes go down in the
                  forward and up in the backward
-    nvme         master + moments (rows x (4 + 4m)) in files; the host keeps 2 chunks of
-                 2 B of it; per step read and written once: 2 rows (4 + 4m) / NVMe Bps per GPU
+    nvme         master + moments (rows x (4 + 4m)) in files; the host keeps 2 chunks C = 2 B of
+                 it, a chunk being cut on the whole parameters (C / 12 of them, 3 fp32 tensors
+                 each): the rank's share s of it (1/tp, and 1/dp of the rows under ZeRO) holds
+                 C s (1 + m) / 3; per step read and written once: 2 rows (4 + 4m) / NVMe Bps per GPU
     nvme_grads   (with nvme) the gradient buffers (rows x 4) in files: each gradient written as it
                  is taken down (at most a chunk C = 2 B of writes in flight), read back by its chunk
-                 in the step: host -= rows x 4, += min(rows x 4, 2 C / 3) (the stepping and the next
-                 chunk's gradients: a third of a chunk's 3 tensors); nvme += rows x 4; "nvme:io"
+                 in the step: host -= rows x 4, += min(rows x 4, 2 C s / 3) (the stepping and the
+                 next chunk's gradients: a third of a chunk's 3 tensors); nvme += rows x 4; "nvme:io"
                  += 2 rows x 4 / NVMe Bps (written and read once per step)
     nvme_activations  (with activations) the host copies of saved tensors in files: nvme += m x
                  saved bytes per micro-batch (keys of their own per micro-batch of the step); host
@@ -89,6 +91,13 @@ def optimizer_rows(numel: float, data: int, zero: int) -> float:
     return numel / data if zero >= 1 else float(numel)
 
 
+def chunk_share(tp: int, data: int, zero: int) -> float:
+    """The share of a chunk's state a rank holds: the NVMe step's chunks are cut on the whole
+    parameters (``runtime/offload._chunks``: the same cut on every rank), of which a rank steps its
+    tensor-parallel shard (about 1/tp: the largest tensors are split) and under ZeRO its 1/data rows."""
+    return 1.0 / tp / (data if zero >= 1 else 1)
+
+
 def host_optimizer_bytes(rows: float, moments: int = 2) -> float:
     """Host bytes of optimizer offload: fp32 master, moments and gradient buffer per row."""
     return rows * FP32 * (1 + moments + 1)
@@ -119,12 +128,14 @@ def _exposed(t: float, window: float) -> float:
 def offload_memory(classes: Iterable[str], *, rows: float, params_bytes: float, grads_bytes: float,
                    optimizer_bytes: float, activations_bytes: float, resident_saved_bytes: float,
                    saved_bytes_per_microbatch: float, inflight: float, microbatches: int,
-                   moments: int = 2, bucket: float | None = None, group_bytes: float = 0.0) -> dict[str, float]:
+                   moments: int = 2, bucket: float | None = None, group_bytes: float = 0.0,
+                   share: float = 1.0) -> dict[str, float]:
     """Per-rank bytes by category with ``classes`` offloaded: device "params", "grads",
     "optimizer", "activations", and "host", "nvme" (module docstring). The ``*_bytes`` arguments
     are the rank's device bytes without offload; ``resident_saved_bytes``: what activation offload
     leaves on the device (one layer's saved bytes + the embedding's / head's); ``group_bytes``
-    (nvme_params): the fp32 master bytes of the rank's largest gather group."""
+    (nvme_params): the fp32 master bytes of the rank's largest gather group; ``share``: of a chunk
+    of the NVMe step, the part this rank holds (``chunk_share``)."""
     cls = set(classes)
     out = {"params": float(params_bytes), "grads": float(grads_bytes), "optimizer": float(optimizer_bytes),
            "activations": float(activations_bytes), "host": 0.0, "nvme": 0.0}
@@ -136,11 +147,12 @@ def offload_memory(classes: Iterable[str], *, rows: float, params_bytes: float, 
     if "nvme" in cls:
         state = nvme_state_bytes(rows, moments)
         out["nvme"] += state
-        out["host"] += min(state, HOST_CHUNKS * chunk) - state
+        # a chunk is ``chunk`` bytes of 3 fp32 tensors (Adam's) per parameter of the whole model
+        out["host"] += min(state, HOST_CHUNKS * chunk * share * (1 + moments) / 3) - state
     if "nvme_grads" in cls:            # in files: the step's chunks read theirs back (a third of a
         # chunk's 3 tensors, ``runtime/offload._chunks``), the backward's writes in flight <= a chunk
         out["nvme"] += rows * FP32
-        out["host"] += min(rows * FP32, HOST_CHUNKS * chunk / 3) - rows * FP32
+        out["host"] += min(rows * FP32, HOST_CHUNKS * chunk * share / 3) - rows * FP32
         bwd_grads = min(rows * FP32, chunk)
     if "grads" in cls and microbatches == 1:
         out["grads"] = min(out["grads"], 2 * (bucket_bytes() if bucket is None else bucket))

@@ -60,7 +60,7 @@ def activation_bytes_per_layer(blk: PartCost, summary: AxisSummary, recompute: s
 
 def workspace_bytes(summary: AxisSummary, cfg: OuterConfig, backward_bytes: float, lps: Optional[float] = None, *,
                     param_bytes: int, autocast: bool = False, in_layer: bool = True,
-                    forward_apart: bool = False) -> float:
+                    forward_apart: bool = False, prefetching: bool = True) -> float:
     """Workspace at the peak: the largest output's backward (``backward_bytes``), one layer
     re-materialized under recompute, ZeRO-3's gathers inside a layer's backward: the layer in use
     and the next one prefetched, its collective's output and send buffers (2 + 1/dp layers, each a
@@ -78,7 +78,9 @@ def workspace_bytes(summary: AxisSummary, cfg: OuterConfig, backward_bytes: floa
     workspace), beside which no layer is re-materialized or gathered (a layer's re-gather starts
     with its own backward). ``forward_apart``: the caller counts the
     forward's gathers at their own peak (``forward_gather_bytes``; ``solver/step_memory.py``), so
-    gathers that happen only in the forward (autocast without recompute) are left out here."""
+    gathers that happen only in the forward (autocast without recompute) are left out here.
+    ``prefetching`` False: the backward of a rank's (or stage's) first layer, the last to run,
+    prefetches no next layer: its own gathered copy only."""
     blk = summary.parts["block"]
     other = 0.0
     every_layer = cfg.recompute == "full" or (cfg.recompute == "partial" and (
@@ -88,7 +90,7 @@ def workspace_bytes(summary: AxisSummary, cfg: OuterConfig, backward_bytes: floa
     elif in_layer and is_per_op(cfg.recompute):
         rc = rc_of(blk, cfg.recompute)
         other += blk.core_saved_bytes if rc is None else rc.workspace_bytes
-    gathered = ZERO3_PREFETCH_LAYERS
+    gathered = ZERO3_PREFETCH_LAYERS if prefetching else 1
     if autocast and in_layer and every_layer:
         # the re-materialized layer's replay runs inside the backward, which gathers without
         # prefetch (``runtime/params.py``): one layer's rows, each cast to the 16-bit copy its

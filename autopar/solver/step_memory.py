@@ -27,8 +27,8 @@ from typing import Callable, Mapping, Sequence
 
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES
 from autopar.cost.memory import (backward_workspace_bytes, model_state_bytes, reducer_end_bytes,
-                                 reducer_transient_bytes, step_peak_bytes)
-from autopar.cost.offload import FP32, offload_memory, optimizer_rows, resident_saved_bytes
+                                 reducer_piece_transients, reducer_transient_bytes, step_peak_bytes)
+from autopar.cost.offload import FP32, chunk_share, offload_memory, optimizer_rows, resident_saved_bytes
 from autopar.cost.schedule_memory import Chunk, activations_only, rank_actions, replay_peak_bytes
 from autopar.cost.split_backward import chunk_held_bytes, is_split, rank_held_bytes
 from autopar.solver.layer_memory import (activation_bytes_per_layer, forward_gather_bytes, largest_group_numel,
@@ -90,7 +90,7 @@ def rank_peak(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, parts: Se
         """Saved bytes activation offload has back on the device at once (0 without it)."""
         return resident_saved_bytes(largest_out, prefetch) if act_off else 0.0
 
-    def piece_workspace(name: str) -> tuple[float, float]:
+    def piece_workspace(name: str, prefetching: bool = True) -> tuple[float, float]:
         """A piece's backward workspace: (what it adds to the piece's activations at the boundary
         where its backward starts, its temporaries alone). The op with the piece's largest output
         holds that output's gradient while it writes its input's; offloaded, it also holds its
@@ -99,7 +99,8 @@ def rank_peak(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, parts: Se
         largest op runs backward, the consumer of that output has run its own and freed its saved
         copy: counted among the activations at the boundary, it is given back there (resident
         activations only). ZeRO-3's gathers beside it, and in a layer its re-materialized
-        activations under recompute (``layer_memory.workspace_bytes``)."""
+        activations under recompute (``layer_memory.workspace_bytes``; ``prefetching`` False: the
+        first layer's, whose backward gathers no next layer)."""
         part = summary.parts[name]
         own = backward_workspace_bytes(part.max_out_bytes) + back(part.max_out_bytes)
         freed = 0.0
@@ -107,10 +108,11 @@ def rank_peak(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, parts: Se
             own += 2.0 * summary.layer_input_bytes
             freed = 0.0 if act_off else part.max_out_bytes
         alone = workspace_bytes(summary, cfg, own, rank.layers, param_bytes=per["params"], autocast=autocast,
-                                in_layer=name == "block", forward_apart=cfg.pp == 1)
+                                in_layer=name == "block", forward_apart=cfg.pp == 1, prefetching=prefetching)
         return alone - freed, alone
 
     spaces = {name: piece_workspace(name) for name in ("pre", "block", "post")}
+    spaces["first"] = piece_workspace("block", prefetching=False)
     split = is_split(cfg.schedule) if cfg.pp > 1 else False
     chunks = _chunks(summary, cfg, rank, lambda numel: states(numel)["grads"], split,
                      {name: w for name, (w, _) in spaces.items()})
@@ -119,6 +121,13 @@ def rank_peak(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, parts: Se
     if cfg.data > 1 and cfg.zero == 0:
         chunks = _bucketed(chunks)
     host, act_kept = 0.0, 1.0
+    rows_leave = "grads" in classes and cfg.m == 1 and cfg.data > 1 and cfg.zero >= 2
+    full = cfg.data if cfg.zero >= 2 else 1      # a piece's full local summands from its counted gradients
+    summands = [grad * full for _, grad in chunks[0].pieces] if cfg.pp == 1 else []
+    if cfg.pp == 1 and rank.has_pre and rank.has_post:     # a tied weight's summand is made once both reads'
+        tied = states(summary.shared_param_numel)["grads"] * full      # gradients are in: after the
+        summands[0] -= tied                                             # embedding's backward, the last
+        summands[-1] += tied
     per_mb = sum(c.activations for c in chunks.values())
     if classes:                  # ``cost/offload.py``, for these state bytes and optimizer
         off = offload_memory(classes, rows=optimizer_rows(rank.param_numel, cfg.data, cfg.zero),
@@ -127,12 +136,15 @@ def rank_peak(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, parts: Se
                              resident_saved_bytes=largest, inflight=rank.inflight,
                              saved_bytes_per_microbatch=per_mb - recast_per_microbatch(summary, cfg, parts, rank.layers),
                              microbatches=cfg.m, moments=moments,
-                             group_bytes=FP32 * largest_group_numel(summary, parts, rank.has_pre or rank.has_post) / cfg.data)
+                             group_bytes=FP32 * largest_group_numel(summary, parts, rank.has_pre or rank.has_post) / cfg.data,
+                             share=chunk_share(cfg.tp, cfg.data, cfg.zero))
         host = off["host"]
         if act_off:                    # on the host; the backward brings one node's back at a time, at
             act_kept = 0.0             # most the largest output (the log-probabilities at the loss),
             workspace += back(largest)     # and as much again prefetched on a side stream
         grad_kept = off["grads"] / total["grads"] if total["grads"] else 1.0   # grads offload: the buckets kept
+        if rows_leave:           # ZeRO 2/3: each bucket's rows go down as it finishes (in the reducer's transients)
+            grad_kept = 0.0
         chunks = {g: _scaled(c, act_kept, grad_kept) for g, c in chunks.items()}
         total = {"params": off["params"], "grads": off["grads"], "optimizer": off["optimizer"]}
     fixed = total["params"] + total["optimizer"]
@@ -146,9 +158,25 @@ def rank_peak(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, parts: Se
         transient = reducer_transient_bytes(local_grads, cfg.data, cfg.zero, DEFAULT_BUCKET_BYTES,
                                             rank.inflight * per_mb * act_kept + workspace, accumulates_rows(cfg))
         (chunk,) = chunks.values()
-        workspace = max(workspace, alone) + transient
+        # ZeRO 2/3: the reducer's buffers piece by piece (``cost.memory.reducer_piece_transients``),
+        # at least the end's term less the activations (``reducer_transient_bytes``)
+        spaces = [w + transient for w in chunk.workspace]
+
+        def standing(prefetching: bool) -> float:     # a layer's gathers (and replay) beside a launch
+            return workspace_bytes(summary, cfg, 0.0, rank.layers, param_bytes=per["params"], autocast=autocast,
+                                   forward_apart=True, prefetching=prefetching)
+        n = int(rank.layers)
+        chunk_standing = ([0.0] * rank.has_post + [standing(True)] * (n - 1) + [standing(False)] * min(n, 1)
+                          + [0.0] * rank.has_pre)
+        if cfg.zero >= 2:
+            floor = max(0.0, end - (rank.inflight * per_mb * act_kept + workspace))
+            spaces = [max(w + max(t, floor), standing + spike) for w, standing, (t, spike) in zip(
+                chunk.workspace, chunk_standing, reducer_piece_transients(
+                    summands, cfg.data, cfg.zero, DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES,
+                    rows_kept=not rows_leave, own=0.0 if cfg.recompute == "full" else 1 / 3))]
+        workspace = max(max(workspace, alone) + transient, max(spaces))
         peak = step_peak_bytes(fixed, chunk.pieces, rank.inflight, workspace, grads_during_forward=rank.inflight < cfg.m,
-                               piece_workspace=[w + transient for w in chunk.workspace])
+                               piece_workspace=spaces)
         peak = max(peak, fixed + _forward_gather_peak(summary, cfg, chunk.pieces, rank, per["params"]))
     if end:                      # ZeRO 1-3: the end of the reduction, beside the reduced outputs (1/data);
         # offloaded gradients leave the device as each bucket is reduced (``runtime/offload.py``)
@@ -200,7 +228,7 @@ def _chunks(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, grads_of: C
     activations by the recompute choice ("partial": the rank's first ``recompute_layers`` layers in
     model order), the gradients of tied parameters with the head when the rank holds it; ``held``:
     a split stage's join-node gradients (stage 0 runs a full backward); ``workspace``: each piece's
-    backward workspace by part name ("pre", "block", "post")."""
+    backward workspace by part name ("pre", "block", "post"; "first": the first layer's)."""
     from autopar.solver.plan_parts import stage_layers
 
     blk, pre, post = (summary.parts[k] for k in ("block", "pre", "post"))
@@ -221,7 +249,7 @@ def _chunks(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, grads_of: C
             acts = [activation_bytes_per_layer(blk, summary, cfg.recompute)] * n
         seen += n
         pieces = [(a, grads) for a in reversed(acts)]
-        spaces = [workspace["block"]] * n
+        spaces = [workspace["block"]] * (n - 1) + [workspace["first"]] * min(n, 1)   # backward order
         if has_post:
             pieces.insert(0, (post.saved_bytes, grads_of(post.param_numel + shared)))
             spaces.insert(0, workspace["post"])

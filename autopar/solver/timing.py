@@ -69,8 +69,8 @@ from autopar.cost.hardware import ClusterSpec
 from autopar.cost.memory import (backward_workspace_bytes, model_state_bytes, pipeline_inflight_microbatches,
                                  reducer_transient_bytes)
 from autopar.cost.split_backward import rank_held_affine, rank_held_bytes, rank_split_times
-from autopar.cost.offload import (FP32, bucket_bytes, offload_memory, offload_microbatch_times, offload_step_times,
-                                  optimizer_rows, resident_saved_bytes)
+from autopar.cost.offload import (FP32, bucket_bytes, chunk_share, offload_memory, offload_microbatch_times,
+                                  offload_step_times, optimizer_rows, resident_saved_bytes)
 from autopar.plan import V_SCHEDULES, MemoryUse, StepTime
 from autopar.solver.balance import balance
 from autopar.solver.grad_buckets import GradPiece
@@ -539,7 +539,8 @@ def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile
                              resident_saved_bytes=resident_saved_bytes(largest, "activations" in copies_over),
                              saved_bytes_per_microbatch=per_mb - recast_per_microbatch(summary, cfg, parts, lps),
                              inflight=inflight, microbatches=cfg.m, moments=MOMENTS,
-                             group_bytes=FP32 * largest_group_numel(summary, parts, any(rank_holds(cfg, r))) / cfg.data)
+                             group_bytes=FP32 * largest_group_numel(summary, parts, any(rank_holds(cfg, r))) / cfg.data,
+                             share=chunk_share(cfg.tp, cfg.data, cfg.zero))
         states = off
         activations = off["activations"]
         host, nvme = int(off["host"]), int(off["nvme"])

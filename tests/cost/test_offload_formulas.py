@@ -4,8 +4,8 @@ import pytest
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES
 from autopar.cost.cluster_file import cluster_from_dict, cluster_to_toml
 from autopar.cost.hardware import make_cluster
-from autopar.cost.offload import (bucket_bytes, cpu_step_bytes_per_param, host_optimizer_bytes, nvme_state_bytes,
-                                  offload_memory, offload_microbatch_times, offload_step_times, optimizer_rows)
+from autopar.cost.offload import (bucket_bytes, chunk_share, cpu_step_bytes_per_param, host_optimizer_bytes,
+                                  nvme_state_bytes, offload_memory, offload_microbatch_times, offload_step_times, optimizer_rows)
 
 B = DEFAULT_BUCKET_BYTES                      # 25 MiB = 26,214,400
 
@@ -70,6 +70,19 @@ def test_memory_by_class():
         pytest.approx(4.2e9 + 40e9)
     assert {k: nvp[k] for k in ("params", "grads", "optimizer", "activations")} == \
         {k: par_nv[k] for k in ("params", "grads", "optimizer", "activations")}
+
+
+def test_nvme_chunks_are_cut_on_the_whole_parameters():
+    # the step's chunks hold C = 2 B of state of the whole model (``runtime/offload._chunks``): a rank
+    # of dp = 2 under ZeRO steps half of each; of tp = 2 x dp = 4, an eighth
+    assert chunk_share(1, 2, 3) == 0.5 and chunk_share(2, 4, 1) == 0.125 and chunk_share(1, 4, 0) == 1.0
+    # host = 16e9 - 12e9 of state + 2 chunks x 52,428,800 x 1/2 (Adam: the chunk's 3 tensors are its state)
+    assert _mem(("optimizer", "nvme"), share=0.5)["host"] == pytest.approx(4e9 + 52_428_800)
+    # LARS (one moment): 12e9 - 8e9 + 2 x 52,428,800 x 1/2 x 2/3 (master and moment of 3 tensors' room)
+    assert _mem(("optimizer", "nvme"), share=0.5, moments=1)["host"] == pytest.approx(4e9 + 52_428_800 * 2 / 3)
+    # nvme_grads: the two chunks' gradients, a third of each chunk's share: 2 x 52,428,800 x 1/2 / 3
+    assert _mem(("optimizer", "nvme", "nvme_grads"), share=0.5)["host"] == pytest.approx(
+        52_428_800 + 52_428_800 / 3)
 
 
 def test_step_times():
