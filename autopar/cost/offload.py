@@ -54,8 +54,11 @@ ZeRO >= 1: ``optimizer_rows``), m = optimizer moments (2 Adam/AdamW/LAMB, 1 LARS
                  files (fp32, cast to the parameter's dtype), so host -= P and the NVMe holds
                  nothing more; the host holds the rows being read (at most ``group_bytes``:
                  the largest gather group's master bytes of this rank); per micro-batch
-                 rows x 4 are read before the forward's gathers and again before the backward's
-                 re-gathers, on the rank's thread (not overlapped: 2 rows 4 / NVMe Bps exposed);
+                 rows x 4 are read for the forward's gathers and again for the backward's
+                 re-gathers, by the store's threads a group ahead of each gather (a pass's first
+                 group, at most ``group_bytes`` g, on the spot): 2 g / NVMe Bps exposed, the rest
+                 hidden behind each pass's compute window (threads run beside compute on CPU
+                 ranks too);
                  the updated rows are not copied up after the step (the files are the rows); the
                  reads come in the forward / backward, so the host peak is the larger of the
                  step's and the gradient buffers (rows x 4; nvme_grads: min(rows x 4, C)) +
@@ -203,11 +206,12 @@ def offload_step_times(classes: Iterable[str], *, rows: float, grad_bytes: float
 def offload_microbatch_times(classes: Iterable[str], *, host_params_bytes: float, saved_bytes: float,
                              forward_window_s: float, backward_window_s: float, pcie_Bps: float,
                              overlapped: Iterable[str] = ("params", "activations"), nvme_rows_bytes: float = 0.0,
-                             nvme_Bps: float = float("inf")) -> dict[str, float]:
+                             nvme_Bps: float = float("inf"), nvme_group_bytes: float = 0.0) -> dict[str, float]:
     """Exposed seconds per micro-batch: "host:h2d" (params up before the forward and before the
     backward, activations up in the backward), "host:d2h" (activations down in the forward) and,
-    with nvme_params, "nvme:params" (``nvme_rows_bytes``, the rank's fp32 rows, read twice, not
-    overlapped), with nvme_activations "nvme:activations" (the saved bytes written and read back).
+    with nvme_params, "nvme:params" (``nvme_rows_bytes``, the rank's fp32 rows, read in each pass
+    a group ahead of their gather by the store's threads, ``runtime/nvme_rows.py``: hidden behind
+    the pass's compute but for the pass's first group, ``nvme_group_bytes``, read on the spot), with nvme_activations "nvme:activations" (the saved bytes written and read back).
     ``host_params_bytes``: the rank's params on the host (P); ``saved_bytes``: the activations
     saved per micro-batch. Only the copies of the ``overlapped`` classes hide in the windows; the
     backward's uploads of both share the host->device direction (one window)."""
@@ -224,7 +228,9 @@ def offload_microbatch_times(classes: Iterable[str], *, host_params_bytes: float
     if down:
         out["host:d2h"] = down
     if "nvme_params" in cls:
-        out["nvme:params"] = 2 * nvme_rows_bytes / nvme_Bps
+        first = min(nvme_group_bytes, nvme_rows_bytes) / nvme_Bps
+        rest = nvme_rows_bytes / nvme_Bps - first
+        out["nvme:params"] = 2 * first + _exposed(rest, forward_window_s) + _exposed(rest, backward_window_s)
     if "nvme_activations" in cls:
         out["nvme:activations"] = 2 * saved_bytes / nvme_Bps
     return out

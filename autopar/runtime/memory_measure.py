@@ -365,8 +365,9 @@ def _spies(tracker: StorageTracker, pm) -> list[_Spy]:
     if host is not None:                         # NVMe: the state read back chunk by chunk in the step
         spies.append(_Spy(host, "_read", after=lambda args, out: [
             tracker.mark(t, HOST) for s in args[0] for _, t in host._tensors(s)]))
-        if host.rows is not None:                # nvme_params: a gather's rows read from the files
+        if host.rows is not None:                # nvme_params: a gather's rows read from the files (ahead)
             spies.append(_Spy(host.rows, "rows", after=lambda args, out: tracker.mark(out, HOST)))
+            spies.append(_Spy(host.rows, "ahead", after=lambda args, out: [tracker.mark(t, HOST) for t in out]))
         if host.grad_files is not None:          # nvme_grads: a gradient on its way to its file, and back
             spies.append(_Spy(host.grad_files, "put", after=lambda args, out: tracker.mark(args[1], HOST)))
             spies.append(_Spy(host.grad_files, "read", after=lambda args, out: tracker.mark(out[0], HOST)))

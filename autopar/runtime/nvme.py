@@ -326,14 +326,18 @@ class NvmeStore:
     def read_now(self, key: str, out: torch.Tensor) -> torch.Tensor:
         """``read`` waited for (its error raised here, NvmeError), dropped from the futures ``wait``
         reports; ``out``."""
-        fut = self.read(key, out)
+        self.finish(key, self.read(key, out))
+        return out
+
+    def finish(self, key: str, fut: cf.Future) -> None:
+        """Wait for ``fut``, a read of ``key`` (its error raised here, NvmeError), and drop it from
+        the futures ``wait`` reports (a read started ahead, waited for when it is needed)."""
         try:
             fut.result()
         finally:
             self._inflight = [f for f in self._inflight if f is not fut]
             e = self._entries[key]
             e.pending = [f for f in e.pending if f is not fut]
-        return out
 
     def nbytes(self) -> int:
         """Bytes held in files (padded sizes), counting writes issued but still pending."""

@@ -13,14 +13,20 @@ nothing may read its data then) and
 for a checkpoint or a comparison). The optimizer step then writes the updated masters to the files
 and copies nothing up: the files are the rows.
 
-The reads run on the rank's thread, before the gather that needs them (not overlapped: the cost
-model charges them in full, ``cost/offload.py``); the gather itself is prefetched as without
-offload. ``materialized()`` puts the rows back in host memory for a block that writes them (loading
-a checkpoint; ``HostOptimizer.resident``) and drops them after.
+The reads are started a group ahead (``ahead``, ZeRO-Infinity's prefetch from NVMe): while a
+group's gather runs and its layer computes, the store's threads read the rows of the group the
+next gather needs (``runtime/prefetch.GroupGathers``: the group after the one being prefetched,
+in the forward; ``runtime/reshard.py``: the next re-gather's, in the backward), and ``rows`` waits
+for that read instead of making it. A pass's first group is read on the spot; so is a parameter
+gathered alone (a tied weight) and a read outside the passes (checkpoints). The optimizer step
+rewrites the masters, so reads started ahead and not used are dropped at each step's start and end
+(``drop_ahead``, with the gathers not read). ``materialized()`` puts the rows back in host memory for a block
+that writes them (loading a checkpoint; ``HostOptimizer.resident``) and drops them after.
 """
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
@@ -34,8 +40,12 @@ class NvmeRows:
         self.store, self.slots, self.device = store, list(slots), device
         self._shapes = {s.name: (tuple(s.local.shape), s.local.dtype) for s in self.slots}
         self._resident = True
-        self.reads = 0                     # over the run: rows read from the files, and their bytes
-        self.read_bytes = 0
+        self._ahead: dict[str, tuple] = {}  # name -> (buffer, future): reads started ahead of their gather
+        self.ahead_enabled = True          # False: every read on the spot (benchmarks/nvme_read_ahead.py)
+        self.reads = 0                     # over the run: rows read from the files, and their bytes;
+        self.read_bytes = 0                # of those reads, started ahead and waited for when needed;
+        self.read_ahead = 0                # seconds the rank's thread waited for reads
+        self.wait_s = 0.0
 
     def release(self) -> None:
         """Drop the stored rows from host memory (the files hold them)."""
@@ -46,14 +56,42 @@ class NvmeRows:
             s.local.data = empty
         self._resident = False
 
+    def ahead(self, slots) -> list[torch.Tensor]:
+        """Start reading ``slots``' rows (those not resident and not started yet) on the store's
+        threads, for a gather to come; the buffers being read into."""
+        if self._resident or not self.ahead_enabled:
+            return []
+        out = []
+        for s in slots:
+            if s.name not in self._ahead:
+                buf = pinned_empty(self._shapes[s.name][0], torch.float32, self.device)
+                self._ahead[s.name] = (buf, self.store.read(f"{s.name}/master", buf))
+                out.append(buf)
+        return out
+
+    def drop_ahead(self) -> None:
+        """Forget the reads started ahead and not used (after they finished: the rows change at
+        the step)."""
+        ahead, self._ahead = self._ahead, {}
+        for name, (_, fut) in ahead.items():
+            self.store.finish(f"{name}/master", fut)
+
     def rows(self, slot) -> torch.Tensor:
         """``slot``'s stored rows: read from its master's file (cast to the parameter's dtype), or
-        the parameter itself inside ``materialized``."""
+        the parameter itself inside ``materialized``; a read started ahead is waited for."""
         if self._resident:
             return slot.local.detach()
         shape, dtype = self._shapes[slot.name]
-        buf = pinned_empty(shape, torch.float32, self.device)
-        self.store.read_now(f"{slot.name}/master", buf)
+        key = f"{slot.name}/master"
+        started = self._ahead.pop(slot.name, None)
+        t0 = time.perf_counter()
+        if started is not None:
+            buf = started[0]
+            self.store.finish(key, started[1])
+            self.read_ahead += 1
+        else:
+            buf = self.store.read_now(key, pinned_empty(shape, torch.float32, self.device))
+        self.wait_s += time.perf_counter() - t0
         self.reads += 1
         self.read_bytes += buf.numel() * buf.element_size()
         return buf if dtype == torch.float32 else buf.to(dtype)
@@ -65,6 +103,7 @@ class NvmeRows:
         if self._resident:
             yield
             return
+        self.drop_ahead()                  # the block writes the rows
         for s in self.slots:
             shape, dtype = self._shapes[s.name]
             src = masters[s.name] if masters is not None else self.rows(s)

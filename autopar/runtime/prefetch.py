@@ -18,6 +18,10 @@ the next group's copy runs beside this group's compute, in the forward and, thro
 Collective order: every dp rank runs the same program, so each issues the same gathers, prefetches
 included, at the same points; gloo and NCCL match concurrent collectives of a group by issue order.
 
+With the rows on NVMe (``nvme_params``), each rank reads them from the files a group ahead of its
+gather (``read_ahead``: the group after the one being prefetched), so the reads run beside the
+compute too.
+
 Lifetime: a gathered tensor lives from its group's gather to its one read (then the scope holds it,
 as before); a prefetched group until its first read. ``invalidate`` (the step's start and end: the
 optimizer changes the rows) waits for a gather in flight and drops what was not read, so a forward
@@ -74,24 +78,37 @@ class GroupGathers:
         if g not in self.groups:
             return None
         if slot.name not in self._ready:
+            nxt = self.next.get(g) if prefetch else None
             if g not in self._flights:
                 if any(s.name in self._ready for s in self.groups[g]):
                     return None                      # read again while its group is half read
+                if nxt is not None:                  # its rows read while this group's are (NVMe)
+                    self.read_ahead(self.groups[nxt])
                 self._flights[g] = self._issue(self.groups[g], async_op=False)
             self._ready.update(self._land(self._flights.pop(g)))
-            nxt = self.next.get(g) if prefetch else None
             if nxt is not None and nxt not in self._flights and \
                     not any(s.name in self._ready for s in self.groups[nxt]):
                 self._flights[nxt] = self._issue(self.groups[nxt], async_op=True)
                 self.started_ahead += 1
+                if self.next.get(nxt) is not None:   # the gather after: its rows read during this layer
+                    self.read_ahead(self.groups[self.next[nxt]])
         return self._ready.pop(slot.name, None)
 
+    def read_ahead(self, slots) -> None:
+        """With the rows on NVMe (``runtime/nvme_rows.py``), start reading ``slots``' rows for a
+        gather to come."""
+        if self.ctx.nvme_rows is not None:
+            self.ctx.nvme_rows.ahead(slots)
+
     def invalidate(self) -> None:
-        """Drop every gathered tensor not read yet (after waiting for the gathers in flight)."""
+        """Drop every gathered tensor not read yet (after waiting for the gathers in flight), and
+        the rows read ahead for gathers not issued."""
         for f in self._flights.values():
             self.drop(f)
         self._flights.clear()
         self._ready.clear()
+        if self.ctx.nvme_rows is not None:
+            self.ctx.nvme_rows.drop_ahead()
 
     def gather_now(self, slots) -> dict[str, torch.Tensor]:
         """``slots`` gathered in one collective, now: name -> gathered tensor (the backward's

@@ -197,15 +197,25 @@ class Reshard(Observed):
         backward prefetch). Every rank packs and unpacks alike, so all issue the same gathers in
         the same order."""
         flight = self._coming.pop(g, None)
+        nxt = self._below(g)
+        if flight is None and nxt is not None:       # NVMe rows: the next group's read beside this one's
+            self.groups.read_ahead(self._wanted(nxt))
         got = self.groups.land(flight) if flight is not None else self.groups.gather_now(self._wanted(g))
         self._done.add(g)
         self.regathered += 1
         self.prefetched += flight is not None
-        nxt = max((h for h in self._packed if h < g and h not in self._done and h not in self._coming), default=None)
         wanted = self._wanted(nxt) if nxt is not None else []
         if wanted:
             self._coming[nxt] = self.groups.start(wanted)
+            after = self._below(nxt)
+            if after is not None:                    # its rows read while this layer runs its backward
+                self.groups.read_ahead(self._wanted(after))
         return got
+
+    def _below(self, g: int) -> Optional[int]:
+        """The group the backward re-gathers after ``g``: the highest packed below it not re-gathered
+        since its forward and not started."""
+        return max((h for h in self._packed if h < g and h not in self._done and h not in self._coming), default=None)
 
     def _wanted(self, g: int) -> list:
         return [s for n, s in self._packed.get(g, {}).items() if n not in self._held]

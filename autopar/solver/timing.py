@@ -450,7 +450,9 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
                                               saved_bytes=saved, forward_window_s=win_f, backward_window_s=win_b,
                                               pcie_Bps=cluster.pcie_Bps, overlapped=copies_over,
                                               nvme_rows_bytes=FP32 * optimizer_rows(numel, cfg.data, cfg.zero),
-                                              nvme_Bps=cluster.nvme_Bps / cluster.gpus_per_node), 1.0)
+                                              nvme_Bps=cluster.nvme_Bps / cluster.gpus_per_node,
+                                              nvme_group_bytes=FP32 * largest_group_numel(summary, parts, first or last)
+                                              / cfg.data), 1.0)
     compute, recompute = rank_split_times(cfg, summary, gpu, r, lps, compute, recompute)   # zero-bubble's split
     t_stage = compute + recompute + sum(comm.values())
     opt = numel * (OPTIMIZER_BYTES_PER_PARAM + profile.grad_bytes) / (gpu.hbm_Bps * gpu.memory_efficiency)

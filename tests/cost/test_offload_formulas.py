@@ -111,13 +111,21 @@ def test_step_times():
 
 
 def test_nvme_params_reads_per_micro_batch():
-    # rows 1e9 fp32 = 4e9 B read before the forward and again before the backward at 4 GB/s: 2 s,
-    # on the rank's thread (not overlapped); the params' PCIe uploads as with params offload
+    # rows 1e9 fp32 = 4e9 B read for the forward and again for the backward at 4 GB/s: 1 s a pass,
+    # a group ahead of the gathers: the first group (4e8 B, 0.1 s) on the spot, the other 0.9 s
+    # behind the pass's window (1 s: hidden) -> 2 x 0.1; with windows of 0.5 s, 0.2 + 2 x 0.4; the
+    # params' PCIe uploads as with params offload
     kw = dict(host_params_bytes=2e9, saved_bytes=0, forward_window_s=1, backward_window_s=1, pcie_Bps=10e9,
               overlapped=())
-    t = offload_microbatch_times(("optimizer", "params", "nvme", "nvme_params"), nvme_rows_bytes=4e9, nvme_Bps=4e9,
-                                 **kw)
-    assert t["nvme:params"] == pytest.approx(2.0)
+    nv = dict(nvme_rows_bytes=4e9, nvme_Bps=4e9, nvme_group_bytes=4e8)
+    t = offload_microbatch_times(("optimizer", "params", "nvme", "nvme_params"), **nv, **kw)
+    assert t["nvme:params"] == pytest.approx(0.2)
+    short = {**kw, "forward_window_s": 0.5, "backward_window_s": 0.5}
+    assert offload_microbatch_times(("optimizer", "params", "nvme", "nvme_params"), **nv, **short)["nvme:params"] \
+        == pytest.approx(1.0)
+    # one group (the rows of a one-layer rank): nothing to read ahead, both passes' reads exposed
+    assert offload_microbatch_times(("optimizer", "params", "nvme", "nvme_params"),
+                                    **{**nv, "nvme_group_bytes": 4e9}, **kw)["nvme:params"] == pytest.approx(2.0)
     assert t["host:h2d"] == offload_microbatch_times(("optimizer", "params", "nvme"), **kw)["host:h2d"] == \
         pytest.approx(0.4)
     assert "nvme:params" not in offload_microbatch_times(("optimizer", "params", "nvme"), nvme_rows_bytes=4e9,

@@ -128,8 +128,9 @@ def _acts_nvme(acts) -> tuple:
 
 
 def _nvme_rows(rows) -> tuple:
-    """Offload nvme_params (``runtime/nvme_rows.py``): (reads of rows from the files, their bytes)."""
-    return (rows.reads, rows.read_bytes) if rows is not None else (0, 0)
+    """Offload nvme_params (``runtime/nvme_rows.py``): (reads of rows from the files, their bytes,
+    of them started ahead of their gather)."""
+    return (rows.reads, rows.read_bytes, rows.read_ahead) if rows is not None else (0, 0, 0)
 
 
 def _regathers(reshard) -> tuple:

@@ -312,3 +312,33 @@ def test_read_errors(tmp_path):
             s.write("nc", torch.empty(10, 10).t())
         with pytest.raises(NvmeError, match="on meta"):
             s.write("m", torch.empty(4, device="meta"))
+
+
+def test_rows_read_ahead_and_dropped_when_the_masters_change(tmp_path):
+    """``NvmeRows`` (offload nvme_params): a read started ahead is what the gather gets; one started
+    for a gather that never came is dropped when the rows change (the optimizer step rewrites the
+    masters), so the next gather reads the new rows, not the stale ones read ahead."""
+    from types import SimpleNamespace
+
+    from autopar.runtime.nvme_rows import NvmeRows
+
+    with NvmeStore(tmp_path) as store:
+        slot = SimpleNamespace(name="w", local=torch.nn.Parameter(torch.zeros(4, 3)))
+        store.write("w/master", torch.ones(4, 3))
+        rows = NvmeRows(store, [slot], torch.device("cpu"))
+        rows.release()
+        assert slot.local.untyped_storage().nbytes() == 0
+        # (the released parameter's data must not be printed: kept out of the assertions)
+        assert len(rows.ahead([slot])) == 1 and rows.ahead([slot]) == []     # once per gather
+        got = rows.rows(slot)
+        assert torch.equal(got, torch.ones(4, 3)) and (rows.reads, rows.read_ahead) == (1, 1)
+        rows.ahead([slot])                                  # for a gather that does not come
+        store.write("w/master", torch.full((4, 3), 2.0))   # the step's updated master
+        rows.drop_ahead()
+        got = rows.rows(slot)
+        assert torch.equal(got, torch.full((4, 3), 2.0)) and (rows.reads, rows.read_ahead) == (2, 1)
+        rows.ahead_enabled = False                          # every read on the spot
+        assert rows.ahead([slot]) == []
+        got = rows.rows(slot)
+        assert torch.equal(got, torch.full((4, 3), 2.0))
+        store.wait()
