@@ -45,10 +45,12 @@ ZeRO >= 1: ``optimizer_rows``), m = optimizer moments (2 Adam/AdamW/LAMB, 1 LARS
                  += 2 rows x 4 / NVMe Bps (written and read once per step)
     nvme_activations  (with activations) the host copies of saved tensors in files: nvme += m x
                  saved bytes per micro-batch (keys of their own per micro-batch of the step); host
-                 activations -> min(inflight x saved, what the backward brings back at once), the
-                 writes being waited for one by one (their aligned staging copy not counted);
-                 per micro-batch the saved bytes written in the forward and read in the backward on
-                 the rank's thread ("nvme:activations": 2 x saved / NVMe Bps, exposed)
+                 activations -> min(inflight x saved, what the backward brings back at once + the
+                 largest saved tensor read ahead), the writes being waited for one by one (their
+                 aligned staging copy not counted); per micro-batch the saved bytes written in the
+                 forward (exposed) and read in the backward by the store's threads ahead of their
+                 use (the first, at most the largest saved tensor L, on the spot): "nvme:activations"
+                 = saved / NVMe Bps + L / NVMe Bps + max(0, (saved - L) / NVMe Bps - backward window)
     nvme_params  (with params and nvme; ZeRO-3: a rank's parameter rows are its optimizer rows)
                  the rows are not kept on the host: each gather reads them from the masters'
                  files (fp32, cast to the parameter's dtype), so host -= P and the NVMe holds
@@ -132,13 +134,15 @@ def offload_memory(classes: Iterable[str], *, rows: float, params_bytes: float, 
                    optimizer_bytes: float, activations_bytes: float, resident_saved_bytes: float,
                    saved_bytes_per_microbatch: float, inflight: float, microbatches: int,
                    moments: int = 2, bucket: float | None = None, group_bytes: float = 0.0,
-                   share: float = 1.0) -> dict[str, float]:
+                   share: float = 1.0, saved_window: float = 0.0) -> dict[str, float]:
     """Per-rank bytes by category with ``classes`` offloaded: device "params", "grads",
     "optimizer", "activations", and "host", "nvme" (module docstring). The ``*_bytes`` arguments
     are the rank's device bytes without offload; ``resident_saved_bytes``: what activation offload
     leaves on the device (one layer's saved bytes + the embedding's / head's); ``group_bytes``
     (nvme_params): the fp32 master bytes of the rank's largest gather group; ``share``: of a chunk
-    of the NVMe step, the part this rank holds (``chunk_share``)."""
+    of the NVMe step, the part this rank holds (``chunk_share``); ``saved_window``
+    (nvme_activations): the saved bytes the backward reads ahead from the files (the largest saved
+    tensor)."""
     cls = set(classes)
     out = {"params": float(params_bytes), "grads": float(grads_bytes), "optimizer": float(optimizer_bytes),
            "activations": float(activations_bytes), "host": 0.0, "nvme": 0.0}
@@ -167,9 +171,9 @@ def offload_memory(classes: Iterable[str], *, rows: float, params_bytes: float, 
         out["params"] = 0.0
     act_host = inflight * saved_bytes_per_microbatch if "activations" in cls else 0.0
     if "nvme_activations" in cls:      # in files (a step's micro-batches each under keys of their own);
-        # the host holds the one being written and what the backward reads back at once
+        # the host holds the one being written, and what the backward reads back at once and ahead
         out["nvme"] += microbatches * saved_bytes_per_microbatch
-        act_host = min(act_host, resident_saved_bytes)
+        act_host = min(act_host, resident_saved_bytes + saved_window)
     if "activations" in cls:
         out["activations"] = min(float(activations_bytes), float(resident_saved_bytes))
         out["host"] += act_host
@@ -206,12 +210,16 @@ def offload_step_times(classes: Iterable[str], *, rows: float, grad_bytes: float
 def offload_microbatch_times(classes: Iterable[str], *, host_params_bytes: float, saved_bytes: float,
                              forward_window_s: float, backward_window_s: float, pcie_Bps: float,
                              overlapped: Iterable[str] = ("params", "activations"), nvme_rows_bytes: float = 0.0,
-                             nvme_Bps: float = float("inf"), nvme_group_bytes: float = 0.0) -> dict[str, float]:
+                             nvme_Bps: float = float("inf"), nvme_group_bytes: float = 0.0,
+                             saved_largest_bytes: float = 0.0) -> dict[str, float]:
     """Exposed seconds per micro-batch: "host:h2d" (params up before the forward and before the
     backward, activations up in the backward), "host:d2h" (activations down in the forward) and,
     with nvme_params, "nvme:params" (``nvme_rows_bytes``, the rank's fp32 rows, read in each pass
     a group ahead of their gather by the store's threads, ``runtime/nvme_rows.py``: hidden behind
-    the pass's compute but for the pass's first group, ``nvme_group_bytes``, read on the spot), with nvme_activations "nvme:activations" (the saved bytes written and read back).
+    the pass's compute but for the pass's first group, ``nvme_group_bytes``, read on the spot), with
+    nvme_activations "nvme:activations" (the saved bytes written in the forward, each write waited
+    for; read back in the backward ahead of their use, ``runtime/nvme_activations.py``: hidden
+    behind the backward's compute but for the first tensor, at most ``saved_largest_bytes``).
     ``host_params_bytes``: the rank's params on the host (P); ``saved_bytes``: the activations
     saved per micro-batch. Only the copies of the ``overlapped`` classes hide in the windows; the
     backward's uploads of both share the host->device direction (one window)."""
@@ -232,5 +240,7 @@ def offload_microbatch_times(classes: Iterable[str], *, host_params_bytes: float
         rest = nvme_rows_bytes / nvme_Bps - first
         out["nvme:params"] = 2 * first + _exposed(rest, forward_window_s) + _exposed(rest, backward_window_s)
     if "nvme_activations" in cls:
-        out["nvme:activations"] = 2 * saved_bytes / nvme_Bps
+        first = min(saved_largest_bytes, saved_bytes) / nvme_Bps
+        out["nvme:activations"] = saved_bytes / nvme_Bps + first + _exposed(saved_bytes / nvme_Bps - first,
+                                                                            backward_window_s)
     return out

@@ -361,6 +361,7 @@ def _spies(tracker: StorageTracker, pm) -> list[_Spy]:
         if getattr(acts, "writes", None) is not None:     # nvme_activations: on its way to its file, and back
             spies.append(_Spy(acts.writes, "write", after=lambda args, out: tracker.mark(args[1], HOST)))
             spies.append(_Spy(acts, "from_host", after=lambda args, out: tracker.mark(out, HOST)))
+            spies.append(_Spy(acts, "read_next", after=lambda args, out: [tracker.mark(t, HOST) for t in out]))
     host = pm.offload.optimizer
     if host is not None:                         # NVMe: the state read back chunk by chunk in the step
         spies.append(_Spy(host, "_read", after=lambda args, out: [

@@ -473,6 +473,22 @@ class ActivationOffload(Observed):
             self._prefetch()
         return as_saved(upload.get(), saved.dtensor)
 
+    def coming(self, window: int) -> list[int]:
+        """The indices of the latest-packed tensors not unpacked yet, the next the backward needs,
+        as many as fit in ``window`` bytes (one at least)."""
+        while self._next >= 0 and self._next in self._unpacked:
+            self._next -= 1
+        want, size = [], 0
+        for j in range(self._next, -1, -1):
+            if j in self._unpacked:
+                continue
+            nbytes = self._order[j][0].nbytes
+            if want and size + nbytes > window:
+                break
+            want.append(j)
+            size += nbytes
+        return want
+
     def _prefetch(self) -> None:
         """Bring back, ahead of the backward, the latest-packed tensors not unpacked yet (module
         docstring): as many as fit in the bytes of the largest tensor sent down (``Copies.largest``;
@@ -483,17 +499,7 @@ class ActivationOffload(Observed):
         and this one's tensors come back unprefetched (tensors before the one just unpacked would
         not do better: a node unpacks its several saved tensors lowest first, and would drop the
         rest of its own tensors prefetched for it)."""
-        while self._next >= 0 and self._next in self._unpacked:
-            self._next -= 1
-        want, size = [], 0
-        for j in range(self._next, -1, -1):
-            if j in self._unpacked:
-                continue
-            nbytes = self._order[j][0].nbytes
-            if want and size + nbytes > self.copies.largest:
-                break
-            want.append(j)
-            size += nbytes
+        want = self.coming(self.copies.largest)
         for k in [k for k in self._ahead if k not in want]:
             del self._ahead[k]
         for j in want:

@@ -137,7 +137,7 @@ def rank_peak(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, parts: Se
                              saved_bytes_per_microbatch=per_mb - recast_per_microbatch(summary, cfg, parts, rank.layers),
                              microbatches=cfg.m, moments=moments,
                              group_bytes=FP32 * largest_group_numel(summary, parts, rank.has_pre or rank.has_post) / cfg.data,
-                             share=chunk_share(cfg.tp, cfg.data, cfg.zero))
+                             share=chunk_share(cfg.tp, cfg.data, cfg.zero), saved_window=largest)
         host = off["host"]
         if act_off:                    # on the host; the backward brings one node's back at a time, at
             act_kept = 0.0             # most the largest output (the log-probabilities at the loss),

@@ -452,7 +452,8 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
                                               nvme_rows_bytes=FP32 * optimizer_rows(numel, cfg.data, cfg.zero),
                                               nvme_Bps=cluster.nvme_Bps / cluster.gpus_per_node,
                                               nvme_group_bytes=FP32 * largest_group_numel(summary, parts, first or last)
-                                              / cfg.data), 1.0)
+                                              / cfg.data,
+                                              saved_largest_bytes=max(p.max_out_bytes for p, _, _ in parts)), 1.0)
     compute, recompute = rank_split_times(cfg, summary, gpu, r, lps, compute, recompute)   # zero-bubble's split
     t_stage = compute + recompute + sum(comm.values())
     opt = numel * (OPTIMIZER_BYTES_PER_PARAM + profile.grad_bytes) / (gpu.hbm_Bps * gpu.memory_efficiency)
@@ -542,7 +543,7 @@ def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile
                              saved_bytes_per_microbatch=per_mb - recast_per_microbatch(summary, cfg, parts, lps),
                              inflight=inflight, microbatches=cfg.m, moments=MOMENTS,
                              group_bytes=FP32 * largest_group_numel(summary, parts, any(rank_holds(cfg, r))) / cfg.data,
-                             share=chunk_share(cfg.tp, cfg.data, cfg.zero))
+                             share=chunk_share(cfg.tp, cfg.data, cfg.zero), saved_window=largest)
         states = off
         activations = off["activations"]
         host, nvme = int(off["host"]), int(off["nvme"])

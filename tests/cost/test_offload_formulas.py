@@ -53,6 +53,8 @@ def test_memory_by_class():
     # once, 3e9 (the forward writes one tensor at a time, no more); the device as activation offload
     na = _mem(("activations", "nvme_activations"), microbatches=2)
     assert na["nvme"] == 20e9 and na["host"] == pytest.approx(3e9) and na["activations"] == 3e9
+    # and what it reads ahead, the largest saved tensor's bytes (1e9 more)
+    assert _mem(("activations", "nvme_activations"), microbatches=2, saved_window=1e9)["host"] == pytest.approx(4e9)
     # nvme_grads: the 4e9 of gradient buffers go to files too (nvme 16e9); the step holds two chunks'
     # gradients, a third of each chunk: 2 x 52,428,800 / 3; host 4e9 + 104,857,600 - 4e9 + 34,952,533
     ng = _mem(("optimizer", "nvme", "nvme_grads"))
@@ -130,10 +132,15 @@ def test_nvme_params_reads_per_micro_batch():
         pytest.approx(0.4)
     assert "nvme:params" not in offload_microbatch_times(("optimizer", "params", "nvme"), nvme_rows_bytes=4e9,
                                                          nvme_Bps=4e9, **kw)
-    # nvme_activations: 2e9 saved per micro-batch written and read back at 4 GB/s: 1 s, exposed
-    t = offload_microbatch_times(("activations", "nvme_activations"), nvme_Bps=4e9,
-                                 **{**kw, "saved_bytes": 2e9})
-    assert t["nvme:activations"] == pytest.approx(1.0)
+    # nvme_activations: 2e9 saved per micro-batch written at 4 GB/s (0.5 s, each write waited for)
+    # and read back ahead of the backward: the first tensor (at most 4e8: 0.1 s) on the spot, the
+    # other 0.4 s behind the backward's 1 s: 0.6 s; with a window of 0.1 s, 0.5 + 0.1 + 0.3
+    acts = {**kw, "saved_bytes": 2e9}
+    t = offload_microbatch_times(("activations", "nvme_activations"), nvme_Bps=4e9, saved_largest_bytes=4e8, **acts)
+    assert t["nvme:activations"] == pytest.approx(0.6)
+    t = offload_microbatch_times(("activations", "nvme_activations"), nvme_Bps=4e9, saved_largest_bytes=4e8,
+                                 **{**acts, "backward_window_s": 0.1})
+    assert t["nvme:activations"] == pytest.approx(0.9)
 
 
 def test_microbatch_times():

@@ -123,8 +123,11 @@ def train_job(rank: int, world: int, job: dict) -> dict:
 
 
 def _acts_nvme(acts) -> tuple:
-    """Offload nvme_activations (``runtime/nvme_activations.py``): (bytes written, bytes read back)."""
-    return (acts.written_bytes, acts.read_bytes) if getattr(acts, "writes", None) is not None else (0, 0)
+    """Offload nvme_activations (``runtime/nvme_activations.py``): (bytes written, bytes read back,
+    tensors read ahead of their unpack, tensors unpacked)."""
+    if getattr(acts, "writes", None) is None:
+        return (0, 0, 0, 0)
+    return (acts.written_bytes, acts.read_bytes, acts.read_ahead, acts.unpacked)
 
 
 def _nvme_rows(rows) -> tuple:

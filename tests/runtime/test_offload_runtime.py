@@ -114,6 +114,10 @@ def test_offloaded_plans_train_as_one_process(tmp_path):
             res = rank_results[by_name[name]]
             assert res["grads_written"] == 3 * 4 * res["opt_rows"], (name, res["grads_written"], res["opt_rows"])
     # nvme_activations: what the plan without it sends to the host went to the files, and came back
-    for rank_results in results:
-        written, read = rank_results[by_name["pp_nvme_activations"]]["acts_nvme"]
-        assert written > 0 and read >= written, (written, read)
+    # read back ahead of their unpack: on the last stage, whose backward follows each micro-batch's
+    # forward, most (measured 156 of 168); on the first, under 1F1B, the latest packed are often the
+    # next micro-batch's (``ActivationOffload._prefetch``; measured 39 of 132)
+    for rank, rank_results in enumerate(results):
+        written, read, ahead, unpacked = rank_results[by_name["pp_nvme_activations"]]["acts_nvme"]
+        assert written > 0 and read >= written and ahead > 0, (written, read, ahead)
+        assert rank == 0 or ahead >= unpacked / 2, (ahead, unpacked)
