@@ -20,8 +20,9 @@ in the forward; ``runtime/reshard.py``: the next re-gather's, in the backward), 
 for that read instead of making it. A pass's first group is read on the spot; so is a parameter
 gathered alone (a tied weight) and a read outside the passes (checkpoints). The optimizer step
 rewrites the masters, so reads started ahead and not used are dropped at each step's start and end
-(``drop_ahead``, with the gathers not read). ``materialized()`` puts the rows back in host memory for a block
-that writes them (loading a checkpoint; ``HostOptimizer.resident``) and drops them after.
+(``drop_ahead``, with the gathers not read). ``materialized()`` puts the rows back in host memory
+for a block that writes them (loading a checkpoint; ``HostOptimizer.resident``) and drops them
+after.
 """
 from __future__ import annotations
 
@@ -42,9 +43,9 @@ class NvmeRows:
         self._resident = True
         self._ahead: dict[str, tuple] = {}  # name -> (buffer, future): reads started ahead of their gather
         self.ahead_enabled = True          # False: every read on the spot (benchmarks/nvme_read_ahead.py)
-        self.reads = 0                     # over the run: rows read from the files, and their bytes;
-        self.read_bytes = 0                # of those reads, started ahead and waited for when needed;
-        self.read_ahead = 0                # seconds the rank's thread waited for reads
+        # over the run: rows read from the files, their bytes, the reads started ahead (waited for
+        # when needed), and the seconds the rank's thread waited for reads
+        self.reads = self.read_bytes = self.read_ahead = 0
         self.wait_s = 0.0
 
     def release(self) -> None:
