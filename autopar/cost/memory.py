@@ -287,7 +287,7 @@ def reducer_piece_transients(summands: Sequence[float], data: int, zero: int, bu
         spikes = [2 * sizes[i] + behind(i - 1) + rows(ends[i - 1] if i else 0.0)
                   for i, e in enumerate(ends[:-1]) if start + 1e-9 < e <= done + 1e-9]
         # less the rows the caller counts as made by the pieces before (``step_peak_bytes``' gradients)
-        out.append((alive(start + own * g) - rows(start), max(spikes, default=0.0) - rows(start) if spikes else 0.0))
+        out.append((alive(start + own * g) - rows(start), max(spikes) - rows(start) if spikes else 0.0))
     return out
 
 

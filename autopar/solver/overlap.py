@@ -56,11 +56,14 @@ _WHY = {     # reason code -> (overlapped, not overlapped)
 
 
 # offload transfers the step model charges whole (``cost/offload.py``): (axis, kind) -> what they are
-_CHARGED_IN_FULL = {("nvme", "params"): "ZeRO-3's rows read from the NVMe files on the rank's thread "
-                                      "before each gather",
-                    ("nvme", "io"): "the optimizer state read back and written around the CPU step",
-                    ("nvme", "activations"): "saved tensors written in the forward and read in the backward",
+_CHARGED_IN_FULL = {("nvme", "io"): "the optimizer state read back and written around the CPU step",
                     ("host", "copy"): "the updated masters copied into the host rows after the CPU step"}
+# NVMe reads started ahead on the store's threads: (axis, kind) -> what is left exposed
+_READ_AHEAD = {("nvme", "params"): "each pass's first gather group's rows (the others are read a group "
+                                   "ahead, runtime/nvme_rows.py)",
+               ("nvme", "activations"): "the forward's writes and the backward's first read (the others are "
+                                        "read ahead, runtime/nvme_activations.py)"}
+
 
 def overlapped_cost(comm_s: float, window_s: float, overlapped: bool, slowdown: float) -> float:
     """``exposed + contention`` of a collective of ``comm_s`` beside ``window_s`` of compute."""
@@ -199,6 +202,9 @@ def _upstream(key: str, profile, copies_over: tuple = ()) -> tuple[str, bool]:
         return "exposed: context-parallel all-to-alls are not overlapped", True
     if (axis, kind) in _CHARGED_IN_FULL:
         return f"exposed, charged in full: {_CHARGED_IN_FULL[axis, kind]}", True
+    if (axis, kind) in _READ_AHEAD:
+        return (f"remainder after the reads ahead hide behind the pass's compute: {_READ_AHEAD[axis, kind]} "
+                "(cost/offload.py; hidden part not carried here)"), False
     if axis in ("host", "nvme", "cpu"):
         if copies_over:
             return (f"remainder after the copies of {'/'.join(copies_over)} overlap compute on a side stream "

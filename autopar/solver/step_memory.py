@@ -122,12 +122,7 @@ def rank_peak(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, parts: Se
         chunks = _bucketed(chunks)
     host, act_kept = 0.0, 1.0
     rows_leave = "grads" in classes and cfg.m == 1 and cfg.data > 1 and cfg.zero >= 2
-    full = cfg.data if cfg.zero >= 2 else 1      # a piece's full local summands from its counted gradients
-    summands = [grad * full for _, grad in chunks[0].pieces] if cfg.pp == 1 else []
-    if cfg.pp == 1 and rank.has_pre and rank.has_post:     # a tied weight's summand is made once both reads'
-        tied = states(summary.shared_param_numel)["grads"] * full      # gradients are in: after the
-        summands[0] -= tied                                             # embedding's backward, the last
-        summands[-1] += tied
+    counted = chunks                             # the gradients as counted, before offload scales them
     per_mb = sum(c.activations for c in chunks.values())
     if classes:                  # ``cost/offload.py``, for these state bytes and optimizer
         off = offload_memory(classes, rows=optimizer_rows(rank.param_numel, cfg.data, cfg.zero),
@@ -161,19 +156,13 @@ def rank_peak(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, parts: Se
         # ZeRO 2/3: the reducer's buffers piece by piece (``cost.memory.reducer_piece_transients``),
         # at least the end's term less the activations (``reducer_transient_bytes``)
         spaces = [w + transient for w in chunk.workspace]
-
-        def standing(prefetching: bool) -> float:     # a layer's gathers (and replay) beside a launch
-            return workspace_bytes(summary, cfg, 0.0, rank.layers, param_bytes=per["params"], autocast=autocast,
-                                   forward_apart=True, prefetching=prefetching)
-        n = int(rank.layers)
-        chunk_standing = ([0.0] * rank.has_post + [standing(True)] * (n - 1) + [standing(False)] * min(n, 1)
-                          + [0.0] * rank.has_pre)
-        if cfg.zero >= 2:
+        if cfg.zero >= 2 and cfg.data > 1:
             floor = max(0.0, end - (rank.inflight * per_mb * act_kept + workspace))
             spaces = [max(w + max(t, floor), standing + spike) for w, standing, (t, spike) in zip(
-                chunk.workspace, chunk_standing, reducer_piece_transients(
-                    summands, cfg.data, cfg.zero, DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES,
-                    rows_kept=not rows_leave, own=0.0 if cfg.recompute == "full" else 1 / 3))]
+                chunk.workspace, _standing(summary, cfg, rank, per["params"], autocast), reducer_piece_transients(
+                    _summands(summary, cfg, rank, counted[0], states), cfg.data, cfg.zero, DEFAULT_BUCKET_BYTES,
+                    DEFAULT_FIRST_BUCKET_BYTES, rows_kept=not rows_leave,
+                    own=0.0 if cfg.recompute == "full" else 1 / 3))]
         workspace = max(max(workspace, alone) + transient, max(spaces))
         peak = step_peak_bytes(fixed, chunk.pieces, rank.inflight, workspace, grads_during_forward=rank.inflight < cfg.m,
                                piece_workspace=spaces)
@@ -200,6 +189,32 @@ def rank_peak(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, parts: Se
     if cfg.pp > 1:               # the replay's own: each stage's in-flight count, not the rank's average
         activations = replay_peak_bytes(actions, {g: activations_only(c) for g, c in chunks.items()})
     return RankPeak(peak, total["params"], grads, total["optimizer"], activations, workspace, host)
+
+
+def _summands(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, chunk: Chunk,
+              states: Callable[[float], dict]) -> list[float]:
+    """Without a pipeline under ZeRO 2/3, each piece's full local gradient summands (``chunk``'s
+    counted gradients are the 1/data rows), in backward order. A tied weight's summand is made
+    once both reads' gradients are in: after the embedding's backward, the last."""
+    summands = [grad * cfg.data for _, grad in chunk.pieces]
+    if rank.has_pre and rank.has_post:
+        tied = states(summary.shared_param_numel)["grads"] * cfg.data
+        summands[0] -= tied
+        summands[-1] += tied
+    return summands
+
+
+def _standing(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, param_bytes: float,
+              autocast: bool) -> list[float]:
+    """What stays beside a bucket's launch in each piece's backward (``_chunks``' order: head,
+    layers, embedding): a layer's gathers and replay, not its ops' workspace (the launch runs in a
+    gradient hook, between ops); the first layer's backward prefetches no next layer."""
+    def standing(prefetching: bool) -> float:
+        return workspace_bytes(summary, cfg, 0.0, rank.layers, param_bytes=param_bytes, autocast=autocast,
+                               forward_apart=True, prefetching=prefetching)
+    n = int(rank.layers)
+    return ([0.0] * rank.has_post + [standing(True)] * (n - 1) + [standing(False)] * min(n, 1)
+            + [0.0] * rank.has_pre)
 
 
 def _forward_gather_peak(summary: AxisSummary, cfg: OuterConfig, pieces: Sequence, rank: RankShape,
