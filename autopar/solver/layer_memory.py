@@ -47,6 +47,13 @@ def recomputed_layers(cfg: OuterConfig, lps: float, for_memory: bool) -> float:
     return min(float(cfg.recompute_layers), lps)
 
 
+def replays_every_layer(cfg: OuterConfig, lps: Optional[float]) -> bool:
+    """Whether every layer of a rank's ``lps`` re-materializes its activations in the backward
+    ("full", or "partial" over all of them; ``lps`` or the count unknown: as "full")."""
+    return cfg.recompute == "full" or (cfg.recompute == "partial" and (
+        cfg.recompute_layers is None or lps is None or cfg.recompute_layers >= lps))
+
+
 def activation_bytes_per_layer(blk: PartCost, summary: AxisSummary, recompute: str) -> float:
     """Saved bytes of one layer per micro-batch (``recompute`` "partial": the recomputed layers'
     figure, the least; ``_rank_memory`` mixes them)."""
@@ -83,8 +90,7 @@ def workspace_bytes(summary: AxisSummary, cfg: OuterConfig, backward_bytes: floa
     prefetches no next layer: its own gathered copy only."""
     blk = summary.parts["block"]
     other = 0.0
-    every_layer = cfg.recompute == "full" or (cfg.recompute == "partial" and (
-        cfg.recompute_layers is None or lps is None or cfg.recompute_layers >= lps))
+    every_layer = replays_every_layer(cfg, lps)
     if in_layer and every_layer:
         other += blk.saved_bytes
     elif in_layer and is_per_op(cfg.recompute):
@@ -107,6 +113,21 @@ def workspace_bytes(summary: AxisSummary, cfg: OuterConfig, backward_bytes: floa
             return other + backward_bytes
         return other + max(backward_bytes, gathers)
     return backward_bytes + other + gathers
+
+
+def replay_landing_bytes(summary: AxisSummary, cfg: OuterConfig, param_bytes: int, autocast: bool,
+                         lps: Optional[float]) -> float:
+    """Under ZeRO-3 over data > 1 with every layer replayed, under ``autocast``: a layer's backward
+    at its replay's gather landing, before any of the layer it rebuilds exists (the layer's
+    other moments are ``workspace_bytes``): the collective's output and send buffers beside the
+    copies made out of them (2 + 1/dp layers, as ``forward_gather_bytes``), the residual stream's
+    gradient and the checkpoint the replay starts from. Measured so at gpt-tiny's ZeRO-3 peak with
+    every class offloaded, bf16 (fp32: the backward's ops, beside the fp32 gathered layer, peak
+    higher). 0 otherwise."""
+    if not (autocast and zero3_gathers(cfg) and cfg.data > 1 and replays_every_layer(cfg, lps)):
+        return 0.0
+    rows = summary.parts["block"].param_numel * param_bytes
+    return (2.0 + 1.0 / cfg.data) * rows + 2.0 * summary.layer_input_bytes
 
 
 def forward_gather_bytes(summary: AxisSummary, cfg: OuterConfig, param_bytes: int) -> float:

@@ -32,7 +32,8 @@ from autopar.cost.offload import FP32, chunk_share, offload_memory, optimizer_ro
 from autopar.cost.schedule_memory import Chunk, activations_only, rank_actions, replay_peak_bytes
 from autopar.cost.split_backward import chunk_held_bytes, is_split, rank_held_bytes
 from autopar.solver.layer_memory import (activation_bytes_per_layer, forward_gather_bytes, largest_group_numel,
-                                         recast_per_microbatch, workspace_bytes)
+                                         recast_per_microbatch, replay_landing_bytes, replays_every_layer,
+                                         workspace_bytes)
 from autopar.solver.outer_config import OuterConfig
 from autopar.solver.overlap import accumulates_rows, reduces_once_per_step
 from autopar.solver.problem import AxisSummary
@@ -102,14 +103,16 @@ def rank_peak(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, parts: Se
         activations under recompute (``layer_memory.workspace_bytes``; ``prefetching`` False: the
         first layer's, whose backward gathers no next layer)."""
         part = summary.parts[name]
-        own = backward_workspace_bytes(part.max_out_bytes) + back(part.max_out_bytes)
+        replayed = name == "block" and replays_every_layer(cfg, rank.layers)
+        own = backward_workspace_bytes(part.max_out_bytes) + (0.0 if replayed else back(part.max_out_bytes))
         freed = 0.0
         if name == "block":
             own += 2.0 * summary.layer_input_bytes
-            freed = 0.0 if act_off else part.max_out_bytes
+            freed = part.max_out_bytes if replayed or not act_off else 0.0
         alone = workspace_bytes(summary, cfg, own, rank.layers, param_bytes=per["params"], autocast=autocast,
                                 in_layer=name == "block", forward_apart=cfg.pp == 1, prefetching=prefetching)
-        return alone - freed, alone
+        landing = replay_landing_bytes(summary, cfg, per["params"], autocast, rank.layers) if name == "block" else 0.0
+        return max(alone - freed, landing), max(alone, landing)
 
     spaces = {name: piece_workspace(name) for name in ("pre", "block", "post")}
     spaces["first"] = piece_workspace("block", prefetching=False)
@@ -120,7 +123,7 @@ def rank_peak(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, parts: Se
                                                    ("post", rank.has_post)) if has)
     if cfg.data > 1 and cfg.zero == 0:
         chunks = _bucketed(chunks)
-    host, act_kept = 0.0, 1.0
+    host, act_kept, grad_kept = 0.0, 1.0, 1.0
     rows_leave = "grads" in classes and cfg.m == 1 and cfg.data > 1 and cfg.zero >= 2
     counted = chunks                             # the gradients as counted, before offload scales them
     per_mb = sum(c.activations for c in chunks.values())
@@ -158,11 +161,13 @@ def rank_peak(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, parts: Se
         spaces = [w + transient for w in chunk.workspace]
         if cfg.zero >= 2 and cfg.data > 1:
             floor = max(0.0, end - (rank.inflight * per_mb * act_kept + workspace))
-            spaces = [max(w + max(t, floor), standing + spike) for w, standing, (t, spike) in zip(
+            spaces = [max(w + max(t, floor), standing + spike) + held for w, standing, (t, spike), held in zip(
                 chunk.workspace, _standing(summary, cfg, rank, per["params"], autocast), reducer_piece_transients(
                     _summands(summary, cfg, rank, counted[0], states), cfg.data, cfg.zero, DEFAULT_BUCKET_BYTES,
                     DEFAULT_FIRST_BUCKET_BYTES, rows_kept=not rows_leave,
-                    own=0.0 if cfg.recompute == "full" else 1 / 3))]
+                    own=0.0 if cfg.recompute == "full" else 1 / 3),
+                _tied_held(summary, cfg, rank, len(chunk.workspace), states(summary.shared_param_numel)["grads"],
+                           grad_kept))]
         workspace = max(max(workspace, alone) + transient, max(spaces))
         peak = step_peak_bytes(fixed, chunk.pieces, rank.inflight, workspace, grads_during_forward=rank.inflight < cfg.m,
                                piece_workspace=spaces)
@@ -202,6 +207,18 @@ def _summands(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, chunk: Ch
         summands[0] -= tied
         summands[-1] += tied
     return summands
+
+
+def _tied_held(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, pieces: int, rows: float,
+               kept: float) -> list[float]:
+    """Under ZeRO 2/3, per piece (head, layers, embedding): a tied weight's gradient from the head,
+    held by autograd until the embedding's adds to it (the reducer's summand only then,
+    ``_summands``), less its ``rows`` the caller counts from the head's piece (``kept`` of them:
+    0 where offloaded gradients leave the device). Measured at gpt-tiny's ZeRO-3 peak with every
+    class offloaded, bf16: the head's fp32 gradient of the embedding beside a layer's replay."""
+    if not (rank.has_pre and rank.has_post and summary.shared_param_numel):
+        return [0.0] * pieces
+    return [0.0] + [rows * (cfg.data - kept)] * (pieces - 1)
 
 
 def _standing(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, param_bytes: float,

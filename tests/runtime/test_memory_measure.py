@@ -50,7 +50,9 @@ OFFLOAD = {"dp_offload_optimizer": "dp=2,offload=optimizer",
            "tp_offload_optimizer_activations_bf16": "tp=2,offload=optimizer+activations",
            "dp_zero3_offload_all": "dp=2,zero=3,offload=optimizer+grads+params+activations",
            # bf16: the layers' replays gather in the backward without prefetch, one layer at a time,
-           # and the offloaded gradients leave the device bucket by bucket (predicted 14% over before)
+           # and the offloaded gradients leave the device bucket by bucket (predicted 14% over before);
+           # the peak at a replay's gather landing, beside the head's gradient of the tied embedding
+           # (``layer_memory.replay_landing_bytes``, ``step_memory._tied_held``)
            "dp_zero3_offload_all_bf16": "dp=2,zero=3,offload=optimizer+grads+params+activations,recompute=full",
            # the same without recompute (the solver's choice once biases' 16-bit copies stopped being
            # counted as saved): its peak is in the forward, at a layer's gather landing, beside no
@@ -63,6 +65,12 @@ OFFLOAD = {"dp_offload_optimizer": "dp=2,offload=optimizer",
            "dp_zero3_nvme_params": "dp=2,zero=3,offload=optimizer+grads+params+nvme+nvme_params",
            # and the gradients: written as they come down, read back by the step's chunks
            "dp_zero2_nvme_grads": "dp=2,zero=2,offload=optimizer+grads+nvme+nvme_grads",
+           # every layer replayed with the checkpoints on the host: the replay's layer is the saved
+           # tensors on the device, not a saved input brought back, and by the widest op's backward
+           # its consumer freed its copy (22.9% / 14.6% / 17.8% over before)
+           "tp_offload_activations_full": "tp=2,offload=optimizer+activations,recompute=full",
+           "tp_offload_activations_full_bf16": "tp=2,offload=optimizer+activations,recompute=full",
+           "dp_zero3_offload_all_full": "dp=2,zero=3,offload=optimizer+grads+params+activations,recompute=full",
            # the saved activations in files: the host holds the writes in flight and what is read back
            "tp_offload_nvme_activations": "tp=2,offload=optimizer+activations+nvme_activations,recompute=none"}
 # bf16 under torch.autocast over the fp32 model (``runtime/precision.py``): fp32 states, autocast's
