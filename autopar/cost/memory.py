@@ -200,7 +200,7 @@ def step_peak_bytes(states_without_grads: float, backward_parts, inflight: float
 
 
 def reducer_transient_bytes(grad_bytes: float, data: int, zero: int, bucket: float,
-                            activation_bytes: float = 0.0, accumulating: bool = False) -> float:
+                            activation_bytes: float = 0.0, accumulating: bool = False, wire: float = 1.0) -> float:
     """Device bytes the data-parallel gradient reducer (``runtime/reducer.py``) adds to a rank's
     peak beyond the reduced gradients (the 1/data outputs, counted with the gradients), under ZeRO
     2/3 over ``data`` > 1 ranks, for ``G = grad_bytes`` of local gradients in buckets of
@@ -222,19 +222,22 @@ def reducer_transient_bytes(grad_bytes: float, data: int, zero: int, bucket: flo
     its summands, send buffers and rows stay under during the backward; at the end its rows (1/data)
     and last send buffers exceed that copy and the freed activations only for small models:
 
-        max(0, reducer_end_bytes + G / data - G - activations)"""
+        max(0, reducer_end_bytes + G / data - G - activations)
+
+    ``wire``: a send buffer's bytes per summand byte (mixed precision reduces the buckets in 16
+    bits: ``runtime/reducer.py``'s ``reduce_dtype``, 1/2 of fp32 gradients), for every term."""
     if data <= 1 or zero < 1:
         return 0.0
     if zero == 1:
-        return max(0.0, reducer_end_bytes(grad_bytes, data, zero, bucket) + grad_bytes / data - grad_bytes
+        return max(0.0, reducer_end_bytes(grad_bytes, data, zero, bucket, wire=wire) + grad_bytes / data - grad_bytes
                    - activation_bytes)
     previous = min(max(grad_bytes - bucket, 0.0), bucket)
-    during = previous + bucket if grad_bytes > bucket else 0.0
-    return max(during, reducer_end_bytes(grad_bytes, data, zero, bucket, accumulating) - activation_bytes)
+    during = previous * wire + bucket if grad_bytes > bucket else 0.0
+    return max(during, reducer_end_bytes(grad_bytes, data, zero, bucket, accumulating, wire) - activation_bytes)
 
 
 def reducer_piece_transients(summands: Sequence[float], data: int, zero: int, bucket: float, first: float,
-                             rows_kept: bool = True, own: float = 0.0) -> list[tuple[float, float]]:
+                             rows_kept: bool = True, own: float = 0.0, wire: float = 1.0) -> list[tuple[float, float]]:
     """The reducer's bytes during each piece's backward (ZeRO 2/3 over ``data`` > 1; zeros
     otherwise), ``summands`` being the pieces' full local gradient bytes in backward order: per
     piece (beside its ops' workspace, at a launch). The buckets fill in that order
@@ -249,8 +252,11 @@ def reducer_piece_transients(summands: Sequence[float], data: int, zero: int, bu
     buckets before i - 1 first) allocates its send buffer while its summands, copied in one by
     one, and bucket i - 1's send buffer are alive:
 
-        2 b_i + b_(i-1)    (+ b_(i-1) / data, its output, when the reduced rows leave the device
-                            as each bucket finishes, ``rows_kept`` False: gradient offload)
+        (1 + w) b_i + w b_(i-1)    (+ b_(i-1) / data, its output, when the reduced rows leave
+                                    the device as each bucket finishes, ``rows_kept`` False:
+                                    gradient offload)
+
+    for send buffers of ``w = wire`` bytes per summand byte (``reducer_transient_bytes``).
 
     Kept, the reduced rows exist from their bucket's launch (its output), where the caller counts
     the rows of every piece before (1/data of their summands, ``step_peak_bytes``): the difference
@@ -271,7 +277,7 @@ def reducer_piece_transients(summands: Sequence[float], data: int, zero: int, bu
     ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
 
     def behind(i: int) -> float:          # bucket i's send buffer in flight (and its output)
-        return 0.0 if i < 0 else sizes[i] * (1.0 if rows_kept else 1.0 + 1.0 / data)
+        return 0.0 if i < 0 else sizes[i] * (wire if rows_kept else wire + 1.0 / data)
 
     def rows(made: float) -> float:       # reduced rows of the buckets launched by then (kept ones)
         return made / data if rows_kept else 0.0
@@ -284,22 +290,24 @@ def reducer_piece_transients(summands: Sequence[float], data: int, zero: int, bu
     out, done = [], 0.0
     for g in summands:
         start, done = done, done + g
-        spikes = [2 * sizes[i] + behind(i - 1) + rows(ends[i - 1] if i else 0.0)
+        spikes = [(1.0 + wire) * sizes[i] + behind(i - 1) + rows(ends[i - 1] if i else 0.0)
                   for i, e in enumerate(ends[:-1]) if start + 1e-9 < e <= done + 1e-9]
         # less the rows the caller counts as made by the pieces before (``step_peak_bytes``' gradients)
         out.append((alive(start + own * g) - rows(start), max(spikes) - rows(start) if spikes else 0.0))
     return out
 
 
-def reducer_end_bytes(grad_bytes: float, data: int, zero: int, bucket: float, accumulating: bool = False) -> float:
+def reducer_end_bytes(grad_bytes: float, data: int, zero: int, bucket: float, accumulating: bool = False,
+                      wire: float = 1.0) -> float:
     """``reducer_transient_bytes``' term at the end of the reduction (the activations freed): the
     last bucket's summands and send buffer and the previous one's, before the last output exists.
     A pipeline reduces the buckets its stages' last backwards did not launch after its schedule
     (the tied embedding's, at the least): this is its reducer transient there. ZeRO 1-3
     (ZeRO-1 reduce-scatters as ZeRO-2 does). ``accumulating`` (ZeRO 2/3 reducing every one of
     several micro-batches, ``solver.overlap.accumulates_rows``): the rows of the earlier
-    micro-batches sit beside the last one's outputs, 1/data of the gradients more."""
+    micro-batches sit beside the last one's outputs, 1/data of the gradients more. ``wire``: as
+    ``reducer_transient_bytes``."""
     if zero < 1 or data <= 1:
         return 0.0
-    previous = min(max(grad_bytes - bucket, 0.0), bucket)
-    return min(grad_bytes, bucket) * (2 - 1 / data) + previous + (grad_bytes / data if accumulating else 0.0)
+    last, previous = min(grad_bytes, bucket), min(max(grad_bytes - bucket, 0.0), bucket)
+    return last * (1 + wire - 1 / data) + previous * wire + (grad_bytes / data if accumulating else 0.0)

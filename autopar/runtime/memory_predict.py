@@ -69,6 +69,7 @@ def predict_memory(evaluation, summary, pp_rank: int, param_dtype: str, optimize
                       st.memory.activations_bytes, tuple(evaluation.cuts))
     r = rank_peak(summary, evaluation.config, shape, rank_parts(summary, st.layers, st.has_pre, st.has_post),
                   state_bytes_per_param(param_dtype, optimizer), autocast=profile.autocast,
-                  moments=optimizer_moments(optimizer), prefetch=side_stream_enabled(torch.device(device)))
+                  moments=optimizer_moments(optimizer), prefetch=side_stream_enabled(torch.device(device)),
+                  wire=profile.grad_wire_bytes / profile.grad_bytes)
     cats = MemoryByCategory(int(r.params), int(r.grads), int(r.optimizer), int(r.activations), int(r.workspace))
     return PredictedMemory(int(r.peak), cats, int(r.host))

@@ -67,11 +67,12 @@ class RankPeak:
 
 
 def rank_peak(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, parts: Sequence, per: Mapping[str, float],
-              *, autocast: bool, moments: int, prefetch: bool) -> RankPeak:
+              *, autocast: bool, moments: int, prefetch: bool, wire: float = 1.0) -> RankPeak:
     """``rank``'s peak (its ``parts``: ``layer_memory.rank_parts``) for model states of ``per`` bytes per parameter ("params", "grads",
     "optimizer": ``cost.memory.state_bytes_per_param``) and an optimizer of ``moments`` states,
     under ``autocast``; ``prefetch``: activation offload brings saved tensors back ahead on a side
-    stream (``cost.offload.resident_saved_bytes``). Module docstring for the moments."""
+    stream (``cost.offload.resident_saved_bytes``); ``wire``: the reducer's send buffers' bytes per
+    gradient byte (``cost.memory.reducer_transient_bytes``). Module docstring for the moments."""
     classes = cfg.classes
 
     def states(numel: float) -> dict:
@@ -147,14 +148,14 @@ def rank_peak(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, parts: Se
         total = {"params": off["params"], "grads": off["grads"], "optimizer": off["optimizer"]}
     fixed = total["params"] + total["optimizer"]
     local_grads = rank.param_numel * per["grads"]
-    end = reducer_end_bytes(local_grads, cfg.data, cfg.zero, DEFAULT_BUCKET_BYTES, accumulates_rows(cfg))
+    end = reducer_end_bytes(local_grads, cfg.data, cfg.zero, DEFAULT_BUCKET_BYTES, accumulates_rows(cfg), wire)
     actions = rank_actions(cfg.schedule, cfg.pp, rank.pp_rank, cfg.m, cfg.v) if cfg.pp > 1 else None
     if cfg.pp > 1:               # the replay holds the join-node gradients; what the stages did not launch
         peak = fixed + replay_peak_bytes(actions, chunks, workspace)   # is reduced after the schedule, beside no activation
         workspace = max(max(workspace, alone) + rank_held_bytes(cfg, summary, rank.pp_rank, rank.layers), end)
     else:
         transient = reducer_transient_bytes(local_grads, cfg.data, cfg.zero, DEFAULT_BUCKET_BYTES,
-                                            rank.inflight * per_mb * act_kept + workspace, accumulates_rows(cfg))
+                                            rank.inflight * per_mb * act_kept + workspace, accumulates_rows(cfg), wire)
         (chunk,) = chunks.values()
         # ZeRO 2/3: the reducer's buffers piece by piece (``cost.memory.reducer_piece_transients``),
         # at least the end's term less the activations (``reducer_transient_bytes``)
@@ -165,7 +166,7 @@ def rank_peak(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, parts: Se
                 chunk.workspace, _standing(summary, cfg, rank, per["params"], autocast), reducer_piece_transients(
                     _summands(summary, cfg, rank, counted[0], states), cfg.data, cfg.zero, DEFAULT_BUCKET_BYTES,
                     DEFAULT_FIRST_BUCKET_BYTES, rows_kept=not rows_leave,
-                    own=0.0 if cfg.recompute == "full" else 1 / 3),
+                    own=0.0 if cfg.recompute == "full" else 1 / 3, wire=wire),
                 _tied_held(summary, cfg, rank, len(chunk.workspace), states(summary.shared_param_numel)["grads"],
                            grad_kept))]
         workspace = max(max(workspace, alone) + transient, max(spaces))
@@ -175,10 +176,14 @@ def rank_peak(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, parts: Se
     if end:                      # ZeRO 1-3: the end of the reduction, beside the reduced outputs (1/data);
         # offloaded gradients leave the device as each bucket is reduced (``runtime/offload.py``)
         peak = max(peak, fixed + (0.0 if "grads" in classes else local_grads / cfg.data) + end)
-    if cfg.data > 1 and cfg.zero in (1, 2) and "optimizer" not in classes:
-        master = max(per["params"], 4.0)           # the optimizer's parameters: fp32 masters under 16-bit
+    if cfg.data > 1 and cfg.zero in (1, 2):
+        # the optimizer's parameters (fp32 masters under 16-bit; offloaded, the updated rows copied
+        # up into the parameters' dtype) all-gathered bucket by bucket beside the gradients' shards
+        # where they stay on the device (``GradReducer.gather_params``: a send buffer and an output)
+        master = per["params"] if "optimizer" in classes else max(per["params"], 4.0)
         bucket = min(rank.param_numel * per["params"], DEFAULT_BUCKET_BYTES) / per["params"]
-        peak = max(peak, fixed + local_grads / cfg.data + bucket * master * (1 + 1 / cfg.data))   # the shards kept
+        shards = 0.0 if "grads" in classes else local_grads / cfg.data
+        peak = max(peak, fixed + shards + bucket * master * (1 + 1 / cfg.data))
     grads = total["grads"]
     if cfg.zero >= 1 and cfg.data > 1 and "grads" not in classes and (cfg.m == 1 or accumulates_rows(cfg)):
         # ZeRO 1-3 reduce-scatter each micro-batch's summands bucket by bucket (ZeRO-1 as ZeRO-2 does:

@@ -491,7 +491,7 @@ def _peak(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile, shape
     """``step_memory.rank_peak`` for the states ``profile`` keeps and the planner's AdamW."""
     per = {"params": profile.param_bytes, "grads": profile.grad_bytes, "optimizer": profile.optimizer_bytes}
     return int(rank_peak(summary, cfg, shape, parts, per, autocast=profile.autocast, moments=MOMENTS,
-                         prefetch=prefetch).peak)
+                         prefetch=prefetch, wire=profile.grad_wire_bytes / profile.grad_bytes).peak)
 
 
 def fit_partial(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profile: RuntimeProfile,
@@ -551,7 +551,7 @@ def _rank_memory(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeProfile
         activations += held_loss_input_bytes(summary, cfg)      # torch's fwd_cache, not a saved tensor
     # (the backward's workspace and gathered layers are gone with the activations at its end)
     other += reducer_transient_bytes(numel * profile.grad_bytes, cfg.data, cfg.zero, bucket_bytes(), activations + other,
-                                     accumulates_rows(cfg))
+                                     accumulates_rows(cfg), profile.grad_wire_bytes / profile.grad_bytes)
     params, grads, optim = (int(states["params"]), int(states["grads"]), int(states["optimizer"]))
     if cfg.pp == 1:         # the categories peak at different moments (``step_memory.py``)
         total = _peak(summary, cfg, profile, RankShape(r, lps, *rank_holds(cfg, r), inflight, numel, activations),

@@ -58,3 +58,21 @@ def test_piece_by_piece_by_hand():
     # ZeRO-1 (``reducer_transient_bytes``) and one rank: nothing
     assert reducer_piece_transients([10] * 6, 2, 1, 25, 1) == reducer_piece_transients([10] * 6, 1, 3, 25, 1) == \
         [(0.0, 0.0)] * 6
+
+
+def test_send_buffers_in_sixteen_bits_by_hand():
+    # mixed precision reduces fp32 summands through bf16 send buffers (wire 1/2): one bucket of 10
+    # over 2 ranks at the end: its summands 10 + a send buffer of 5 - the output's 5 not made yet
+    assert reducer_end_bytes(10, 2, 2, 25, wire=0.5) == pytest.approx(10)
+    # four buckets over 4 ranks: 25 (1 + 1/2 - 1/4) + the previous send buffer's 12.5
+    assert reducer_end_bytes(100, 4, 2, 25, wire=0.5) == pytest.approx(43.75)
+    # during the backward: a send buffer of 12.5 in flight and 25 filling
+    assert reducer_transient_bytes(100, 4, 2, 25, activation_bytes=40, wire=0.5) == pytest.approx(37.5)
+    # piece by piece (as ``test_piece_by_piece_by_hand``, rows offloaded): piece 1's launch
+    # 1.5 x 1; piece 3 starts with 19 open + the first's 0.5 in flight + its output 0.5, and its
+    # launch holds 1.5 x 25 + 1; piece 6 starts with 24 open + the second's 25 x (1/2 + 1/2), and
+    # its launch holds 1.5 x 25 + 25
+    off = reducer_piece_transients([10] * 6, 2, 2, 25, 1, rows_kept=False, wire=0.5)
+    assert off[0] == pytest.approx((0, 1.5))
+    assert off[2] == pytest.approx((20, 38.5))
+    assert off[5] == pytest.approx((24 + 25, 37.5 + 25))
