@@ -30,7 +30,7 @@ forward at a time, then the remaining backwards.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 Action = tuple[str, int, int]          # (kind: F, B, I or W; global stage; micro-batch)
 
@@ -108,14 +108,18 @@ def _torch_actions(cls_name: str, p: int, r: int, m: int, v: int) -> list[Action
     return out
 
 
-def replay_peak_bytes(actions: Sequence[Action], chunks: Mapping[int, Chunk], workspace: float = 0.0) -> float:
+def replay_peak_bytes(actions: Sequence[Action], chunks: Mapping[int, Chunk], workspace: float = 0.0,
+                      forward_workspace: Optional[float] = None) -> float:
     """The largest live sum of activations, gradients and held join-node gradients over
     ``actions`` (module docstring; ``chunks`` by global stage index), with the backward's
     ``workspace`` (``cost.memory.backward_workspace_bytes``: the gradients at the op with the
     largest output) beside it, or in a chunk's backward its own per piece (``Chunk.workspace``).
     An input pass's own held gradients are made after that op's (the loss's, at the logits, comes
     first; the logits' gradient is one of them): it adds the larger of the two, not both. A split
-    stage's weight pass computes no input gradient: no workspace."""
+    stage's weight pass computes no input gradient: no workspace. ``forward_workspace``: beside a
+    forward instead (default ``workspace``), where the backward's own transients (a replayed
+    layer, saved tensors brought back from the host) do not exist."""
+    fwd = workspace if forward_workspace is None else forward_workspace
     acts = grads = held = 0.0
     best = workspace
     started: set[int] = set()            # chunks whose gradients exist
@@ -123,7 +127,7 @@ def replay_peak_bytes(actions: Sequence[Action], chunks: Mapping[int, Chunk], wo
         c = chunks[stage]
         if kind == "F":
             acts += c.activations + c.output
-            best = max(best, acts + grads + held + workspace)
+            best = max(best, acts + grads + held + fwd)
         elif kind == "I":
             if c.held > 0:
                 best = max(best, acts + grads + held + max(workspace, c.held))

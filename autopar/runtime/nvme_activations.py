@@ -78,7 +78,9 @@ class NvmeActivations(ActivationOffload):
             self.nvme.finish(self.key(j), self._reads.pop(j)[1])
         out = []
         for j in want - set(self._reads) - set(self._ahead):
-            host = self._order[j][0]
+            host = self._host(j)
+            if host is None:
+                continue
             buf = pinned_empty(host.shape, host.dtype, self.device)
             self._reads[j] = (buf, self.nvme.read(self.key(j), buf))
             out.append(buf)

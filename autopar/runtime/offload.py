@@ -22,6 +22,9 @@ activations  ``ActivationOffload``
     bringing back the latest-packed tensors not unpacked yet (the next the backward needs, as it
     runs the forward in reverse), up to the bytes of the largest saved tensor, so their copies up
     overlap other nodes' backward and at most that much waits on the device beside the node's own.
+    A host copy lives as long as a node that saved it has not run its backward (the packed
+    objects autograd holds own it; the offload's step bookkeeping only points at it), so a
+    pipeline schedule's host holds the micro-batches in flight, not every one of the step's.
     DTensors keep their mesh and placements. Under ZeRO-3 the reshard hooks (``runtime/reshard.py``) go first: a saved
     gathered weight is re-gathered, not offloaded. Under autocast a matmul saves the 16-bit copy
     autocast made of its weight: where the weight is the stored parameter (not gathered, not on the
@@ -395,7 +398,9 @@ class ActivationOffload(Observed):
         # several nodes (an activation feeding two matmuls) is copied down once
         self._copies: dict[tuple, tuple] = {}    # key -> (weakref to the storage, its index)
         self.copies = Copies(device)
-        self._order: list[tuple] = []            # (host copy, device stride) in packing order
+        # in packing order: (weak reference to the host copy, the device stride, its bytes); the
+        # packed objects autograd holds own the copies, so one is freed once its last saver ran
+        self._order: list[tuple] = []
         self._unpacked: set[int] = set()         # their indices brought back at least once
         self._next = -1                          # the latest-packed index that may not be unpacked yet
         self._ahead: dict[int, Any] = {}         # index -> copy_stream.Upload started by the prefetch
@@ -438,14 +443,19 @@ class ActivationOffload(Observed):
         seen = self._copies.get(key)
         # the same storage still (torch keeps one Python object per storage while it lives): a
         # freed one's address reused by a new tensor is not taken for it
-        if seen is not None and seen[0]() is storage:
-            index = seen[1]
-        else:
+        host = self._host(seen[1]) if seen is not None and seen[0]() is storage else None
+        if host is None:                         # (a copy whose savers all ran is made again)
             index = self._next = len(self._order)
-            self._order.append((self.to_host(local), self.copies.dense_stride(local)))
+            host = self.to_host(local)
+            self._order.append((weakref.ref(host), self.copies.dense_stride(local), host.nbytes))
             self._copies[key] = (weakref.ref(storage), index)
-        host, stride = self._order[index]
-        return _Offloaded(host, dtensor_spec(t), index, stride)
+        else:
+            index = seen[1]
+        return _Offloaded(host, dtensor_spec(t), index, self._order[index][1])
+
+    def _host(self, index: int) -> Optional[torch.Tensor]:
+        """The ``index``-th host copy, None once every node that saved it ran its backward."""
+        return self._order[index][0]()
 
     def to_host(self, local: torch.Tensor) -> torch.Tensor:
         """``local``'s host copy (asynchronous on CUDA's side stream; ``memory_measure`` spies it), or
@@ -480,9 +490,9 @@ class ActivationOffload(Observed):
             self._next -= 1
         want, size = [], 0
         for j in range(self._next, -1, -1):
-            if j in self._unpacked:
+            if j in self._unpacked or self._host(j) is None:
                 continue
-            nbytes = self._order[j][0].nbytes
+            nbytes = self._order[j][2]
             if want and size + nbytes > window:
                 break
             want.append(j)
@@ -503,9 +513,9 @@ class ActivationOffload(Observed):
         for k in [k for k in self._ahead if k not in want]:
             del self._ahead[k]
         for j in want:
-            if j not in self._ahead:
-                host, stride = self._order[j]
-                self._ahead[j] = self.copies.up(self.from_host(j, host), stride)
+            host = self._host(j)
+            if j not in self._ahead and host is not None:
+                self._ahead[j] = self.copies.up(self.from_host(j, host), self._order[j][1])
 
 
 @dataclasses.dataclass

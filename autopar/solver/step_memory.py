@@ -151,7 +151,11 @@ def rank_peak(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, parts: Se
     end = reducer_end_bytes(local_grads, cfg.data, cfg.zero, DEFAULT_BUCKET_BYTES, accumulates_rows(cfg), wire)
     actions = rank_actions(cfg.schedule, cfg.pp, rank.pp_rank, cfg.m, cfg.v) if cfg.pp > 1 else None
     if cfg.pp > 1:               # the replay holds the join-node gradients; what the stages did not launch
-        peak = fixed + replay_peak_bytes(actions, chunks, workspace)   # is reduced after the schedule, beside no activation
+        # is reduced after the schedule, beside no activation; a forward replays no layer and brings
+        # nothing back from the host
+        forward = workspace_bytes(summary, replace(cfg, recompute="none"), backward_workspace_bytes(largest), rank.layers,
+                                  param_bytes=per["params"], autocast=autocast, forward_apart=False)
+        peak = fixed + replay_peak_bytes(actions, chunks, workspace, min(forward, workspace))
         workspace = max(max(workspace, alone) + rank_held_bytes(cfg, summary, rank.pp_rank, rank.layers), end)
     else:
         transient = reducer_transient_bytes(local_grads, cfg.data, cfg.zero, DEFAULT_BUCKET_BYTES,

@@ -71,6 +71,11 @@ OFFLOAD = {"dp_offload_optimizer": "dp=2,offload=optimizer",
            "tp_offload_activations_full": "tp=2,offload=optimizer+activations,recompute=full",
            "tp_offload_activations_full_bf16": "tp=2,offload=optimizer+activations,recompute=full",
            "dp_zero3_offload_all_full": "dp=2,zero=3,offload=optimizer+grads+params+activations,recompute=full",
+           # mixed precision reduces through 16-bit send buffers (``reducer_transient_bytes(wire=)``):
+           # ZeRO-3 with micro-batches 20.5% over while they were counted at the summands' fp32 size
+           "dp_zero3_offload_params_micro_batches_bf16": "dp=2,zero=3,offload=optimizer+grads+params,mbs=1",
+           # ZeRO-2's all-gather of the updated rows runs with the optimizer offloaded too
+           "dp_zero2_offload_activations_full_bf16": "dp=2,zero=2,offload=optimizer+activations,recompute=full",
            # the saved activations in files: the host holds the writes in flight and what is read back
            "tp_offload_nvme_activations": "tp=2,offload=optimizer+activations+nvme_activations,recompute=none"}
 # bf16 under torch.autocast over the fp32 model (``runtime/precision.py``): fp32 states, autocast's
