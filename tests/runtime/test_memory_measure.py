@@ -76,6 +76,9 @@ OFFLOAD = {"dp_offload_optimizer": "dp=2,offload=optimizer",
            "dp_zero3_offload_params_micro_batches_bf16": "dp=2,zero=3,offload=optimizer+grads+params,mbs=1",
            # ZeRO-2's all-gather of the updated rows runs with the optimizer offloaded too
            "dp_zero2_offload_activations_full_bf16": "dp=2,zero=2,offload=optimizer+activations,recompute=full",
+           # a pipeline's host holds the micro-batches in flight (every one of the step's before:
+           # the offload's bookkeeping owned the host copies to the step's end, 44% over on rank 1)
+           "pp_offload_activations": "pp=2,offload=optimizer+activations",
            # the saved activations in files: the host holds the writes in flight and what is read back
            "tp_offload_nvme_activations": "tp=2,offload=optimizer+activations+nvme_activations,recompute=none"}
 # bf16 under torch.autocast over the fp32 model (``runtime/precision.py``): fp32 states, autocast's
@@ -229,8 +232,13 @@ def test_offloaded_states_leave_the_device(families, family, rank):
     gone = ["optimizer"] + (["params"] if "params" in FAMILIES[family] else [])
     for c in gone:
         assert getattr(row.measured.category_peaks, c) == getattr(row.predicted.by_category, c) == 0, (family, c)
-    if "activations" in FAMILIES[family]:           # only what the backward brings back, one node at a time
-        assert row.measured.category_peaks.activations < 0.05 * row.measured.peak_bytes, family
+    if "activations" in FAMILIES[family]:           # only what the backward brings back, one node at a time,
+        # and under a pipeline the stage outputs torch's schedule holds, not saved tensors (the first
+        # stage's layer outputs of its micro-batches in flight, the last stage's logits: 7% and 24%
+        # of the peaks; a micro-batch's saved tensors are 64% of them)
+        bound = 0.25 if "pp=" in FAMILIES[family] else 0.05
+        assert row.measured.category_peaks.activations < bound * row.measured.peak_bytes, \
+            (family, rank, row.measured.category_peaks.activations)
     tol = PEAK_TOL if "activations" in FAMILIES[family] else STATE_TOL
     m, p = row.measured.host_peak_bytes, row.predicted.host_bytes
     assert p > 0 and _rel(m, p) <= tol, (family, rank, m, p)
