@@ -65,6 +65,18 @@ def activation_bytes_per_layer(blk: PartCost, summary: AxisSummary, recompute: s
     return blk.saved_bytes
 
 
+def rematerialized_bytes(summary: AxisSummary, cfg: OuterConfig, lps: Optional[float]) -> float:
+    """A layer's activations its backward makes again (``workspace_bytes``): the whole layer where
+    every layer replays, the recomputed regions' under per-operator recompute, else none."""
+    blk = summary.parts["block"]
+    if replays_every_layer(cfg, lps):
+        return blk.saved_bytes
+    if is_per_op(cfg.recompute):
+        rc = rc_of(blk, cfg.recompute)
+        return blk.core_saved_bytes if rc is None else rc.workspace_bytes
+    return 0.0
+
+
 def workspace_bytes(summary: AxisSummary, cfg: OuterConfig, backward_bytes: float, lps: Optional[float] = None, *,
                     param_bytes: int, autocast: bool = False, in_layer: bool = True,
                     forward_apart: bool = False, prefetching: bool = True) -> float:
@@ -89,13 +101,8 @@ def workspace_bytes(summary: AxisSummary, cfg: OuterConfig, backward_bytes: floa
     ``prefetching`` False: the backward of a rank's (or stage's) first layer, the last to run,
     prefetches no next layer: its own gathered copy only."""
     blk = summary.parts["block"]
-    other = 0.0
     every_layer = replays_every_layer(cfg, lps)
-    if in_layer and every_layer:
-        other += blk.saved_bytes
-    elif in_layer and is_per_op(cfg.recompute):
-        rc = rc_of(blk, cfg.recompute)
-        other += blk.core_saved_bytes if rc is None else rc.workspace_bytes
+    other = rematerialized_bytes(summary, cfg, lps) if in_layer else 0.0
     gathered = ZERO3_PREFETCH_LAYERS if prefetching else 1
     if autocast and in_layer and every_layer:
         # the re-materialized layer's replay runs inside the backward, which gathers without

@@ -31,9 +31,10 @@ from autopar.cost.memory import (backward_workspace_bytes, model_state_bytes, re
 from autopar.cost.offload import FP32, chunk_share, offload_memory, optimizer_rows, resident_saved_bytes
 from autopar.cost.schedule_memory import Chunk, activations_only, rank_actions, replay_peak_bytes
 from autopar.cost.split_backward import chunk_held_bytes, is_split, rank_held_bytes
+from autopar.recompute_ops import is_per_op
 from autopar.solver.layer_memory import (activation_bytes_per_layer, forward_gather_bytes, largest_group_numel,
-                                         recast_per_microbatch, replay_landing_bytes, replays_every_layer,
-                                         workspace_bytes)
+                                         recast_per_microbatch, rematerialized_bytes, replay_landing_bytes,
+                                         replays_every_layer, workspace_bytes)
 from autopar.solver.outer_config import OuterConfig
 from autopar.solver.overlap import accumulates_rows, reduces_once_per_step
 from autopar.solver.problem import AxisSummary
@@ -100,12 +101,20 @@ def rank_peak(summary: AxisSummary, cfg: OuterConfig, rank: RankShape, parts: Se
         gradient and the branch's gradient added to it (two layer inputs), and by the time its
         largest op runs backward, the consumer of that output has run its own and freed its saved
         copy: counted among the activations at the boundary, it is given back there (resident
-        activations only). ZeRO-3's gathers beside it, and in a layer its re-materialized
-        activations under recompute (``layer_memory.workspace_bytes``; ``prefetching`` False: the
-        first layer's, whose backward gathers no next layer)."""
+        activations, or a replayed layer's, counted with the workspace). ZeRO-3's gathers beside
+        it, and in a layer its re-materialized activations under recompute
+        (``layer_memory.workspace_bytes``; ``prefetching`` False: the first layer's, whose backward
+        gathers no next layer). A replayed layer brings nothing back from the host but its
+        checkpoint (a layer input): its saved tensors are made again on the device; under
+        autocast its replay's gather landing may come first (``layer_memory.replay_landing_bytes``)."""
         part = summary.parts[name]
         replayed = name == "block" and replays_every_layer(cfg, rank.layers)
-        own = backward_workspace_bytes(part.max_out_bytes) + (0.0 if replayed else back(part.max_out_bytes))
+        brought = 0.0 if replayed else back(part.max_out_bytes)
+        if name == "block" and is_per_op(cfg.recompute):
+            # the widest op's saved input either comes back from the host or is made again by its
+            # region's replay (counted with the layer's re-materialized bytes), never both
+            brought = max(0.0, brought - rematerialized_bytes(summary, cfg, rank.layers))
+        own = backward_workspace_bytes(part.max_out_bytes) + brought
         freed = 0.0
         if name == "block":
             own += 2.0 * summary.layer_input_bytes

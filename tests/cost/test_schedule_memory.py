@@ -100,3 +100,16 @@ def test_stage_output_lives_from_forward_to_backward_or_input_pass():
     split = [("F", 0, 0), ("I", 0, 0), ("F", 0, 1), ("I", 0, 1), ("W", 0, 0), ("W", 0, 1)]
     assert replay_peak_bytes(split, {0: c}) == 12.0
     assert replay_peak_bytes([("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("B", 0, 1)], {0: c}) == 22.0
+
+
+def test_forward_workspace_apart():
+    """A forward is charged ``forward_workspace`` (no replayed layer, nothing brought back from the
+    host), a backward its pieces'. 1F1B's last stage, F0 B0 F1 B1, activations 0 (offloaded),
+    gradients 3, output 2, the backward's pieces' workspace 5, the step's 8 (a replayed layer and
+    a saved tensor brought back, beside a forward before): F1 beside mb0's gradients held
+    3 + 2 + 8 = 13, the backward 2 + 3 + 5 = 10; with the forward's own 1: F1 3 + 2 + 1 = 6,
+    so the backward's 10 is the peak."""
+    c = Chunk(((0.0, 3.0),), output=2.0, workspace=(5.0,))
+    acts = [("F", 0, 0), ("B", 0, 0), ("F", 0, 1), ("B", 0, 1)]
+    assert replay_peak_bytes(acts, {0: c}, workspace=8.0) == 13.0
+    assert replay_peak_bytes(acts, {0: c}, workspace=8.0, forward_workspace=1.0) == 10.0
