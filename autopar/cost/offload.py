@@ -41,8 +41,9 @@ ZeRO >= 1: ``optimizer_rows``), m = optimizer moments (2 Adam/AdamW/LAMB, 1 LARS
     nvme_grads   (with nvme) the gradient buffers (rows x 4) in files: each gradient written as it
                  is taken down (at most a chunk C = 2 B of writes in flight), read back by its chunk
                  in the step: host -= rows x 4, += min(rows x 4, 2 C s / 3) (the stepping and the
-                 next chunk's gradients: a third of a chunk's 3 tensors); nvme += rows x 4; "nvme:io"
-                 += 2 rows x 4 / NVMe Bps (written and read once per step)
+                 next chunk's gradients: a third of a chunk's 3 tensors); nvme += rows x 4;
+                 "nvme:grads" = rows x 4 / NVMe Bps read in the step, + the writes' time beyond
+                 the backward (at least the last bucket's, written once the backward ends)
     nvme_activations  (with activations) the host copies of saved tensors in files: nvme += m x
                  saved bytes per micro-batch (keys of their own per micro-batch of the step); host
                  activations -> min(inflight x saved, what the backward brings back at once + the
@@ -188,8 +189,9 @@ def offload_step_times(classes: Iterable[str], *, rows: float, grad_bytes: float
                        moments: int = 2, overlap_grads: bool = True) -> dict[str, float]:
     """Exposed seconds per step: "host:d2h" (gradients down, against the last backward when
     ``overlap_grads``), "host:h2d" (updated rows up), "cpu:optimizer" (the CPU step, which
-    replaces the device step) and "nvme:io" (state, and with nvme_grads the gradients, read +
-    written; ``nvme_Bps`` per GPU). With
+    replaces the device step), "nvme:io" (state read + written; ``nvme_Bps`` per GPU) and with
+    nvme_grads "nvme:grads" (read in the step; written behind the backward but for the last
+    bucket's). With
     params offload the updated rows are copied into the host rows ("host:copy": read the fp32
     master, write the row, at ``host_Bps``), with nvme_params they stay in the files (neither)."""
     cls = set(classes)
@@ -203,7 +205,13 @@ def offload_step_times(classes: Iterable[str], *, rows: float, grad_bytes: float
             out["host:copy"] = rows * (FP32 + param_bytes) / host_Bps     # master -> the host rows
         out["cpu:optimizer"] = rows * cpu_step_bytes_per_param(moments) / host_Bps
     if "nvme" in cls:
-        out["nvme:io"] = 2 * (nvme_state_bytes(rows, moments) + ("nvme_grads" in cls) * rows * FP32) / nvme_Bps
+        out["nvme:io"] = 2 * nvme_state_bytes(rows, moments) / nvme_Bps
+    if "nvme_grads" in cls:
+        # read back by the step's chunks; written on the store's threads as the backward hands them
+        # down (``runtime/nvme_grads.py``, a chunk in flight at most): hidden behind the backward
+        # but for the last bucket's, which comes down as it ends
+        grads = rows * FP32 / nvme_Bps
+        out["nvme:grads"] = grads + max(min(rows * FP32, bucket_bytes()) / nvme_Bps, _exposed(grads, backward_window_s))
     return out
 
 

@@ -63,6 +63,9 @@ _READ_AHEAD = {("nvme", "params"): "each pass's first gather group's rows (the o
                                    "ahead, runtime/nvme_rows.py)",
                ("nvme", "activations"): "the forward's writes and the backward's first read (the others are "
                                         "read ahead, runtime/nvme_activations.py)"}
+# NVMe writes on the store's threads behind the backward: (axis, kind) -> what is left exposed
+_WRITTEN_BEHIND = {("nvme", "grads"): "the step's reads and the writes past the backward, the last bucket's at "
+                                      "least (the others are written as they come down, runtime/nvme_grads.py)"}
 
 
 def overlapped_cost(comm_s: float, window_s: float, overlapped: bool, slowdown: float) -> float:
@@ -204,6 +207,9 @@ def _upstream(key: str, profile, copies_over: tuple = ()) -> tuple[str, bool]:
         return f"exposed, charged in full: {_CHARGED_IN_FULL[axis, kind]}", True
     if (axis, kind) in _READ_AHEAD:
         return (f"remainder after the reads ahead hide behind the pass's compute: {_READ_AHEAD[axis, kind]} "
+                "(cost/offload.py; hidden part not carried here)"), False
+    if (axis, kind) in _WRITTEN_BEHIND:
+        return (f"remainder after the writes hide behind the backward: {_WRITTEN_BEHIND[axis, kind]} "
                 "(cost/offload.py; hidden part not carried here)"), False
     if axis in ("host", "nvme", "cpu"):
         if copies_over:
