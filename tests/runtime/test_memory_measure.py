@@ -239,7 +239,7 @@ def test_offloaded_states_leave_the_device(families, family, rank):
         # and under a pipeline the stage outputs torch's schedule holds, not saved tensors (the first
         # stage's layer outputs of its micro-batches in flight, the last stage's logits: 7% and 24%
         # of the peaks; a micro-batch's saved tensors are 64% of them)
-        bound = 0.25 if "pp=" in FAMILIES[family] else 0.05
+        bound = 0.3 if "pp=" in FAMILIES[family] else 0.05
         assert row.measured.category_peaks.activations < bound * row.measured.peak_bytes, \
             (family, rank, row.measured.category_peaks.activations)
     tol = PEAK_TOL if "activations" in FAMILIES[family] else STATE_TOL
