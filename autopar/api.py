@@ -75,7 +75,7 @@ class RandomOpsWarning(UserWarning):
 
 
 # what ``ParallelModel.close`` lets go: everything that holds the model's tensors
-_HOLDS_TENSORS = ("store", "optimizer", "reducer", "_model", "_buffers", "_train_graph", "_fused", "_forwards",
+_HOLDS_TENSORS = ("store", "_optimizer", "reducer", "_model", "_buffers", "_train_graph", "_fused", "_forwards",
                   "_made", "_stage_executors", "_modules", "_train", "_pipeline", "offload", "_context",
                   "_recorder", "_checkpoints")
 
@@ -104,7 +104,7 @@ class ParallelModel:
         self.mesh = mesh = parts.mesh
         self.program = parts.program
         self.store = parts.store
-        self.optimizer = parts.optimizer
+        self._optimizer = parts.optimizer
         self.reducer = parts.reducer
         self.device = parts.device
         self._model = parts.model
@@ -246,10 +246,29 @@ class ParallelModel:
                                "example_target= to autoparallelize")
         return self._model
 
+    @property
+    def optimizer(self):
+        """The optimizer (on the host masters with optimizer offload: after an overlapped host step
+        has finished, ``runtime/host_step.py``)."""
+        if "_optimizer" not in self.__dict__:
+            return self.__getattr__("optimizer")          # raises: not built yet, or closed
+        self.settle()
+        return self._optimizer
+
+    def settle(self) -> None:
+        """Wait for the last step's optimizer step where it overlaps the next forward
+        (``autoparallelize(host_step=...)``); every read of the parameters does it for itself."""
+        host = self.offload.optimizer
+        if host is not None:
+            host.wait()
+
     def _step(self, inputs, targets) -> float:
         self.store.zero_grad()
         self.reducer.begin_step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.offload.optimizer is not None:        # an overlapped host step may still run
+            self.offload.optimizer.zero_grad()
+        else:
+            self._optimizer.zero_grad(set_to_none=True)
         inputs = as_tuple(inputs)
         with self.precision.autocast(self.device.type), self.offload.saved_hooks(self.store):
             if self._pipeline is not None:
@@ -267,9 +286,9 @@ class ParallelModel:
         scale = self._grad_scale()
         if self.loss_scaler is None or self._unscaled():
             if host is None:
-                self.optimizer.step()
-            else:
-                host.step(self.optimizer.step)            # on the host; the new rows copied up
+                self._optimizer.step()
+            else:                                         # on the host; the new rows copied up (or
+                host.step(self._optimizer.step)           # started, overlapping the next forward)
         if host is not None:
             host.end_step()
         self.reducer.gather_params()
@@ -286,7 +305,7 @@ class ParallelModel:
         if self.offload.optimizer is not None:
             grads = self.offload.optimizer.grads()
         else:
-            grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+            grads = [p.grad for g in self._optimizer.param_groups for p in g["params"] if p.grad is not None]
         stepped = self.loss_scaler.unscale_(grads)
         self.loss_scaler.update(stepped)
         return stepped
@@ -392,6 +411,7 @@ class ParallelModel:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) parameters under the original module's names (tied names included),
         and its buffers. Collective: every rank must call it."""
+        self.settle()
         sd = self.store.full_dict("param")
         buffers = {k: v.detach().clone() for k, v in self._buffers.items()}
         if self._pipeline is not None:       # each stage holds its own: gather over the pipeline
@@ -446,7 +466,8 @@ class ParallelModel:
         return TrainingState(self.store, self.optimizer, buffers, self.device, self.coordinates.get(PIPELINE, 0))
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
-        """Full gradients of the last step (dp-reduced), by parameter name. Collective."""
+        """Full gradients of the last step (dp-reduced), by parameter name (an overlapped host
+        step only reads them). Collective."""
         grads = self.store.full_dict("grad")
         return grads if self._pipeline is None else self._over_pipeline(grads)
 
@@ -539,7 +560,8 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
                     heartbeat_timeout_s: Optional[float] = 30.0,
                     dtype: Union[str, torch.dtype, None] = None,
                     nvme_dir: Optional[str] = None,
-                    engine: str = "auto") -> ParallelModel:
+                    engine: str = "auto",
+                    host_step: str = "auto") -> ParallelModel:
     """Plan (or take ``plan``) and compile ``model`` for the running world; see the module docstring.
 
     example_inputs / example_target: one GLOBAL batch (shapes fix the plan's batch and sequence).
@@ -583,13 +605,21 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
         per stage (``codegen/emit.py``), "interpreter" the ``GraphExecutor``, "auto" (default) the
         emitted modules where they cover the plan, else the interpreter; ``pm.engine`` and
         ``pm.engine_reason`` say which and why. "emitted" on a plan they do not cover raises.
+    host_step: with the optimizer offloaded, "overlap" runs its host step on a thread, chunk by
+        chunk, while the next step's forward starts (each parameter read waits for its chunk:
+        the same arithmetic, ``runtime/host_step.py``); "sync" steps before ``pm.step`` returns;
+        "auto" (default) overlaps on GPUs where it can (not with ZeRO-1/2 over dp > 1, an NVMe
+        tier, or an optimizer that all-reduces norms), as the planner prices it. "overlap" where
+        it cannot raises, naming why. ``pm.optimizer``, ``pm.full_state_dict()``, checkpoints and
+        ``pm.settle()`` wait for the step.
     record_collectives: log DTensor's collectives into ``pm.collectives`` (a dispatch mode around
         forward and backward: a few microseconds per op; autopar's own reducer/ZeRO collectives are
         always logged).
     """
     with peer_failures("autoparallelize (setup)", timeout_s):
         checked = setup(model, example_inputs, loss_fn, optimizer, cluster, force, plan, seed, timeout_s,
-                        bucket_bytes, model_name, dp_mode, kernels, heartbeat_timeout_s, dtype, nvme_dir, engine)
+                        bucket_bytes, model_name, dp_mode, kernels, heartbeat_timeout_s, dtype, nvme_dir, engine,
+                        host_step)
         return ParallelModel(functools.partial(build, checked), timeout_s=timeout_s,
                              example_target=example_target, record_collectives=record_collectives,
                              resume=resume)

@@ -23,6 +23,7 @@ from autopar.plan import Plan, parse_offload
 from autopar.planning import solve_on_rank0
 from autopar.runtime.buffers import module_buffers
 from autopar.runtime.collectives import CollectiveLog
+from autopar.runtime.host_step import HOST_STEPS
 from autopar.runtime.init import init_rules
 from autopar.runtime.offload import Offload, make_offload
 from autopar.runtime.params import ParamStore
@@ -96,16 +97,19 @@ class Setup:
     dtype: Optional[torch.dtype] = None   # the compute dtype asked for (None: the plan's / the parameters')
     nvme_dir: Optional[str] = None        # where an NVMe-offloading plan keeps its files
     engine: str = "auto"                  # "auto" | "emitted" | "interpreter" (``autopar/engine.py``)
+    host_step: str = "auto"               # "auto" | "overlap" | "sync" (``runtime/host_step.py``)
 
 
 def setup(model, example_inputs, loss_fn, optimizer, cluster, force, plan, seed, timeout_s, bucket_bytes,
            model_name, dp_mode, kernels, heartbeat_timeout_s: Optional[float] = None, dtype=None,
-           nvme_dir: Optional[str] = None, engine: str = "auto") -> Setup:
+           nvme_dir: Optional[str] = None, engine: str = "auto", host_step: str = "auto") -> Setup:
     """Steps 1-2 of the module docstring: check the arguments, join the world, check --force."""
     from autopar.engine import ENGINES
 
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r}: choose one of {', '.join(repr(e) for e in ENGINES)}")
+    if host_step not in HOST_STEPS:
+        raise ValueError(f"host_step={host_step!r}: choose one of {', '.join(repr(h) for h in HOST_STEPS)}")
     if dp_mode not in ("auto", "dtensor"):
         raise ValueError(f"dp_mode={dp_mode!r}: choose 'auto' or 'dtensor'")
     if kernels not in ("auto", "on", "off"):
@@ -124,7 +128,7 @@ def setup(model, example_inputs, loss_fn, optimizer, cluster, force, plan, seed,
     return Setup(model, as_tuple(example_inputs), loss_fn,
                   optimizer or autopar_adamw, cluster, force_, plan,
                   seed, timeout_s, bucket_bytes, model_name, dp_mode, kernels, fused, device_type, device, rank,
-                  world, watchdog, dtype, nvme_dir, engine)
+                  world, watchdog, dtype, nvme_dir, engine, host_step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +220,8 @@ def build(s: Setup, example_target: torch.Tensor) -> Built:
         store = ParamStore.from_module(program.params, mesh, plan_.zero_stage, clog, s.device, model, local_dp,
                                        host_params)
     buffers = module_buffers(model, s.device)
-    offload = make_offload(plan_.offload, store, s.optimizer, s.device, nvme_dir=s.nvme_dir, rank=s.rank)
+    offload = make_offload(plan_.offload, store, s.optimizer, s.device, nvme_dir=s.nvme_dir, rank=s.rank,
+                           host_step=s.host_step)
     opt = offload.optimizer.optimizer if offload.optimizer is not None else s.optimizer(store.optimizer_params())
     if hasattr(opt, "set_shard_groups"):          # per-tensor norms over shards (optim.LAMB)
         opt.set_shard_groups(store.shard_groups())

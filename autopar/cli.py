@@ -122,6 +122,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default="auto", choices=("auto", "emitted", "interpreter"),
                    help="what runs the graph: the emitted fx.GraphModule per stage, the interpreter, or "
                    "(auto, default) the emitted modules where they cover the plan")
+    p.add_argument("--host-step", default="auto", choices=("auto", "overlap", "sync"),
+                   help="with the optimizer offloaded: its CPU step on a thread beside the next step's forward "
+                   "(overlap; each parameter read waits for its chunk), before the step returns (sync), or "
+                   "(auto, default) overlapped on GPUs where nothing communicates beside it")
 
     p = sub.add_parser("sweep", help="plan models at several GPU counts -> DIR/sweep.csv and PNG plots")
     p.add_argument("--models", required=True,
@@ -268,7 +272,7 @@ def cmd_run(args, console: Console) -> int:
                     seq_len=args.seq_len, seed=args.seed, optimizer=args.optimizer, timeout_s=args.timeout,
                     checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                     resume=args.resume, memory=args.memory, dtype=args.dtype, nvme_dir=args.nvme_dir,
-                    engine=args.engine)
+                    engine=args.engine, host_step=args.host_step)
     except RankFailure:
         return 1  # run_command printed every rank's first error lines
     except KeyboardInterrupt:

@@ -44,7 +44,8 @@ def make_optimizer(name: str, params):
 def _train_rank(rank: int, world: int, model: str, steps: int, plan_json: Optional[str], force,
                 batch: Optional[int], seq_len: Optional[int], seed: int, timeout_s: float,
                 optimizer: str, checkpoint: Optional["CheckpointArgs"] = None, memory: bool = False,
-                dtype: Optional[str] = None, nvme_dir: Optional[str] = None, engine: str = "auto") -> dict:
+                dtype: Optional[str] = None, nvme_dir: Optional[str] = None, engine: str = "auto",
+                host_step: str = "auto") -> dict:
     from autopar.api import IdleAxisWarning, autoparallelize
     from autopar.models import build_model
     from autopar.plan import Plan
@@ -58,7 +59,7 @@ def _train_rank(rank: int, world: int, model: str, steps: int, plan_json: Option
                              timeout_s=timeout_s, model_name=model,
                              optimizer=lambda params: make_optimizer(optimizer, params),
                              resume=checkpoint.directory if checkpoint is not None and checkpoint.resume else None,
-                             dtype=dtype, nvme_dir=nvme_dir, engine=engine)
+                             dtype=dtype, nvme_dir=nvme_dir, engine=engine, host_step=host_step)
     measured: list = []
     step = None
     if memory:                    # the last step runs measured (``runtime/memory_measure.py``)
@@ -228,7 +229,7 @@ def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = N
                 timeout_s: float = DEFAULT_RUN_TIMEOUT_S, optimizer: str = "adamw",
                 checkpoint_dir: Optional[str] = None, checkpoint_every: Optional[int] = None,
                 resume: bool = False, memory: bool = False, dtype: Optional[str] = None,
-                nvme_dir: Optional[str] = None, engine: str = "auto") -> dict:
+                nvme_dir: Optional[str] = None, engine: str = "auto", host_step: str = "auto") -> dict:
     """``autopar run MODEL --nproc N --steps K``: train on N CPU ranks (planned by the solver for a
     "cpu" cluster of N, or ``plan_path``), then on one process; print and return the losses.
     ``optimizer``: "adamw", "lamb" or "lars" (``autopar.optim.LAMB`` / ``LARS``, per-tensor norms
@@ -244,7 +245,9 @@ def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = N
     (``runtime/memory_measure.py``). ``dtype`` (``--dtype``): "bf16"/"fp16" plan and run mixed
     precision (``runtime/precision.py``), the reference under ``torch.autocast``. ``nvme_dir``
     (``--nvme-dir``): where a plan that offloads to NVMe keeps its files (removed at the end).
-    ``engine`` (``--engine``): "auto", "emitted" or "interpreter" (``autopar/engine.py``)."""
+    ``engine`` (``--engine``): "auto", "emitted" or "interpreter" (``autopar/engine.py``).
+    ``host_step`` (``--host-step``): "auto", "overlap" or "sync": an offloaded optimizer's CPU step
+    beside the next forward or not (``runtime/host_step.py``)."""
     from autopar.plan import Plan
 
     if optimizer not in OPTIMIZERS:
@@ -253,6 +256,10 @@ def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = N
 
     if engine not in ENGINES:
         raise ValueError(f"--engine {engine!r}: choose one of {', '.join(ENGINES)}")
+    from autopar.runtime.host_step import HOST_STEPS
+
+    if host_step not in HOST_STEPS:
+        raise ValueError(f"--host-step {host_step!r}: choose one of {', '.join(HOST_STEPS)}")
     _check_trainable(model, batch, seq_len)
     checkpoint = _checkpoint_args(checkpoint_dir, checkpoint_every, resume, steps)
     plan_json = Plan.load(plan_path).to_json() if plan_path else None
@@ -268,7 +275,7 @@ def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = N
     try:
         outs = spawn_ranks(_train_rank, nproc, (model, steps, plan_json, force, batch, seq_len, seed,
                                                timeout_s, optimizer, checkpoint, memory, dtype, nvme_dir,
-                                               engine),
+                                               engine, host_step),
                            timeout_s=timeout_s)
     except RankFailure as e:
         print(f"autopar run {model} on {nproc} ranks failed; every rank was stopped.\n" + e.summary(),

@@ -20,6 +20,10 @@ ways on the same batches, one after the other:
                     GPU: the optimizer steps on the CPU, the same in both params ways), each
                     layer's rows copied up a group ahead on the compute stream
     params, side    the same copies on the side stream (``runtime/prefetch.py``)
+    step, sync      the optimizer (and the gradients) in host memory, its CPU step taken before
+                    ``pm.step`` returns (``autoparallelize(host_step="sync")``)
+    step, overlap   the same step on a thread, chunk by chunk, beside the next step's forward
+                    (``runtime/host_step.py``; each parameter read waits for its chunk)
 
 Per way: the median step time of ``--steps`` (after a warm-up step) and its ratio to "none", the
 planner's predicted step and its offload rows (``host:d2h``, ``host:h2d``: exposed seconds; the
@@ -46,11 +50,13 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CLUSTER = ROOT / "benchmarks" / "results" / "calibrate_h200.toml"
 DEFAULT_SPEC = "gpt:hidden=4096,layers=4,heads=32,vocab=8192,seq=2048"
 DRY_SPEC = "gpt:hidden=64,layers=2,heads=4,vocab=256,seq=32"
-# (label, recompute, offload, AUTOPAR_OFFLOAD_STREAM, ZeRO stage)
-WAYS = (("none", "none", "none", "1", 0), ("compute stream", "none", "activations", "0", 0),
-        ("side stream", "none", "activations", "1", 0), ("checkpoints", "full", "activations", "1", 0),
-        ("params, compute", "none", "optimizer+params", "0", 3),
-        ("params, side", "none", "optimizer+params", "1", 3))
+# (label, recompute, offload, AUTOPAR_OFFLOAD_STREAM, ZeRO stage, host_step)
+WAYS = (("none", "none", "none", "1", 0, "auto"), ("compute stream", "none", "activations", "0", 0, "auto"),
+        ("side stream", "none", "activations", "1", 0, "auto"), ("checkpoints", "full", "activations", "1", 0, "auto"),
+        ("params, compute", "none", "optimizer+params", "0", 3, "auto"),
+        ("params, side", "none", "optimizer+params", "1", 3, "auto"),
+        ("step, sync", "none", "optimizer+grads", "1", 0, "sync"),
+        ("step, overlap", "none", "optimizer+grads", "1", 0, "overlap"))
 
 
 def _sync(device) -> None:
@@ -79,7 +85,8 @@ def pinned_bandwidth(device, nbytes: int) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def run_way(b, graph, cluster, args, recompute: str, offload: str, stream: str, zero: int, device) -> dict:
+def run_way(b, graph, cluster, args, recompute: str, offload: str, stream: str, zero: int, host_step: str,
+            device) -> dict:
     import torch
 
     from autopar.api import autoparallelize
@@ -87,12 +94,15 @@ def run_way(b, graph, cluster, args, recompute: str, offload: str, stream: str, 
     from autopar.solver import AUTOPAR_RUNTIME, plan_model
 
     runtime = AUTOPAR_RUNTIME if stream == "1" else dataclasses.replace(AUTOPAR_RUNTIME, host_copy_overlap=())
+    if host_step == "sync":
+        runtime = dataclasses.replace(runtime, host_step_overlap=False)
     force = f"tp=1,pp=1,dp=1,zero={zero},recompute={recompute},mbs={args.batch},offload={offload}"
     plan = plan_model(graph, cluster, global_batch=args.batch, seq_len=args.seq_len, dtype=args.dtype,
                       force=force, runtime=runtime)
     os.environ[STREAM_ENV] = stream
     pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
-                         plan=plan, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3), seed=2, timeout_s=300)
+                         plan=plan, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3), seed=2, timeout_s=300,
+                         host_step=host_step)
     gen = torch.Generator().manual_seed(1)
     batches = [b.make_batch(args.batch, gen) for _ in range(args.steps + 1)]
     losses, times, rest = [], [], 0
@@ -194,7 +204,8 @@ def main(argv=None) -> int:
         print(f"{label:16}{r['step_s'] * 1e3:9.1f}{r['step_s'] / base['step_s']:8.2f}{r['predicted_s'] * 1e3:11.2f}"
               f"{r['predicted_s'] / base['predicted_s']:8.2f}{(r['d2h_s'] + r['h2d_s']) * 1e3:14.2f}"
               f"{r['peak'] / 2**20:10.0f}{(r['peak'] - r['rest']) / 2**20:12.0f}{r['served']:12.0%}{r['recast']:8.0f}")
-    for side, compute in (("side stream", "compute stream"), ("params, side", "params, compute")):
+    for side, compute in (("side stream", "compute stream"), ("params, side", "params, compute"),
+                          ("step, overlap", "step, sync")):
         s_, c_ = rows[side], rows[compute]
         print(f"{side} / {compute}: measured {s_['step_s'] / c_['step_s']:.2f}, "
               f"predicted {s_['predicted_s'] / c_['predicted_s']:.2f}")

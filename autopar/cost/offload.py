@@ -78,10 +78,11 @@ share the host->device direction (one transfer of their sum).
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Iterable, Optional
 
 FP32 = 4                      # bytes of the host's master copy, moments and gradient buffer
 HOST_CHUNKS = 2               # NVMe chunks of optimizer state held in host memory at once
+OVERLAP_CHUNKS = 8            # an overlapped host step's chunks, at least (``runtime/offload.py``)
 
 
 def bucket_bytes() -> int:
@@ -99,7 +100,7 @@ def optimizer_rows(numel: float, data: int, zero: int) -> float:
 
 def chunk_share(tp: int, data: int, zero: int) -> float:
     """The share of a chunk's state a rank holds: the NVMe step's chunks are cut on the whole
-    parameters (``runtime/offload._chunks``: the same cut on every rank), of which a rank steps its
+    parameters (``runtime/host_step.step_chunks``: the same cut on every rank), of which a rank steps its
     tensor-parallel shard (about 1/tp: the largest tensors are split) and under ZeRO its 1/data rows."""
     return 1.0 / tp / (data if zero >= 1 else 1)
 
@@ -158,7 +159,7 @@ def offload_memory(classes: Iterable[str], *, rows: float, params_bytes: float, 
         # a chunk is ``chunk`` bytes of 3 fp32 tensors (Adam's) per parameter of the whole model
         out["host"] += min(state, HOST_CHUNKS * chunk * share * (1 + moments) / 3) - state
     if "nvme_grads" in cls:            # in files: the step's chunks read theirs back (a third of a
-        # chunk's 3 tensors, ``runtime/offload._chunks``), the backward's writes in flight <= a chunk
+        # chunk's 3 tensors, ``runtime/host_step.step_chunks``), the backward's writes in flight <= a chunk
         out["nvme"] += rows * FP32
         out["host"] += min(rows * FP32, HOST_CHUNKS * chunk * share / 3) - rows * FP32
         bwd_grads = min(rows * FP32, chunk)
@@ -186,14 +187,19 @@ def offload_memory(classes: Iterable[str], *, rows: float, params_bytes: float, 
 
 def offload_step_times(classes: Iterable[str], *, rows: float, grad_bytes: float, param_bytes: float,
                        backward_window_s: float, pcie_Bps: float, host_Bps: float, nvme_Bps: float,
-                       moments: int = 2, overlap_grads: bool = True) -> dict[str, float]:
+                       moments: int = 2, overlap_grads: bool = True,
+                       step_overlap: Optional[tuple[float, float]] = None) -> dict[str, float]:
     """Exposed seconds per step: "host:d2h" (gradients down, against the last backward when
     ``overlap_grads``), "host:h2d" (updated rows up), "cpu:optimizer" (the CPU step, which
     replaces the device step), "nvme:io" (state read + written; ``nvme_Bps`` per GPU) and with
     nvme_grads "nvme:grads" (read in the step; written behind the backward but for the last
     bucket's). With
     params offload the updated rows are copied into the host rows ("host:copy": read the fp32
-    master, write the row, at ``host_Bps``), with nvme_params they stay in the files (neither)."""
+    master, write the row, at ``host_Bps``), with nvme_params they stay in the files (neither).
+    ``step_overlap`` = (window, first): the CPU step and the rows' copies after it run chunk by
+    chunk beside the next forward's ``window`` seconds (``runtime/host_step.py``), the first chunk,
+    a ``first`` fraction of both, exposed: S = step + copies costs f S + max(0, (1 - f) S - window),
+    each key its share of it."""
     cls = set(classes)
     out: dict[str, float] = {}
     if "optimizer" in cls:
@@ -212,7 +218,23 @@ def offload_step_times(classes: Iterable[str], *, rows: float, grad_bytes: float
         # but for the last bucket's, which comes down as it ends
         grads = rows * FP32 / nvme_Bps
         out["nvme:grads"] = grads + max(min(rows * FP32, bucket_bytes()) / nvme_Bps, _exposed(grads, backward_window_s))
+    if step_overlap is not None and "optimizer" in cls:
+        window, first = step_overlap
+        keys = [k for k in ("cpu:optimizer", "host:h2d", "host:copy") if k in out]
+        whole = sum(out[k] for k in keys)
+        if whole > 0:
+            exposed = first * whole + _exposed((1 - first) * whole, window)
+            for k in keys:
+                out[k] *= exposed / whole
     return out
+
+
+def overlap_first_chunk(stage_numel: float, moments: int = 2) -> float:
+    """The share of an overlapped host step in its first chunk (``runtime/host_step.
+    overlap_chunk_bytes``: an eighth of the stage's state, at most 2 B of it, cut on the whole
+    parameters: fp32 master + Adam's moments, 3 tensors)."""
+    state = stage_numel * FP32 * (1 + moments)
+    return min(1 / OVERLAP_CHUNKS, 2 * bucket_bytes() / state) if state > 0 else 1.0
 
 
 def offload_microbatch_times(classes: Iterable[str], *, host_params_bytes: float, saved_bytes: float,

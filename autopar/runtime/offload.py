@@ -9,7 +9,9 @@ optimizer (ZeRO-Offload, Ren et al. 2021)  ``HostOptimizer``
     on the CPU. After the reduction each bucket's gradients are copied down as the bucket finishes
     (``GradReducer.on_reduced``: during the backward, the reducer's overlap), the optimizer steps on
     the host, and the updated rows are copied back up into the device parameter (ZeRO 1/2 then
-    all-gather them as without offload).
+    all-gather them as without offload). ``host_step="overlap"`` (on GPUs by default where nothing
+    communicates beside it): the step and the copies up run chunk by chunk on a thread beside the
+    next step's forward (``runtime/host_step.py``).
 grads (with optimizer)
     The device gradients are dropped as soon as they are on the host: bucket by bucket with dp > 1,
     at each parameter's post-accumulate-grad hook with dp == 1 (last micro-batch of the step only:
@@ -57,7 +59,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import weakref
 from typing import Any, Callable, Optional
 
@@ -66,17 +67,19 @@ from torch import nn
 
 from autopar.plan import parse_offload
 from autopar.runtime.copy_stream import Copies, pinned_empty
+from autopar.runtime.host_step import (NVME_CHUNK_BYTES, OverlappedStep, as_now, offload_overlap_refusal,
+                                       overlap_chunk_bytes, step_chunks)
 from autopar.runtime.reshard import Observed, as_saved, dtensor_spec
 
 ACTIVATION_MIN_BYTES = 1024          # smaller saved tensors stay on the device (not worth a copy)
-NVME_CHUNK_BYTES = 2 * 25 * 2 ** 20  # state bytes stepped at once with the nvme tier
 
 
 class HostOptimizer:
     """The optimizer on the host (module docstring). ``optimizer`` is the user's, on the masters."""
 
     def __init__(self, store, factory: Callable, classes: tuple, device: torch.device, *,
-                 nvme_dir: Optional[str] = None, rank: int = 0, chunk_bytes: int = NVME_CHUNK_BYTES) -> None:
+                 nvme_dir: Optional[str] = None, rank: int = 0, chunk_bytes: int = NVME_CHUNK_BYTES,
+                 host_step: str = "auto") -> None:
         self.store, self.device, self.classes = store, device, classes
         self.copies = Copies(device)
         self.frees_grads = "grads" in classes
@@ -110,7 +113,7 @@ class HostOptimizer:
             from autopar.runtime.nvme import NvmeStore
 
             self.nvme = NvmeStore(nvme_dir, rank=rank)
-            self._chunks = _chunks(store.slots, chunk_bytes)
+            self._chunks = step_chunks(store.slots, chunk_bytes)
             self._evicted: set[str] = set()
             self._evict(store.slots)                     # the masters go to the files at once
         self.grad_files = None                           # nvme_grads: runtime/nvme_grads.NvmeGrads
@@ -130,6 +133,14 @@ class HostOptimizer:
             self.rows = NvmeRows(self.nvme, store.slots, device)
             self.rows.release()                          # the masters' files are the rows now
             store.ctx.nvme_rows = self.rows
+        self.overlapped = None                           # host_step "overlap": runtime/host_step.OverlappedStep
+        why = offload_overlap_refusal(classes, store.ctx.zero_stage, store.ctx.dp, self.optimizer)
+        if host_step == "overlap" and why is not None:
+            raise ValueError(f"host_step='overlap': the host step cannot overlap the next forward here: {why}; "
+                             "use host_step='sync' or 'auto' (`autopar run --host-step sync`)")
+        if host_step == "overlap" or (host_step == "auto" and why is None and device.type == "cuda"):
+            self.overlapped = OverlappedStep(step_chunks(store.slots, overlap_chunk_bytes(store.slots)))
+            store.ctx.host_step = self.overlapped
 
     # ---- gradients down ------------------------------------------------------------------------
     def attach(self, reducer) -> None:
@@ -149,6 +160,7 @@ class HostOptimizer:
 
     def take(self, slots) -> None:
         """Copy ``slots``' reduced gradients into their host buffers (once per step)."""
+        self.wait()                              # an overlapped step still on the buffers: done by now
         for s in slots:
             if s.name in self._taken:
                 continue
@@ -180,13 +192,46 @@ class HostOptimizer:
     # ---- step ----------------------------------------------------------------------------------
     def step(self, run: Callable[[], None]) -> None:
         """Run the optimizer step ``run`` on the host (chunk by chunk with NVMe) and copy the
-        updated rows up."""
+        updated rows up; overlapped (``runtime/host_step.py``): started on a thread, chunk by
+        chunk, and returns."""
+        if self.overlapped is not None:
+            self.copies.synchronize()
+            grads = {s.name: s.host.grad for s in self.store.slots}
+            for s in self.store.slots:
+                s.host.grad = None
+            step = as_now(self.optimizer)
+            self.overlapped.start(lambda chunk: self._step_chunk(step, chunk, grads))
+            return
         if self.nvme is None:
             run()
             self._copy_up(self.store.slots)
         else:
             self._step_chunks(run)
         self.copies.synchronize()
+
+    def _step_chunk(self, run: Callable[[], None], chunk, grads: dict) -> None:
+        """One chunk of an overlapped step (on its thread): the optimizer skips the parameters
+        without a gradient, so it steps ``chunk`` alone."""
+        for s in chunk:
+            s.host.grad = grads[s.name]
+        try:     # the rows' copies up on the rank's GPU's default stream, before the reads waiting for them
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+                run()
+                self._copy_up(chunk)
+        finally:
+            for s in chunk:
+                s.host.grad = None
+
+    def zero_grad(self) -> None:
+        """Forget the last step's host gradients (an overlapped step clears each chunk's itself,
+        on its thread)."""
+        if self.overlapped is None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def wait(self) -> None:
+        """An overlapped step, finished (its error raised here)."""
+        if self.overlapped is not None:
+            self.overlapped.wait()
 
     def end_step(self) -> None:
         self._taken.clear()
@@ -205,6 +250,7 @@ class HostOptimizer:
     def reload(self) -> None:
         """The device parameters changed (a checkpoint was loaded, inside ``resident``): refresh
         the masters."""
+        self.wait()
         with torch.no_grad():
             for s in self.store.slots:
                 if s.host.data_ptr() != s.opt_param.data_ptr():
@@ -213,6 +259,7 @@ class HostOptimizer:
     @contextlib.contextmanager
     def resident(self):
         """Masters and optimizer state in host memory inside (a checkpoint's save or load)."""
+        self.wait()
         if self.nvme is None:
             yield
             return
@@ -292,6 +339,7 @@ class HostOptimizer:
     def host_tensors(self) -> list[torch.Tensor]:
         """The host memory this offload owns now (masters, gradient buffers, optimizer state; the
         parameter rows themselves with parameter offload)."""
+        self.wait()
         out = list(self._grad_bufs.values()) + list(self._chunk_grads.values())
         if self.store.ctx.host_params:
             out += [s.local for s in self.store.slots]
@@ -301,24 +349,11 @@ class HostOptimizer:
         return out
 
     def close(self) -> None:
-        if self.nvme is not None:
-            self.nvme.close()
-
-
-def _chunks(slots, chunk_bytes: int) -> list[list]:
-    """Consecutive slots of about ``chunk_bytes`` fp32 master + state (3 tensors: Adam's) each,
-    counted on the whole parameters: the same cut on every rank of the stage (an optimizer that
-    all-reduces norms, ``autopar.optim.LAMB``, then issues the same collectives everywhere)."""
-    out: list[list] = [[]]
-    size = 0
-    for s in slots:
-        n = 3 * 4 * math.prod(s.plan.shape)
-        if out[-1] and size + n > chunk_bytes:
-            out.append([])
-            size = 0
-        out[-1].append(s)
-        size += n
-    return [c for c in out if c]
+        try:
+            self.wait()
+        finally:
+            if self.nvme is not None:
+                self.nvme.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -542,11 +577,13 @@ class Offload:
         return self.activations if self.activations is not None else store.ctx.regather
 
 
-def make_offload(plan_offload: str, store, factory, device: torch.device, *, nvme_dir=None, rank: int = 0) -> Offload:
+def make_offload(plan_offload: str, store, factory, device: torch.device, *, nvme_dir=None, rank: int = 0,
+                 host_step: str = "auto") -> Offload:
     classes = parse_offload(plan_offload)
     out = Offload(classes)
     if "optimizer" in classes:
-        out.optimizer = HostOptimizer(store, factory, classes, device, nvme_dir=nvme_dir, rank=rank)
+        out.optimizer = HostOptimizer(store, factory, classes, device, nvme_dir=nvme_dir, rank=rank,
+                                      host_step=host_step)
     if "activations" in classes:
         storages = lambda: {s.local.untyped_storage().data_ptr() for s in store.slots}   # noqa: E731
         if "nvme_activations" in classes:

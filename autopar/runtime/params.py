@@ -117,6 +117,7 @@ class ParamContext:
     groups: Any = None             # ZeRO-3 with gathers: runtime/prefetch.GroupGathers (gathers by group)
     nvme_rows: Any = None          # offload nvme_params: runtime/nvme_rows.NvmeRows (the rows in files)
     grad_files: Any = None         # offload nvme_grads: runtime/nvme_grads.NvmeGrads (host gradients in files)
+    host_step: Any = None          # an overlapped host step: runtime/host_step.OverlappedStep (reads wait for it)
 
     @property
     def gathers(self) -> bool:
@@ -372,6 +373,8 @@ class ParamStore:
     def use(self, name: str):
         slot = self.by_name[self.aliases.get(name, name)]
         ctx = self.ctx
+        if ctx.host_step is not None:       # its rows stepped on the host (``runtime/host_step.py``)
+            ctx.host_step.ready(slot.name)
         if ctx.gathers and torch.is_grad_enabled() and not _in_backward():
             # a scope whose backward will add to the summand (``_add_summand``). A recompute
             # region's replay runs inside the backward and is not one: non-reentrant checkpoint

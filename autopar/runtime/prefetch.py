@@ -137,6 +137,9 @@ class GroupGathers:
 
     def _issue(self, slots: tuple, async_op: bool) -> _Flight:
         ctx = self.ctx
+        if ctx.host_step is not None:       # the rows read below, stepped on the host (``runtime/host_step.py``)
+            for s in slots:
+                ctx.host_step.ready(s.name)
         if self._copies is not None:
             return _Flight(slots, None, None, uploads={s.name: self._copies.up(stored_rows(s, ctx)) for s in slots})
         send = torch.cat([padded_rows(s, on_device(stored_rows(s, ctx), ctx), ctx.dp) for s in slots])

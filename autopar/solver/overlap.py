@@ -63,6 +63,8 @@ _READ_AHEAD = {("nvme", "params"): "each pass's first gather group's rows (the o
                                    "ahead, runtime/nvme_rows.py)",
                ("nvme", "activations"): "the forward's writes and the backward's first read (the others are "
                                         "read ahead, runtime/nvme_activations.py)"}
+# copies after the CPU step, beside the next forward where it overlaps it: (axis, kind) -> what they are
+_AFTER_STEP = {("host", "h2d"): "the updated rows' copies up", ("host", "copy"): "the masters' copies into the host rows"}
 # NVMe writes on the store's threads behind the backward: (axis, kind) -> what is left exposed
 _WRITTEN_BEHIND = {("nvme", "grads"): "the step's reads and the writes past the backward, the last bucket's at "
                                       "least (the others are written as they come down, runtime/nvme_grads.py)"}
@@ -186,9 +188,14 @@ def _row(per: str, key: str, total: float, window: float, over: bool, reason: st
     return per, key, total, window, over, reason, min(total, window) if over else 0.0
 
 
-def _upstream(key: str, profile, copies_over: tuple = ()) -> tuple[str, bool]:
-    """(why, known) of a collective priced before the step model (its exposed time only)."""
+def _upstream(key: str, profile, copies_over: tuple = (), step_over: bool = False) -> tuple[str, bool]:
+    """(why, known) of a collective priced before the step model (its exposed time only);
+    ``step_over``: the CPU step and the rows' copies after it overlap the next forward."""
     axis, _, kind = key.partition(":")
+    if step_over and (axis, kind) in _AFTER_STEP:
+        return (f"remainder after the CPU step and {_AFTER_STEP[axis, kind]} run chunk by chunk beside the next "
+                "forward, the first chunk exposed (runtime/host_step.py, cost/offload.py; hidden part not "
+                "carried here)"), False
     if axis == "pp":
         return "exposed: pipeline sends/receives wait on the neighbouring stage (not overlapped)", True
     if axis in TENSOR_AXES:
@@ -219,10 +226,12 @@ def _upstream(key: str, profile, copies_over: tuple = ()) -> tuple[str, bool]:
     return "exposed time as priced", False
 
 
-def account(bottleneck, dp_stage, m: int, profile, cluster, data: int = 1) -> tuple[CommOverlap, ...]:
+def account(bottleneck, dp_stage, m: int, profile, cluster, data: int = 1,
+            step_over: bool = False) -> tuple[CommOverlap, ...]:
     """The step's ``CommOverlap`` rows: the slowest rank's per-micro-batch collectives x ``m`` and
     the per-step ones of the rank with the most DP sync (the ranks ``timing.evaluate`` charges);
-    ``data``: the data-parallel ranks (which offload copies overlap)."""
+    ``data``: the data-parallel ranks (which offload copies overlap); ``step_over``: the CPU step
+    overlaps the next forward (``RuntimeProfile.step_overlapped``)."""
     s = cluster.overlap_slowdown
     acc: dict = {}
 
@@ -246,7 +255,8 @@ def account(bottleneck, dp_stage, m: int, profile, cluster, data: int = 1) -> tu
         for key, v in src.items():
             rest = v * scale - covered.get((per, key), 0.0)
             if rest > 1e-12 * max(1.0, v * scale):
-                why, known = _upstream(key, profile, profile.copies_overlapped(cluster, data))
+                why, known = _upstream(key, profile, profile.copies_overlapped(cluster, data),
+                                       step_over and per == STEP)
                 add(key, rest, 0.0, 0.0, rest, 0.0, why, known)
     out = []
     for key in sorted(acc):

@@ -36,6 +36,12 @@ and why (``StepTime.overlap``, the report's "Communication" table).
   offloaded rows up before use). Window: the step's / micro-batch's forward or backward. The
   others, and every copy on a CPU cluster (one memory, synchronous copies), are exposed in full
   (``copies_overlapped``).
+- ``host_step_overlap``: the offloaded optimizer's CPU step and the updated rows' copies up run on a
+  thread while the next step's forward starts, chunk by chunk in forward order, each parameter
+  read waiting for its chunk (autopar's ``runtime/host_step.py``; on GPUs, where the device
+  computes beside the CPU; not beside a collective: ZeRO-1/2's all-gather of the rows over dp > 1,
+  or with an NVMe tier: ``step_overlapped``). Window: the first micro-batch's forward; the first
+  chunk is exposed (``cost/offload.offload_step_times``).
 - ``param_bytes``, ``optimizer_bytes``: the parameters' bytes per element on the device (stored
   and all-gathered) and the optimizer state's per parameter (``for_dtype``).
 - ``grad_bytes``: bytes per gradient element stored; ``grad_reduce_bytes`` (None: the same) the
@@ -90,6 +96,17 @@ class RuntimeProfile:
     first_grad_bucket_bytes: int = 0      # the first bucket's cap (DDP's early start)
     grad_bucket_params: int = 0           # or the cap in parameters: max(this, per_rank x data ranks)
     grad_bucket_params_per_rank: int = 0
+    host_step_overlap: bool = False       # the CPU step beside the next forward (runtime/host_step.py)
+
+    def step_overlapped(self, cluster, classes, zero: int, data: int) -> bool:
+        """Whether the CPU step of a plan offloading ``classes`` overlaps the next forward
+        (``host_step_overlap``): on GPUs, with the optimizer offloaded, no NVMe tier, and no
+        all-gather of the updated rows after the step (ZeRO-1/2 over ``data`` > 1 ranks);
+        ``runtime/host_step.offload_overlap_refusal`` is the runtime's side of it."""
+        from autopar.cost.hardware import device_kind
+
+        return (self.host_step_overlap and device_kind(cluster) == "cuda" and "optimizer" in classes
+                and "nvme" not in classes and not (zero in (1, 2) and data > 1))
 
     def copies_overlapped(self, cluster, data: int = 1) -> tuple[str, ...]:
         """``host_copy_overlap`` on ``cluster`` with ``data`` data-parallel ranks: none on CPU ranks
@@ -144,11 +161,12 @@ def for_dtype(profile: RuntimeProfile, dtype: str, param_dtype: str = "float32")
 # there too (``runtime/prefetch.py``); the updated rows, and with dp > 1 the offloaded rows, go up on
 # the compute stream (exposed); 16-bit plans run under torch.autocast over fp32 parameters (``autocast``: ``for_dtype``
 # gives the state layout); gradients pass through the reducer's
-# buffers (``grad_passes``), buckets of 25 MiB, the first of 1 MiB (``codegen/buckets.py``).
+# buffers (``grad_passes``), buckets of 25 MiB, the first of 1 MiB (``codegen/buckets.py``); an
+# offloaded optimizer's CPU step runs beside the next forward on GPUs (``host_step_overlap``).
 AUTOPAR_RUNTIME = RuntimeProfile(
     name="autopar", tp_overlap_kinds=(), grad_reduce_overlap=True, param_gather_overlap=False,
     grad_bytes=2, zero3_prefetch=True, autocast=True, grad_passes=True,
-    host_copy_overlap=("grads", "activations", "params"),
+    host_copy_overlap=("grads", "activations", "params"), host_step_overlap=True,
     grad_bucket_bytes=DEFAULT_BUCKET_BYTES, first_grad_bucket_bytes=DEFAULT_FIRST_BUCKET_BYTES)
 
 # Megatron-Core with --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap (the flags of

@@ -496,6 +496,9 @@ def _build_plan(s: _Searcher, ev: Evaluation, sol: AxisSolution, seq_len, solve_
     if s.offload_pass:
         notes.append(f"offload {cfg.offload}: no configuration fits the GPUs without offload, so each one's "
                      "offload variants were searched (the fastest that fits the GPU, host and NVMe budgets)")
+    if s.profile.step_overlapped(s.cluster, cfg.classes, cfg.zero, cfg.data):
+        notes.append(f"optimizer step (CPU, offloaded): {full.step.optimizer_s:.4g} s exposed, the rest runs chunk by "
+                     "chunk beside the next step's forward (runtime/host_step.py; autoparallelize(host_step=...))")
     if s.facts.unknown_targets:
         notes.append("no sharding rule (replicated): " + ", ".join(s.facts.unknown_targets))
     strided = [x.key for x in strategies if x.name == "strided"]

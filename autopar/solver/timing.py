@@ -70,7 +70,8 @@ from autopar.cost.memory import (backward_workspace_bytes, model_state_bytes, pi
                                  reducer_transient_bytes)
 from autopar.cost.split_backward import rank_held_affine, rank_held_bytes, rank_split_times
 from autopar.cost.offload import (FP32, bucket_bytes, chunk_share, offload_memory, offload_microbatch_times,
-                                  offload_step_times, optimizer_rows, resident_saved_bytes)
+                                  offload_step_times, optimizer_rows, overlap_first_chunk,
+                                  resident_saved_bytes)
 from autopar.plan import V_SCHEDULES, MemoryUse, StepTime
 from autopar.solver.balance import balance
 from autopar.solver.grad_buckets import GradPiece
@@ -381,7 +382,8 @@ def evaluate(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profi
                     comm_s=tuple(sorted(comm_total.items())), bubble_s=bubble_s,
                     optimizer_s=opt_s, total_s=total, host_s=host_s)
     if all_stages:           # the plan's evaluation: how much of each collective is hidden, and why
-        step = replace(step, overlap=overlap_account(bottleneck, dp_stage, cfg.m, profile, cluster, cfg.data))
+        over = profile.step_overlapped(cluster, cfg.classes, cfg.zero, cfg.data)
+        step = replace(step, overlap=overlap_account(bottleneck, dp_stage, cfg.m, profile, cluster, cfg.data, over))
     heaviest = max(stages, key=lambda st: st.memory.total_bytes).memory
     if summary.is_lower_bound and p > 1:
         heaviest = memory_lower_bound(summary, cfg, profile, affine)
@@ -463,7 +465,9 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
         step = offload_step_times(cls, rows=optimizer_rows(numel, cfg.data, cfg.zero), grad_bytes=profile.grad_bytes,
                                   param_bytes=profile.param_bytes, backward_window_s=win_b, pcie_Bps=cluster.pcie_Bps,
                                   host_Bps=cluster.host_Bps, nvme_Bps=cluster.nvme_Bps / cluster.gpus_per_node,
-                                  moments=MOMENTS, overlap_grads="grads" in copies_over)
+                                  moments=MOMENTS, overlap_grads="grads" in copies_over,
+                                  step_overlap=(win_f, overlap_first_chunk(numel * cfg.tp, MOMENTS))
+                                  if profile.step_overlapped(cluster, cls, cfg.zero, cfg.data) else None)
         opt = step.pop("cpu:optimizer")
         _merge(dp_sync, step, 1.0)
     inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)

@@ -5,7 +5,8 @@ from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES
 from autopar.cost.cluster_file import cluster_from_dict, cluster_to_toml
 from autopar.cost.hardware import make_cluster
 from autopar.cost.offload import (bucket_bytes, chunk_share, cpu_step_bytes_per_param, host_optimizer_bytes,
-                                  nvme_state_bytes, offload_memory, offload_microbatch_times, offload_step_times, optimizer_rows)
+                                  nvme_state_bytes, offload_memory, offload_microbatch_times, offload_step_times, optimizer_rows,
+                                  overlap_first_chunk)
 
 B = DEFAULT_BUCKET_BYTES                      # 25 MiB = 26,214,400
 
@@ -75,7 +76,7 @@ def test_memory_by_class():
 
 
 def test_nvme_chunks_are_cut_on_the_whole_parameters():
-    # the step's chunks hold C = 2 B of state of the whole model (``runtime/offload._chunks``): a rank
+    # the step's chunks hold C = 2 B of state of the whole model (``runtime/host_step.step_chunks``): a rank
     # of dp = 2 under ZeRO steps half of each; of tp = 2 x dp = 4, an eighth
     assert chunk_share(1, 2, 3) == 0.5 and chunk_share(2, 4, 1) == 0.125 and chunk_share(1, 4, 0) == 1.0
     # host = 16e9 - 12e9 of state + 2 chunks x 52,428,800 x 1/2 (Adam: the chunk's 3 tensors are its state)
@@ -115,6 +116,41 @@ def test_step_times():
     assert long["nvme:grads"] == pytest.approx(1 + 25 * 2**20 / 4e9)
     t = offload_step_times(("optimizer", "params"), **{**kw, "param_bytes": 4})    # fp32 rows: the masters
     assert "host:h2d" not in t and "host:copy" not in t
+
+
+def test_step_overlapping_the_next_forward():
+    # rows 1e9: CPU step 1.4 s + rows up 0.2 s = 1.6 s (``test_step_times``); the first chunk, an
+    # eighth, exposed (0.2 s), the other 1.4 s beside a 1.0 s forward: 0.4 s -> 0.6 s of 1.6, each key
+    # 3/8 of its own: 1.4 x 0.375 = 0.525, 0.2 x 0.375 = 0.075
+    kw = dict(rows=1e9, grad_bytes=2, param_bytes=2, backward_window_s=0.15, pcie_Bps=10e9, host_Bps=20e9, nvme_Bps=4e9)
+    t = offload_step_times(("optimizer",), **kw, step_overlap=(1.0, 1 / 8))
+    assert t["cpu:optimizer"] == pytest.approx(0.525) and t["host:h2d"] == pytest.approx(0.075)
+    assert t["host:d2h"] == pytest.approx(0.05)                     # the gradients' copies: unchanged
+    # a 2 s forward hides all but the first chunk: 0.2 s of 1.6 (1.4 / 8 and 0.2 / 8)
+    t = offload_step_times(("optimizer",), **kw, step_overlap=(2.0, 1 / 8))
+    assert t["cpu:optimizer"] == pytest.approx(0.175) and t["host:h2d"] == pytest.approx(0.025)
+    # params offload with 16-bit rows: the master -> row copies (0.3 s) go with the step: 1.7 s, 1.7 / 8
+    # exposed + (1.7 x 7/8 - 1.0) = 0.2125 + 0.4875 = 0.7 s
+    t = offload_step_times(("optimizer", "params"), **kw, step_overlap=(1.0, 1 / 8))
+    assert t["cpu:optimizer"] + t["host:copy"] == pytest.approx(0.7) and "host:h2d" not in t
+    # the first chunk: an eighth of the state, at most 2 buckets of it (50 MiB): a 10e9-parameter
+    # stage's 12 x 10e9 = 120 GB -> 52,428,800 / 120e9 = 4.37e-4; 1e6 parameters -> 1/8
+    assert overlap_first_chunk(10e9) == pytest.approx(2 * B / 120e9)
+    assert overlap_first_chunk(1e6) == pytest.approx(1 / 8)
+
+
+def test_autopar_runtime_steps_the_offloaded_optimizer_beside_the_next_forward_where_nothing_communicates():
+    """``runtime/host_step.py``: on GPUs, not beside ZeRO-1/2's all-gather of the updated rows over
+    dp > 1, not with an NVMe tier; Megatron's runtime has no offload."""
+    from autopar.solver.runtime_profile import AUTOPAR_RUNTIME, MEGATRON_RUNTIME
+
+    gpu, cpu = make_cluster("h100", 1), make_cluster("cpu", 1)
+    over = AUTOPAR_RUNTIME.step_overlapped
+    assert over(gpu, ("optimizer",), 0, 8) and over(gpu, ("optimizer", "params"), 3, 8)
+    assert over(gpu, ("optimizer",), 1, 1) and over(gpu, ("optimizer", "grads"), 2, 1)
+    assert not over(gpu, ("optimizer",), 1, 2) and not over(gpu, ("optimizer",), 2, 8)
+    assert not over(gpu, ("optimizer", "nvme"), 0, 1) and not over(gpu, ("activations",), 0, 1)
+    assert not over(cpu, ("optimizer",), 0, 1) and not MEGATRON_RUNTIME.step_overlapped(gpu, ("optimizer",), 0, 1)
 
 
 def test_nvme_params_reads_per_micro_batch():

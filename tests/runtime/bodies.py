@@ -46,6 +46,25 @@ def sgd(params):
     return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
 
 
+class _SlowSGD(torch.optim.SGD):
+    """``sgd`` whose every step call takes ``pause_s`` more (an overlapped host step's chunks,
+    ``runtime/host_step.py``, then outlast the start of the next forward on any machine) and,
+    with ``fail_at``, raises at that call."""
+
+    def __init__(self, params, pause_s: float, fail_at: int = 0) -> None:
+        super().__init__(params, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+        self.pause_s, self.fail_at, self.calls = pause_s, fail_at, 0
+
+    def step(self, closure=None):
+        import time
+
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError(f"test optimizer: failing at call {self.calls}")
+        time.sleep(self.pause_s)
+        return super().step(closure)
+
+
 LLAMA_TINY = "llama:hidden=64,layers=2,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16"
 
 
@@ -86,20 +105,34 @@ def train_job(rank: int, world: int, job: dict) -> dict:
 
     b = build(job.get("meta", False), job.get("spec", "gpt-tiny"))
     data = batches(b)
-    kwargs = {k: job[k] for k in ("bucket_bytes", "dp_mode", "nvme_dir", "engine") if k in job}
+    kwargs = {k: job[k] for k in ("bucket_bytes", "dp_mode", "nvme_dir", "engine", "host_step") if k in job}
+    opt = sgd if "pause_s" not in job else functools.partial(_SlowSGD, pause_s=job["pause_s"],
+                                                             fail_at=job.get("fail_at", 0))
     try:
         pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
-                             optimizer=sgd, plan=Plan.from_json(job["plan"]), seed=job.get("seed", 0),
+                             optimizer=opt, plan=Plan.from_json(job["plan"]), seed=job.get("seed", 0),
                              timeout_s=job.get("timeout_s", 30), **kwargs)
     except Exception as e:  # the test inspects what every rank raised
         if not job.get("expect_error"):
             raise
         return {"error": f"{type(e).__name__}: {e}"}
     pm.reset_collectives()
+    # job["scheduler"]: the learning rate halved after each step, as a user's scheduler does it
+    sched = torch.optim.lr_scheduler.StepLR(pm.optimizer, 1, gamma=0.5) if job.get("scheduler") else None
     losses, grads = [], []
     for x, y in data[:STEPS]:
-        losses.append(pm.step(x, y))
+        try:
+            losses.append(pm.step(x, y))
+            if sched is not None:
+                sched.step()
+        except Exception as e:  # a test of a failing step inspects what every rank raised
+            if not job.get("expect_step_error"):
+                raise
+            pm.close()
+            return {"error": f"{type(e).__name__}: {e}", "steps": len(losses)}
         grads.append(pm.full_grad_dict())       # gathers outside the recorder: not in ``issued``
+    host = pm.offload.optimizer.overlapped if pm.offload.optimizer is not None else None
+    overlap = (host.behind, host.waited) if host is not None else None
     issued = [c.key() for c in pm.collectives]
     sd = pm.full_state_dict()
     out = pm(data[STEPS][0]) if job.get("forward") else None
@@ -115,7 +148,7 @@ def train_job(rank: int, world: int, job: dict) -> dict:
            "held_bytes": sum(s.local.untyped_storage().nbytes() for s in pm.store.slots),
            "grads_written": pm.store.ctx.grad_files.written if pm.store.ctx.grad_files is not None else 0,
            "opt_rows": sum(s.opt_param.numel() for s in pm.store.slots),
-           "acts_nvme": _acts_nvme(pm.offload.activations)}
+           "acts_nvme": _acts_nvme(pm.offload.activations), "overlap": overlap}
     pm.close()
     if rank == 0:
         res.update(sd=sd, grads=grads, out=out)

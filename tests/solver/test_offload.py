@@ -207,3 +207,27 @@ def test_offload_variants_without_an_nvme_budget_have_no_nvme_tier():
     assert len(host) == 9 and not any("nvme" in c.offload for c in host)
     assert {c.offload for c in host} <= {c.offload for c in every}
 
+
+
+def test_the_cpu_step_is_priced_beside_the_next_forward_where_the_runtime_overlaps_it():
+    """``runtime/host_step.py``: on GPUs autopar's runtime steps the offloaded optimizer chunk by
+    chunk while the next forward runs, unless a collective follows the step (ZeRO-1/2 over dp > 1);
+    the planner charges the first chunk and what the first micro-batch's forward does not cover."""
+    from autopar.solver import AUTOPAR_RUNTIME
+
+    g, _ = traced(SMALL)
+    kw = dict(global_batch=64, seq_len=1024)
+    cluster = make_cluster("a100-80g", 1)
+    sync = replace(AUTOPAR_RUNTIME, host_step_overlap=False)
+    for force, overlaps in (("dp=8,zero=0,offload=optimizer+grads", True), ("dp=8,zero=3,offload=optimizer", True),
+                            ("dp=8,zero=1,offload=optimizer", False)):
+        over = plan_model(g, cluster, force=force, **kw)
+        after = plan_model(g, cluster, force=force, runtime=sync, **kw)
+        if overlaps:
+            assert over.step_time.optimizer_s < after.step_time.optimizer_s, force
+        else:
+            assert over.step_time == after.step_time, force
+        assert over.step_time.total_s - after.step_time.total_s == pytest.approx(
+            over.step_time.optimizer_s - after.step_time.optimizer_s
+            + sum(dict(over.step_time.comm_s).values()) - sum(dict(after.step_time.comm_s).values()), abs=1e-9)
+        assert any("beside the next step's forward" in n for n in over.notes) == overlaps, force
