@@ -175,7 +175,7 @@ class HostOptimizer:
                 self.grad_files.put(s.name, buf)
             else:
                 s.host_grad = buf
-            if self.nvme is None:                # NVMe: set per chunk, once the master is read back
+            if self.nvme is None and self.overlapped is None:   # else set per chunk (once the master is read back)
                 s.host.grad = buf
             self._taken.add(s.name)
             s.reduced = None
@@ -196,9 +196,7 @@ class HostOptimizer:
         chunk, and returns."""
         if self.overlapped is not None:
             self.copies.synchronize()
-            grads = {s.name: s.host.grad for s in self.store.slots}
-            for s in self.store.slots:
-                s.host.grad = None
+            grads = {s.name: s.host_grad if s.name in self._taken else None for s in self.store.slots}
             step = as_now(self.optimizer)
             self.overlapped.start(lambda chunk: self._step_chunk(step, chunk, grads))
             return
