@@ -3,6 +3,8 @@
 Runs only where CUDA is available (``pytest -m gpu``); needs no solver (the plan is written here)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 
@@ -51,14 +53,15 @@ def test_one_gpu_meta_model_matches_eager():
         assert (sd[name] - p.detach()).abs().max().item() <= 1e-4, name
 
 
-def _peak_and_state(plan, graph, b, steps: int = 3):
+def _peak_and_state(plan, graph, b, steps: int = 3, overlapped: Optional[list] = None, **kw):
     """Train ``plan`` on one GPU with SGD (linear in the gradients: the offloaded host step is the
-    same fp32 arithmetic); the allocator's peak over the last step and the final parameters."""
+    same fp32 arithmetic); the allocator's peak over the last step and the final parameters.
+    ``overlapped``: gets the chunks an overlapped host step had left when ``pm.step`` returned."""
     from autopar.api import autoparallelize
     from bodies import sgd
 
     pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
-                         plan=plan, optimizer=sgd, seed=2, timeout_s=60)
+                         plan=plan, optimizer=sgd, seed=2, timeout_s=60, **kw)
     gen = torch.Generator().manual_seed(1)
     losses = []
     for i in range(steps):
@@ -68,6 +71,8 @@ def _peak_and_state(plan, graph, b, steps: int = 3):
         x, y = b.make_batch(4, gen)
         losses.append(pm.step(x, y))
     peak = torch.cuda.max_memory_allocated()
+    if overlapped is not None and pm.offload.optimizer.overlapped is not None:
+        overlapped.append(pm.offload.optimizer.overlapped.behind)
     sd = pm.full_state_dict()
     pm.close()
     return peak, losses, sd
@@ -91,6 +96,29 @@ def test_one_gpu_offload_trains_the_same_with_less_device_memory():
     for k, v in plain[2].items():
         assert torch.allclose(off[2][k], v, rtol=0, atol=1e-6), k
     assert off[0] < plain[0], (off[0], plain[0])
+
+
+def test_one_gpu_host_step_beside_the_next_forward_is_the_step_at_once():
+    """The offloaded optimizer's CPU step on its thread beside the next forward
+    (``runtime/host_step.py``, the default on GPUs): the rows' copies up on the default stream
+    before the compute that reads them; the same losses and parameters, bit for bit, as the step
+    taken before ``pm.step`` returns."""
+    import dataclasses
+
+    from autopar.models import build_model
+    from autopar.trace import trace_model
+
+    b = build_model("gpt-tiny", device="meta", batch=4)
+    graph = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target)
+    for zero, offload in ((0, "optimizer+grads"), (3, "optimizer+grads+params")):
+        plan = dataclasses.replace(_one_gpu_plan(graph), recompute="none", zero_stage=zero, offload=offload)
+        behind: list = []
+        over = _peak_and_state(plan, graph, b, steps=4, overlapped=behind)
+        sync = _peak_and_state(plan, graph, b, steps=4, host_step="sync")
+        assert behind and behind[0] > 0, (offload, behind)              # "auto" overlapped on the GPU
+        assert over[1] == sync[1], offload
+        for k, v in sync[2].items():
+            assert torch.equal(over[2][k], v), (offload, k)
 
 
 def test_one_gpu_activation_copies_on_the_side_stream_are_exact_and_prefetched(monkeypatch):
