@@ -25,13 +25,19 @@ CASES = {              # name: (hand_plan kwargs, offload)
     "dp_zero3_params_micro_batches": (dict(dp=2, tp=1, zero=3, mbs=1), "optimizer+grads+params"),
     # one dp rank: the rows copied up a group ahead on the side stream's path
     "tp_sp_params_activations": (dict(dp=1, tp=2, family="megatron_sp"), "optimizer+grads+params+activations"),
+    # ZeRO-3's rows on the device, stepped on the host and copied up before each gather
+    "dp_zero3_optimizer": (dict(dp=2, tp=1, zero=3), "optimizer+grads"),
+    # each stage's optimizer on its own rank, its forward waiting while the other stage's runs
+    "pp_optimizer_activations": (dict(dp=1, tp=1, pp=2, mbs=1), "optimizer+activations"),
 }
 
 
 def _jobs(graph):
+    from test_offload_runtime import _collapsed
+
     jobs = []
     for name, (kw, offload) in CASES.items():
-        plan = hand_plan(graph, **kw)
+        plan = hand_plan(_collapsed(graph.batch_size) if kw.get("pp", 1) > 1 else graph, **kw)
         plan = dataclasses.replace(plan, offload=offload, zero_stage=3 if "params" in offload else plan.zero_stage)
         for mode in ("overlap", "sync"):
             jobs.append({"plan": plan.to_json(), "name": f"{name}/{mode}", "host_step": mode, "pause_s": PAUSE_S})
@@ -83,7 +89,8 @@ def test_overlapped_host_step_trains_as_the_step_at_once():
             behind, waited = a["overlap"]
             # two steps overlapped the next forward (the third is waited for by full_state_dict):
             # chunks were left to step when pm.step returned, and parameter reads waited for them
-            assert behind >= 2 and waited >= 2, (name, r, behind, waited)
+            # (not on a pipeline's last stage, whose step ends while it waits for the first's sends)
+            assert behind >= 2 and (waited >= 2 or (name.startswith("pp") and r == 1)), (name, r, behind, waited)
         sd_a, sd_b = results[0][over]["sd"], results[0][sync]["sd"]
         assert all((sd_a[k] == sd_b[k]).all() for k in sd_b), name
     assert not bad, "\n".join(bad)
