@@ -255,6 +255,13 @@ class ParallelModel:
         self.settle()
         return self._optimizer
 
+    @property
+    def host_step(self) -> Optional[str]:
+        """How the offloaded optimizer's host step runs: "overlap" (beside the next forward,
+        ``runtime/host_step.py``), "sync", or None without optimizer offload."""
+        host = self.offload.optimizer
+        return None if host is None else ("overlap" if host.overlapped is not None else "sync")
+
     def settle(self) -> None:
         """Wait for the last step's optimizer step where it overlaps the next forward
         (``autoparallelize(host_step=...)``); every read of the parameters does it for itself."""

@@ -133,6 +133,7 @@ def train_job(rank: int, world: int, job: dict) -> dict:
         grads.append(pm.full_grad_dict())       # gathers outside the recorder: not in ``issued``
     host = pm.offload.optimizer.overlapped if pm.offload.optimizer is not None else None
     overlap = (host.behind, host.waited) if host is not None else None
+    assert pm.host_step == (None if pm.offload.optimizer is None else "overlap" if host is not None else "sync")
     issued = [c.key() for c in pm.collectives]
     sd = pm.full_state_dict()
     out = pm(data[STEPS][0]) if job.get("forward") else None
