@@ -51,7 +51,7 @@ def memory_constraints(tab: AxisTables, cfg: OuterConfig, unconstrained: Evaluat
                     mult = 1 if (part == "pre" and first) or (part == "post" and last) else 0
                     if mult and cfg.pp > 1 and k in tab.facts.loss_inputs and not act_off:
                         # ``layer_memory.held_loss_input_bytes`` (offloading activations: in ``const``)
-                        held = last_stage_outputs_held(cfg)
+                        held = last_stage_outputs_held(cfg) * tab.wire_factor(k)
                         coeffs.append(tuple(c.saved_bytes * inflight + c.out_bytes * held for c in tab.costs[k]))
                         continue
                 coeffs.append(tuple(c.saved_bytes * inflight * mult for c in tab.costs[k]))

@@ -119,6 +119,15 @@ class AxisTables:
     # of one ``build_tables`` cache (the same activation sizes recur on every edge and table)
     reshard_cache: dict = field(default_factory=dict)
 
+    def wire_factor(self, key: str) -> float:
+        """A pipeline's boundary value crosses at its traced dtype (``runtime/pipeline.Wire.send``
+        casts autocast's 16-bit output back; the last stage's output too, which torch's fwd_cache
+        holds for the loss): its bytes there over its bytes in these tables."""
+        traced, here = self.facts.nodes[key].out.dtype, self.metas[key][0].dtype
+        if not self.profile.autocast or traced == here or traced not in DTYPE_BYTES or here not in DTYPE_BYTES:
+            return 1.0
+        return DTYPE_BYTES[traced] / DTYPE_BYTES[here]
+
     def edge_costs(self, e: EdgeSpec) -> list[list[EdgeCost]]:
         key = (e.u, e.v, e.pos, e.wrap)
         if key not in self._edge_cache:
@@ -426,8 +435,9 @@ class AxisSummary:
     objective_s: float                # the ILP objective (whole model, per micro-batch)
     is_lower_bound: bool = False
     shared_param_tensors: float = 0.0  # parameter tensors pre and post share (tied)
-    # local bytes of what the loss reads (``GraphFacts.loss_inputs``): the last pipeline stage's
-    # output, held in torch's fwd_cache until its micro-batch's backward (``layer_memory.held_loss_input_bytes``)
+    # local bytes of what the loss reads (``GraphFacts.loss_inputs``) at its traced dtype
+    # (``AxisTables.wire_factor``): the last pipeline stage's output, held in torch's fwd_cache until
+    # its micro-batch's backward (``layer_memory.held_loss_input_bytes``)
     loss_input_bytes: float = 0.0
 
 
@@ -495,7 +505,7 @@ def summarize(tab: AxisTables, choice: dict) -> AxisSummary:
     if tab.block_out is not None and tab.block_out in choice:
         layer_in = tab.costs[tab.block_out][choice[tab.block_out]].out_bytes
     obj = ilp_problem_objective(tab, choice)
-    loss_in = sum(tab.costs[k][choice[k]].out_bytes for k in tab.facts.loss_inputs if k in choice)
+    loss_in = sum(tab.costs[k][choice[k]].out_bytes * tab.wire_factor(k) for k in tab.facts.loss_inputs if k in choice)
     return AxisSummary(tab.t, tab.sp, tab.mbs, parts, shared["params"], layer_in, count, obj,
                        shared_param_tensors=shared["tensors"], loss_input_bytes=loss_in)
 
@@ -547,7 +557,7 @@ def lower_bound_summary(tab: AxisTables, batch_only: bool = False) -> AxisSummar
     if tab.block_out is not None and tab.block_out in tab.costs:
         layer_in = min(c.out_bytes for c in tab.costs[tab.block_out])
     obj = sum(tab.weight[k] * min(c.total_s for c in tab.costs[k]) for k in tab.keys)
-    loss_in = sum(min(c.out_bytes for c in tab.costs[k]) for k in tab.facts.loss_inputs
+    loss_in = sum(min(c.out_bytes for c in tab.costs[k]) * tab.wire_factor(k) for k in tab.facts.loss_inputs
                   if k in tab.costs and not (batch_only and not tab.facts.batch_dims.get(k)))
     return AxisSummary(tab.t, tab.sp, tab.mbs, parts, shared["params"], layer_in, tab.count, obj, is_lower_bound=True,
                        shared_param_tensors=shared["tensors"], loss_input_bytes=loss_in)

@@ -104,3 +104,20 @@ def test_last_pipeline_stage_holds_the_logits_it_sends_to_the_loss(schedule):
     flat = replace(cfg, pp=1, schedule="1f1b", v=1)
     assert evaluate(summary, flat, cluster, r.profile, r.budget_bytes).memory.activations_bytes == \
         evaluate(replace(summary, loss_input_bytes=0.0), flat, cluster, r.profile, r.budget_bytes).memory.activations_bytes
+
+
+def test_the_last_stage_holds_its_16_bit_logits_at_the_traced_dtype():
+    """Under autocast the head's matmul returns bf16 logits, but a pipeline's boundary value
+    crosses at its traced dtype (``runtime/pipeline.Wire.send`` casts it back to fp32), the last
+    stage's output to the loss too: held at mbs x seq x vocab x 4 bytes, not x 2; a model of
+    16-bit parameters (no autocast) holds them at 2."""
+    vocab, seq, mbs = 128, 16, 2
+    g, _ = traced(f"gpt:hidden=64,layers=4,heads=4,vocab={vocab},seq={seq}", batch=8)
+    cluster = make_cluster("h100", 1, 2)
+    force = f"tp=1,pp=2,mbs={mbs},schedule=1f1b,recompute=none"
+    r = solve(g, cluster, global_batch=8, seq_len=seq, dtype="bfloat16", force=force)
+    assert r.profile.autocast and r.solution.summary.loss_input_bytes == mbs * seq * vocab * 4
+    from autopar.solver import MEGATRON_RUNTIME
+
+    r = solve(g, cluster, global_batch=8, seq_len=seq, dtype="bfloat16", force=force, runtime=MEGATRON_RUNTIME)
+    assert not r.profile.autocast and r.solution.summary.loss_input_bytes == mbs * seq * vocab * 2
