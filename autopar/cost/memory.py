@@ -30,6 +30,8 @@ and gradients that replace activations during the backward rather than adding to
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 from typing import Optional, Sequence
 
 from autopar.plan import PIPELINE_SCHEDULES
@@ -274,7 +276,7 @@ def reducer_piece_transients(summands: Sequence[float], data: int, zero: int, bu
         sizes.append(min(cap, left))
         left -= sizes[-1]
         cap = bucket
-    ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+    ends = list(itertools.accumulate(sizes))            # increasing: found by bisection below
 
     def behind(i: int) -> float:          # bucket i's send buffer in flight (and its output)
         return 0.0 if i < 0 else sizes[i] * (wire if rows_kept else wire + 1.0 / data)
@@ -283,15 +285,16 @@ def reducer_piece_transients(summands: Sequence[float], data: int, zero: int, bu
         return made / data if rows_kept else 0.0
 
     def alive(made: float) -> float:      # the open bucket's summands, the one in flight, the rows out
-        launched = [i for i, e in enumerate(ends) if e <= made + 1e-9]
-        out_to = ends[launched[-1]] if launched else 0.0
-        return made - out_to + behind(launched[-1] if launched else -1) + rows(out_to)
+        last = bisect.bisect_right(ends, made + 1e-9) - 1          # the last bucket launched by then
+        out_to = ends[last] if last >= 0 else 0.0
+        return made - out_to + behind(last) + rows(out_to)
 
     out, done = [], 0.0
     for g in summands:
         start, done = done, done + g
-        spikes = [(1.0 + wire) * sizes[i] + behind(i - 1) + rows(ends[i - 1] if i else 0.0)
-                  for i, e in enumerate(ends[:-1]) if start + 1e-9 < e <= done + 1e-9]
+        # the buckets (but the last) launched during this piece: start < end <= done
+        first, past = bisect.bisect_right(ends, start + 1e-9), min(bisect.bisect_right(ends, done + 1e-9), len(ends) - 1)
+        spikes = [(1.0 + wire) * sizes[i] + behind(i - 1) + rows(ends[i - 1] if i else 0.0) for i in range(first, past)]
         # less the rows the caller counts as made by the pieces before (``step_peak_bytes``' gradients)
         out.append((alive(start + own * g) - rows(start), max(spikes) - rows(start) if spikes else 0.0))
     return out
