@@ -34,6 +34,13 @@ import torch
 from autopar.runtime.copy_stream import pinned_empty
 
 
+def drop_rows(local: torch.Tensor) -> None:
+    """``local``'s storage freed, its shape and dtype kept (what reducers and checks read)."""
+    empty = torch.empty(local.shape, dtype=local.dtype)
+    empty.untyped_storage().resize_(0)
+    local.data = empty
+
+
 class NvmeRows:
     """The rows of ``slots`` read from ``store``'s files (``runtime/nvme.NvmeStore``); module docstring."""
 
@@ -51,10 +58,7 @@ class NvmeRows:
     def release(self) -> None:
         """Drop the stored rows from host memory (the files hold them)."""
         for s in self.slots:
-            shape, dtype = self._shapes[s.name]
-            empty = torch.empty(shape, dtype=dtype)
-            empty.untyped_storage().resize_(0)       # the shape stays (what reducers and checks read)
-            s.local.data = empty
+            drop_rows(s.local)
         self._resident = False
 
     def ahead(self, slots) -> list[torch.Tensor]:
@@ -116,4 +120,4 @@ class NvmeRows:
             self.release()
 
 
-__all__ = ["NvmeRows"]
+__all__ = ["NvmeRows", "drop_rows"]

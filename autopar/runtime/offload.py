@@ -69,6 +69,7 @@ from autopar.plan import parse_offload
 from autopar.runtime.copy_stream import Copies, pinned_empty
 from autopar.runtime.host_step import (NVME_CHUNK_BYTES, OverlappedStep, as_now, offload_overlap_refusal,
                                        overlap_chunk_bytes, step_chunks)
+from autopar.runtime.nvme_rows import NvmeRows, drop_rows
 from autopar.runtime.reshard import Observed, as_saved, dtensor_spec
 
 ACTIVATION_MIN_BYTES = 1024          # smaller saved tensors stay on the device (not worth a copy)
@@ -84,6 +85,22 @@ class HostOptimizer:
         self.copies = Copies(device)
         self.frees_grads = "grads" in classes
         self._grad_bufs: dict[str, torch.Tensor] = {}
+        self.nvme = None
+        self._shapes: dict[str, tuple] = {}              # NVMe: key -> (shape, dtype) of its file
+        self._evicted: set[str] = set()                  # NVMe: the slots whose master and state are in files
+        if "nvme" in classes:
+            if not nvme_dir:
+                raise ValueError("the plan offloads the optimizer state to NVMe: give a directory on a fast "
+                                 "local disk (autoparallelize(..., nvme_dir=DIR) or `autopar run --nvme-dir DIR`)")
+            if "nvme_params" in classes and not store.ctx.host_params:
+                raise ValueError("offload nvme_params keeps ZeRO-3's parameter rows on NVMe: the plan needs params "
+                                 "offload and ZeRO-3 (--force zero=3,offload=optimizer+params+nvme+nvme_params)")
+            from autopar.runtime.nvme import BoundedWrites, NvmeStore
+
+            self.nvme = NvmeStore(nvme_dir, rank=rank)
+            # each master to its file as it is made (nvme_params: its rows dropped then, the file is the
+            # rows): never all in host memory, a chunk's writes in flight at most
+            first_writes = BoundedWrites(self.nvme, chunk_bytes)
         # ZeRO-3's rows in host memory (params offload) are fp32 masters already: the optimizer steps
         # them in place, one copy, none after the step (not with nvme, whose masters leave for files)
         shares_rows = store.ctx.host_params and "nvme" not in classes
@@ -94,6 +111,13 @@ class HostOptimizer:
                 master = pinned_empty(s.opt_param.shape, torch.float32, device)
                 master.copy_(s.opt_param.detach())
             s.host = nn.Parameter(master, requires_grad=True)
+            if self.nvme is not None:
+                first_writes.write(f"{s.name}/master", master)
+                self._shapes[f"{s.name}/master"] = (master.shape, master.dtype)
+                s.host.data = torch.empty(0, dtype=master.dtype)
+                self._evicted.add(s.name)
+                if "nvme_params" in classes:
+                    drop_rows(s.local)
             if "nvme_grads" not in classes:              # else no gradient waits in host memory
                 self._grad_bufs[s.name] = pinned_empty(s.opt_param.shape, torch.float32, device)
         self.optimizer = factory([s.host for s in store.slots])
@@ -103,19 +127,7 @@ class HostOptimizer:
                 "GPUs are NCCL groups that cannot take the host tensors of an offloaded optimizer; use AdamW "
                 "with optimizer offload, or drop offload (--force offload=none)")
         self._taken: set[str] = set()
-        self.nvme = None
-        self._chunks: list[list] = []
-        self._shapes: dict[str, tuple] = {}              # NVMe: key -> (shape, dtype) of its file
-        if "nvme" in classes:
-            if not nvme_dir:
-                raise ValueError("the plan offloads the optimizer state to NVMe: give a directory on a fast "
-                                 "local disk (autoparallelize(..., nvme_dir=DIR) or `autopar run --nvme-dir DIR`)")
-            from autopar.runtime.nvme import NvmeStore
-
-            self.nvme = NvmeStore(nvme_dir, rank=rank)
-            self._chunks = step_chunks(store.slots, chunk_bytes)
-            self._evicted: set[str] = set()
-            self._evict(store.slots)                     # the masters go to the files at once
+        self._chunks: list[list] = step_chunks(store.slots, chunk_bytes) if self.nvme is not None else []
         self.grad_files = None                           # nvme_grads: runtime/nvme_grads.NvmeGrads
         self._chunk_grads: dict[str, torch.Tensor] = {}  # ... the stepping chunks' gradients, read back
         if "nvme_grads" in classes:
@@ -124,15 +136,9 @@ class HostOptimizer:
             self.grad_files = NvmeGrads(self.nvme, device, window=chunk_bytes)
             store.ctx.grad_files = self.grad_files
         self.rows = None                                 # nvme_params: runtime/nvme_rows.NvmeRows
-        if "nvme_params" in classes:
-            if not store.ctx.host_params:
-                raise ValueError("offload nvme_params keeps ZeRO-3's parameter rows on NVMe: the plan needs params "
-                                 "offload and ZeRO-3 (--force zero=3,offload=optimizer+params+nvme+nvme_params)")
-            from autopar.runtime.nvme_rows import NvmeRows
-
-            self.rows = NvmeRows(self.nvme, store.slots, device)
-            self.rows.release()                          # the masters' files are the rows now
-            store.ctx.nvme_rows = self.rows
+        if "nvme_params" in classes:                     # the masters' files are the rows (dropped above)
+            self.rows = store.ctx.nvme_rows = NvmeRows(self.nvme, store.slots, device)
+            self.rows.release()
         self.overlapped = None                           # host_step "overlap": runtime/host_step.OverlappedStep
         why = offload_overlap_refusal(classes, store.ctx.zero_stage, store.ctx.dp, self.optimizer)
         if host_step == "overlap" and why is not None:
@@ -192,8 +198,7 @@ class HostOptimizer:
     # ---- step ----------------------------------------------------------------------------------
     def step(self, run: Callable[[], None]) -> None:
         """Run the optimizer step ``run`` on the host (chunk by chunk with NVMe) and copy the
-        updated rows up; overlapped (``runtime/host_step.py``): started on a thread, chunk by
-        chunk, and returns."""
+        updated rows up; overlapped (``runtime/host_step.py``): started on a thread, and returns."""
         if self.overlapped is not None:
             self.copies.synchronize()
             grads = {s.name: s.host_grad if s.name in self._taken else None for s in self.store.slots}
@@ -208,8 +213,7 @@ class HostOptimizer:
         self.copies.synchronize()
 
     def _step_chunk(self, run: Callable[[], None], chunk, grads: dict) -> None:
-        """One chunk of an overlapped step (on its thread): the optimizer skips the parameters
-        without a gradient, so it steps ``chunk`` alone."""
+        """One chunk of an overlapped step, on its thread (the optimizer skips gradient-less ones)."""
         for s in chunk:
             s.host.grad = grads[s.name]
         try:     # the rows' copies up on the rank's GPU's default stream, before the reads waiting for them
@@ -221,8 +225,7 @@ class HostOptimizer:
                 s.host.grad = None
 
     def zero_grad(self) -> None:
-        """Forget the last step's host gradients (an overlapped step clears each chunk's itself,
-        on its thread)."""
+        """Forget the last step's host gradients (an overlapped step clears each chunk's itself)."""
         if self.overlapped is None:
             self.optimizer.zero_grad(set_to_none=True)
 

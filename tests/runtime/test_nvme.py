@@ -342,3 +342,37 @@ def test_rows_read_ahead_and_dropped_when_the_masters_change(tmp_path):
         got = rows.rows(slot)
         assert torch.equal(got, torch.full((4, 3), 2.0))
         store.wait()
+
+
+def test_masters_stream_to_their_files_as_they_are_made(tmp_path, monkeypatch):
+    """``HostOptimizer`` with the NVMe tier: each master goes to its file as it is made and leaves
+    host memory (with nvme_params the rows it was made from too, the file being the rows): at
+    each write one master is in host memory, not all of them (a 2-3B-parameter run of
+    ``benchmarks/largest_model.py --nvme-gb 40`` was killed for memory while they were all made
+    first), and the rows not reached yet."""
+    from types import SimpleNamespace
+
+    from autopar.runtime.offload import HostOptimizer
+
+    slots = [SimpleNamespace(name=f"w{i}", plan=SimpleNamespace(shape=(64, 8)),
+                             local=torch.nn.Parameter(torch.full((64, 8), float(i)))) for i in range(6)]
+    for s in slots:
+        s.opt_param = s.local
+    ctx = SimpleNamespace(host_params=True, zero_stage=3, dp=1, nvme_rows=None, grad_files=None, host_step=None)
+    seen, real = [], NvmeStore.write
+
+    def write(self, key, t):
+        seen.append((sum(s.host.numel() for s in slots if hasattr(s, "host")),
+                     sum(s.local.untyped_storage().nbytes() for s in slots)))
+        return real(self, key, t)
+
+    monkeypatch.setattr(NvmeStore, "write", write)
+    host = HostOptimizer(SimpleNamespace(slots=slots, ctx=ctx), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                         ("optimizer", "params", "nvme", "nvme_params"), torch.device("cpu"), nvme_dir=str(tmp_path))
+    try:
+        assert [masters for masters, _ in seen] == [64 * 8] * 6
+        assert [rows for _, rows in seen] == [(6 - i) * 64 * 8 * 4 for i in range(6)]
+        assert all(s.host.numel() == 0 and s.local.untyped_storage().nbytes() == 0 for s in slots)
+        assert torch.equal(host.rows.rows(slots[3]), torch.full((64, 8), 3.0))      # the files are the rows
+    finally:
+        host.close()
