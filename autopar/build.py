@@ -23,7 +23,8 @@ from autopar.plan import Plan, parse_offload
 from autopar.planning import solve_on_rank0
 from autopar.runtime.buffers import module_buffers
 from autopar.runtime.collectives import CollectiveLog
-from autopar.runtime.host_step import HOST_STEPS
+from autopar.runtime.host_step import HOST_STEPS, NVME_CHUNK_BYTES
+from autopar.runtime.nvme_rows import RowsToFiles
 from autopar.runtime.init import init_rules
 from autopar.runtime.offload import Offload, make_offload
 from autopar.runtime.params import ParamStore
@@ -212,16 +213,22 @@ def build(s: Setup, example_target: torch.Tensor) -> Built:
         needed = cut.params_of(graph, mine)
         program = dataclasses.replace(program, params=tuple(p for p in program.params if p.name in needed))
     clog = CollectiveLog()
-    host_params = "params" in parse_offload(plan_.offload)
+    classes = parse_offload(plan_.offload)
+    host_params = "params" in classes
+    # ZeRO-Infinity's parameter tier: each rank's rows go to the files as they are made, never all in
+    # host memory (``runtime/nvme_rows.RowsToFiles``)
+    rows_sink = RowsToFiles(s.nvme_dir, s.rank, NVME_CHUNK_BYTES) if (
+        {"optimizer", "nvme", "nvme_params"} <= set(classes) and host_params and plan_.zero_stage == 3 and s.nvme_dir) \
+        else None
     if is_meta(model):
         store = ParamStore.from_init(program.params, mesh, plan_.zero_stage, clog, s.device, model,
-                                     init_rules(model), s.seed, local_dp, host_params)
+                                     init_rules(model), s.seed, local_dp, host_params, sink=rows_sink)
     else:
         store = ParamStore.from_module(program.params, mesh, plan_.zero_stage, clog, s.device, model, local_dp,
-                                       host_params)
+                                       host_params, sink=rows_sink)
     buffers = module_buffers(model, s.device)
     offload = make_offload(plan_.offload, store, s.optimizer, s.device, nvme_dir=s.nvme_dir, rank=s.rank,
-                           host_step=s.host_step)
+                           host_step=s.host_step, rows_in_files=rows_sink)
     opt = offload.optimizer.optimizer if offload.optimizer is not None else s.optimizer(store.optimizer_params())
     if hasattr(opt, "set_shard_groups"):          # per-tensor norms over shards (optim.LAMB)
         opt.set_shard_groups(store.shard_groups())

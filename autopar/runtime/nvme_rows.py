@@ -41,6 +41,26 @@ def drop_rows(local: torch.Tensor) -> None:
     local.data = empty
 
 
+class RowsToFiles:
+    """The rows in the files from the start: ``ParamStore.build`` hands each parameter here as it
+    makes its rows (``sink``), which go to its master's file at once (fp32, as the master is made
+    of them) and leave host memory, at most ``window`` bytes of writes in flight; so a rank's rows
+    are never all in host memory, which the plan does not count them in. ``HostOptimizer`` then
+    takes this tier's store (``store``) and finds the masters of ``written`` in their files."""
+
+    def __init__(self, nvme_dir: str, rank: int, window: int) -> None:
+        from autopar.runtime.nvme import BoundedWrites, NvmeStore
+
+        self.store = NvmeStore(nvme_dir, rank=rank)
+        self._writes = BoundedWrites(self.store, window)
+        self.written: set[str] = set()
+
+    def __call__(self, slot) -> None:
+        self._writes.write(f"{slot.name}/master", slot.local.detach().to(torch.float32).contiguous())
+        drop_rows(slot.local)
+        self.written.add(slot.name)
+
+
 class NvmeRows:
     """The rows of ``slots`` read from ``store``'s files (``runtime/nvme.NvmeStore``); module docstring."""
 
@@ -120,4 +140,4 @@ class NvmeRows:
             self.release()
 
 
-__all__ = ["NvmeRows", "drop_rows"]
+__all__ = ["NvmeRows", "RowsToFiles", "drop_rows"]

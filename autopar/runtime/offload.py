@@ -80,7 +80,7 @@ class HostOptimizer:
 
     def __init__(self, store, factory: Callable, classes: tuple, device: torch.device, *,
                  nvme_dir: Optional[str] = None, rank: int = 0, chunk_bytes: int = NVME_CHUNK_BYTES,
-                 host_step: str = "auto") -> None:
+                 host_step: str = "auto", rows_in_files=None) -> None:
         self.store, self.device, self.classes = store, device, classes
         self.copies = Copies(device)
         self.frees_grads = "grads" in classes
@@ -97,27 +97,29 @@ class HostOptimizer:
                                  "offload and ZeRO-3 (--force zero=3,offload=optimizer+params+nvme+nvme_params)")
             from autopar.runtime.nvme import BoundedWrites, NvmeStore
 
-            self.nvme = NvmeStore(nvme_dir, rank=rank)
-            # each master to its file as it is made (nvme_params: its rows dropped then, the file is the
-            # rows): never all in host memory, a chunk's writes in flight at most
+            # each master to its file as it is made, a chunk in flight (nvme_params: the rows dropped, the
+            # file is the rows; ``nvme_rows.RowsToFiles`` may have written it as the store made them)
+            self.nvme = rows_in_files.store if rows_in_files is not None else NvmeStore(nvme_dir, rank=rank)
             first_writes = BoundedWrites(self.nvme, chunk_bytes)
         # ZeRO-3's rows in host memory (params offload) are fp32 masters already: the optimizer steps
         # them in place, one copy, none after the step (not with nvme, whose masters leave for files)
         shares_rows = store.ctx.host_params and "nvme" not in classes
+        in_files = rows_in_files.written if rows_in_files is not None else set()
         for s in store.slots:
             if shares_rows and s.opt_param.dtype == torch.float32:
                 master = s.opt_param.data
-            else:
+            elif s.name not in in_files:
                 master = pinned_empty(s.opt_param.shape, torch.float32, device)
                 master.copy_(s.opt_param.detach())
-            s.host = nn.Parameter(master, requires_grad=True)
+                if self.nvme is not None:
+                    first_writes.write(f"{s.name}/master", master)
             if self.nvme is not None:
-                first_writes.write(f"{s.name}/master", master)
-                self._shapes[f"{s.name}/master"] = (master.shape, master.dtype)
-                s.host.data = torch.empty(0, dtype=master.dtype)
+                self._shapes[f"{s.name}/master"] = (s.opt_param.shape, torch.float32)
+                master = torch.empty(0)
                 self._evicted.add(s.name)
                 if "nvme_params" in classes:
                     drop_rows(s.local)
+            s.host = nn.Parameter(master, requires_grad=True)
             if "nvme_grads" not in classes:              # else no gradient waits in host memory
                 self._grad_bufs[s.name] = pinned_empty(s.opt_param.shape, torch.float32, device)
         self.optimizer = factory([s.host for s in store.slots])
@@ -135,8 +137,8 @@ class HostOptimizer:
 
             self.grad_files = NvmeGrads(self.nvme, device, window=chunk_bytes)
             store.ctx.grad_files = self.grad_files
-        self.rows = None                                 # nvme_params: runtime/nvme_rows.NvmeRows
-        if "nvme_params" in classes:                     # the masters' files are the rows (dropped above)
+        self.rows = None                                 # nvme_params: the masters' files are the rows
+        if "nvme_params" in classes:
             self.rows = store.ctx.nvme_rows = NvmeRows(self.nvme, store.slots, device)
             self.rows.release()
         self.overlapped = None                           # host_step "overlap": runtime/host_step.OverlappedStep
@@ -579,12 +581,12 @@ class Offload:
 
 
 def make_offload(plan_offload: str, store, factory, device: torch.device, *, nvme_dir=None, rank: int = 0,
-                 host_step: str = "auto") -> Offload:
+                 host_step: str = "auto", rows_in_files=None) -> Offload:
     classes = parse_offload(plan_offload)
     out = Offload(classes)
     if "optimizer" in classes:
         out.optimizer = HostOptimizer(store, factory, classes, device, nvme_dir=nvme_dir, rank=rank,
-                                      host_step=host_step)
+                                      host_step=host_step, rows_in_files=rows_in_files)
     if "activations" in classes:
         storages = lambda: {s.local.untyped_storage().data_ptr() for s in store.slots}   # noqa: E731
         if "nvme_activations" in classes:

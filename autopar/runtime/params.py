@@ -28,7 +28,7 @@ How data parallelism and ZeRO are realized (the design in one place):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -286,10 +286,12 @@ class ParamStore:
     # ---- construction ------------------------------------------------------------------------
     @classmethod
     def build(cls, plans, mesh, zero_stage: int, log: CollectiveLog, device, aliases: dict[str, str],
-              values, local_dp: bool = False, host_params: bool = False) -> "ParamStore":
+              values, local_dp: bool = False, host_params: bool = False,
+              sink: Optional[Callable] = None) -> "ParamStore":
         """``values(plan, row_runs, col_ranges) -> tensor``: rows (runs of [start, end) along dim 0,
         concatenated) and columns of the full tensor (any device). ``host_params`` (ZeRO-3): the
-        rows are kept in host memory (pinned on a GPU) and copied up at each use."""
+        rows are kept in host memory (pinned on a GPU) and copied up at each use. ``sink``: given
+        each slot as it is made (``nvme_rows.RowsToFiles``: its rows to the NVMe tier at once)."""
         if host_params and zero_stage != 3:
             raise ValueError(f"parameter offload needs ZeRO-3 (the plan has zero_stage {zero_stage})")
         di, ti = mesh_axis(mesh, DATA), mesh_axis(mesh, TENSOR)
@@ -337,6 +339,8 @@ class ParamStore:
             else:
                 opt = local
             slots.append(ParamSlot(p, layout, tp_ranges, mine, local, opt))
+            if sink is not None:
+                sink(slots[-1])
         if ctx.gathers:
             from autopar.runtime.prefetch import GroupGathers
 
@@ -346,7 +350,7 @@ class ParamStore:
 
     @classmethod
     def from_module(cls, plans, mesh, zero_stage, log, device, model: nn.Module,
-                    local_dp: bool = False, host_params: bool = False) -> "ParamStore":
+                    local_dp: bool = False, host_params: bool = False, sink: Optional[Callable] = None) -> "ParamStore":
         full = dict(model.named_parameters())
         aliases = _aliases(model)
 
@@ -355,11 +359,12 @@ class ParamStore:
             if not t.dim():
                 return t
             return torch.cat([slice_of(t, ((a, b),) + tuple(cols)) for a, b in runs])
-        return cls.build(plans, mesh, zero_stage, log, device, aliases, values, local_dp, host_params)
+        return cls.build(plans, mesh, zero_stage, log, device, aliases, values, local_dp, host_params, sink)
 
     @classmethod
     def from_init(cls, plans, mesh, zero_stage, log, device, model: nn.Module, rules: dict[str, InitRule],
-                  seed: int, local_dp: bool = False, host_params: bool = False) -> "ParamStore":
+                  seed: int, local_dp: bool = False, host_params: bool = False,
+                  sink: Optional[Callable] = None) -> "ParamStore":
         aliases = _aliases(model)
 
         def values(p: ParamPlan, runs, cols):
@@ -367,7 +372,7 @@ class ParamStore:
                 return generate(p.name, rules[p.name], p.shape, None, seed, dtype=_dtype(p.dtype))
             return torch.cat([generate(p.name, rules[p.name], p.shape, ((a, b),) + tuple(cols), seed,
                                        dtype=_dtype(p.dtype)) for a, b in runs])
-        return cls.build(plans, mesh, zero_stage, log, device, aliases, values, local_dp, host_params)
+        return cls.build(plans, mesh, zero_stage, log, device, aliases, values, local_dp, host_params, sink)
 
     # ---- training ----------------------------------------------------------------------------
     def use(self, name: str):

@@ -361,8 +361,8 @@ def test_masters_stream_to_their_files_as_they_are_made(tmp_path, monkeypatch):
     ctx = SimpleNamespace(host_params=True, zero_stage=3, dp=1, nvme_rows=None, grad_files=None, host_step=None)
     seen, real = [], NvmeStore.write
 
-    def write(self, key, t):
-        seen.append((sum(s.host.numel() for s in slots if hasattr(s, "host")),
+    def write(self, key, t):       # the masters made before this one, still in host memory; this one; the rows
+        seen.append((sum(s.host.numel() for s in slots if hasattr(s, "host")), t.numel(),
                      sum(s.local.untyped_storage().nbytes() for s in slots)))
         return real(self, key, t)
 
@@ -370,9 +370,42 @@ def test_masters_stream_to_their_files_as_they_are_made(tmp_path, monkeypatch):
     host = HostOptimizer(SimpleNamespace(slots=slots, ctx=ctx), lambda ps: torch.optim.SGD(ps, lr=0.1),
                          ("optimizer", "params", "nvme", "nvme_params"), torch.device("cpu"), nvme_dir=str(tmp_path))
     try:
-        assert [masters for masters, _ in seen] == [64 * 8] * 6
-        assert [rows for _, rows in seen] == [(6 - i) * 64 * 8 * 4 for i in range(6)]
+        assert [(before, this) for before, this, _ in seen] == [(0, 64 * 8)] * 6
+        assert [rows for _, _, rows in seen] == [(6 - i) * 64 * 8 * 4 for i in range(6)]
         assert all(s.host.numel() == 0 and s.local.untyped_storage().nbytes() == 0 for s in slots)
         assert torch.equal(host.rows.rows(slots[3]), torch.full((64, 8), 3.0))      # the files are the rows
+    finally:
+        host.close()
+
+
+def test_rows_go_to_the_files_as_the_store_makes_them(tmp_path, monkeypatch):
+    """``RowsToFiles`` (``ParamStore.build``'s sink with nvme_params): each parameter's rows are written
+    as its master's file and dropped as the store makes them, so the rows are never all in host
+    memory either; ``HostOptimizer`` writes no master again and reads them back as made."""
+    from types import SimpleNamespace
+
+    from autopar.runtime.nvme_rows import RowsToFiles
+    from autopar.runtime.offload import HostOptimizer
+
+    sink = RowsToFiles(str(tmp_path), 0, window=1024)
+    slots, held = [], []
+    for i in range(4):                                  # as ParamStore.build makes them, bf16 rows
+        s = SimpleNamespace(name=f"w{i}", plan=SimpleNamespace(shape=(16, 8)),
+                            local=torch.nn.Parameter(torch.full((16, 8), float(i), dtype=torch.bfloat16)))
+        s.opt_param = s.local
+        slots.append(s)
+        sink(s)
+        held.append(sum(x.local.untyped_storage().nbytes() for x in slots))
+    assert held == [0] * 4 and sink.written == {"w0", "w1", "w2", "w3"}
+    writes, real = [], NvmeStore.write
+    monkeypatch.setattr(NvmeStore, "write", lambda self, key, t: writes.append(key) or real(self, key, t))
+    ctx = SimpleNamespace(host_params=True, zero_stage=3, dp=1, nvme_rows=None, grad_files=None, host_step=None)
+    host = HostOptimizer(SimpleNamespace(slots=slots, ctx=ctx), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                         ("optimizer", "params", "nvme", "nvme_params"), torch.device("cpu"), nvme_dir=str(tmp_path),
+                         rows_in_files=sink)
+    try:
+        assert writes == [] and host.nvme is sink.store
+        got = host.rows.rows(slots[2])
+        assert got.dtype == torch.bfloat16 and torch.equal(got, torch.full((16, 8), 2.0, dtype=torch.bfloat16))
     finally:
         host.close()
