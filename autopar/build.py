@@ -23,6 +23,7 @@ from autopar.plan import Plan, parse_offload
 from autopar.planning import solve_on_rank0
 from autopar.runtime.buffers import module_buffers
 from autopar.runtime.collectives import CollectiveLog
+from autopar.runtime.host_memory import give_back_freed_host_memory
 from autopar.runtime.host_step import HOST_STEPS, NVME_CHUNK_BYTES
 from autopar.runtime.nvme_rows import RowsToFiles
 from autopar.runtime.init import init_rules
@@ -214,6 +215,8 @@ def build(s: Setup, example_target: torch.Tensor) -> Built:
         program = dataclasses.replace(program, params=tuple(p for p in program.params if p.name in needed))
     clog = CollectiveLog()
     classes = parse_offload(plan_.offload)
+    if classes:                  # what the plan's host budget holds, freed back (``runtime/host_memory.py``)
+        give_back_freed_host_memory()
     host_params = "params" in classes
     # ZeRO-Infinity's parameter tier: each rank's rows go to the files as they are made, never all in
     # host memory (``runtime/nvme_rows.RowsToFiles``)

@@ -97,12 +97,12 @@ class HostOptimizer:
                                  "offload and ZeRO-3 (--force zero=3,offload=optimizer+params+nvme+nvme_params)")
             from autopar.runtime.nvme import BoundedWrites, NvmeStore
 
-            # each master to its file as it is made, a chunk in flight (nvme_params: the rows dropped, the
-            # file is the rows; ``nvme_rows.RowsToFiles`` may have written it as the store made them)
+            # each master to its file as it is made (nvme_params: the rows dropped, the file is the rows;
+            # ``nvme_rows.RowsToFiles`` may have written it as the store made them); every write, here
+            # and each step's (``_evict``), a chunk in flight at most, not the whole state
             self.nvme = rows_in_files.store if rows_in_files is not None else NvmeStore(nvme_dir, rank=rank)
-            first_writes = BoundedWrites(self.nvme, chunk_bytes)
-        # ZeRO-3's rows in host memory (params offload) are fp32 masters already: the optimizer steps
-        # them in place, one copy, none after the step (not with nvme, whose masters leave for files)
+            self._writes = BoundedWrites(self.nvme, chunk_bytes)
+        # ZeRO-3's fp32 rows on the host (params offload) are the masters, stepped in place (not with nvme)
         shares_rows = store.ctx.host_params and "nvme" not in classes
         in_files = rows_in_files.written if rows_in_files is not None else set()
         for s in store.slots:
@@ -112,7 +112,7 @@ class HostOptimizer:
                 master = pinned_empty(s.opt_param.shape, torch.float32, device)
                 master.copy_(s.opt_param.detach())
                 if self.nvme is not None:
-                    first_writes.write(f"{s.name}/master", master)
+                    self._writes.write(f"{s.name}/master", master)
             if self.nvme is not None:
                 self._shapes[f"{s.name}/master"] = (s.opt_param.shape, torch.float32)
                 master = torch.empty(0)
@@ -285,7 +285,7 @@ class HostOptimizer:
         """Write ``slots``' masters and state to the files and drop them from host memory."""
         for s in slots:
             for key, t in self._tensors(s):
-                self.nvme.write(key, t)
+                self._writes.write(key, t)
                 self._shapes[key] = (t.shape, t.dtype)
             self._set(s, lambda shape, dtype: torch.empty(0, dtype=dtype))
             self._evicted.add(s.name)
