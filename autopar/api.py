@@ -248,8 +248,7 @@ class ParallelModel:
 
     @property
     def optimizer(self):
-        """The optimizer (on the host masters with optimizer offload: after an overlapped host step
-        has finished, ``runtime/host_step.py``)."""
+        """The optimizer (with offload, on the host masters, once an overlapped step has ended)."""
         if "_optimizer" not in self.__dict__:
             return self.__getattr__("optimizer")          # raises: not built yet, or closed
         self.settle()
@@ -257,14 +256,12 @@ class ParallelModel:
 
     @property
     def host_step(self) -> Optional[str]:
-        """How the offloaded optimizer's host step runs: "overlap" (beside the next forward,
-        ``runtime/host_step.py``), "sync", or None without optimizer offload."""
+        """The offloaded optimizer's host step: "overlap", "sync", or None (no optimizer offload)."""
         host = self.offload.optimizer
         return None if host is None else ("overlap" if host.overlapped is not None else "sync")
 
     def settle(self) -> None:
-        """Wait for the last step's optimizer step where it overlaps the next forward
-        (``autoparallelize(host_step=...)``); every read of the parameters does it for itself."""
+        """Wait for an overlapped host step (``runtime/host_step.py``; parameter reads wait for it)."""
         host = self.offload.optimizer
         if host is not None:
             host.wait()
@@ -612,13 +609,10 @@ def autoparallelize(model: nn.Module, example_inputs: Union[torch.Tensor, Sequen
         per stage (``codegen/emit.py``), "interpreter" the ``GraphExecutor``, "auto" (default) the
         emitted modules where they cover the plan, else the interpreter; ``pm.engine`` and
         ``pm.engine_reason`` say which and why. "emitted" on a plan they do not cover raises.
-    host_step: with the optimizer offloaded, "overlap" runs its host step on a thread, chunk by
-        chunk, while the next step's forward starts (each parameter read waits for its chunk:
-        the same arithmetic, ``runtime/host_step.py``); "sync" steps before ``pm.step`` returns;
-        "auto" (default) overlaps on GPUs where it can (not with ZeRO-1/2 over dp > 1, an NVMe
-        tier, or an optimizer that all-reduces norms), as the planner prices it. "overlap" where
-        it cannot raises, naming why. ``pm.optimizer``, ``pm.full_state_dict()``, checkpoints and
-        ``pm.settle()`` wait for the step.
+    host_step: with the optimizer offloaded, "overlap" steps it on a thread, chunk by chunk, beside
+        the next forward (``runtime/host_step.py``: the same arithmetic), "sync" before ``pm.step``
+        returns, "auto" (default) overlaps on GPUs where nothing communicates beside it (as the
+        planner prices it); "overlap" where it cannot raises, naming why.
     record_collectives: log DTensor's collectives into ``pm.collectives`` (a dispatch mode around
         forward and backward: a few microseconds per op; autopar's own reducer/ZeRO collectives are
         always logged).
