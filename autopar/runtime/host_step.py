@@ -88,10 +88,6 @@ class OverlappedStep:
             self._thread = None
         self._raise()
 
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def _raise(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
