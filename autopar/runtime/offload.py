@@ -69,6 +69,7 @@ from autopar.plan import parse_offload
 from autopar.runtime.copy_stream import Copies, pinned_empty
 from autopar.runtime.host_step import (NVME_CHUNK_BYTES, OverlappedStep, as_now, offload_overlap_refusal,
                                        overlap_chunk_bytes, step_chunks)
+from autopar.runtime.nvme_grads import NvmeGrads
 from autopar.runtime.nvme_rows import NvmeRows, drop_rows
 from autopar.runtime.reshard import Observed, as_saved, dtensor_spec
 
@@ -133,10 +134,7 @@ class HostOptimizer:
         self.grad_files = None                           # nvme_grads: runtime/nvme_grads.NvmeGrads
         self._chunk_grads: dict[str, torch.Tensor] = {}  # ... the stepping chunks' gradients, read back
         if "nvme_grads" in classes:
-            from autopar.runtime.nvme_grads import NvmeGrads
-
-            self.grad_files = NvmeGrads(self.nvme, device, window=chunk_bytes)
-            store.ctx.grad_files = self.grad_files
+            self.grad_files = store.ctx.grad_files = NvmeGrads(self.nvme, device, window=chunk_bytes)
         self.rows = None                                 # nvme_params: the masters' files are the rows
         if "nvme_params" in classes:
             self.rows = store.ctx.nvme_rows = NvmeRows(self.nvme, store.slots, device)
