@@ -24,6 +24,10 @@ ways on the same batches, one after the other:
                     ``pm.step`` returns (``autoparallelize(host_step="sync")``)
     step, overlap   the same step on a thread, chunk by chunk, beside the next step's forward
                     (``runtime/host_step.py``; each parameter read waits for its chunk)
+    nvme, sync      the optimizer state and the gradients in files under ``--nvme-dir`` (default a
+                    temporary directory), the step streaming them chunk by chunk before ``pm.step``
+                    returns
+    nvme, overlap   the same chunks on the step's thread beside the next step's forward
 
 Per way: the median step time of ``--steps`` (after a warm-up step) and its ratio to "none", the
 planner's predicted step and its offload rows (``host:d2h``, ``host:h2d``: exposed seconds; the
@@ -43,6 +47,7 @@ import dataclasses
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,7 +61,9 @@ WAYS = (("none", "none", "none", "1", 0, "auto"), ("compute stream", "none", "ac
         ("params, compute", "none", "optimizer+params", "0", 3, "auto"),
         ("params, side", "none", "optimizer+params", "1", 3, "auto"),
         ("step, sync", "none", "optimizer+grads", "1", 0, "sync"),
-        ("step, overlap", "none", "optimizer+grads", "1", 0, "overlap"))
+        ("step, overlap", "none", "optimizer+grads", "1", 0, "overlap"),
+        ("nvme, sync", "none", "optimizer+grads+nvme+nvme_grads", "1", 0, "sync"),
+        ("nvme, overlap", "none", "optimizer+grads+nvme+nvme_grads", "1", 0, "overlap"))
 
 
 def _sync(device) -> None:
@@ -102,7 +109,7 @@ def run_way(b, graph, cluster, args, recompute: str, offload: str, stream: str, 
     os.environ[STREAM_ENV] = stream
     pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
                          plan=plan, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3), seed=2, timeout_s=300,
-                         host_step=host_step)
+                         host_step=host_step, nvme_dir=args.nvme_dir if "nvme" in offload else None)
     gen = torch.Generator().manual_seed(1)
     batches = [b.make_batch(args.batch, gen) for _ in range(args.steps + 1)]
     losses, times, rest = [], [], 0
@@ -169,12 +176,14 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--cluster", default=str(DEFAULT_CLUSTER))
     ap.add_argument("--dry-run", action="store_true", help="a tiny GPT on the CPU (plumbing only)")
+    ap.add_argument("--nvme-dir", default=None, help="the nvme ways' files (default: a temporary directory)")
     ap.add_argument("--profile", action="store_true", help="print each way's top ops of one more step (torch.profiler)")
     ap.add_argument("--rtol", type=float, default=1e-3,
                     help="losses' relative agreement (default 1e-3: a GPU's atomic-add kernels, the embedding's "
                          "backward among them, do not sum in a fixed order, so even two runs without offload differ "
                          "in bf16 by ~1e-5 after a step)")
     args = ap.parse_args(argv)
+    args.nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="autopar-offload-overlap-")
 
     import torch
 
@@ -205,7 +214,7 @@ def main(argv=None) -> int:
               f"{r['predicted_s'] / base['predicted_s']:8.2f}{(r['d2h_s'] + r['h2d_s']) * 1e3:14.2f}"
               f"{r['peak'] / 2**20:10.0f}{(r['peak'] - r['rest']) / 2**20:12.0f}{r['served']:12.0%}{r['recast']:8.0f}")
     for side, compute in (("side stream", "compute stream"), ("params, side", "params, compute"),
-                          ("step, overlap", "step, sync")):
+                          ("step, overlap", "step, sync"), ("nvme, overlap", "nvme, sync")):
         s_, c_ = rows[side], rows[compute]
         print(f"{side} / {compute}: measured {s_['step_s'] / c_['step_s']:.2f}, "
               f"predicted {s_['predicted_s'] / c_['predicted_s']:.2f}")

@@ -188,7 +188,8 @@ def offload_memory(classes: Iterable[str], *, rows: float, params_bytes: float, 
 def offload_step_times(classes: Iterable[str], *, rows: float, grad_bytes: float, param_bytes: float,
                        backward_window_s: float, pcie_Bps: float, host_Bps: float, nvme_Bps: float,
                        moments: int = 2, overlap_grads: bool = True,
-                       step_overlap: Optional[tuple[float, float]] = None) -> dict[str, float]:
+                       step_overlap: Optional[tuple[float, float]] = None,
+                       forward_disk_s: float = 0.0) -> dict[str, float]:
     """Exposed seconds per step: "host:d2h" (gradients down, against the last backward when
     ``overlap_grads``), "host:h2d" (updated rows up), "cpu:optimizer" (the CPU step, which
     replaces the device step), "nvme:io" (state read + written; ``nvme_Bps`` per GPU) and with
@@ -199,7 +200,10 @@ def offload_step_times(classes: Iterable[str], *, rows: float, grad_bytes: float
     ``step_overlap`` = (window, first): the CPU step and the rows' copies after it run chunk by
     chunk beside the next forward's ``window`` seconds (``runtime/host_step.py``), the first chunk,
     a ``first`` fraction of both, exposed: S = step + copies costs f S + max(0, (1 - f) S - window),
-    each key its share of it."""
+    each key its share of it. With the NVMe tier S also holds the state's reads and writes and the
+    gradients' reads (the step's chunks stream them), and the window loses ``forward_disk_s``, the
+    seconds the forward keeps the disk busy itself (nvme_params' rows read, nvme_activations'
+    writes): the step's I/O queues behind it."""
     cls = set(classes)
     out: dict[str, float] = {}
     if "optimizer" in cls:
@@ -212,20 +216,26 @@ def offload_step_times(classes: Iterable[str], *, rows: float, grad_bytes: float
         out["cpu:optimizer"] = rows * cpu_step_bytes_per_param(moments) / host_Bps
     if "nvme" in cls:
         out["nvme:io"] = 2 * nvme_state_bytes(rows, moments) / nvme_Bps
+    grads_read = grads_written = 0.0
     if "nvme_grads" in cls:
         # read back by the step's chunks; written on the store's threads as the backward hands them
         # down (``runtime/nvme_grads.py``, a chunk in flight at most): hidden behind the backward
         # but for the last bucket's, which comes down as it ends
-        grads = rows * FP32 / nvme_Bps
-        out["nvme:grads"] = grads + max(min(rows * FP32, bucket_bytes()) / nvme_Bps, _exposed(grads, backward_window_s))
+        grads_read = rows * FP32 / nvme_Bps
+        grads_written = max(min(rows * FP32, bucket_bytes()) / nvme_Bps, _exposed(grads_read, backward_window_s))
     if step_overlap is not None and "optimizer" in cls:
         window, first = step_overlap
-        keys = [k for k in ("cpu:optimizer", "host:h2d", "host:copy") if k in out]
-        whole = sum(out[k] for k in keys)
+        if "nvme" in cls:
+            window = max(0.0, window - forward_disk_s)
+        keys = [k for k in ("cpu:optimizer", "host:h2d", "host:copy", "nvme:io") if k in out]
+        whole = sum(out[k] for k in keys) + grads_read
         if whole > 0:
-            exposed = first * whole + _exposed((1 - first) * whole, window)
+            share = (first * whole + _exposed((1 - first) * whole, window)) / whole
             for k in keys:
-                out[k] *= exposed / whole
+                out[k] *= share
+            grads_read *= share
+    if "nvme_grads" in cls:
+        out["nvme:grads"] = grads_read + grads_written
     return out
 
 
@@ -258,7 +268,9 @@ def offload_microbatch_times(classes: Iterable[str], *, host_params_bytes: float
     a = saved_bytes / pcie_Bps if "activations" in cls else 0.0
     p_over, a_over = ("params" in over) * p, ("activations" in over) * a
     out: dict[str, float] = {}
-    up = (p - p_over + _exposed(p_over, forward_window_s)) + (p + a - p_over - a_over
+    # each class's part that is not overlapped, then what the windows leave (no cancelling sums:
+    # an overlapped class's own part is an exact 0, never -1e-17)
+    up = (p - p_over + _exposed(p_over, forward_window_s)) + ((p - p_over) + (a - a_over)
                                                                + _exposed(p_over + a_over, backward_window_s))
     if up:
         out["host:h2d"] = up

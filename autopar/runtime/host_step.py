@@ -13,8 +13,15 @@ CPU's step; on CPU ranks both share the cores (nothing to win, hence sync there 
 
 Where it runs: the step must not communicate (a collective from the thread could interleave
 with the forward's in a different order on each rank), so not beside ZeRO-1/2's all-gather of
-the updated rows after the step, an optimizer that all-reduces norms over shard groups
-(``autopar.optim.LAMB``, LARS) or the NVMe tier's chunked step (``offload_overlap_refusal``).
+the updated rows after the step or an optimizer that all-reduces norms over shard groups
+(``autopar.optim.LAMB``, LARS: ``offload_overlap_refusal``).
+
+With the NVMe tier the chunks are the tier's (``HostOptimizer._nvme_chunk``): the thread reads a
+chunk's masters and state (the next one's read started), steps it, copies its rows up and writes
+it back, and only then marks it stepped; the store takes calls from both threads
+(``runtime/nvme.NvmeStore``). With ``nvme_params`` the files are the rows: a gather's read, issued
+after its chunk is marked, is ordered after the chunk's writes by the store; reads started a
+group ahead are started only for chunks already stepped (``stepped``), else read on the spot.
 
 The step takes the optimizer's hyperparameters as they are when it starts (``as_now``: an LR
 scheduler stepped as ``pm.step`` returns sets the next step's rate, as with the step taken at
@@ -70,6 +77,11 @@ class OverlappedStep:
         finally:
             for done in self._done:
                 done.set()
+
+    def stepped(self, name: str) -> bool:
+        """Whether parameter ``name``'s chunk is stepped (or no step runs): ``ready`` would not wait."""
+        i = self._chunk_of.get(name)
+        return self._thread is None or i is None or self._done[i].is_set()
 
     def ready(self, name: str) -> None:
         """Wait until parameter ``name``'s chunk is stepped and its rows are up."""
@@ -136,8 +148,6 @@ def offload_overlap_refusal(classes, zero_stage: int, dp: int, optimizer) -> Opt
     can; module docstring)."""
     if "optimizer" not in classes:
         return "the plan does not offload the optimizer (no host step to overlap)"
-    if "nvme" in classes:
-        return "the optimizer state is on NVMe (its chunked step reads and writes files)"
     if zero_stage in (1, 2) and dp > 1:
         return f"ZeRO-{zero_stage} all-gathers the updated rows after the step (a collective)"
     if hasattr(optimizer, "set_shard_groups"):

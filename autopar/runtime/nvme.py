@@ -29,6 +29,7 @@ import re
 import shutil
 import socket
 import tempfile
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -228,8 +229,11 @@ def _check_parent(parent: str) -> None:
 
 
 class NvmeStore:
-    """Tensors in files under ``directory`` (see the module's docstring). Calls come from one
-    thread (the training loop); the pool's ``threads`` do the I/O."""
+    """Tensors in files under ``directory`` (see the module's docstring). Calls may come from two
+    threads (the training loop, and an offloaded optimizer step overlapping its forward,
+    ``runtime/host_step.py``): the bookkeeping of entries and futures is under a lock, taken to
+    record a call's dependencies and submit it in one go, so per key the pool still sees the calls
+    in the order they were made; the pool's ``threads`` do the I/O."""
 
     def __init__(self, directory: str | os.PathLike, *, rank: int = 0, threads: int = 2,
                  align: int = 4096, direct: bool = True):
@@ -256,6 +260,7 @@ class NvmeStore:
         self.direct = bool(self._flags)     # whether I/O bypasses the page cache (O_DIRECT)
         self._entries: dict[str, _Entry] = {}
         self._inflight: list[cf.Future] = []
+        self._lock = threading.Lock()       # _entries, each entry's futures, _inflight
         self._closed = False
 
     def _host(self, t: torch.Tensor, verb: str) -> torch.Tensor:
@@ -270,6 +275,7 @@ class NvmeStore:
         return t
 
     def _submit(self, fn, *args) -> cf.Future:
+        """``fn(*args)`` on the pool (the caller holds the lock)."""
         fut = self._pool.submit(fn, *args)
         self._inflight.append(fut)
         if len(self._inflight) > 256:       # keep the pending and the failed (wait() reports them)
@@ -290,21 +296,22 @@ class NvmeStore:
         """Write ``tensor`` (CPU, contiguous) under ``key``, asynchronously. Its bytes are copied
         before this returns: the caller may reuse the tensor at once. Future's result: None."""
         t = self._host(tensor, "write")
-        e = self._entries.get(key)
         nbytes = t.numel() * t.element_size()
         padded = -(-nbytes // self.align) * self.align
-        self.check_space(padded - (e.padded if e else 0), f"writing {key!r}")
         buf = _aligned(padded, self.align)
         buf[:nbytes] = _bytes_of(t)
         buf[nbytes:] = 0
-        if e is None:
-            path = os.path.join(self.root, f"{len(self._entries):06d}.bin")
-            e = self._entries[key] = _Entry(path, t.dtype, t.numel(), nbytes, padded)
-        else:
-            e.dtype, e.numel, e.nbytes, e.padded = t.dtype, t.numel(), nbytes, padded
-        deps = [f for f in e.pending if not f.done()]
-        fut = self._submit(_do_write, deps, e.path, self._flags, buf, padded, self.directory, key)
-        e.pending, e.last_write = deps + [fut], fut
+        with self._lock:
+            e = self._entries.get(key)
+            self.check_space(padded - (e.padded if e else 0), f"writing {key!r}")
+            if e is None:
+                path = os.path.join(self.root, f"{len(self._entries):06d}.bin")
+                e = self._entries[key] = _Entry(path, t.dtype, t.numel(), nbytes, padded)
+            else:
+                e.dtype, e.numel, e.nbytes, e.padded = t.dtype, t.numel(), nbytes, padded
+            deps = [f for f in e.pending if not f.done()]
+            fut = self._submit(_do_write, deps, e.path, self._flags, buf, padded, self.directory, key)
+            e.pending, e.last_write = deps + [fut], fut
         return fut
 
     def read(self, key: str, out: torch.Tensor) -> cf.Future:
@@ -312,15 +319,16 @@ class NvmeStore:
         after any write of ``key`` issued before. Future's result: None (a result would keep ``out``
         alive as long as the store keeps the future, until ``wait``)."""
         t = self._host(out, "read into")
-        e = self._entries.get(key)
-        if e is None:
-            raise NvmeError(f"nothing was written under {key!r} in {self.root}; write it first")
-        if t.dtype != e.dtype or t.numel() != e.numel:
-            raise NvmeError(f"read of {key!r}: out holds {t.numel()} x {t.dtype} but {e.numel} x "
-                            f"{e.dtype} were written; pass a tensor of the written numel and dtype")
-        fut = self._submit(_do_read, e.last_write, e.path, self._flags, _bytes_of(t), e.nbytes,
-                           self.align, self.directory, key)
-        e.pending = [f for f in e.pending if not f.done()] + [fut]
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None:
+                raise NvmeError(f"nothing was written under {key!r} in {self.root}; write it first")
+            if t.dtype != e.dtype or t.numel() != e.numel:
+                raise NvmeError(f"read of {key!r}: out holds {t.numel()} x {t.dtype} but {e.numel} x "
+                                f"{e.dtype} were written; pass a tensor of the written numel and dtype")
+            fut = self._submit(_do_read, e.last_write, e.path, self._flags, _bytes_of(t), e.nbytes,
+                               self.align, self.directory, key)
+            e.pending = [f for f in e.pending if not f.done()] + [fut]
         return fut
 
     def read_now(self, key: str, out: torch.Tensor) -> torch.Tensor:
@@ -335,20 +343,23 @@ class NvmeStore:
         try:
             fut.result()
         finally:
-            self._inflight = [f for f in self._inflight if f is not fut]
-            e = self._entries[key]
-            e.pending = [f for f in e.pending if f is not fut]
+            with self._lock:
+                self._inflight = [f for f in self._inflight if f is not fut]
+                e = self._entries[key]
+                e.pending = [f for f in e.pending if f is not fut]
 
     def nbytes(self) -> int:
         """Bytes held in files (padded sizes), counting writes issued but still pending."""
-        return sum(e.padded for e in self._entries.values())
+        with self._lock:
+            return sum(e.padded for e in self._entries.values())
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 
     def wait(self) -> None:
         """Wait for all pending I/O; raise the first failure (in issue order) as NvmeError."""
-        pending, self._inflight = self._inflight, []
+        with self._lock:
+            pending, self._inflight = self._inflight, []
         cf.wait(pending)
         for f in pending:
             exc = None if f.cancelled() else f.exception()

@@ -42,9 +42,10 @@ class NvmeGrads:
         self._writes.write(self.key(name), grad)
         self.held[name] = (tuple(grad.shape), grad.dtype)
 
-    def read(self, name: str):
-        """Start reading ``name``'s gradient back: (its buffer, the read's future)."""
-        shape, dtype = self.held[name]
+    def read(self, name: str, held=None):
+        """Start reading ``name``'s gradient back: (its buffer, the read's future). ``held``: its
+        (shape, dtype) as ``held`` had it (a step reading while the next one has begun)."""
+        shape, dtype = held or self.held[name]
         out = pinned_empty(shape, dtype, self.device)
         return out, self.store.read(self.key(name), out)
 

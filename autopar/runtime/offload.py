@@ -35,9 +35,10 @@ activations  ``ActivationOffload``
     GPT saves (1.68 of 7.39 GB a step, from the weights' shapes).
 nvme (with optimizer)
     The masters and the optimizer state live in files (``runtime/nvme.py``) between steps; the step
-    runs chunk by chunk (chunks of about ``chunk_bytes`` of state): chunk k + 1 is read while chunk
-    k steps, chunk k is written while k + 1 steps. A chunk steps alone because torch optimizers skip
-    parameters whose ``.grad`` is None.
+    runs chunk by chunk (chunks of about ``chunk_bytes`` of state; overlapped, of the overlap's
+    chunk size if smaller): chunk k + 1 is read while chunk k steps, chunk k is written while k + 1
+    steps. A chunk steps alone because torch optimizers skip parameters whose ``.grad`` is None.
+    Overlapped with the next forward as without the tier, the chunks on the step's thread.
 nvme_grads (with nvme)  ``runtime/nvme_grads.NvmeGrads``
     Each gradient taken down goes to a file at once instead of a host buffer; the step reads each
     chunk's gradients back with its masters and state.
@@ -130,7 +131,15 @@ class HostOptimizer:
                 "GPUs are NCCL groups that cannot take the host tensors of an offloaded optimizer; use AdamW "
                 "with optimizer offload, or drop offload (--force offload=none)")
         self._taken: set[str] = set()
-        self._chunks: list[list] = step_chunks(store.slots, chunk_bytes) if self.nvme is not None else []
+        why = offload_overlap_refusal(classes, store.ctx.zero_stage, store.ctx.dp, self.optimizer)
+        if host_step == "overlap" and why is not None:
+            raise ValueError(f"host_step='overlap': the host step cannot overlap the next forward here: {why}; "
+                             "use host_step='sync' or 'auto' (`autopar run --host-step sync`)")
+        overlap = host_step == "overlap" or (host_step == "auto" and why is None and device.type == "cuda")
+        # overlapped: the forward's first layers wait for a small first chunk
+        step_bytes = min(chunk_bytes, overlap_chunk_bytes(store.slots)) if overlap else chunk_bytes
+        self._chunks: list[list] = step_chunks(store.slots, step_bytes) if self.nvme is not None else []
+        self._reading: list = []                         # NVMe: the reads of the next chunk to step, started
         self.grad_files = None                           # nvme_grads: runtime/nvme_grads.NvmeGrads
         self._chunk_grads: dict[str, torch.Tensor] = {}  # ... the stepping chunks' gradients, read back
         if "nvme_grads" in classes:
@@ -140,12 +149,8 @@ class HostOptimizer:
             self.rows = store.ctx.nvme_rows = NvmeRows(self.nvme, store.slots, device)
             self.rows.release()
         self.overlapped = None                           # host_step "overlap": runtime/host_step.OverlappedStep
-        why = offload_overlap_refusal(classes, store.ctx.zero_stage, store.ctx.dp, self.optimizer)
-        if host_step == "overlap" and why is not None:
-            raise ValueError(f"host_step='overlap': the host step cannot overlap the next forward here: {why}; "
-                             "use host_step='sync' or 'auto' (`autopar run --host-step sync`)")
-        if host_step == "overlap" or (host_step == "auto" and why is None and device.type == "cuda"):
-            self.overlapped = OverlappedStep(step_chunks(store.slots, overlap_chunk_bytes(store.slots)))
+        if overlap:
+            self.overlapped = OverlappedStep(self._chunks or step_chunks(store.slots, overlap_chunk_bytes(store.slots)))
             store.ctx.host_step = self.overlapped
 
     # ---- gradients down ------------------------------------------------------------------------
@@ -199,30 +204,46 @@ class HostOptimizer:
     def step(self, run: Callable[[], None]) -> None:
         """Run the optimizer step ``run`` on the host (chunk by chunk with NVMe) and copy the
         updated rows up; overlapped (``runtime/host_step.py``): started on a thread, and returns."""
+        grads = self._step_grads()
+        if self.nvme is not None:
+            self._reading = self._read(self._chunks[0], grads) if self._chunks else []
         if self.overlapped is not None:
-            self.copies.synchronize()
-            grads = {s.name: s.host_grad if s.name in self._taken else None for s in self.store.slots}
+            self.copies.synchronize()            # the gradients are down before the thread reads them
             step = as_now(self.optimizer)
-            self.overlapped.start(lambda chunk: self._step_chunk(step, chunk, grads))
+            each = self._step_chunk if self.nvme is None else self._nvme_chunk
+            self.overlapped.start(lambda chunk: each(step, chunk, grads))
             return
         if self.nvme is None:
             run()
             self._copy_up(self.store.slots)
         else:
-            self._step_chunks(run)
+            for chunk in self._chunks:
+                self._nvme_chunk(run, chunk, grads)
         self.copies.synchronize()
+
+    def _step_grads(self) -> dict:
+        """name -> this step's host gradient, or with nvme_grads its (shape, dtype) in its file
+        (None: no gradient this step). Taken when the step starts: an overlapped step's chunks
+        read it while the next step begins (``end_step``, ``ParamStore.zero_grad``)."""
+        if self.grad_files is not None:
+            return {s.name: self.grad_files.held.get(s.name) for s in self.store.slots}
+        return {s.name: (s.host_grad if self.nvme is None else self._grad_bufs.get(s.name))
+                if s.name in self._taken else None for s in self.store.slots}
 
     def _step_chunk(self, run: Callable[[], None], chunk, grads: dict) -> None:
         """One chunk of an overlapped step, on its thread (the optimizer skips gradient-less ones)."""
         for s in chunk:
             s.host.grad = grads[s.name]
         try:     # the rows' copies up on the rank's GPU's default stream, before the reads waiting for them
-            with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            with self._on_device():
                 run()
                 self._copy_up(chunk)
         finally:
             for s in chunk:
                 s.host.grad = None
+
+    def _on_device(self):
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def zero_grad(self) -> None:
         """Forget the last step's host gradients (an overlapped step clears each chunk's itself)."""
@@ -296,13 +317,14 @@ class HostOptimizer:
             if key in self._shapes and isinstance(v, torch.Tensor):
                 st[k] = make(*self._shapes[key])
 
-    def _read(self, slots) -> list:
-        """Start reading ``slots``' tensors back (and with nvme_grads their gradients of this step);
-        their futures."""
+    def _read(self, slots, grads: Optional[dict] = None) -> list:
+        """Start reading ``slots``' tensors back (and with nvme_grads their gradients of this step,
+        ``grads``: ``_step_grads``); their futures."""
         futures = []
         for s in slots:
-            if self.grad_files is not None and s.name in self._taken and s.name not in self._chunk_grads:
-                self._chunk_grads[s.name], fut = self.grad_files.read(s.name)
+            if self.grad_files is not None and grads and grads[s.name] is not None \
+                    and s.name not in self._chunk_grads:
+                self._chunk_grads[s.name], fut = self.grad_files.read(s.name, grads[s.name])
                 futures.append(fut)
             if s.name not in self._evicted:
                 continue
@@ -316,26 +338,33 @@ class HostOptimizer:
             f.result()
         self.nvme.wait()
 
-    def _step_chunks(self, run: Callable[[], None]) -> None:
-        grads = {s.name: self._grad_bufs.get(s.name) if s.name in self._taken else None for s in self.store.slots}
-        pending = self._read(self._chunks[0]) if self._chunks else []
-        for i, chunk in enumerate(self._chunks):
-            for f in pending:
-                f.result()
-            pending = self._read(self._chunks[i + 1]) if i + 1 < len(self._chunks) else []
-            for s in self.store.slots:
-                mine = any(s is c for c in chunk)
-                s.host.grad = (self._chunk_grads.get(s.name) if self.grad_files is not None else grads[s.name]) \
-                    if mine else None
-            run()
-            if self.rows is None:                # nvme_params: the files written below are the rows
-                self._copy_up(chunk)
-            self.copies.synchronize()
+    def _nvme_chunk(self, run: Callable[[], None], chunk, grads: dict) -> None:
+        """Step one chunk of ``self._chunks`` with the NVMe tier, in order (on the rank's thread, or
+        an overlapped step's): its reads (started by the chunk before) waited for, the next chunk's
+        started, the chunk stepped, its rows copied up and it written back; after the last, every
+        write waited for. Only this chunk's parameters carry a gradient while ``run`` steps."""
+        i = next(k for k, c in enumerate(self._chunks) if c[0] is chunk[0])
+        for f in self._reading:
+            f.result()
+        self._reading = self._read(self._chunks[i + 1], grads) if i + 1 < len(self._chunks) else []
+        for s in chunk:
+            s.host.grad = self._chunk_grads.get(s.name) if self.grad_files is not None else grads[s.name]
+        try:
+            with self._on_device():
+                run()
+                if self.rows is None:            # nvme_params: the files written below are the rows
+                    self._copy_up(chunk)
+                    if self.device.type == "cuda":   # the rows are up before their masters leave
+                        done = torch.cuda.Event()
+                        done.record()
+                        done.synchronize()
+        finally:
             for s in chunk:
                 s.host.grad = None
                 self._chunk_grads.pop(s.name, None)
-            self._evict(chunk)
-        self.nvme.wait()
+        self._evict(chunk)
+        if i + 1 == len(self._chunks):
+            self.nvme.wait()
 
     def host_tensors(self) -> list[torch.Tensor]:
         """The host memory this offload owns now (masters, gradient buffers, optimizer state; the

@@ -96,9 +96,11 @@ class GroupGathers:
 
     def read_ahead(self, slots) -> None:
         """With the rows on NVMe (``runtime/nvme_rows.py``), start reading ``slots``' rows for a
-        gather to come."""
-        if self.ctx.nvme_rows is not None:
-            self.ctx.nvme_rows.ahead(slots)
+        gather to come: those an overlapped host step has written already (``runtime/host_step.py``;
+        the others are read on the spot, after their gather waited for their chunk)."""
+        ctx = self.ctx
+        if ctx.nvme_rows is not None:
+            ctx.nvme_rows.ahead([s for s in slots if ctx.host_step is None or ctx.host_step.stepped(s.name)])
 
     def invalidate(self) -> None:
         """Drop every gathered tensor not read yet (after waiting for the gathers in flight), and

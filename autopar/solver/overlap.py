@@ -64,7 +64,10 @@ _READ_AHEAD = {("nvme", "params"): "each pass's first gather group's rows (the o
                ("nvme", "activations"): "the forward's writes and the backward's first read (the others are "
                                         "read ahead, runtime/nvme_activations.py)"}
 # copies after the CPU step, beside the next forward where it overlaps it: (axis, kind) -> what they are
-_AFTER_STEP = {("host", "h2d"): "the updated rows' copies up", ("host", "copy"): "the masters' copies into the host rows"}
+_AFTER_STEP = {("host", "h2d"): "the updated rows' copies up", ("host", "copy"): "the masters' copies into the host rows",
+               ("nvme", "io"): "the state's reads and writes around it (the NVMe tier's chunks)",
+               ("nvme", "grads"): "the gradients' reads (with the writes past the backward, the last bucket's at "
+                                  "least)"}
 # NVMe writes on the store's threads behind the backward: (axis, kind) -> what is left exposed
 _WRITTEN_BEHIND = {("nvme", "grads"): "the step's reads and the writes past the backward, the last bucket's at "
                                       "least (the others are written as they come down, runtime/nvme_grads.py)"}

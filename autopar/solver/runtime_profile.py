@@ -39,9 +39,10 @@ and why (``StepTime.overlap``, the report's "Communication" table).
 - ``host_step_overlap``: the offloaded optimizer's CPU step and the updated rows' copies up run on a
   thread while the next step's forward starts, chunk by chunk in forward order, each parameter
   read waiting for its chunk (autopar's ``runtime/host_step.py``; on GPUs, where the device
-  computes beside the CPU; not beside a collective: ZeRO-1/2's all-gather of the rows over dp > 1,
-  or with an NVMe tier: ``step_overlapped``). Window: the first micro-batch's forward; the first
-  chunk is exposed (``cost/offload.offload_step_times``).
+  computes beside the CPU; not beside a collective: ZeRO-1/2's all-gather of the rows over dp > 1:
+  ``step_overlapped``; with an NVMe tier its chunks' reads and writes too). Window: the first
+  micro-batch's forward, less the disk time of the forward's own NVMe traffic where the step's
+  state is on NVMe; the first chunk is exposed (``cost/offload.offload_step_times``).
 - ``param_bytes``, ``optimizer_bytes``: the parameters' bytes per element on the device (stored
   and all-gathered) and the optimizer state's per parameter (``for_dtype``).
 - ``grad_bytes``: bytes per gradient element stored; ``grad_reduce_bytes`` (None: the same) the
@@ -100,13 +101,13 @@ class RuntimeProfile:
 
     def step_overlapped(self, cluster, classes, zero: int, data: int) -> bool:
         """Whether the CPU step of a plan offloading ``classes`` overlaps the next forward
-        (``host_step_overlap``): on GPUs, with the optimizer offloaded, no NVMe tier, and no
-        all-gather of the updated rows after the step (ZeRO-1/2 over ``data`` > 1 ranks);
-        ``runtime/host_step.offload_overlap_refusal`` is the runtime's side of it."""
+        (``host_step_overlap``): on GPUs, with the optimizer offloaded (its state in host memory or
+        on NVMe), and no all-gather of the updated rows after the step (ZeRO-1/2 over ``data`` > 1
+        ranks); ``runtime/host_step.offload_overlap_refusal`` is the runtime's side of it."""
         from autopar.cost.hardware import device_kind
 
         return (self.host_step_overlap and device_kind(cluster) == "cuda" and "optimizer" in classes
-                and "nvme" not in classes and not (zero in (1, 2) and data > 1))
+                and not (zero in (1, 2) and data > 1))
 
     def copies_overlapped(self, cluster, data: int = 1) -> tuple[str, ...]:
         """``host_copy_overlap`` on ``cluster`` with ``data`` data-parallel ranks: none on CPU ranks

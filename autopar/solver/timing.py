@@ -462,12 +462,16 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
     if cfg.zero >= 1:
         opt /= cfg.data
     if "optimizer" in cls:                   # the CPU step and its traffic replace the device step
-        step = offload_step_times(cls, rows=optimizer_rows(numel, cfg.data, cfg.zero), grad_bytes=profile.grad_bytes,
+        rows, nvme_Bps = optimizer_rows(numel, cfg.data, cfg.zero), cluster.nvme_Bps / cluster.gpus_per_node
+        # the disk's time in a forward: nvme_params' rows read, nvme_activations' saved tensors written
+        disk_f = (FP32 * rows * ("nvme_params" in cls) + saved * ("nvme_activations" in cls)) / nvme_Bps
+        step = offload_step_times(cls, rows=rows, grad_bytes=profile.grad_bytes,
                                   param_bytes=profile.param_bytes, backward_window_s=win_b, pcie_Bps=cluster.pcie_Bps,
-                                  host_Bps=cluster.host_Bps, nvme_Bps=cluster.nvme_Bps / cluster.gpus_per_node,
+                                  host_Bps=cluster.host_Bps, nvme_Bps=nvme_Bps,
                                   moments=MOMENTS, overlap_grads="grads" in copies_over,
                                   step_overlap=(win_f, overlap_first_chunk(numel * cfg.tp, MOMENTS))
-                                  if profile.step_overlapped(cluster, cls, cfg.zero, cfg.data) else None)
+                                  if profile.step_overlapped(cluster, cls, cfg.zero, cfg.data) else None,
+                                  forward_disk_s=disk_f)
         opt = step.pop("cpu:optimizer")
         _merge(dp_sync, step, 1.0)
     inflight = pipeline_inflight_microbatches(cfg.pp, r, cfg.m, cfg.schedule, cfg.v)

@@ -133,6 +133,21 @@ def test_step_overlapping_the_next_forward():
     # exposed + (1.7 x 7/8 - 1.0) = 0.2125 + 0.4875 = 0.7 s
     t = offload_step_times(("optimizer", "params"), **kw, step_overlap=(1.0, 1 / 8))
     assert t["cpu:optimizer"] + t["host:copy"] == pytest.approx(0.7) and "host:h2d" not in t
+    # the NVMe tier: the state's reads and writes (6 s) stream with the chunks, S = 1.4 + 0.2 + 6 = 7.6 s:
+    # 7.6 / 8 = 0.95 exposed + (7.6 x 7/8 - 1.0) = 5.65 -> 6.6 s, each key 6.6 / 7.6 of its own
+    t = offload_step_times(("optimizer", "nvme"), **kw, step_overlap=(1.0, 1 / 8))
+    assert t["nvme:io"] == pytest.approx(6.0 * 6.6 / 7.6) and t["cpu:optimizer"] == pytest.approx(1.4 * 6.6 / 7.6)
+    assert sum(t[k] for k in ("nvme:io", "cpu:optimizer", "host:h2d")) == pytest.approx(6.6)
+    # a forward that keeps the disk busy 0.4 s itself (nvme_params' rows) leaves the step 0.6 s: 0.95 + 6.05
+    t = offload_step_times(("optimizer", "nvme"), **kw, step_overlap=(1.0, 1 / 8), forward_disk_s=0.4)
+    assert sum(t[k] for k in ("nvme:io", "cpu:optimizer", "host:h2d")) == pytest.approx(7.0)
+    # ... not without the tier: the CPU step does not touch the disk
+    assert offload_step_times(("optimizer",), **kw, step_overlap=(1.0, 1 / 8), forward_disk_s=0.4)["cpu:optimizer"] \
+        == pytest.approx(0.525)
+    # nvme_grads: the gradients' reads (1 s) go with the step, their writes past the backward (0.85 s)
+    # stay: S = 8.6 s, 1.075 + (7.525 - 10) -> all but the first chunk hidden by a 10 s forward
+    t = offload_step_times(("optimizer", "nvme", "nvme_grads"), **kw, step_overlap=(10.0, 1 / 8))
+    assert t["nvme:grads"] == pytest.approx(1.0 / 8 + 0.85) and t["nvme:io"] == pytest.approx(6.0 / 8)
     # the first chunk: an eighth of the state, at most 2 buckets of it (50 MiB): a 10e9-parameter
     # stage's 12 x 10e9 = 120 GB -> 52,428,800 / 120e9 = 4.37e-4; 1e6 parameters -> 1/8
     assert overlap_first_chunk(10e9) == pytest.approx(2 * B / 120e9)
@@ -141,7 +156,7 @@ def test_step_overlapping_the_next_forward():
 
 def test_autopar_runtime_steps_the_offloaded_optimizer_beside_the_next_forward_where_nothing_communicates():
     """``runtime/host_step.py``: on GPUs, not beside ZeRO-1/2's all-gather of the updated rows over
-    dp > 1, not with an NVMe tier; Megatron's runtime has no offload."""
+    dp > 1 (with an NVMe tier too); Megatron's runtime has no offload."""
     from autopar.solver.runtime_profile import AUTOPAR_RUNTIME, MEGATRON_RUNTIME
 
     gpu, cpu = make_cluster("h100", 1), make_cluster("cpu", 1)
@@ -149,7 +164,8 @@ def test_autopar_runtime_steps_the_offloaded_optimizer_beside_the_next_forward_w
     assert over(gpu, ("optimizer",), 0, 8) and over(gpu, ("optimizer", "params"), 3, 8)
     assert over(gpu, ("optimizer",), 1, 1) and over(gpu, ("optimizer", "grads"), 2, 1)
     assert not over(gpu, ("optimizer",), 1, 2) and not over(gpu, ("optimizer",), 2, 8)
-    assert not over(gpu, ("optimizer", "nvme"), 0, 1) and not over(gpu, ("activations",), 0, 1)
+    assert over(gpu, ("optimizer", "nvme"), 0, 1) and over(gpu, ("optimizer", "params", "nvme", "nvme_params"), 3, 8)
+    assert not over(gpu, ("optimizer", "nvme"), 2, 8) and not over(gpu, ("activations",), 0, 1)
     assert not over(cpu, ("optimizer",), 0, 1) and not MEGATRON_RUNTIME.step_overlapped(gpu, ("optimizer",), 0, 1)
 
 

@@ -98,11 +98,12 @@ def test_one_gpu_offload_trains_the_same_with_less_device_memory():
     assert off[0] < plain[0], (off[0], plain[0])
 
 
-def test_one_gpu_host_step_beside_the_next_forward_is_the_step_at_once():
+def test_one_gpu_host_step_beside_the_next_forward_is_the_step_at_once(tmp_path):
     """The offloaded optimizer's CPU step on its thread beside the next forward
     (``runtime/host_step.py``, the default on GPUs): the rows' copies up on the default stream
-    before the compute that reads them; the same losses and parameters, bit for bit, as the step
-    taken before ``pm.step`` returns."""
+    before the compute that reads them (with the NVMe tier, before the chunk's masters leave host
+    memory; with nvme_params the files are the rows); the same losses and parameters, bit for bit,
+    as the step taken before ``pm.step`` returns."""
     import dataclasses
 
     from autopar.models import build_model
@@ -110,11 +111,13 @@ def test_one_gpu_host_step_beside_the_next_forward_is_the_step_at_once():
 
     b = build_model("gpt-tiny", device="meta", batch=4)
     graph = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target)
-    for zero, offload in ((0, "optimizer+grads"), (3, "optimizer+grads+params")):
+    for zero, offload in ((0, "optimizer+grads"), (3, "optimizer+grads+params"), (0, "optimizer+grads+nvme+nvme_grads"),
+                          (3, "optimizer+grads+params+nvme+nvme_params")):
         plan = dataclasses.replace(_one_gpu_plan(graph), recompute="none", zero_stage=zero, offload=offload)
+        kw = {"nvme_dir": str(tmp_path)} if "nvme" in offload else {}
         behind: list = []
-        over = _peak_and_state(plan, graph, b, steps=4, overlapped=behind)
-        sync = _peak_and_state(plan, graph, b, steps=4, host_step="sync")
+        over = _peak_and_state(plan, graph, b, steps=4, overlapped=behind, **kw)
+        sync = _peak_and_state(plan, graph, b, steps=4, host_step="sync", **kw)
         assert behind and behind[0] > 0, (offload, behind)              # "auto" overlapped on the GPU
         assert over[1] == sync[1], offload
         for k, v in sync[2].items():

@@ -29,10 +29,16 @@ CASES = {              # name: (hand_plan kwargs, offload)
     "dp_zero3_optimizer": (dict(dp=2, tp=1, zero=3), "optimizer+grads"),
     # each stage's optimizer on its own rank, its forward waiting while the other stage's runs
     "pp_optimizer_activations": (dict(dp=1, tp=1, pp=2, mbs=1), "optimizer+activations"),
+    # the NVMe tier: the chunks read, stepped and written back on the thread, the gradients read
+    # from their files
+    "dp_nvme_grads": (dict(dp=2, tp=1), "optimizer+grads+nvme+nvme_grads"),
+    # the files are the rows: each gather reads them after its chunk is written (the reads a group
+    # ahead only for chunks already written)
+    "dp_zero3_nvme_params_micro_batches": (dict(dp=2, tp=1, zero=3, mbs=1), "optimizer+grads+params+nvme+nvme_params"),
 }
 
 
-def _jobs(graph):
+def _jobs(graph, nvme_dir):
     from test_offload_runtime import _collapsed
 
     jobs = []
@@ -40,13 +46,14 @@ def _jobs(graph):
         plan = hand_plan(_collapsed(graph.batch_size) if kw.get("pp", 1) > 1 else graph, **kw)
         plan = dataclasses.replace(plan, offload=offload, zero_stage=3 if "params" in offload else plan.zero_stage)
         for mode in ("overlap", "sync"):
-            jobs.append({"plan": plan.to_json(), "name": f"{name}/{mode}", "host_step": mode, "pause_s": PAUSE_S})
+            jobs.append({"plan": plan.to_json(), "name": f"{name}/{mode}", "host_step": mode, "pause_s": PAUSE_S,
+                         "nvme_dir": nvme_dir})
     return jobs
 
 
-def test_overlapped_host_step_trains_as_the_step_at_once():
+def test_overlapped_host_step_trains_as_the_step_at_once(tmp_path):
     graph = full_trace(4)
-    jobs = _jobs(graph)
+    jobs = _jobs(graph, str(tmp_path))
     # a scheduler changing the learning rate as pm.step returns: the step running on takes the rate
     # it was started with (the next step the new one), as stepping at once does
     sched = dataclasses.replace(hand_plan(graph, dp=2, tp=1), offload="optimizer")
