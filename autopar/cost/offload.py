@@ -93,6 +93,19 @@ def bucket_bytes() -> int:
     return DEFAULT_BUCKET_BYTES
 
 
+def step_chunk_bytes() -> int:
+    """State bytes (fp32 master + moments) the NVMe tier's step takes at once, and the most an
+    overlapped step's chunk holds: two gradient buckets (``runtime/host_step.NVME_CHUNK_BYTES``)."""
+    return 2 * bucket_bytes()
+
+
+def overlap_chunk_bytes(state_bytes: float, chunks: int = OVERLAP_CHUNKS) -> int:
+    """An overlapped host step's chunk (``runtime/host_step.overlap_chunk_bytes``): a ``chunks``-th
+    of the ``state_bytes`` it steps, at most ``step_chunk_bytes()``, so the forward's first layers
+    wait for a small part of the step."""
+    return max(1, min(step_chunk_bytes(), math.ceil(state_bytes / chunks)))
+
+
 def optimizer_rows(numel: float, data: int, zero: int) -> float:
     """Parameter elements a rank's optimizer updates: its 1/data shard under ZeRO >= 1."""
     return numel / data if zero >= 1 else float(numel)
@@ -151,7 +164,7 @@ def offload_memory(classes: Iterable[str], *, rows: float, params_bytes: float, 
     if "optimizer" in cls:
         out["optimizer"] = 0.0
         out["host"] += host_optimizer_bytes(rows, moments)
-    chunk = 2 * (bucket_bytes() if bucket is None else bucket)
+    chunk = step_chunk_bytes() if bucket is None else 2 * bucket
     bwd_grads = rows * FP32            # the host's gradient buffers, filled in the backward
     if "nvme" in cls:
         state = nvme_state_bytes(rows, moments)
@@ -240,11 +253,10 @@ def offload_step_times(classes: Iterable[str], *, rows: float, grad_bytes: float
 
 
 def overlap_first_chunk(stage_numel: float, moments: int = 2) -> float:
-    """The share of an overlapped host step in its first chunk (``runtime/host_step.
-    overlap_chunk_bytes``: an eighth of the stage's state, at most 2 B of it, cut on the whole
-    parameters: fp32 master + Adam's moments, 3 tensors)."""
+    """The share of an overlapped host step in its first chunk (``overlap_chunk_bytes`` of the
+    stage's state, cut on the whole parameters: fp32 master + Adam's moments, 3 tensors)."""
     state = stage_numel * FP32 * (1 + moments)
-    return min(1 / OVERLAP_CHUNKS, 2 * bucket_bytes() / state) if state > 0 else 1.0
+    return min(1.0, overlap_chunk_bytes(state) / state) if state > 0 else 1.0
 
 
 def offload_microbatch_times(classes: Iterable[str], *, host_params_bytes: float, saved_bytes: float,

@@ -40,9 +40,9 @@ import math
 import threading
 from typing import Callable, Optional, Sequence
 
-from autopar.cost.offload import OVERLAP_CHUNKS
+from autopar.cost import offload as cost_offload
 
-NVME_CHUNK_BYTES = 2 * 25 * 2 ** 20  # state bytes stepped at once with the nvme tier (``runtime/offload.py``)
+NVME_CHUNK_BYTES = cost_offload.step_chunk_bytes()   # state bytes stepped at once with the nvme tier (``runtime/offload.py``)
 HOST_STEPS = ("auto", "overlap", "sync")    # autoparallelize(host_step=...): "auto" overlaps on GPUs where it can
 
 
@@ -120,11 +120,10 @@ def as_now(optimizer) -> Callable[[], None]:
     return functools.partial(type(optimizer).step, twin)
 
 
-def overlap_chunk_bytes(slots, chunks: int = OVERLAP_CHUNKS) -> int:
-    """An overlapped step's chunk: an ``chunks``-th of the state (``step_chunks``' count), at most
-    ``NVME_CHUNK_BYTES``, so the forward's first layers wait for a small part of the step."""
-    total = sum(3 * 4 * math.prod(s.plan.shape) for s in slots)
-    return max(1, min(NVME_CHUNK_BYTES, math.ceil(total / chunks)))
+def overlap_chunk_bytes(slots) -> int:
+    """An overlapped step's chunk for ``slots`` (the planner's rule, ``cost.offload.
+    overlap_chunk_bytes``, on the state ``step_chunks`` counts)."""
+    return cost_offload.overlap_chunk_bytes(sum(3 * 4 * math.prod(s.plan.shape) for s in slots))
 
 
 def step_chunks(slots, chunk_bytes: int) -> list[list]:
