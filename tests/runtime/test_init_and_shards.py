@@ -43,6 +43,25 @@ def test_generated_shard_equals_slice_of_full():
     assert not torch.equal(generate("v", rule, (9, 6), None, seed=3), full)
 
 
+def test_shards_across_row_blocks_equal_slices_of_full():
+    """Rows are drawn a block per generator seed (``block_rows``: 65,536 values' worth, 93 rows of
+    700 here): a shard starting or ending inside a block, or spanning several, holds exactly the
+    full tensor's values; the blocks are not copies of each other."""
+    from autopar.runtime.init import block_rows
+
+    rule = InitRule("normal", std=0.02)
+    shape = (300, 700)
+    per = block_rows(shape)
+    assert per == 93
+    full = generate("w", rule, shape, None, seed=3)
+    for ranges in [((0, 93), (0, 700)), ((92, 94), (0, 700)), ((50, 290), (5, 600)), ((279, 300), (699, 700)),
+                   ((186, 187), (0, 700)), ((7, 7), (0, 700))]:
+        shard = generate("w", rule, shape, ranges, seed=3)
+        assert torch.equal(shard, full[ranges[0][0]:ranges[0][1], ranges[1][0]:ranges[1][1]]), ranges
+    assert not torch.equal(full[:per], full[per:2 * per])
+    assert full.std().item() == pytest.approx(0.02, rel=0.05)
+
+
 def test_strided_rows_and_runs():
     p = ParamPlan("qkv", (12, 4), "float32", Shard(0), 1, strided=3)
     assert tp_local_rows(p, 2, 0) == [0, 1, 4, 5, 8, 9]
