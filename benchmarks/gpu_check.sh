@@ -13,7 +13,8 @@
 #          6. `autopar profile` of a GPT with 2048-wide layers on one GPU, predicted with that file
 #             (benchmarks/results/calibrate_h200.toml when step 5 did not run);
 #          7. offload's copies (activations; ZeRO-3's host parameter rows) on the side stream vs the
-#             compute stream (offload_overlap.py).
+#             compute stream, and the host step (in host memory, and with the NVMe tier's files)
+#             at once vs beside the next forward (offload_overlap.py).
 #   runtime: the one-GPU training tests and steps 6-7 alone (what a runtime change needs confirmed).
 # Usage: bash benchmarks/gpu_check.sh [all|tests|bench|runtime]   (default all; the device tool allows
 # 10 minutes a command: run "tests" and "bench" as two calls there). Logs and JSON go under $OUT
@@ -56,8 +57,15 @@ measured_vs_predicted() {
   echo "profile exit: ${PIPESTATUS[0]}"
   # 7. activation offload: side stream vs compute stream vs none, measured and predicted
   timeout "${OFFLOAD_TIMEOUT:-240}" python3 benchmarks/offload_overlap.py --cluster "$cluster" "${SCRIPT_DRY[@]}" \
-    ${OFFLOAD_ARGS:-} 2>&1 | tee "$OUT/offload_overlap.log"
+    --groups activations,params,step ${OFFLOAD_ARGS:-} 2>&1 | tee "$OUT/offload_overlap.log"
   echo "offload overlap exit: ${PIPESTATUS[0]}"
+  # the NVMe tier's step at once vs beside the next forward, on a model whose state (2.4 GB a step
+  # read and written) the local disk streams in seconds
+  local nvme_spec=()
+  [[ "${DRY_RUN:-0}" == 1 ]] || nvme_spec=(--spec gpt:hidden=2048,layers=4,heads=16,vocab=8192,seq=2048)
+  timeout "${NVME_TIMEOUT:-150}" python3 benchmarks/offload_overlap.py --cluster "$cluster" "${SCRIPT_DRY[@]}" \
+    --groups nvme "${nvme_spec[@]}" --nvme-dir "${NVME_DIR:-/tmp}" 2>&1 | tee "$OUT/offload_nvme.log"
+  echo "offload nvme exit: ${PIPESTATUS[0]}"
 }
 
 if [[ "$STAGE" == runtime ]]; then

@@ -55,7 +55,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CLUSTER = ROOT / "benchmarks" / "results" / "calibrate_h200.toml"
 DEFAULT_SPEC = "gpt:hidden=4096,layers=4,heads=32,vocab=8192,seq=2048"
 DRY_SPEC = "gpt:hidden=64,layers=2,heads=4,vocab=256,seq=32"
-# (label, recompute, offload, AUTOPAR_OFFLOAD_STREAM, ZeRO stage, host_step)
+# (label, recompute, offload, AUTOPAR_OFFLOAD_STREAM, ZeRO stage, host_step); GROUPS: ``--groups``
+GROUPS = {"activations": ("compute stream", "side stream", "checkpoints"), "params": ("params, compute", "params, side"),
+          "step": ("step, sync", "step, overlap"), "nvme": ("nvme, sync", "nvme, overlap")}
 WAYS = (("none", "none", "none", "1", 0, "auto"), ("compute stream", "none", "activations", "0", 0, "auto"),
         ("side stream", "none", "activations", "1", 0, "auto"), ("checkpoints", "full", "activations", "1", 0, "auto"),
         ("params, compute", "none", "optimizer+params", "0", 3, "auto"),
@@ -177,6 +179,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cluster", default=str(DEFAULT_CLUSTER))
     ap.add_argument("--dry-run", action="store_true", help="a tiny GPT on the CPU (plumbing only)")
     ap.add_argument("--nvme-dir", default=None, help="the nvme ways' files (default: a temporary directory)")
+    ap.add_argument("--groups", default=",".join(GROUPS),
+                    help=f"which ways beside 'none', comma-separated: {', '.join(GROUPS)} (default all)")
     ap.add_argument("--profile", action="store_true", help="print each way's top ops of one more step (torch.profiler)")
     ap.add_argument("--rtol", type=float, default=1e-3,
                     help="losses' relative agreement (default 1e-3: a GPU's atomic-add kernels, the embedding's "
@@ -184,6 +188,11 @@ def main(argv=None) -> int:
                          "in bf16 by ~1e-5 after a step)")
     args = ap.parse_args(argv)
     args.nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="autopar-offload-overlap-")
+    groups = [g for g in args.groups.split(",") if g]
+    bad = [g for g in groups if g not in GROUPS]
+    if bad:
+        ap.error(f"--groups {','.join(bad)}: choose from {', '.join(GROUPS)}")
+    wanted = {"none"} | {label for g in groups for label in GROUPS[g]}
 
     import torch
 
@@ -205,7 +214,7 @@ def main(argv=None) -> int:
     b = build_model(spec, batch=args.batch, seq_len=args.seq_len, device="meta")
     graph = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
                         model_name=spec)
-    rows = {label: run_way(b, graph, cluster, args, *way, device) for label, *way in WAYS}
+    rows = {label: run_way(b, graph, cluster, args, *way, device) for label, *way in WAYS if label in wanted}
     base = rows["none"]
     print(f"{'':16}{'step ms':>9}{'x none':>8}{'predicted':>11}{'x none':>8}{'d2h+h2d pred':>14}"
           f"{'peak MiB':>10}{'above rest':>12}{'prefetched':>12}{'recast':>8}")
@@ -215,6 +224,8 @@ def main(argv=None) -> int:
               f"{r['peak'] / 2**20:10.0f}{(r['peak'] - r['rest']) / 2**20:12.0f}{r['served']:12.0%}{r['recast']:8.0f}")
     for side, compute in (("side stream", "compute stream"), ("params, side", "params, compute"),
                           ("step, overlap", "step, sync"), ("nvme, overlap", "nvme, sync")):
+        if side not in rows:
+            continue
         s_, c_ = rows[side], rows[compute]
         print(f"{side} / {compute}: measured {s_['step_s'] / c_['step_s']:.2f}, "
               f"predicted {s_['predicted_s'] / c_['predicted_s']:.2f}")

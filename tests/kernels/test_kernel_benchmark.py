@@ -128,7 +128,7 @@ def test_gpu_check_script_rehearsal(tmp_path):
     for line in ("kernel tests exit: 0", "attention tests (host descriptors) exit: 0",
                  "attention tests (device descriptors) exit: 0", "attention descriptors: host",
                  "one-GPU runtime tests exit: 0", "benchmark exit: 0", "fused step exit: 0", "calibrate exit: 0",
-                 "profile exit: 0"):
+                 "profile exit: 0", "offload overlap exit: 0", "offload nvme exit: 0"):
         assert line in log, (line, log[-4000:])
     fused = (tmp_path / "fused_step.log").read_text()
     assert fused.rstrip().endswith("OK")
