@@ -34,7 +34,7 @@ planner's predicted step and its offload rows (``host:d2h``, ``host:h2d``: expos
 compute-stream prediction from the runtime profile without ``host_copy_overlap``), the allocator's
 peak and that peak above the memory at rest (parameters, gradients and optimizer state after the
 warm-up step: what the step's activations and copies add), the weight copies a step made again
-from the weights instead of offloading them (``offload.cast_of_resident``), the share of saved tensors the prefetch brought back, and the losses (equal in all:
+from the weights instead of offloading them (``activation_offload.cast_of_resident``), the share of saved tensors the prefetch brought back, and the losses (equal in all:
 the copies are exact; on a GPU within ``--rtol``). ``--profile``: what one more step sends down
 (sizes, layouts, pinned or not) and each way's top ops (torch.profiler). First, the pinned copy
 bandwidth down and up (1 GiB) against the cluster's ``pcie_GBps``. Exit 0 when the losses agree,

@@ -27,7 +27,7 @@ class _Edge(torch.autograd.Function):
     def forward(ctx, x, target, keep_partial_axes):
         ctx.back = _grad_placements(x.placements)
         ctx.keep = keep_partial_axes
-        ctx.passes_through = tuple(x.placements) == tuple(target)    # a view: ``offload.cast_of_resident``
+        ctx.passes_through = tuple(x.placements) == tuple(target)    # a view: ``activation_offload.cast_of_resident``
         if ctx.passes_through:
             return x.view_as(x)
         return redistribute(x, target)

@@ -1,5 +1,5 @@
 """The saved activations' NVMe tier (offload class ``nvme_activations``, with ``activations``): each
-tensor activation offload sends to the host (``runtime/offload.ActivationOffload``) waits for the
+tensor activation offload sends to the host (``runtime/activation_offload.ActivationOffload``) waits for the
 backward in a file instead of host memory.
 
 ``to_host`` copies the saved tensor down as activation offload does, writes the copy to
@@ -23,7 +23,7 @@ import torch
 
 from autopar.runtime.copy_stream import pinned_empty
 from autopar.runtime.nvme import BoundedWrites, NvmeStore
-from autopar.runtime.offload import ActivationOffload
+from autopar.runtime.activation_offload import ActivationOffload
 
 
 class NvmeActivations(ActivationOffload):

@@ -180,7 +180,7 @@ def zero3_gathers(cfg: OuterConfig) -> bool:
 def recast_per_microbatch(summary: AxisSummary, cfg: OuterConfig, parts, lps: float) -> float:
     """Of ``saved_per_microbatch``: the bytes of autocast's low copies of resident parameters, which
     activation offload makes again from the parameter in the backward instead of sending them to
-    the host and back (``runtime/offload.cast_of_resident``): those of the layers that save in full
+    the host and back (``runtime/activation_offload.cast_of_resident``): those of the layers that save in full
     (a recomputed layer saves only its input; per-op recompute re-runs no matmul) and of the
     embedding's and head's parts. None under ZeRO-3 with gathers (dp > 1 or parameters on the host):
     a gathered copy is not resident, it is offloaded."""

@@ -1,5 +1,5 @@
 """Offload's copies beside the compute (``runtime/copy_stream.py``) and the backward's prefetch of
-saved activations (``runtime/offload.ActivationOffload``). The CUDA side stream itself runs in
+saved activations (``runtime/activation_offload.ActivationOffload``). The CUDA side stream itself runs in
 ``tests/runtime/test_gpu.py`` (``-m gpu``); here the prefetch's bookkeeping runs on CPU copies
 that say they overlap."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from autopar.runtime.copy_stream import STREAM_ENV, Copies, side_stream_enabled
-from autopar.runtime.offload import ActivationOffload
+from autopar.runtime.activation_offload import ActivationOffload
 
 
 class _Overlapping(Copies):

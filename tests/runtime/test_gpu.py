@@ -158,7 +158,7 @@ def test_one_gpu_activation_copies_on_the_side_stream_are_exact_and_prefetched(m
 
 def test_one_gpu_bf16_activation_offload_recasts_weight_copies():
     """bf16 autocast with every saved activation offloaded: each matmul's 16-bit weight copy is made
-    again from the resident weight in the backward (``offload.cast_of_resident``), on the compute
+    again from the resident weight in the backward (``activation_offload.cast_of_resident``), on the compute
     stream after the forward's casts, instead of crossing PCIe; the losses are those without
     offload (within 1e-3 relative: the embedding's backward adds atomically, in no fixed order)."""
     import dataclasses

@@ -1,6 +1,6 @@
 """Activation offload under autocast (``runtime/offload.py``): the low-precision copy autocast makes
 of a resident weight, which each matmul saves, is made again from the weight in the backward
-instead of sent to the host and back (``offload.cast_of_resident``, ``params.resident_source``).
+instead of sent to the host and back (``activation_offload.cast_of_resident``, ``params.resident_source``).
 Bit for bit what the same plan trains without offload (the same rounding of the same values), on
 the DTensor path (tp=2) and the plain-tensor path (dp=2); one recast per weight copy the planner
 counts (``solver/autocast.weight_copies``) and per micro-batch; none where the weight is gathered
@@ -67,7 +67,7 @@ def test_offloaded_weight_copies_are_recast_exactly(tiny_full, layout, recast):
 
 
 def test_a_parameter_changed_in_place_before_the_backward_is_an_error():
-    from autopar.runtime.offload import _Recast, recast
+    from autopar.runtime.activation_offload import _Recast, recast
 
     w = torch.randn(4, 3)
     saved = _Recast(w, w._version, torch.bfloat16, ((3, 4), (1, 3), 0), None)

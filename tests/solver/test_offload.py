@@ -161,7 +161,7 @@ def test_offload_parse_errors_say_what_to_write():
 
 def test_resident_weight_copies_are_recast_not_offloaded(monkeypatch):
     """Under autocast a matmul saves a 16-bit copy of its weight; activation offload makes it again
-    from the resident weight in the backward (``runtime/offload.cast_of_resident``), so it crosses
+    from the resident weight in the backward (``runtime/activation_offload.cast_of_resident``), so it crosses
     PCIe only where the weight is gathered (ZeRO-3 over dp > 1). On the compute stream every copy
     is exposed: the two plans' d2h differ by exactly the copies' bytes over PCIe, counted here from
     the model's Linear weights (the tied head once), 2 bytes each; and the resident plan pays the
