@@ -462,8 +462,6 @@ class ParallelModel(TrainingStateAccess):
         return user[0]
 
 
-
-
 def _replicate(t) -> tuple:
     return tuple(Replicate() for _ in t.placements)
 

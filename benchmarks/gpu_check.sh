@@ -59,8 +59,8 @@ measured_vs_predicted() {
   timeout "${OFFLOAD_TIMEOUT:-240}" python3 benchmarks/offload_overlap.py --cluster "$cluster" "${SCRIPT_DRY[@]}" \
     --groups activations,params,step ${OFFLOAD_ARGS:-} 2>&1 | tee "$OUT/offload_overlap.log"
   echo "offload overlap exit: ${PIPESTATUS[0]}"
-  # the NVMe tier's step at once vs beside the next forward, on a model whose state (2.4 GB a step
-  # read and written) the local disk streams in seconds
+  # the NVMe tier's step at once vs beside the next forward, on a model whose state the local disk
+  # streams in seconds (222M parameters: 2.7 GB of fp32 master + moments, read and written a step)
   local nvme_spec=()
   [[ "${DRY_RUN:-0}" == 1 ]] || nvme_spec=(--spec gpt:hidden=2048,layers=4,heads=16,vocab=8192,seq=2048)
   timeout "${NVME_TIMEOUT:-150}" python3 benchmarks/offload_overlap.py --cluster "$cluster" "${SCRIPT_DRY[@]}" \

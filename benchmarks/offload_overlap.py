@@ -187,11 +187,12 @@ def main(argv=None) -> int:
                          "backward among them, do not sum in a fixed order, so even two runs without offload differ "
                          "in bf16 by ~1e-5 after a step)")
     args = ap.parse_args(argv)
-    args.nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="autopar-offload-overlap-")
     groups = [g for g in args.groups.split(",") if g]
     bad = [g for g in groups if g not in GROUPS]
     if bad:
         ap.error(f"--groups {','.join(bad)}: choose from {', '.join(GROUPS)}")
+    if "nvme" in groups and args.nvme_dir is None:    # the store's own directory inside is removed at the end
+        args.nvme_dir = tempfile.mkdtemp(prefix="autopar-offload-overlap-")
     wanted = {"none"} | {label for g in groups for label in GROUPS[g]}
 
     import torch

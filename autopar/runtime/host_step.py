@@ -120,10 +120,15 @@ def as_now(optimizer) -> Callable[[], None]:
     return functools.partial(type(optimizer).step, twin)
 
 
+def _state_bytes(slot) -> int:
+    """fp32 master + Adam's two moments of ``slot``'s whole parameter (3 tensors)."""
+    return 3 * 4 * math.prod(slot.plan.shape)
+
+
 def overlap_chunk_bytes(slots) -> int:
     """An overlapped step's chunk for ``slots`` (the planner's rule, ``cost.offload.
     overlap_chunk_bytes``, on the state ``step_chunks`` counts)."""
-    return cost_offload.overlap_chunk_bytes(sum(3 * 4 * math.prod(s.plan.shape) for s in slots))
+    return cost_offload.overlap_chunk_bytes(sum(_state_bytes(s) for s in slots))
 
 
 def step_chunks(slots, chunk_bytes: int) -> list[list]:
@@ -133,7 +138,7 @@ def step_chunks(slots, chunk_bytes: int) -> list[list]:
     out: list[list] = [[]]
     size = 0
     for s in slots:
-        n = 3 * 4 * math.prod(s.plan.shape)
+        n = _state_bytes(s)
         if out[-1] and size + n > chunk_bytes:
             out.append([])
             size = 0

@@ -7,8 +7,9 @@ values. Counter-based: the rows (indices along dim 0; a 0-d tensor is one row) o
 ``name`` are cut into blocks of ``block_rows(shape)`` consecutive rows (at least
 ``BLOCK_ELEMENTS`` values a block, or one row), and block ``k`` is drawn from a fresh
 ``torch.Generator`` seeded with ``blake2b(seed, name, k)``; a shard draws the blocks its rows
-touch, one at a time, and keeps its rows and columns. (Seeding a generator costs ~20 us: a seed
-per row made a 1.3-billion-parameter model of narrow rows take minutes to build.)
+touch, one at a time, and keeps its rows and columns. (A seed per row made a 200-layer
+hidden-256 GPT's ``materialize`` take 6.3x as long as ``torch.randn`` of as many values; 1.1x
+with blocks: ``benchmarks/init_speed.py``.)
 
 Rules, by the module that owns the parameter (``init_rule``):
 

@@ -42,10 +42,10 @@ class NvmeGrads:
         self._writes.write(self.key(name), grad)
         self.held[name] = (tuple(grad.shape), grad.dtype)
 
-    def read(self, name: str, held=None):
+    def read(self, name: str, held: tuple):
         """Start reading ``name``'s gradient back: (its buffer, the read's future). ``held``: its
-        (shape, dtype) as ``held`` had it (a step reading while the next one has begun)."""
-        shape, dtype = held or self.held[name]
+        (shape, dtype) as ``held`` had it when the step began (the next one may have begun since)."""
+        shape, dtype = held
         out = pinned_empty(shape, dtype, self.device)
         return out, self.store.read(self.key(name), out)
 

@@ -121,8 +121,9 @@ class HostOptimizer:
                              "use host_step='sync' or 'auto' (`autopar run --host-step sync`)")
         overlap = host_step == "overlap" or (host_step == "auto" and why is None and device.type == "cuda")
         # overlapped: the forward's first layers wait for a small first chunk
-        step_bytes = min(chunk_bytes, overlap_chunk_bytes(store.slots)) if overlap else chunk_bytes
-        self._chunks: list[list] = step_chunks(store.slots, step_bytes) if self.nvme is not None else []
+        chunks = step_chunks(store.slots, min(chunk_bytes, overlap_chunk_bytes(store.slots)) if overlap else chunk_bytes)
+        self._chunks: list[list] = chunks if self.nvme is not None else []     # NVMe: the step's, in order
+        self._chunk_at = {c[0].name: i for i, c in enumerate(self._chunks)}    # ... by their first parameter
         self._reading: list = []                         # NVMe: the reads of the next chunk to step, started
         self.grad_files = None                           # nvme_grads: runtime/nvme_grads.NvmeGrads
         self._chunk_grads: dict[str, torch.Tensor] = {}  # ... the stepping chunks' gradients, read back
@@ -134,7 +135,7 @@ class HostOptimizer:
             self.rows.release()
         self.overlapped = None                           # host_step "overlap": runtime/host_step.OverlappedStep
         if overlap:
-            self.overlapped = OverlappedStep(self._chunks or step_chunks(store.slots, overlap_chunk_bytes(store.slots)))
+            self.overlapped = OverlappedStep(chunks)
             store.ctx.host_step = self.overlapped
 
     # ---- gradients down ------------------------------------------------------------------------
@@ -188,6 +189,11 @@ class HostOptimizer:
     def step(self, run: Callable[[], None]) -> None:
         """Run the optimizer step ``run`` on the host (chunk by chunk with NVMe) and copy the
         updated rows up; overlapped (``runtime/host_step.py``): started on a thread, and returns."""
+        if self.nvme is None and self.overlapped is None:
+            run()
+            self._copy_up(self.store.slots)
+            self.copies.synchronize()
+            return
         grads = self._step_grads()
         if self.nvme is not None:
             self._reading = self._read(self._chunks[0], grads) if self._chunks else []
@@ -197,12 +203,8 @@ class HostOptimizer:
             each = self._step_chunk if self.nvme is None else self._nvme_chunk
             self.overlapped.start(lambda chunk: each(step, chunk, grads))
             return
-        if self.nvme is None:
-            run()
-            self._copy_up(self.store.slots)
-        else:
-            for chunk in self._chunks:
-                self._nvme_chunk(run, chunk, grads)
+        for chunk in self._chunks:
+            self._nvme_chunk(run, chunk, grads)
         self.copies.synchronize()
 
     def _step_grads(self) -> dict:
@@ -211,8 +213,7 @@ class HostOptimizer:
         read it while the next step begins (``end_step``, ``ParamStore.zero_grad``)."""
         if self.grad_files is not None:
             return {s.name: self.grad_files.held.get(s.name) for s in self.store.slots}
-        return {s.name: (s.host_grad if self.nvme is None else self._grad_bufs.get(s.name))
-                if s.name in self._taken else None for s in self.store.slots}
+        return {s.name: s.host_grad if s.name in self._taken else None for s in self.store.slots}
 
     def _step_chunk(self, run: Callable[[], None], chunk, grads: dict) -> None:
         """One chunk of an overlapped step, on its thread (the optimizer skips gradient-less ones)."""
@@ -327,7 +328,7 @@ class HostOptimizer:
         an overlapped step's): its reads (started by the chunk before) waited for, the next chunk's
         started, the chunk stepped, its rows copied up and it written back; after the last, every
         write waited for. Only this chunk's parameters carry a gradient while ``run`` steps."""
-        i = next(k for k, c in enumerate(self._chunks) if c[0] is chunk[0])
+        i = self._chunk_at[chunk[0].name]
         for f in self._reading:
             f.result()
         self._reading = self._read(self._chunks[i + 1], grads) if i + 1 < len(self._chunks) else []

@@ -442,6 +442,7 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
     mem = _rank_memory(summary, cfg, profile, r, parts, numel, lps, copies_over)
     compute += grad_pass_s(cfg, numel, profile, gpu)    # the reducer's gradient copies, the micro-batches' adds
     cls = cfg.classes
+    rows, nvme_Bps = optimizer_rows(numel, cfg.data, cfg.zero), cluster.nvme_Bps / cluster.gpus_per_node
     if cls:
         saved = saved_per_microbatch(summary, cfg, parts, lps)
         if "activations" in cls:          # weight copies made again from the weights, not offloaded
@@ -451,8 +452,7 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
         _merge(comm, offload_microbatch_times(cls, host_params_bytes=param_b / cfg.data if cfg.zero == 3 else param_b,
                                               saved_bytes=saved, forward_window_s=win_f, backward_window_s=win_b,
                                               pcie_Bps=cluster.pcie_Bps, overlapped=copies_over,
-                                              nvme_rows_bytes=FP32 * optimizer_rows(numel, cfg.data, cfg.zero),
-                                              nvme_Bps=cluster.nvme_Bps / cluster.gpus_per_node,
+                                              nvme_rows_bytes=FP32 * rows, nvme_Bps=nvme_Bps,
                                               nvme_group_bytes=FP32 * largest_group_numel(summary, parts, first or last)
                                               / cfg.data,
                                               saved_largest_bytes=max(p.max_out_bytes for p, _, _ in parts)), 1.0)
@@ -462,7 +462,6 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
     if cfg.zero >= 1:
         opt /= cfg.data
     if "optimizer" in cls:                   # the CPU step and its traffic replace the device step
-        rows, nvme_Bps = optimizer_rows(numel, cfg.data, cfg.zero), cluster.nvme_Bps / cluster.gpus_per_node
         # the disk's time in a forward: nvme_params' rows read, nvme_activations' saved tensors written
         disk_f = (FP32 * rows * ("nvme_params" in cls) + saved * ("nvme_activations" in cls)) / nvme_Bps
         step = offload_step_times(cls, rows=rows, grad_bytes=profile.grad_bytes,
