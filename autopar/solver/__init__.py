@@ -40,7 +40,9 @@ the node/edge runs per micro-batch in the whole model (the block's multiplicity)
 
 Before the MILP: parallel edges are merged, dominated strategies dropped, and leaf and series
 nodes eliminated exactly (``ilp.eliminate``; replayed afterwards). Solver: HiGHS via
-``pulp.HiGHS`` (CBC if HiGHS is missing), gap 0. ``ilp.brute_force`` is the reference for tests.
+``pulp.HiGHS`` (CBC if HiGHS is missing), gap 0. A problem without memory rows is solved as its LP
+relaxation first: an integral LP optimum is the MILP's (the relaxation bounds it from below), a
+fractional one is solved again as the MILP. ``ilp.brute_force`` is the reference for tests.
 
 The outer search and the pipeline (``search``, ``timing``; formulas in ``cost.flops`` and ``cost.memory``)
 ----------------------------------------------------------------------------------------------------------

@@ -169,6 +169,7 @@ class _Searcher:
         self.solutions: dict = {}
         self._lb: dict = {}
         self._caches: dict = {}
+        self._constrained_ilps: dict = {}
         # second pass (nothing fit without offload, offload not forced): each configuration's
         # offload variants (``offload_choice``); configurations then carry offload "none"
         self.offload_pass = False
@@ -223,9 +224,14 @@ class _Searcher:
         cons = memory_constraints(tab, cfg, ev, self.profile, self.budget, base.summary.layer_input_bytes, by_moments)
         if any(c.rhs < 0 for c in cons):
             return None
-        ilp = solve_ilp(ilp_problem(tab, cons))
-        self.record(ilp)
-        self.stats.ilp_constrained += 1
+        # configurations that differ only outside the tables (ZeRO 1 and 2 with the same room left,
+        # sequence parallelism where the tables ignore it) pose the same problem: solved once
+        key = (_table_key(cfg), cons)
+        ilp = self._constrained_ilps.get(key)
+        if ilp is None:
+            ilp = self._constrained_ilps[key] = solve_ilp(ilp_problem(tab, cons))
+            self.record(ilp)
+            self.stats.ilp_constrained += 1
         if ilp.status != "optimal":
             return None
         choice = {k: ilp.choice[i] for i, k in enumerate(tab.keys)}

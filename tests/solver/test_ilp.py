@@ -68,3 +68,16 @@ def test_infeasible_memory_is_reported():
     r = solve_ilp(p)
     assert r.status == "infeasible" and r.violated == ("memory_budget[stage0]",)
     assert brute_force(p).status == "infeasible"
+
+
+def test_fractional_relaxation_falls_back_to_the_mip():
+    """Unconstrained problems are solved as LP relaxations first (``solve_ilp``); on an odd
+    frustrated cycle the relaxation is fractional (every x = 1/2, the edge marginals all on unequal
+    pairs, objective 0), and only the MIP gives the optimum: K4 with two strategies per node, a
+    cost of 1 where an edge's ends choose alike, colours two nodes each way: 2 such edges."""
+    same = ((1.0, 0.0), (0.0, 1.0))
+    edges = tuple(IlpEdge(u, v, same) for u in range(4) for v in range(u + 1, 4))
+    p = IlpProblem(tuple(f"n{i}" for i in range(4)), ((0.0, 0.0),) * 4, edges)
+    for prune in (True, False):
+        r = solve_ilp(p, prune=prune)
+        assert r.status == "optimal" and r.objective == brute_force(p).objective == 2.0
