@@ -126,6 +126,17 @@ class GraphIR:
                 out.add(n.key)
         return out
 
+    def batch_free(self, sources: frozenset = frozenset()) -> frozenset[str]:
+        """Op nodes computed from parameters, buffers, ``sources`` and each other only (an op
+        without tensor inputs, ``arange``, included), and ``sources``: nothing of the batch reaches
+        them, so on a data-parallel axis their gradients only ever flow to parameters."""
+        kinds = {n.key: n.kind for n in self.nodes}
+        out = set(sources)
+        for n in self.nodes:                         # topological order
+            if n.kind == "op" and all(r.key in out or kinds[r.key] in ("param", "buffer") for r in n.inputs):
+                out.add(n.key)
+        return frozenset(out)
+
     def multiplicity(self, n: NodeInfo) -> int:
         """How many times this node runs in the real model (block count / traced copies)."""
         if n.block is None:

@@ -11,7 +11,7 @@ import functools
 from typing import Optional
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate as TReplicate, Shard as TShard
+from torch.distributed.tensor import DTensor, Partial as TPartial, Replicate as TReplicate, Shard as TShard
 
 from autopar.codegen.program import Placements
 from autopar.codegen.shards import contiguous_stride
@@ -34,11 +34,34 @@ class _Edge(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        for i in ctx.keep:
+            if g.placements[i].is_shard() and ctx.back[i] == TReplicate():
+                g = _summand(g, i)
         back = tuple(have if i in ctx.keep and have.is_partial() else want
                      for i, (have, want) in enumerate(zip(g.placements, ctx.back)))
         if tuple(g.placements) != back:
             g = redistribute(g, back)
         return g, None, None
+
+
+def _summand(g: DTensor, axis: int) -> DTensor:
+    """``g``, sharded on mesh axis ``axis`` (a kept one: the gradient of a value replicated there
+    whose consumers read rows of it, such as ViT's class token broadcast to the batch), as a
+    Partial summand there: this rank's rows in place, zeros elsewhere (their sum over the axis is
+    the whole gradient). No communication, where redistributing to Replicate all-gathers; the
+    reducer sums the parameter's summands. As it is where another axis shards the same dim."""
+    d = g.placements[axis].dim
+    if any(p.is_shard(d) for i, p in enumerate(g.placements) if i != axis):
+        return g
+    n, rank = g.device_mesh.size(axis), g.device_mesh.get_local_rank(axis)
+    size = g.shape[d]
+    chunk = -(-size // n)                       # torch.chunk's split, as DTensor's Shard
+    start = min(rank * chunk, size)
+    local = g.to_local()
+    pad = [0, 0] * (local.dim() - d - 1) + [start, size - start - local.shape[d]]
+    placements = tuple(TPartial() if i == axis else p for i, p in enumerate(g.placements))
+    return DTensor.from_local(torch.nn.functional.pad(local, pad), g.device_mesh, placements, run_check=False,
+                              shape=g.shape, stride=contiguous_stride(g.shape))
 
 
 def _contiguous(x: DTensor) -> DTensor:

@@ -47,7 +47,8 @@ Context parallelism (``context``, cp > 1; ``context_run.py``): the graph was tra
 batch (each sequence's chunk as rows); ``scaled_dot_product_attention`` runs through the cp engine
 (ring or Ulysses) and the position sources (``program.positions``) take this rank's positions.
 Values computed from them (``program.positional``) differ across the DATA axis' cp ranks, so their
-gradient summands stay Partial on DATA, as a parameter's do.
+gradient summands stay Partial on DATA, as a parameter's do; so do those of values computed from
+parameters alone (a position embedding, with or without cp: ``GraphIR.batch_free``).
 
 Axes: the DeviceMesh has the plan's stage mesh axes in ``program.mesh`` order; the executor finds
 the DATA and TENSOR axes by name (``autopar.mesh``), never by position.
@@ -124,10 +125,9 @@ class GraphExecutor:
         data = axis_index(program.mesh, DATA)
         # a parameter's gradient summand stays Partial on the DATA axis (the reducer sums it)
         self._param_keep = () if data is None else (data,)
-        # cp > 1: values computed from this rank's positions only (a position embedding) differ
-        # across the DATA axis' cp ranks, so their gradient summands stay Partial there too (edges
-        # out of them keep the axis), to be summed with the parameter's by the reducer: an
-        # all-reduce on the way would give each rank the sum over all ranks' positions
+        # values computed from parameters (and, cp > 1, this rank's positions) only: their gradient
+        # summands stay Partial on DATA too (edges out of them keep the axis), to be summed with
+        # the parameter's by the reducer (``RankProgram.positional``)
         self._positional = frozenset(n.name for n in program.nodes if n.key in program.positional)
         self._tensor_axis = axis_index(program.mesh, TENSOR)
         self.device = (torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda"

@@ -30,7 +30,7 @@ re-gathers: an edge into an input the plan marks (``NodePlan.regather``: the con
     it got it) whose forward moves are all-gathers only issues them again in backward: the shard
     was kept for it (``runtime/regather.py``); not for a node run through a fused kernel.
 rule-less ops (no planner rule, ``solver/rules.find_rule``): the planner makes them Replicate on
-    dp while their inputs stay batch-sharded (``solver/plan_parts._dp_placements``); DTensor keeps
+    dp while their inputs stay batch-sharded (``solver/data_axis.batch_shard_placements``); DTensor keeps
     the split (a view, a broadcast) and the executor gathers each output to Replicate
     (``GraphExecutor._fix_output``): an all_gather per output on every axis where the plan has
     the op Replicate and some input Shard (none Partial); its gradient goes back for free.
@@ -163,7 +163,7 @@ def _elementwise(target: str) -> bool:
 
 def _rule_less(target: str) -> bool:
     """Whether the planner has no sharding rule for ``target``: it plans the op Replicate on the
-    DATA axis (``solver/plan_parts._dp_placements``) while its inputs stay batch-sharded there."""
+    DATA axis (``solver/data_axis.batch_shard_placements``) while its inputs stay batch-sharded there."""
     return find_rule(target) is None and target != "getitem"
 
 

@@ -125,9 +125,11 @@ class RankProgram:
     # cp > 1: the keys of the position sources the runtime replaces by its chunk's positions
     # (``solver/context.position_sources`` of a graph traced at the chunk's length; ``context_run.py``)
     positions: frozenset[str] = frozenset()
-    # ... and the keys of the nodes computed from them, parameters and buffers only (a position
-    # embedding): their values differ across the DATA axis' cp ranks, so their gradient summands
-    # stay Partial on DATA up to the reducer, as a parameter's do
+    # ... and, where DATA has size > 1, the keys of the nodes computed from them, parameters,
+    # buffers and constants only (``GraphIR.batch_free``: a position embedding): their gradient
+    # summands stay Partial on DATA up to the reducer, as a parameter's do. With cp their values
+    # differ across the DATA axis' cp ranks (an all-reduce on the way would give each rank the sum
+    # over all ranks' positions); without, an all-reduce there would only repeat the reducer's
     positional: frozenset[str] = frozenset()
     context: bool = False          # cp > 1: attention runs over the cp ranks (``context_run.py``)
 
@@ -506,7 +508,8 @@ def compile_program(graph: GraphIR, plan: Plan, *, local_dp: Optional[frozenset[
         from autopar.solver.context import position_sources
 
         positions = position_sources(graph, plan.seq_len // plan.context_parallel)
-        positional = _positional(graph, positions)
+    if mesh.size_of(DATA) > 1:
+        positional = graph.batch_free(positions)
     return RankProgram(mesh=mesh, zero_stage=plan.zero_stage, recompute=plan.recompute,
                        nodes=tuple(nodes), params=params, regions=regions, unplanned=tuple(unplanned),
                        local_dp=local_dp is not None, positions=positions, positional=positional,
@@ -555,15 +558,3 @@ def _regathered(graph: GraphIR, region_of: dict, zero3: bool) -> dict[str, tuple
         if pos:
             out[n.key] = pos
     return out
-
-
-def _positional(graph: GraphIR, positions: frozenset[str]) -> frozenset[str]:
-    """``positions`` and the op nodes computed from them, parameters and buffers only."""
-    kinds = {n.key: n.kind for n in graph.nodes}
-    out = set(positions)
-    for n in graph.nodes:
-        ins = [r.key for r in n.inputs]
-        if n.kind == "op" and any(k in out for k in ins) and all(k in out or kinds[k] in ("param", "buffer")
-                                                                 for k in ins):
-            out.add(n.key)
-    return frozenset(out)

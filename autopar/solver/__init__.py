@@ -6,7 +6,9 @@
 Flow: ``strategies`` (per-node strategies on the tp axis, from the op ``rules``) -> ``problem``
 (cost tables, ``reshard`` on edges, ``saved`` activations) -> ``ilp`` (the program below) ->
 ``search`` (outer space, ``timing`` model, ``runtime_profile`` overlap) -> Plan. ``explain`` answers
-"why not this placement?".
+"why not this placement?". More tensor axes (2-D / 2.5-D / 3-D): one such ILP per axis given the
+others' choices (``tensor_axes``); the data axis: the rules' batch shards, that axis' optimum where
+every op offers them, else the same ILP on it (``data_axis``).
 
 The tp-axis ILP (one per tensor-parallel size t, sequence-parallel flag and micro-batch size)
 --------------------------------------------------------------------------------------------

@@ -113,6 +113,12 @@ def context_problem(facts: GraphFacts) -> Optional[str]:
             continue
         return (f"{n.key} ({n.target}) mixes tokens outside attention, so the sequence cannot be split "
                 "over ranks")
+    from autopar.solver.data_axis import unbatched_ops      # data_axis -> tensor_axes -> problem -> here
+
+    bad = unbatched_ops(facts)
+    if bad:
+        return (f"{bad[0]} ({facts.nodes[bad[0]].target}) does not run on the data axis' batch shards, into which "
+                "context parallelism folds each sequence's chunks (solver/data_axis.py)")
     return None
 
 

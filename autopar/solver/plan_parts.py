@@ -1,39 +1,12 @@
-"""From the search's winning evaluation to a Plan's fields: dp-axis placements of every node, the
-model FLOPs per step (the MFU numerator), the recompute fields and the pipeline stages
-(``search._build_plan`` assembles the Plan)."""
+"""From the search's winning evaluation to a Plan's fields: the model FLOPs per step (the MFU
+numerator), the recompute fields and the pipeline stages (``search._build_plan`` assembles the
+Plan; the DATA axis' placements: ``data_axis.py``)."""
 from __future__ import annotations
 
 from autopar.cost.compute import op_kind
 from autopar.ir import GraphIR
-from autopar.placements import Partial, Replicate, Shard
 from autopar.plan import V_SCHEDULES, Stage
-from autopar.solver.strategies import GraphFacts
 from autopar.solver.timing import Evaluation
-
-
-def _dp_placements(facts: GraphFacts, keys, zero: int) -> tuple[dict, dict]:
-    """dp-axis placements: (of each node's output, of each tensor as its consumers read it).
-    Activations are Shard(batch dim); parameters Replicate, stored Shard(0) under ZeRO-3 and
-    all-gathered before use (their consumers read them Replicate); values reduced over the batch
-    (the loss) are Partial; ops with no sharding rule (``facts.unknown_targets``) are Replicate."""
-    out, read = {}, {}
-    for k in keys:
-        n = facts.nodes[k]
-        if n.kind in ("param", "buffer"):
-            out[k] = Shard(0) if (zero == 3 and n.kind == "param") else Replicate()
-            read[k] = Replicate()
-            continue
-        bd = facts.batch_dims.get(k)
-        if bd:
-            out[k] = Shard(min(bd))
-        elif n.target in facts.unknown_targets:     # no rule: nothing known to be a batch
-            out[k] = Replicate()                    # reduction, so its inputs are gathered
-        elif any(isinstance(read.get(r.key), (Shard, Partial)) for r in facts.inputs[k]):
-            out[k] = Partial()
-        else:
-            out[k] = Replicate()
-        read[k] = out[k]
-    return out, read
 
 
 def model_flops(graph: GraphIR, global_batch: int) -> float:

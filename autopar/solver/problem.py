@@ -25,7 +25,7 @@ from autopar.cost.compute import backward_factor, memory_class, op_kind, op_time
 from autopar.cost.hardware import ClusterSpec, LinkSpec, device_kind
 from autopar.ir import DTYPE_BYTES, SDPA_TARGET, TensorMeta
 from autopar.mesh import TENSOR
-from autopar.placements import Shard
+from autopar.placements import Partial, Shard
 from autopar.solver.ilp import IlpEdge, IlpProblem, LinearConstraint
 from autopar.solver.reshard import grad_target, reshard_kind, reshard_s
 from autopar.solver.rules import arg, base_name
@@ -35,8 +35,8 @@ from autopar.solver.autocast import autocast_dtypes, saved_copy_factor, upcast_i
 from autopar.solver.saved import (AUTOCAST_LOW, DROPOUT_MASK_BYTES_PER_ELEM, is_dropout, kept_tensors,
                                   regathered_operand)
 from autopar.solver.context import attention_comm
-from autopar.solver.strategies import (GraphFacts, batch_scale, enumerate_strategies, input_meta, ref_index,
-                                       scaled_bytes_moved, scaled_metas, tensor_nodes)
+from autopar.solver.strategies import (GraphFacts, batch_scale, bytes_moved_parts, enumerate_strategies, input_meta,
+                                       ref_index, scaled_metas, tensor_nodes)
 
 PARTS = ("pre", "block", "post")
 # Tie-breaker added to the ILP objective: seconds per byte of memory a strategy keeps (local
@@ -178,6 +178,12 @@ class AxisBackground:
     link: LinkSpec
     work: dict                        # op key -> share of the op's work per rank (1: all of it)
     allowed: Callable[[str, object], bool]   # (key, Strategy) -> whether this axis may use it
+    # op key -> rows of the micro-batch the op works on, where not the tables' ``mbs`` (the data
+    # axis' choice: ``data_axis.py``; its share is in the rows, not in ``work``)
+    rows: Optional[dict] = None
+    # this axis splits the batch, not the weights: a strategy's compute scale applies to the bytes
+    # of tensors with a batch dim only (each data-parallel rank reads every weight whole)
+    batch_only: bool = False
 
 
 def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs: int, dtype: str,
@@ -191,17 +197,7 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
     gpu = cluster.gpu
     link = axis_link(cluster, (1, t), 1) if background is None else background.link
     cp_link = axis_link(cluster, (1, cp, t), 1)
-    cache = {} if cache is None else cache
-    if "metas" not in cache:
-        # under autocast (``autocast.py``) activations have autocast's per-op dtypes, and a matmul
-        # saves the low copies of what it reads in fp32: its activation and its weight
-        device = device_kind(cluster)
-        dtypes = autocast_dtypes(facts, dtype, device) if profile.autocast else None
-        cache["metas"] = scaled_metas(facts, mbs, dtype, cp, dtypes)
-        cache["protos"] = {}
-        cache["kept"] = kept_tensors(facts)
-        cache["copies"] = ((saved_copy_factor(facts, dtypes, dtype, device, cache["kept"]), weight_copies(facts, dtypes),
-                            upcast_inputs(facts, dtypes, dtype, device)) if dtypes else ({}, {}, {}))
+    cache = fill_cache(facts, cluster, mbs, dtype, profile, {} if cache is None else cache, cp)
     metas = cache["metas"]
     kept = cache["kept"]
     copy_factor, weights_read, upcast = cache["copies"]
@@ -233,8 +229,10 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
         kind = op_kind(n.target)
         kinds[n.key] = kind
         share = 1.0 if background is None else background.work.get(n.key, 1.0)
-        flops = n.flops * batch_scale(facts, n, mbs / cp) * share
-        nbytes = scaled_bytes_moved(facts, n, mbs / cp, dtype) * share
+        rows = mbs if background is None or background.rows is None else background.rows.get(n.key, mbs)
+        flops = n.flops * batch_scale(facts, n, rows / cp) * share
+        fixed, varying = (b * share for b in bytes_moved_parts(facts, n, rows / cp, dtype))
+        batch_only = background is not None and background.batch_only
         grad = facts.needs_grad.get(n.key, False)
         saves = n.key in kept
         mask = is_dropout(n) and grad
@@ -245,7 +243,9 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
             host += gpu.ring_attention_overhead_s    # the ring's blocks, merges and rotations from Python
         row = []
         for s in strats:
-            compute = op_time_s(flops * s.compute_scale, nbytes * s.compute_scale, dtype, gpu, kind, causal, mclass)
+            cs = (1.0 / t if splits_rows(s) else 1.0) if batch_only else s.compute_scale
+            nbytes = fixed + varying * cs if batch_only else (fixed + varying) * cs
+            compute = op_time_s(flops * cs, nbytes, dtype, gpu, kind, causal, mclass)
             fwd = compute + host
             bwd = compute * backward_factor(kind) if grad else 0.0
             cf = tuple((c.kind, collective_s(c.kind, c.nbytes * share, t, link)) for c in s.comms if c.phase == "fwd")
@@ -274,6 +274,30 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
                       metas, kinds, core_nodes(facts), carried, block_out, count,
                       op_sets=all_op_sets(facts, alias=t == 1), axis=TENSOR if background is None else background.axis,
                       reshard_cache=cache.setdefault("reshard", {}))
+
+
+def splits_rows(s) -> bool:
+    """Whether strategy ``s`` on the data axis works on its rank's rows only: its output or an
+    input is sharded there, or its output is a Partial (a view's too, which a tensor axis counts
+    as whole work: ``Proto.split``)."""
+    return isinstance(s.output, (Shard, Partial)) or any(isinstance(p, Shard) for p in s.inputs)
+
+
+def fill_cache(facts: GraphFacts, cluster: ClusterSpec, mbs: int, dtype: str, profile: RuntimeProfile,
+               cache: dict, cp: int = 1) -> dict:
+    """``build_tables``' cache of one (mbs, cp), filled once: the metas at ``mbs`` rows, the rules'
+    proposals, the tensors kept for backward and autocast's copies. Returns ``cache``."""
+    if "metas" not in cache:
+        # under autocast (``autocast.py``) activations have autocast's per-op dtypes, and a matmul
+        # saves the low copies of what it reads in fp32: its activation and its weight
+        device = device_kind(cluster)
+        dtypes = autocast_dtypes(facts, dtype, device) if profile.autocast else None
+        cache["metas"] = scaled_metas(facts, mbs, dtype, cp, dtypes)
+        cache["protos"] = {}
+        cache["kept"] = kept_tensors(facts)
+        cache["copies"] = ((saved_copy_factor(facts, dtypes, dtype, device, cache["kept"]), weight_copies(facts, dtypes),
+                            upcast_inputs(facts, dtypes, dtype, device)) if dtypes else ({}, {}, {}))
+    return cache
 
 
 def _local_numel(meta: TensorMeta, placement, t: int) -> int:

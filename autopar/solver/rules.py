@@ -407,6 +407,29 @@ def _permute(node, ins, outs):
     return _view_protos({perm[j]: j for j in range(nd)})
 
 
+@rule("movedim", "moveaxis")
+def _movedim(node, ins, outs):
+    """A permutation: the source dims land on the destination positions, the others keep their
+    order in the positions left (``torch.movedim``)."""
+    nd = len(ins[0].shape)
+    src, dst = arg(node, 1, "source"), arg(node, 2, "destination")
+    src = [_norm(d, nd) for d in ([src] if isinstance(src, int) else src)]
+    dst = [_norm(d, nd) for d in ([dst] if isinstance(dst, int) else dst)]
+    perm: list = [None] * nd
+    for a, b in zip(src, dst):
+        perm[b] = a
+    rest = iter(d for d in range(nd) if d not in src)
+    perm = [next(rest) if p is None else p for p in perm]
+    return _view_protos({perm[j]: j for j in range(nd)})
+
+
+@rule("broadcast_tensors")
+def _broadcast_tensors(node, ins, outs):
+    """Every output has the broadcast shape: a dim sharded on each output, and on each input that
+    has it at full size (``broadcast_protos``)."""
+    return broadcast_protos(ins, outs[0]) if outs else []
+
+
 @rule("getitem")
 def _getitem(node, ins, outs):
     nd = len(outs[0].shape) if outs else 0

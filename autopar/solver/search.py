@@ -60,7 +60,6 @@ from autopar.cost.hardware import ClusterSpec
 from autopar.cost.flops import pipeline_bubble_units
 from autopar.solver.forcing import Force, parse_force
 from autopar.ir import GraphIR
-from autopar.placements import Replicate
 from autopar.plan import ClusterRef, NodeStrategy, Plan, parse_offload
 from autopar.mesh import DATA, TENSOR
 from autopar.solver.configs import check_force, model_dims, no_config_error, outer_configs
@@ -73,7 +72,8 @@ from autopar.solver.problem import AxisSummary, AxisTables, PartCost, build_tabl
 from autopar.solver.runtime_profile import AUTOPAR_RUNTIME, RuntimeProfile, for_dtype
 from autopar.recompute_ops import is_per_op
 from autopar.solver.op_classes import RcCost, recompute_candidates, scaled_rc
-from autopar.solver.plan_parts import _dp_placements, _recompute_fields, model_flops, plan_stages
+from autopar.solver.data_axis import data_placements, solve_data_axis, unbatched_ops
+from autopar.solver.plan_parts import _recompute_fields, model_flops, plan_stages
 from autopar.solver.strategies import FLOAT_DTYPES, GraphFacts, graph_facts
 from autopar.solver.offload_choice import best_variant, host_note, lean_memory
 from autopar.solver.memory_constraints import memory_constraints
@@ -170,6 +170,9 @@ class _Searcher:
         self._lb: dict = {}
         self._caches: dict = {}
         self._constrained_ilps: dict = {}
+        # ops whose rule does not offer the batch shards: the DATA axis is solved (``data_axis.py``)
+        self.unbatched = unbatched_ops(self.facts)
+        self._data_solutions: dict = {}
         # second pass (nothing fit without offload, offload not forced): each configuration's
         # offload variants (``offload_choice``); configurations then carry offload "none"
         self.offload_pass = False
@@ -214,6 +217,17 @@ class _Searcher:
                 choice = {k: ilp.choice[i] for i, k in enumerate(tab.keys)}
             self.solutions[key] = AxisSolution(tab, choice, summarize(tab, choice), ilp)
         return self.solutions[key]
+
+    def with_data(self, sol: AxisSolution, cfg: OuterConfig) -> AxisSolution:
+        """``sol`` with ``cfg``'s DATA axis: as it is where the batch shards are the DATA axis'
+        optimum (``data_axis.unbatched_ops`` empty) or dp is 1; else solved (``solve_data_axis``)."""
+        if not self.unbatched or cfg.dp == 1:
+            return sol
+        key = _table_key(cfg) + (cfg.dp,)
+        if key not in self._data_solutions:
+            tab, choice, summary, axes = solve_data_axis(self, sol.tables, sol.choice, sol.axes, cfg)
+            self._data_solutions[key] = AxisSolution(tab, choice, summary, sol.ilp, axes)
+        return self._data_solutions[key]
 
     def constrained(self, cfg: OuterConfig, base: AxisSolution, ev: Evaluation,
                     by_moments: bool = True) -> Optional[AxisSolution]:
@@ -343,7 +357,7 @@ class _Searcher:
                 heapq.heappush(heap, (ev.step.total_s - (ev.step.optimizer_s if self.offload_pass else 0.0),
                                       tie, cfg, 0, ev))
                 continue
-            sol = self.solution(*_table_key(cfg))
+            sol = self.with_data(self.solution(*_table_key(cfg)), cfg)
             if level == 0:
                 if self.offload_pass:          # the fastest variant that fits, else the leanest
                     fit, ev, blocked = best_variant(sol.summary, cfg, self.cluster, self.profile, self.budget)
@@ -477,8 +491,8 @@ def _has_data_axis(cfg) -> bool:
 def _build_plan(s: _Searcher, ev: Evaluation, sol: AxisSolution, seq_len, solve_time_s: float) -> Plan:
     cfg = ev.config
     tab = sol.tables
-    dpp, dp_read = _dp_placements(s.facts, tab.keys, cfg.zero)
-    outer = tuple(reversed(sol.axes))          # outermost first, as the mesh lists them
+    dp_out, dp_ins = data_placements(s.facts, tab.keys, cfg.zero, sol.axes)
+    outer = tuple(reversed([a for a in sol.axes if a[0] != DATA]))     # outermost first, as the mesh lists them
     data_axis = _has_data_axis(cfg)
     def on_data(p) -> tuple:                   # the data axis' entry, where the mesh lists that axis
         return (p,) if data_axis else ()
@@ -486,9 +500,8 @@ def _build_plan(s: _Searcher, ev: Evaluation, sol: AxisSolution, seq_len, solve_
     for k in tab.keys:
         st = tab.strategies[k][sol.choice[k]]
         sts = [t.strategies[k][c[k]] for _, t, c in outer] + [st]
-        ins = tuple(on_data(dp_read.get(r.key, Replicate())) + tuple(x.inputs[i] for x in sts)
-                    for i, r in enumerate(s.facts.inputs[k][:len(st.inputs)]))
-        strategies.append(NodeStrategy(k, on_data(dpp[k]) + tuple(x.output for x in sts), ins, st.name))
+        ins = tuple(on_data(dp_ins[k][i]) + tuple(x.inputs[i] for x in sts) for i in range(len(st.inputs)))
+        strategies.append(NodeStrategy(k, on_data(dp_out[k]) + tuple(x.output for x in sts), ins, st.name))
     full = evaluate(sol.summary, cfg, s.cluster, s.profile, s.budget, all_stages=True)
     stages = plan_stages(full, sol.summary)
     notes = [f"runtime profile: {s.profile.name}",
@@ -505,6 +518,10 @@ def _build_plan(s: _Searcher, ev: Evaluation, sol: AxisSolution, seq_len, solve_
     if s.profile.step_overlapped(s.cluster, cfg.classes, cfg.zero, cfg.data):
         notes.append(f"optimizer step (CPU, offloaded): {full.step.optimizer_s:.4g} s exposed, the rest runs chunk by "
                      "chunk beside the next step's forward (runtime/host_step.py; autoparallelize(host_step=...))")
+    if any(a == DATA for a, _, _ in sol.axes):
+        notes.append("dp-axis ILP: the batch shards are not every op's strategy (" + ", ".join(s.unbatched[:5])
+                     + (", ..." if len(s.unbatched) > 5 else "") + "), so the DATA axis was solved "
+                     "(solver/data_axis.py): placements there from the op rules, collectives priced as dp:*")
     if s.facts.unknown_targets:
         notes.append("no sharding rule (replicated): " + ", ".join(s.facts.unknown_targets))
     strided = [x.key for x in strategies if x.name == "strided"]

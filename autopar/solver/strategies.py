@@ -170,7 +170,54 @@ def _through(facts: GraphFacts, n: NodeInfo, seq: dict, metas: dict) -> set[int]
 def _propagate_roles(facts: GraphFacts, tnodes: list[NodeInfo], through_attention: bool = False):
     """Batch and sequence dims of every tensor node, by the rules' shardings. A causal attention's
     rule does not shard its queries' sequence (tensor parallelism cannot); ``through_attention``:
-    the sequence as context parallelism splits it, through attention and reshapes (``_through``)."""
+    the sequence as context parallelism splits it, through attention and reshapes (``_through``).
+    A tensor broadcast to the batch (ViT's class token, ``expand(B, 1, H)`` of a parameter) has a
+    batch dim too, where an op lines it up with one (``_broadcast_batches``): propagated again
+    with those until nothing more is found."""
+    seeds: dict[str, frozenset] = {}
+    while True:
+        batch, seq, unknown = _propagate(facts, tnodes, through_attention, seeds)
+        more = _broadcast_batches(facts, tnodes, batch)
+        if all(more[k] <= seeds.get(k, frozenset()) for k in more):
+            return batch, seq, unknown
+        seeds = {k: seeds.get(k, frozenset()) | more.get(k, frozenset()) for k in set(seeds) | set(more)}
+
+
+_BROADCASTS = ("expand", "expand_as", "broadcast_to")
+
+
+def _broadcast_batches(facts: GraphFacts, tnodes: list[NodeInfo], batch: dict) -> dict[str, frozenset]:
+    """Broadcast nodes (``_BROADCASTS``) with a dim that is a batch dim by alignment: an op's rule
+    shards its output's batch dim by sharding one input's batch dim and, in the same strategy, the
+    broadcast's dim d, which its own input does not have at full size (a dim the broadcast made)."""
+    metas = {n.key: n.outputs for n in tnodes}
+    found: dict[str, set] = {}
+    for n in tnodes:
+        fn = find_rule(n.target) if n.kind == "op" and batch.get(n.key) else None
+        if fn is None:
+            continue
+        refs = facts.inputs[n.key]
+        ins = [input_meta(facts, n, i, metas) for i in range(len(refs))]
+        for p in fn(n, ins, n.outputs):
+            if not (isinstance(p.output, Shard) and p.output.dim in batch[n.key]) or len(p.inputs) != len(refs):
+                continue
+            if not any(isinstance(pl, Shard) and pl.dim in batch.get(r.key, ()) for pl, r in zip(p.inputs, refs)):
+                continue
+            for pl, r in zip(p.inputs, refs):
+                src = facts.nodes[r.key]
+                if not isinstance(pl, Shard) or pl.dim in batch.get(r.key, ()) or src.kind != "op" \
+                        or base_name(src.target) not in _BROADCASTS or not facts.inputs[src.key]:
+                    continue
+                shape, made = src.out.shape, input_meta(facts, src, 0, metas).shape
+                e = pl.dim - (len(shape) - len(made))
+                if e < 0 or made[e] != shape[pl.dim]:
+                    found.setdefault(r.key, set()).add(pl.dim)
+    return {k: frozenset(v) for k, v in found.items()}
+
+
+def _propagate(facts: GraphFacts, tnodes: list[NodeInfo], through_attention: bool, seeds: dict):
+    """One forward pass of ``_propagate_roles``; ``seeds``: batch dims a node has besides its
+    inputs' (``_broadcast_batches``)."""
     batch: dict[str, frozenset] = {}
     seq: dict[str, frozenset] = {}
     unknown: set[str] = set()
@@ -204,6 +251,7 @@ def _propagate_roles(facts: GraphFacts, tnodes: list[NodeInfo], through_attentio
                         s.add(p.output.dim)
         if through_attention:
             s |= _through(facts, n, seq, metas)
+        b |= seeds.get(n.key, frozenset())
         batch[n.key] = frozenset(b)
         seq[n.key] = frozenset(s)
     return batch, seq, unknown
@@ -255,11 +303,11 @@ def batch_scale(facts: GraphFacts, node: NodeInfo, mbs: int) -> float:
     return mbs / facts.graph.batch_size if touches else 1.0
 
 
-def scaled_bytes_moved(facts: GraphFacts, node: NodeInfo, mbs: int, plan_dtype: str) -> float:
-    """Forward bytes at micro-batch ``mbs`` in the plan dtype: the share of unscaled tensors
-    (weights, masks) stays, the rest scales by mbs / traced batch."""
+def bytes_moved_parts(facts: GraphFacts, node: NodeInfo, mbs: int, plan_dtype: str) -> tuple[float, float]:
+    """Forward bytes at micro-batch ``mbs`` in the plan dtype, as (the share of tensors without a
+    batch dim: weights, masks; the rest, scaled by mbs / traced batch)."""
     if node.bytes_moved <= 0:
-        return 0.0
+        return 0.0, 0.0
     f = mbs / facts.graph.batch_size
     # dtype ratio: the trace may have run in float32; cost in the plan dtype
     ratio = 1.0
@@ -274,7 +322,7 @@ def scaled_bytes_moved(facts: GraphFacts, node: NodeInfo, mbs: int, plan_dtype: 
         if not facts.batch_dims.get(key):
             fixed += m.nbytes
     fixed = min(fixed, node.bytes_moved)
-    return (fixed + (node.bytes_moved - fixed) * f) * ratio
+    return fixed * ratio, (node.bytes_moved - fixed) * f * ratio
 
 
 # ---- enumeration -------------------------------------------------------------------------------

@@ -42,11 +42,12 @@ from typing import Optional
 from autopar.cost.collectives import axis_link
 from autopar.cost.tensor_parallel import parse_tp_mode
 from autopar.ir import TensorMeta
-from autopar.mesh import TENSOR, TENSOR_AXES
+from autopar.mesh import DATA, TENSOR, TENSOR_AXES
 from autopar.placements import Partial, Replicate, Shard
 from autopar.solver.errors import PlanningError
 from autopar.solver.ilp import solve_ilp
-from autopar.solver.problem import AxisBackground, AxisSummary, AxisTables, build_tables, ilp_problem, summarize
+from autopar.solver.problem import (AxisBackground, AxisSummary, AxisTables, build_tables, fill_cache, ilp_problem,
+                                    summarize)
 
 CROSS_ENTROPY = "aten.cross_entropy_loss.default"
 EMBEDDING = "aten.embedding.default"
@@ -120,9 +121,12 @@ def _sharded_dims(solved: dict) -> dict:
 
 
 def _work(solved: dict) -> dict:
-    """op key -> the share of its work one rank of the ``solved`` axes does."""
+    """op key -> the share of its work one rank of the ``solved`` tensor axes does (the data
+    axis' share is in the rows each op works on: ``axis_tables``' ``rows``)."""
     out: dict = {}
     for tab, choice in solved.values():
+        if tab.axis == DATA:
+            continue
         for k in tab.keys:
             out[k] = out.get(k, 1.0) * tab.strategies[k][choice[k]].compute_scale
     return out
@@ -155,17 +159,26 @@ def _allowed(graph_nodes: dict, sharded: dict):
     return allowed
 
 
-def _tables(searcher, axis: str, t: int, solved: dict, link, sp: bool, mbs: int, cp: int, cp_mode: str) -> AxisTables:
-    base = searcher.cache(mbs, cp)
+def axis_tables(searcher, axis: str, t: int, solved: dict, link, sp: bool, mbs: int, cp: int, cp_mode: str,
+                also=None, rows: Optional[dict] = None) -> AxisTables:
+    """The tables of ``axis`` (``t`` ranks) given the ``solved`` axes' choices (module docstring),
+    on the tensors of a micro-batch of ``mbs`` rows; ``also(key, strategy)``: one more filter;
+    ``rows``: the rows each op works on where not ``mbs`` (``AxisBackground.rows``)."""
+    base = fill_cache(searcher.facts, searcher.cluster, mbs, searcher.dtype, searcher.profile,
+                      searcher.cache(mbs, cp), cp)
     metas = _local_metas(base["metas"], solved)
     cache = {"metas": metas, "protos": dict(base["protos"]), "kept": base["kept"], "copies": base["copies"]}
     nodes = {n.key: n for n in searcher.facts.graph.nodes}
-    bg = AxisBackground(axis, link, _work(solved), _allowed(nodes, _sharded_dims(solved)))
+    allowed = _allowed(nodes, _sharded_dims(solved))
+    if also is not None:
+        allowed = (lambda first: lambda k, s: first(k, s) and also(k, s))(allowed)
+    bg = AxisBackground(axis, link, _work(solved), allowed, rows, batch_only=axis == DATA)
     return build_tables(searcher.facts, searcher.cluster, t, sp and axis == TENSOR, mbs, searcher.dtype,
                         searcher.profile, cache, cp=cp, cp_mode=cp_mode, background=bg)
 
 
-def _solve(searcher, tab: AxisTables) -> dict:
+def solve_axis(searcher, tab: AxisTables) -> dict:
+    """One axis' ILP (no solve where every node has one strategy): key -> strategy index."""
     if all(len(tab.strategies[k]) == 1 for k in tab.keys):
         return {k: 0 for k in tab.keys}
     r = solve_ilp(ilp_problem(tab))
@@ -200,11 +213,11 @@ def _sweep(searcher, shape: tuple[int, ...], solved: dict, links: dict, tables: 
     names = axis_names(shape)
     solved = dict(solved)
     for axis, t in reversed(tuple(zip(names[:-1], shape[:-1]))):                 # tp2, then tp3
-        tab = _tables(searcher, axis, t, {a: v for a, v in solved.items() if a != axis}, links[axis], **tables)
-        solved[axis] = (tab, _solve(searcher, tab))
+        tab = axis_tables(searcher, axis, t, {a: v for a, v in solved.items() if a != axis}, links[axis], **tables)
+        solved[axis] = (tab, solve_axis(searcher, tab))
     outer = {a: v for a, v in solved.items() if a != TENSOR}
-    inner_tab = _tables(searcher, TENSOR, shape[-1], outer, links[TENSOR], **tables)
-    inner_choice = _solve(searcher, inner_tab)
+    inner_tab = axis_tables(searcher, TENSOR, shape[-1], outer, links[TENSOR], **tables)
+    inner_choice = solve_axis(searcher, inner_tab)
     axes = tuple((a, tab, choice) for a, (tab, choice) in outer.items())
     return inner_tab, inner_choice, with_outer_axes(summarize(inner_tab, inner_choice), axes, math.prod(shape)), axes
 
