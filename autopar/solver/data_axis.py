@@ -8,10 +8,15 @@ plan says so on the parameter's output, its consumers read it Replicate).
 The batch shards. The rules carry the batch dim through every op that keeps it
 (``GraphFacts.batch_dims``); a sum or mean over it gives a Partial, and what is computed from
 Partials alone stays Partial where the rule is linear (``batch_shard_placements``). Such an
-assignment moves nothing on DATA (producer and consumer agree on every edge), divides every
-batch-carrying op's work by dp (no strategy divides it more) and keeps the least memory, so it is
-an optimum of the DATA axis' ILP whenever each op's rule offers it: ``unbatched_ops`` checks that
-once per graph (on every built-in model it holds: no DATA tables are built, nothing is solved).
+assignment moves nothing on DATA: producer and consumer agree on every edge in forward, and in
+backward the only gradients that do not come back as they went out are the Partial summands of
+values computed from parameters alone (a position embedding read by batch-sharded ops), which the
+runtime keeps Partial up to the reducer, as a parameter's (``RankProgram.positional``; the DATA
+tables price those edges so). It also divides every batch-carrying op's work by dp (no strategy
+divides it more) and keeps the least memory, so it is an optimum of the DATA axis' ILP whenever
+each op's rule offers it (other optima differ in ties, such as a view's placement):
+``unbatched_ops`` checks that once per graph (on every built-in model it holds: no DATA tables
+are built, nothing is solved; ``tests/solver/test_data_axis.py`` solves them anyway).
 
 Elsewhere -- a reduction over the batch that does not sum (``amax``, ``var``, ``norm``), an op
 without a rule reading batch-sharded data (``aten.one_hot``), an op whose rule has no batch shard
@@ -149,6 +154,7 @@ def solve_data_axis(searcher, tables, choice, axes: tuple, cfg):
     split = {k: cfg.mbs if splits_rows(data_tab.strategies[k][data_choice[k]]) else rows for k in data_tab.keys}
     inner = axis_tables(searcher, TENSOR, tables.t, outer, tables.link, sp=cfg.sp, mbs=rows, cp=cfg.cp,
                         cp_mode=cfg.cp_mode, rows=split)
+    inner = replace(inner, mbs=cfg.mbs)           # built on dp x mbs rows; each rank's share is mbs
     inner_choice = solve_axis(searcher, inner)
     out_axes = tuple((a, tab, ch) for a, (tab, ch) in outer.items())
     return inner, inner_choice, with_outer_axes(summarize(inner, inner_choice), out_axes, cfg.tp), out_axes

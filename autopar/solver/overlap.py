@@ -30,7 +30,7 @@ from typing import Sequence
 
 from autopar.comm_overlap import CommOverlap
 from autopar.cost.collectives import collective_s
-from autopar.mesh import TENSOR_AXES
+from autopar.mesh import DATA, TENSOR_AXES
 from autopar.solver.grad_buckets import GradPiece, bucketed_overlap
 
 MB, STEP = "mb", "step"      # a row per micro-batch (x m on the slowest rank) or per step
@@ -191,10 +191,15 @@ def _row(per: str, key: str, total: float, window: float, over: bool, reason: st
     return per, key, total, window, over, reason, min(total, window) if over else 0.0
 
 
-def _upstream(key: str, profile, copies_over: tuple = (), step_over: bool = False) -> tuple[str, bool]:
+def _upstream(key: str, profile, copies_over: tuple = (), step_over: bool = False,
+              per_microbatch: bool = False) -> tuple[str, bool]:
     """(why, known) of a collective priced before the step model (its exposed time only);
-    ``step_over``: the CPU step and the rows' copies after it overlap the next forward."""
+    ``step_over``: the CPU step and the rows' copies after it overlap the next forward;
+    ``per_microbatch``: a collective of the micro-batch's passes (not of the step's sync)."""
     axis, _, kind = key.partition(":")
+    if axis == DATA and per_microbatch:
+        return ("exposed: the data axis moves activations where an op does not run on the batch shards "
+                "(solver/data_axis.py; not overlapped)"), True
     if step_over and (axis, kind) in _AFTER_STEP:
         return (f"remainder after the CPU step and {_AFTER_STEP[axis, kind]} run chunk by chunk beside the next "
                 "forward, the first chunk exposed (runtime/host_step.py, cost/offload.py; hidden part not "
@@ -259,7 +264,7 @@ def account(bottleneck, dp_stage, m: int, profile, cluster, data: int = 1,
             rest = v * scale - covered.get((per, key), 0.0)
             if rest > 1e-12 * max(1.0, v * scale):
                 why, known = _upstream(key, profile, profile.copies_overlapped(cluster, data),
-                                       step_over and per == STEP)
+                                       step_over and per == STEP, per == MB)
                 add(key, rest, 0.0, 0.0, rest, 0.0, why, known)
     out = []
     for key in sorted(acc):

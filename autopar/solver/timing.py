@@ -437,7 +437,8 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
     dp_comm, dp_sync, dp_rows = overlap_dp_sync(cfg, numel, profile, dp_link, win_f, win_b, cluster.overlap_slowdown,
                                                 groups, () if summary.is_lower_bound else
                                                 grad_pieces(summary, lps, first, last, profile.grad_wire_bytes))
-    comm.update(dp_comm)
+    for k, v in dp_comm.items():        # beside the data axis' own resharding (data_axis.py): same keys
+        comm[k] = comm.get(k, 0.0) + v
     copies_over = profile.copies_overlapped(cluster, cfg.data)      # offload's copies on a side stream
     mem = _rank_memory(summary, cfg, profile, r, parts, numel, lps, copies_over)
     compute += grad_pass_s(cfg, numel, profile, gpu)    # the reducer's gradient copies, the micro-batches' adds

@@ -82,6 +82,8 @@ def test_a_max_over_the_batch_is_gathered_and_priced():
     div = next(k for k in by_key if "div" in k)
     assert by_key[div].output[di] == Shard(0)
     assert dict(plan.step_time.comm_s).get("dp:all_gather", 0.0) > 0
+    row = next(o for o in plan.step_time.overlap if (o.axis, o.kind) == ("dp", "all_gather"))
+    assert "data axis moves activations" in row.why         # the report says which gather it is
     assert any(n.startswith("dp-axis ILP") and amax in n for n in plan.notes)
 
 
