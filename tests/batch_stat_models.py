@@ -48,3 +48,38 @@ def attention_batch_max():
     torch.manual_seed(0)
     ids = torch.randint(0, 16, (4, 8))
     return AttentionBatchMax(), (ids,), lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()), ids
+
+
+class BatchMaxBlock(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, width)
+
+    def forward(self, h):
+        h = self.a(h)
+        return h / (h.abs().amax(0, keepdim=True) + 1.0)
+
+
+class BatchMaxStack(nn.Module):
+    """:class:`BatchMaxNorm`'s statistic in each of four repeated blocks (traced once, collapsed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList([BatchMaxBlock() for _ in range(4)])
+        self.out = nn.Linear(16, 4)               # the last Linear: the zoo's targets are its classes
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+STACK_SPEC = f"{os.path.abspath(__file__)}:batch_max_stack"
+
+
+def batch_max_stack():
+    """(module, example inputs, loss, target) at a batch of 8 rows."""
+    torch.manual_seed(0)
+    return BatchMaxStack(), (torch.randn(8, 8),), nn.functional.cross_entropy, torch.randint(0, 4, (8,))

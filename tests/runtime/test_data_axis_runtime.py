@@ -2,7 +2,9 @@
 (``solver/data_axis.py``): a max over the batch (its input all-gathered over dp, then computed
 whole), and ViT's class token (a parameter broadcast to the batch, whose gradient stays Partial on
 dp up to the reducer, ``RankProgram.positional``). Each run equals one process (losses, every
-step's gradients, final weights) and every rank issues exactly the predicted collectives."""
+step's gradients, final weights) and every rank issues exactly the predicted collectives; the statistic in repeated blocks under
+dp x tp too (one micro-batch: with several, a statistic over the batch is each micro-batch's, as
+BatchNorm's)."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +16,7 @@ from autopar.placements import Replicate
 from autopar.runtime.launch import spawn_ranks
 from autopar.solver.forcing import parse_force
 from autopar.solver.search import plan_model
-from batch_stat_models import SPEC as BATCH_MAX
+from batch_stat_models import SPEC as BATCH_MAX, STACK_SPEC
 from bodies import BATCH, check_against_reference, check_collectives, full_trace, reference, train_jobs
 
 pytestmark = pytest.mark.slow
@@ -28,10 +30,11 @@ def _plan(spec: str, force: str, world: int):
 
 
 @pytest.mark.parametrize("spec,force,world,dp_mode", [(BATCH_MAX, "dp=2", 2, "auto"), (BATCH_MAX, "dp=2", 2, "dtensor"),
+                                                      (STACK_SPEC, "dp=2,tp=2", 4, "auto"),
                                                       (VIT, "dp=2,tp=2", 4, "auto")])
 def test_solved_data_axis_runs_exactly(spec, force, world, dp_mode):
     graph, plan = _plan(spec, force, world)
-    if spec == BATCH_MAX:                      # the max reads its input whole: gathered over dp
+    if spec in (BATCH_MAX, STACK_SPEC):        # the max reads its input whole: gathered over dp
         amax = next(s for s in plan.strategies if "amax" in s.key)
         di = plan.mesh_axes.index(DATA)
         assert amax.output[di] == Replicate() and amax.inputs[0][di] == Replicate()
@@ -39,5 +42,5 @@ def test_solved_data_axis_runs_exactly(spec, force, world, dp_mode):
     results = [r[0] for r in spawn_ranks(train_jobs, world, ([job],), timeout_s=120)]
     check_against_reference(results, reference(False, 0, spec))
     check_collectives(results, lambda tp_rank: expected_collectives(graph, plan, tp_rank=tp_rank))
-    if spec == BATCH_MAX:
+    if spec in (BATCH_MAX, STACK_SPEC):
         assert any(k[0] == "all_gather" and k[1] == "dp" and k[3] == "forward" for k in results[0]["issued"])
