@@ -22,6 +22,8 @@ The classes, found in the traced graph by aten target (``solver/op_classes.py``)
 """
 from __future__ import annotations
 
+import functools
+
 from typing import Optional
 
 OP_CLASSES = ("attention", "mlp_act", "norm")
@@ -61,6 +63,7 @@ def recompute_name(classes) -> str:
     return OPS_PREFIX + "+".join(cs)
 
 
+@functools.lru_cache(maxsize=256)      # asked per configuration and rank by the search's step model
 def recompute_classes(value: str) -> Optional[tuple[str, ...]]:
     """The op classes a recompute recomputes per operator: () for "none", ("attention",) for
     "selective", the named ones for "ops:..."; None for the per-layer kinds ("full", "partial")."""
