@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial as TPartial, Replicate as TReplicate, Shard as TShard
 
 from autopar.codegen.program import Placements
-from autopar.codegen.shards import contiguous_stride
+from autopar.codegen.shards import chunk_range, contiguous_stride
 from autopar.placements import Partial, Replicate, Shard, gathers_only, redistribute_steps, to_torch
 
 
@@ -53,10 +53,8 @@ def _summand(g: DTensor, axis: int) -> DTensor:
     d = g.placements[axis].dim
     if any(p.is_shard(d) for i, p in enumerate(g.placements) if i != axis):
         return g
-    n, rank = g.device_mesh.size(axis), g.device_mesh.get_local_rank(axis)
     size = g.shape[d]
-    chunk = -(-size // n)                       # torch.chunk's split, as DTensor's Shard
-    start = min(rank * chunk, size)
+    start, _ = chunk_range(size, g.device_mesh.size(axis), g.device_mesh.get_local_rank(axis))
     local = g.to_local()
     pad = [0, 0] * (local.dim() - d - 1) + [start, size - start - local.shape[d]]
     placements = tuple(TPartial() if i == axis else p for i, p in enumerate(g.placements))
