@@ -52,7 +52,7 @@ def test_the_batch_shards_are_the_data_ilp_optimum(spec, force):
     out, read = batch_shard_placements(facts, data_tab.keys, 0)
     shards = {}
     for k in data_tab.keys:          # the batch shards as a choice in the DATA tables
-        want = tuple(read.get(r.key, Replicate()) for r in facts.inputs[k])
+        want = tuple(read.get(ref.key, Replicate()) for ref in facts.inputs[k])
         shards[k] = next(i for i, x in enumerate(data_tab.strategies[k]) if x.output == out[k]
                          and (facts.nodes[k].kind != "op" or tuple(x.inputs) == want))
     optimum = ilp_problem_objective(data_tab, data_choice)
