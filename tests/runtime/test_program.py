@@ -96,3 +96,18 @@ def test_zero3_runs_the_local_data_parallel_path(tiny_full):
     assert stored["transformer.wpe.weight|param|0"] == Shard(0)     # the rows the plan stores
     nodes = local_dp_nodes(tiny_full, zero3)
     assert nodes is not None and nodes == local_dp_nodes(tiny_full, hand_plan(tiny_full, dp=2, tp=1, zero=1))
+
+
+def test_values_of_parameters_alone_keep_their_gradient_partial_on_dp(tiny_full):
+    """The position embedding (``wpe`` of the positions, no batch in it) keeps its gradient summand
+    Partial on dp up to the reducer, as a parameter does: no all-reduce of it in the backward
+    (T x H values a micro-batch), and none predicted; one dp rank keeps nothing."""
+    g = tiny_full
+    wpe = next(n.key for n in g.nodes if n.key.startswith("transformer.wpe|"))
+    plan = hand_plan(g, dp=2, tp=2)
+    assert wpe in compile_program(g, plan).positional
+    assert wpe not in compile_program(g, hand_plan(g, dp=1, tp=2)).positional
+    emb = next(n for n in g.nodes if n.key == wpe).out
+    grad_bytes = emb.numel * 4
+    dp_bwd = [c for c in expected_collectives(g, plan, tp_rank=0) if c.axis == "dp" and c.phase == "backward"]
+    assert not any(c.kind == "all_reduce" and c.nbytes == grad_bytes for c in dp_bwd), dp_bwd
