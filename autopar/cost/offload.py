@@ -124,7 +124,8 @@ def host_optimizer_bytes(rows: float, moments: int = 2) -> float:
 
 
 def nvme_state_bytes(rows: float, moments: int = 2) -> float:
-    """The optimizer state NVMe offload keeps in files: fp32 master + moments (no grad buffer)."""
+    """The optimizer state of ``rows`` elements, fp32 master + moments (no grad buffer): what NVMe
+    offload keeps in files, and what a host step's chunk steps (``overlap_chunk_bytes``)."""
     return rows * FP32 * (1 + moments)
 
 
@@ -255,7 +256,7 @@ def offload_step_times(classes: Iterable[str], *, rows: float, grad_bytes: float
 def overlap_first_chunk(stage_numel: float, moments: int = 2) -> float:
     """The share of an overlapped host step in its first chunk (``overlap_chunk_bytes`` of the
     stage's state, cut on the whole parameters: fp32 master + Adam's moments, 3 tensors)."""
-    state = stage_numel * FP32 * (1 + moments)
+    state = nvme_state_bytes(stage_numel, moments)
     return min(1.0, overlap_chunk_bytes(state) / state) if state > 0 else 1.0
 
 

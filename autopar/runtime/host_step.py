@@ -121,8 +121,8 @@ def as_now(optimizer) -> Callable[[], None]:
 
 
 def _state_bytes(slot) -> int:
-    """fp32 master + Adam's two moments of ``slot``'s whole parameter (3 tensors)."""
-    return 3 * 4 * math.prod(slot.plan.shape)
+    """fp32 master + Adam's two moments of ``slot``'s whole parameter (the planner's rule)."""
+    return int(cost_offload.nvme_state_bytes(math.prod(slot.plan.shape)))
 
 
 def overlap_chunk_bytes(slots) -> int:

@@ -71,8 +71,9 @@ def _heads(facts: GraphFacts) -> int:
     return model_dims(facts.graph)["heads"] or 0
 
 
-def context_problem(facts: GraphFacts) -> Optional[str]:
-    """Why this model cannot run context-parallel (None: it can)."""
+def context_problem(facts: GraphFacts, unbatched: Optional[tuple] = None) -> Optional[str]:
+    """Why this model cannot run context-parallel (None: it can). ``unbatched``: the graph's
+    ``data_axis.unbatched_ops`` where the caller has them (computed here otherwise)."""
     seq = facts.seq_len
     g = facts.graph
     if not seq:
@@ -113,11 +114,12 @@ def context_problem(facts: GraphFacts) -> Optional[str]:
             continue
         return (f"{n.key} ({n.target}) mixes tokens outside attention, so the sequence cannot be split "
                 "over ranks")
-    from autopar.solver.data_axis import unbatched_ops      # data_axis -> tensor_axes -> problem -> here
+    if unbatched is None:
+        from autopar.solver.data_axis import unbatched_ops      # data_axis -> tensor_axes -> problem -> here
 
-    bad = unbatched_ops(facts)
-    if bad:
-        return (f"{bad[0]} ({facts.nodes[bad[0]].target}) does not run on the data axis' batch shards, into which "
+        unbatched = unbatched_ops(facts)
+    if unbatched:
+        return (f"{unbatched[0]} ({facts.nodes[unbatched[0]].target}) does not run on the data axis' batch shards, into which "
                 "context parallelism folds each sequence's chunks (solver/data_axis.py)")
     return None
 

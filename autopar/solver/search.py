@@ -254,7 +254,7 @@ class _Searcher:
     def run(self) -> tuple[Evaluation, AxisSolution]:
         world = self.cluster.num_gpus
         layers = self.graph.blocks[0].count if len(self.graph.blocks) == 1 else 1
-        problem = context_problem(self.facts)
+        problem = context_problem(self.facts, self.unbatched)
         check_context_force(self.force, self.facts, problem)
 
         def cp_options(rest: int, tp: int) -> list:
