@@ -27,10 +27,11 @@ class _Edge(torch.autograd.Function):
     def forward(ctx, x, target, keep_partial_axes):
         ctx.back = _grad_placements(x.placements)
         ctx.keep = keep_partial_axes
-        ctx.passes_through = tuple(x.placements) == tuple(target)    # a view: ``activation_offload.cast_of_resident``
+        # a Partial value goes to its consumer contiguous (``_partial_contiguous``): a copy then
+        ctx.passes_through = tuple(x.placements) == tuple(target) and not _needs_copy(x, target)
         if ctx.passes_through:
-            return x.view_as(x)
-        return redistribute(x, target)
+            return x.view_as(x)         # a view: ``activation_offload.cast_of_resident``
+        return _partial_contiguous(redistribute(x, target))
 
     @staticmethod
     def backward(ctx, g):
@@ -74,6 +75,20 @@ def _contiguous(x: DTensor) -> DTensor:
         return x
     return DTensor.from_local(x.to_local().contiguous(), x.device_mesh, x.placements, run_check=False,
                               shape=x.shape, stride=contiguous_stride(x.shape))
+
+
+def _needs_copy(x: DTensor, target) -> bool:
+    return not x.is_contiguous() and any(p.is_partial() for p in target)
+
+
+def _partial_contiguous(x: DTensor) -> DTensor:
+    """``x`` contiguous where it is Partial on some mesh axis. An op that copies a non-contiguous
+    input runs ``aten.clone`` (``linear`` and ``matmul`` reshape theirs: a channels-last view after
+    ``movedim``), and DTensor's clone strategy takes Partial to Replicate: an all-reduce of the
+    activation that the plan does not have, and the op then runs replicated (its weight's gradient
+    comes out Replicate, not the Partial the plan reduces). Made contiguous here, locally, the op
+    reads it as a view and keeps the Partial (``tests/runtime/test_edges.py``)."""
+    return _contiguous(x) if _needs_copy(x, x.placements) else x
 
 
 def release_masks(out) -> None:
@@ -170,12 +185,13 @@ def edge(x: DTensor, target: tuple, keep_partial_axes: tuple[int, ...] = (), reg
     kept for backward instead)."""
     same = tuple(x.placements) == target
     if not (x.requires_grad and torch.is_grad_enabled()):
-        out = x if same else redistribute(x, target)
+        out = _partial_contiguous(x if same else redistribute(x, target))
     else:
         mesh = x.device_mesh
         guard = any(isinstance(p, TReplicate) and mesh.size(i) > 1 and i not in keep_partial_axes
                     for i, p in enumerate(target))
-        out = x if same and not guard else _Edge.apply(x, target, keep_partial_axes)
+        passes = same and not guard and not _needs_copy(x, target)
+        out = x if passes else _Edge.apply(x, target, keep_partial_axes)
     if regather is not None and not same and torch.is_grad_enabled() and _gathers_only(
             _plan_placements(x.placements, x.ndim), _plan_placements(target, x.ndim)):
         regather.register(x, target, out)
