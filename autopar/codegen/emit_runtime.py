@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate as TReplicate
 
 from autopar.codegen import fallback
 from autopar.codegen.causal_check import MaskVerdicts, agree_on_every_rank, local_causal
-from autopar.codegen.edges import edge, release_masks, resolve_placements
+from autopar.codegen.edges import edge, release_masks, resolve_placements, unmasked
 from autopar.codegen.shards import contiguous_stride, local_ranges, slice_of
 from autopar.codegen.vocab_ce import VocabParallelCE, ce_arg, vocab_parallel_ce
 from autopar.codegen.writes import probe_copies, write_back as write_buffers
@@ -142,9 +142,9 @@ def pin(rt: StageRuntime, out, placements: str, keep_partial_grad: Optional[str]
     if isinstance(out, torch.Tensor) and not isinstance(out, DTensor) and not rt.local_dp:
         out = DTensor.from_local(out, rt.mesh, tuple(TReplicate() for _ in range(rt.mesh.ndim)), run_check=False)
     if isinstance(out, DTensor):
-        return redistribute(out, placements, keep_partial_grad)
+        return redistribute(unmasked(out), placements, keep_partial_grad)
     if isinstance(out, (tuple, list)):
-        return type(out)(redistribute(o, placements, keep_partial_grad) if isinstance(o, DTensor) else o
+        return type(out)(redistribute(unmasked(o), placements, keep_partial_grad) if isinstance(o, DTensor) else o
                          for o in out)
     return out
 

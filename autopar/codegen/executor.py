@@ -67,7 +67,7 @@ from torch.distributed.tensor import DTensor, Replicate as TReplicate
 from autopar.codegen import fallback
 from autopar.codegen.causal_check import RuntimeCausalMasks, agree_on_every_rank
 from autopar.codegen.context_run import ContextRun
-from autopar.codegen.edges import edge, release_masks, resolve, resolve_placements
+from autopar.codegen.edges import edge, release_masks, resolve, resolve_placements, unmasked
 from autopar.codegen.fused import FusedKernels
 from autopar.codegen.patterns import Match, find_fusions, node_inputs
 from autopar.codegen.program import NodePlan, Placements, Region, RankProgram, axis_index
@@ -526,10 +526,14 @@ class GraphExecutor:
                                      run_check=False)
         if p.output is None:
             return out
+        def fixed(o: DTensor) -> DTensor:
+            o = unmasked(o)
+            return edge(o, resolve(o, p.output), keep)
+
         if isinstance(out, DTensor):
-            return edge(out, resolve(out, p.output), keep)
+            return fixed(out)
         if isinstance(out, (tuple, list)):
-            return type(out)(edge(o, resolve(o, p.output), keep) if isinstance(o, DTensor) else o for o in out)
+            return type(out)(fixed(o) if isinstance(o, DTensor) else o for o in out)
         return out
 
     def _placeholder(self, node: fx.Node, p: NodePlan, inputs, target):

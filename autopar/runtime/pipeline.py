@@ -130,9 +130,12 @@ class StageModule(nn.Module):
 
     def forward(self, *args):
         if self.recv:
-            if self._on_send is not None:        # each received activation's gradient goes back
-                # (hooked on a fresh view: torch reuses its receive buffers from step to step)
-                args = tuple(a.view_as(a) if a.requires_grad else a for a in args)
+            # each received activation's gradient goes back by a point-to-point send, which takes
+            # only a contiguous buffer: the stage's first op may be a view (``movedim``), whose
+            # input gradient is a permuted view (``_ContiguousGrad``; a fresh view forward: torch
+            # reuses its receive buffers from step to step, and the byte count hooks on it)
+            args = tuple(_ContiguousGrad.apply(a) if a.requires_grad else a for a in args)
+            if self._on_send is not None:
                 for a in args:
                     if a.requires_grad:
                         a.register_hook(self._sent_back)
@@ -156,6 +159,18 @@ class StageModule(nn.Module):
 
     def _sent_back(self, grad: torch.Tensor) -> None:
         self._on_send(grad.numel() * grad.element_size(), "backward")
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """``t`` (a fresh view of it) whose gradient comes back contiguous."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
 
 
 class _NotView(torch.autograd.Function):
