@@ -226,7 +226,11 @@ def _sdpa(node, ins, outs):
 
 def broadcast_protos(ins: Sequence[TensorMeta], out: TensorMeta, skip_dims: Sequence[int] = ()) -> list[Proto]:
     """Output dim d sharded; each input aligned from the right is S(its dim) if it has that dim at
-    full size, else R (broadcast)."""
+    full size, else R (broadcast: the dim is missing or of size 1). An input whose dim is neither
+    gives no proto for d: that happens only in a table of local tensors (``tensor_axes``), where
+    an input is the producer's piece on another mesh axis and the op reads it resharded there (a
+    data-axis gather into a batch-replicated loss): read as a broadcast, the op's output would be
+    split on d from replicated inputs, a split the op does not make."""
     no = len(out.shape)
     protos = []
     for d in range(no):
@@ -235,8 +239,12 @@ def broadcast_protos(ins: Sequence[TensorMeta], out: TensorMeta, skip_dims: Sequ
         placements = []
         for m in ins:
             e = d - (no - len(m.shape))
-            placements.append(Shard(e) if e >= 0 and m.shape[e] == out.shape[d] else R)
-        protos.append(Proto("", Shard(d), tuple(placements)))
+            size = m.shape[e] if e >= 0 else 1
+            if size not in (1, out.shape[d]):
+                break
+            placements.append(Shard(e) if size == out.shape[d] else R)
+        else:
+            protos.append(Proto("", Shard(d), tuple(placements)))
     return protos
 
 

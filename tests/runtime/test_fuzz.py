@@ -203,10 +203,21 @@ TIED_LOOKUP_TWICE = _case(_spec(kind="tokens", hidden=12, heads=4, ffn=12, layer
                           dict(dp=1, tp=4, pp=1, recompute="none", mbs=1))
 
 
+# An MSE loss (no rule splits it over the batch: the data axis is solved, the loss replicated on
+# dp) reads the head's rows gathered on dp; the tp axis' table, on each rank's pieces, read that
+# input as a broadcast and split the loss' broadcast_tensors over the batch from replicated
+# inputs, which the run then gathered back in the backward (an all_gather the prediction did not
+# have; ``benchmarks/fuzz.py --seed 40``; ``rules.broadcast_protos``).
+MSE_DATA_GATHER = _case(_spec(kind="features", hidden=12, heads=3, ffn=3, layers=3, block=["linear", "linear"],
+                              norm="layernorm", act="silu", causal=True, seq=0, features=8, loss="mse", batch=8,
+                              seed=9),
+                        dict(dp=2, tp=2, pp=1, recompute="full", zero=2, mbs=2))
+
+
 @pytest.fixture(scope="module")
 def four_rank_regressions():
     """The four-rank regressions below, in one launch."""
-    named = {"conv_hybrid": CONV_HYBRID, "tied_lookup_twice": TIED_LOOKUP_TWICE}
+    named = {"conv_hybrid": CONV_HYBRID, "tied_lookup_twice": TIED_LOOKUP_TWICE, "mse_data_gather": MSE_DATA_GATHER}
     return dict(zip(named, run_cases(list(named.values()), 4, check_prediction=True)))
 
 
@@ -326,3 +337,9 @@ def test_grouped_conv_splits_only_the_batch():
 
     assert (Shard(1), (Replicate(), Shard(0), Shard(0))) in protos(1)
     assert protos(2) == {(Shard(0), (Shard(0), Replicate(), Replicate()))}
+
+
+def test_a_batch_replicated_loss_issues_the_predicted_collectives(four_rank_regressions):
+    o = four_rank_regressions["mse_data_gather"]
+    assert o.status == "pass", f"{o.line()}\n{o.detail[-3000:]}"
+    assert o.traffic.get("dp") and o.traffic.get("tp") and not o.unpredicted, (o.traffic, o.unpredicted)

@@ -5,7 +5,7 @@ from autopar.cost import collective_s, make_cluster
 from autopar.ir import Ref, TensorMeta
 from autopar.placements import Partial, Replicate, Shard
 from autopar.solver.reshard import grad_target, reshard_kind, reshard_s
-from autopar.solver.rules import einsum_protos, view_dim_map
+from autopar.solver.rules import broadcast_protos, einsum_protos, view_dim_map
 from autopar.solver.strategies import enumerate_strategies, graph_facts, scaled_metas
 
 from solver_helpers import linear_chain_graph, node, tensor
@@ -20,6 +20,21 @@ def test_einsum_linear_gives_col_row_and_data():
     assert protos["colwise"].inputs == (R, Shard(0)) and protos["colwise"].output == Shard(2)
     assert protos["rowwise"].inputs == (Shard(2), Shard(1)) and protos["rowwise"].output == P
     assert protos["S(0)"].inputs == (Shard(0), R)          # batch: weight replicated
+
+
+def test_broadcast_shards_only_full_or_broadcast_dims():
+    """A dim sharded on the output is sharded on each input that has it at full size and replicated
+    on each that broadcasts it (missing or of size 1). In a table of local tensors an input may
+    have it at neither size (its producer's piece, which the op reads gathered on another axis: a
+    data-axis gather into a batch-replicated loss, ``benchmarks/fuzz.py --seed 40``): then no
+    split of that dim, where it read as a broadcast split the output from replicated inputs."""
+    out = TensorMeta((8, 3), "float32")
+    full, row, col = TensorMeta((8, 3), "float32"), TensorMeta((1, 3), "float32"), TensorMeta((3,), "float32")
+    by_dim = lambda ins: {p.output.dim: p.inputs for p in broadcast_protos(ins, out)}
+    assert by_dim([full, row]) == {0: (Shard(0), R), 1: (Shard(1), Shard(1))}
+    assert by_dim([full, col]) == {0: (Shard(0), R), 1: (Shard(1), Shard(0))}
+    piece = TensorMeta((4, 3), "float32")                   # 4 of the 8 rows
+    assert by_dim([piece, full]) == {1: (Shard(1), Shard(1))}
 
 
 @pytest.mark.parametrize("a,b,expected", [
