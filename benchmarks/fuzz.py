@@ -1,6 +1,6 @@
 """Fuzz plan + run: random small models under random forced plans on gloo CPU ranks.
 
-    python benchmarks/fuzz.py [--cases 32] [--world 2 4] [--seed 0] [--verbose]
+    python benchmarks/fuzz.py [--cases 32] [--world 2 4] [--seed 0] [--verbose] [--wide] [--predictions]
 
 Each case (``tests/fuzz_models.py``: a random model of linears, norms, residuals, attention,
 embeddings, convs and activations at odd sizes; a forced dp x tp x pp mesh, ZeRO stage,
@@ -24,8 +24,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "runtime")]
 
 
-def draw_cases(n: int, world: int, seed: int) -> list:
-    """``n`` distinct cases for ``world`` ranks (hypothesis examples), the same for the same seed."""
+def draw_cases(n: int, world: int, seed: int, wide: bool = False) -> list:
+    """``n`` distinct cases for ``world`` ranks (hypothesis examples), the same for the same seed;
+    ``wide``: ``fuzz_models.forced_plans``' wider plans."""
     from hypothesis import HealthCheck, Phase, given, settings, seed as hseed
 
     from fuzz_models import case_repr, cases
@@ -35,7 +36,7 @@ def draw_cases(n: int, world: int, seed: int) -> list:
     @settings(max_examples=4 * n, database=None, phases=[Phase.generate], deadline=None,
               suppress_health_check=list(HealthCheck))
     @hseed(seed * 10 + world)
-    @given(cases(world))
+    @given(cases(world, wide=wide))
     def _draw(c):
         if len(got) < n:
             got.setdefault(case_repr(c), c)
@@ -50,6 +51,8 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=int, nargs="+", default=[2, 4], choices=[2, 4])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--verbose", action="store_true", help="print every case and failure tracebacks")
+    ap.add_argument("--wide", action="store_true",
+                    help="wider plans: context parallelism, the 2-D tensor mesh, pipeline schedules, offload")
     ap.add_argument("--predictions", action="store_true",
                     help="also compare the collectives issued with codegen/expected.py's prediction (pp=1 "
                          "cases; reported, not failures)")
@@ -62,7 +65,7 @@ def main(argv=None) -> int:
     outcomes = []
     for i, world in enumerate(args.world):
         n = args.cases // len(args.world) + (1 if i < args.cases % len(args.world) else 0)
-        cs = draw_cases(n, world, args.seed)
+        cs = draw_cases(n, world, args.seed, args.wide)
 
         def show(o, world=world):
             if args.verbose or o.status == "fail":

@@ -296,20 +296,38 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+# ``wide`` plans also draw these (``forced_plans``)
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zb", "zbv")
+OFFLOADS = ("none", "optimizer", "activations", "optimizer+grads", "optimizer+params")
+
+
 @st.composite
-def forced_plans(draw, spec: dict, world: int):
-    """A ``--force`` dict for ``world`` ranks: dp x tp x pp == world (pp only where the model has
-    at least pp repeated layers), ZeRO 0-3 (> 0 only with dp > 1), recompute, and the
-    micro-batch size. Mostly plans that should run; the solver and runtime must refuse the rest
-    clearly."""
+def forced_plans(draw, spec: dict, world: int, wide: bool = False):
+    """A ``--force`` dict for ``world`` ranks: dp x tp x pp (x cp) == world (pp only where the
+    model has at least pp repeated layers), ZeRO 0-3 (> 0 only with dp > 1), recompute, and the
+    micro-batch size. ``wide``: also context parallelism over a model with attention (cp 2, ring or
+    Ulysses), the tensor mesh's family at tp 4 (1-D or 2-D), the pipeline schedule, and an
+    offload (host memory; no NVMe). Mostly plans that should run; the solver and runtime must
+    refuse the rest clearly."""
     pps = [p for p in _divisors(world) if p == 1 or spec["layers"] >= p and spec["layers"] >= 2]
     pp = draw(st.sampled_from(pps))
     tps = _divisors(world // pp)
     if draw(st.integers(0, 3)):          # mostly a tp the model can take (the rest: a clear refusal)
         tps = [t for t in tps if tp_fits(spec, t)] or tps
     tp = draw(st.sampled_from(tps))
-    dp = world // (pp * tp)
+    cp = 1
+    if wide and "attn" in spec["block"] and (world // (pp * tp)) % 2 == 0 and draw(st.booleans()):
+        cp = 2
+    dp = world // (pp * tp * cp)
     force = {"dp": dp, "tp": tp, "pp": pp, "recompute": draw(st.sampled_from(["none", "selective", "full"]))}
+    if cp > 1:
+        force.update(cp=cp, cpmode=draw(st.sampled_from(["ring", "ulysses"])))
+    if wide and tp == 4:
+        force["tpmode"] = draw(st.sampled_from(["1d", "2d"]))
+    if wide and pp > 1:
+        force["schedule"] = draw(st.sampled_from(SCHEDULES))
+    if wide:
+        force["offload"] = draw(st.sampled_from(OFFLOADS))
     if dp > 1:
         force["zero"] = draw(st.integers(0, 3))
     per_replica = spec["batch"] // dp if spec["batch"] % dp == 0 else 0
@@ -347,12 +365,13 @@ def fast_links_cluster(world: int):
 
 
 @st.composite
-def cases(draw, world: int, batch: Optional[int] = None):
-    """One fuzz case for ``world`` ranks: a model spec, a forced plan, the cluster planned for
-    ("free": ``fast_links_cluster``, so tp really splits; "world": autoparallelize's default, the
-    running CPU world), meta-device init or real weights, and whether to check the forward."""
+def cases(draw, world: int, batch: Optional[int] = None, wide: bool = False):
+    """One fuzz case for ``world`` ranks: a model spec, a forced plan (``wide``: ``forced_plans``'),
+    the cluster planned for ("free": ``fast_links_cluster``, so tp really splits; "world":
+    autoparallelize's default, the running CPU world), meta-device init or real weights, and
+    whether to check the forward."""
     spec = draw(model_specs(batch))
-    return dict(spec=spec, force=draw(forced_plans(spec, world)),
+    return dict(spec=spec, force=draw(forced_plans(spec, world, wide)),
                 cluster=draw(st.sampled_from(["free", "free", "world"])),
                 meta=draw(st.booleans()), forward=draw(st.booleans()))
 

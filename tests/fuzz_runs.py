@@ -310,7 +310,14 @@ def judge(case: dict, results: list, ref: Optional[dict] = None, check_predictio
     f = case["force"]
     want = {"dp": f["dp"], "tp": f["tp"], "pp": f["pp"], "zero_stage": f.get("zero", plan.zero_stage),
             "recompute": f["recompute"], "micro_batch_size": f.get("mbs", plan.micro_batch_size)}
+    # the wide cases' keys (``fuzz_models.forced_plans``), where forced
+    for key, attr in (("cp", "context_parallel"), ("cpmode", "context_parallel_mode"),
+                      ("schedule", "pipeline_schedule"), ("offload", "offload")):
+        if key in f:
+            want[attr] = f[key]
     got = {k: getattr(plan, k) for k in want}
+    if "tpmode" in f:
+        want["tensor_parallel_mode"], got["tensor_parallel_mode"] = f["tpmode"], plan.summary()["tensor_parallel_mode"]
     if got != want:
         return Outcome(case, "fail", f"the plan is not the forced one: {got} != {want}")
     problems, note = _numbers(case, results, ref if ref is not None else reference(case),
