@@ -137,7 +137,8 @@ def replicated_input(x, placements: str, keep_partial_grad: Optional[str] = None
 
 def pin(rt: StageRuntime, out, placements: str, keep_partial_grad: Optional[str] = None):
     """An op's output in its planned placements where DTensor's rule gave others (the executor's
-    ``_fix_output``: a plain tensor becomes a replicated DTensor first, outside local-dp mode).
+    ``_fix_output``: a plain tensor becomes a replicated DTensor first, outside local-dp mode; a
+    masked Partial a plain one, ``edges.unmasked``).
     ``keep_partial_grad``: as ``redistribute``'s (a value of this cp rank's positions)."""
     if isinstance(out, torch.Tensor) and not isinstance(out, DTensor) and not rt.local_dp:
         out = DTensor.from_local(out, rt.mesh, tuple(TReplicate() for _ in range(rt.mesh.ndim)), run_check=False)
