@@ -288,7 +288,18 @@ def _unpredicted(case: dict, plan, results: list) -> list[str]:
 
     module, x, lf, y = build(case["spec"])
     n = x[0].shape[0] // plan.num_micro_batches        # predicted from one micro-batch's trace
-    graph = trace_model(module, tuple(t[:n] for t in x), loss_fn=lf, example_target=y[:n], collapse_repeats=False)
+    x, y = tuple(t[:n] for t in x), y[:n]
+    if plan.context_parallel > 1:                      # the folded batch cp runs (``ContextRun.fold``)
+        from autopar.codegen.context_attention import fold
+
+        seq = x[0].shape[1]
+
+        def folded(t):
+            seq_dim = 1 if t.dim() >= 2 and t.shape[1] == seq else None
+            return fold(t, dp=plan.dp, n=plan.context_parallel, seq_dim=seq_dim, order="zigzag")
+
+        x, y = tuple(folded(t) for t in x), folded(y)
+    graph = trace_model(module, x, loss_fn=lf, example_target=y, collapse_repeats=False)
     out = []
     for r, res in enumerate(results):
         want = Counter()
