@@ -15,6 +15,10 @@ inputs to them (autograd-correct), runs the op on ``to_local()`` tensors and wra
                                    channels (x Replicate, weight and bias Shard(0) -> Shard(1)),
                                    the input channels (x and weight Shard(1), bias Partial ->
                                    Partial); with groups > 1 only the batch
+    MSE, smooth L1, Huber loss     input and target split alike on an axis stay local: reduced,
+                                   the output is Partial (a mean's share scaled by the rank's
+                                   elements over all: DTensor's own run of a split mean has its
+                                   gradient off by the rank count), else elementwise
     anything else                  Replicate on every axis (always exact, costs a gather)
 
 DTensor's own convolution handler (``torch/distributed/tensor/_tp_conv.py``) runs the op on the
@@ -46,6 +50,13 @@ SDPA_TARGETS = frozenset({
 
 ASSERT_METADATA = "aten._assert_tensor_metadata.default"
 
+# Elementwise losses of (input, target) (``solver/rules.py``'s ``_pointwise_loss``). DTensor runs
+# them decomposed, and with the operands split its gradient of a mean is the ranks' count times
+# too large (2x on 2 ranks: the mean's Partial(avg) backward takes each rank's mean as the whole);
+# a split operand runs them here, on each rank's elements: reduced, a Partial(sum) summand, the
+# mean's share scaled by the rank's elements over all (``run_local``).
+LOSS_TARGETS = frozenset({"aten.mse_loss.default", "aten.smooth_l1_loss.default", "aten.huber_loss.default"})
+
 CONV_TARGETS = frozenset({
     "aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default", "aten.convolution.default",
     "aten.conv1d.padding", "aten.conv2d.padding", "aten.conv3d.padding",
@@ -67,7 +78,7 @@ def needs_local(target: str, placements: Sequence[tuple]) -> bool:
     operator implementation does not support things like hybrid sharding strategies yet")."""
     from torch.distributed.tensor import Replicate
 
-    if target not in CONV_TARGETS:
+    if target not in CONV_TARGETS and target not in LOSS_TARGETS:
         return False
     return any(not isinstance(p, Replicate) for pl in placements for p in pl)
 
@@ -91,7 +102,7 @@ def local_placements(target: str, args: Sequence[Any], kwargs: dict, placements:
                      ndims: Sequence[int]) -> tuple[list[tuple], tuple]:
     """Per tensor argument (in ``placements`` order) the placements to run locally under, and the
     placements of the (single) output. ``placements`` are torch placements per mesh axis."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Partial, Replicate, Shard
 
     n_axes = len(placements[0]) if placements else 0
     rep = tuple(Replicate() for _ in range(n_axes))
@@ -120,6 +131,16 @@ def local_placements(target: str, args: Sequence[Any], kwargs: dict, placements:
         return [tuple(p) for p in ins], tuple(out)
     if target in CONV_TARGETS and 2 <= len(placements) <= 3 and len(ndims) >= 2 and ndims[0] == ndims[1]:
         return _conv_placements(placements, _conv_groups(target, args, kwargs))
+    if target in LOSS_TARGETS and len(placements) == 2 and ndims[0] == ndims[1]:
+        reduced = _arg(args, kwargs, 2, "reduction", 1) != 0
+        ins = [[], []]
+        out = []
+        for px, pt in zip(*placements):
+            keep = isinstance(px, Shard) and px == pt
+            ins[0].append(px if keep else Replicate())
+            ins[1].append(pt if keep else Replicate())
+            out.append((Partial() if reduced else px) if keep else Replicate())
+        return [tuple(p) for p in ins], tuple(out)
     return [rep for _ in placements], rep
 
 
@@ -173,6 +194,8 @@ def global_output_shape(target: str, tensor_shapes: Sequence[Sequence[int]], loc
     """Global shape of the output when it is not the local shape (sharded fallbacks)."""
     if target in SDPA_TARGETS:
         return sdpa_output_shape(tensor_shapes[0], tensor_shapes[2])
+    if target in LOSS_TARGETS:
+        return tuple(tensor_shapes[0]) if len(local_shape) else ()
     if target in CONV_TARGETS and len(tensor_shapes) >= 2 and len(tensor_shapes[0]) == len(local_shape):
         # batch from the input, channels from the weight; spatial dims are never split
         return (tensor_shapes[0][0], tensor_shapes[1][0]) + tuple(local_shape[2:])
@@ -198,6 +221,7 @@ def run_local(op, target: str, args, kwargs: dict, mesh):
     chosen, out_pl = local_placements(target, args, kwargs, [t.placements for t in flat], [t.ndim for t in flat])
     shapes = [tuple(t.shape) for t in flat]
     it = iter(zip(flat, chosen, grad_placements(chosen, out_pl)))
+    pieces: list = []
 
     def local(a):
         if isinstance(a, DTensor):
@@ -207,11 +231,14 @@ def run_local(op, target: str, args, kwargs: dict, mesh):
             # the gradient reducer (a parameter's summand) -- reducing it here too would sum a
             # parameter's gradient over dp twice
             keep = tuple(i for i, (have, want) in enumerate(zip(t.placements, pl)) if have == want)
-            return edge(t, tuple(pl), keep).to_local(grad_placements=grad_pl)
+            pieces.append(edge(t, tuple(pl), keep).to_local(grad_placements=grad_pl))
+            return pieces[-1]
         return a
     out = op(*fx.node.map_aggregate(args, local), **fx.node.map_aggregate(kwargs, local))
     if not isinstance(out, torch.Tensor):
         raise NotImplementedError(f"local fallback for the multi-output op {target}")
+    if target in LOSS_TARGETS and _arg(args, kwargs, 2, "reduction", 1) == 1 and any(o.is_partial() for o in out_pl):
+        out = out * (pieces[0].numel() / flat[0].numel())       # the mean's share: this rank's elements of all
     split = any(o.is_shard() for o in out_pl)
     shape = global_output_shape(target, shapes, out.shape) if split else tuple(out.shape)
     return DTensor.from_local(out.contiguous(), mesh, out_pl, run_check=False, shape=torch.Size(shape),

@@ -522,6 +522,20 @@ def _loss_rows_protos(node, ins, outs, n_extra: int) -> list[Proto]:
     return protos
 
 
+@rule("mse_loss", "smooth_l1_loss", "huber_loss")
+def _pointwise_loss(node, ins, outs):
+    """An elementwise loss of (input, target), reduced or not. Reduced (mean or sum: the output is
+    0-d), a split of any dim, alike on both, gives each rank its elements' share: a summand
+    (DTensor runs the op decomposed: the mean as Partial(avg) over equal shards). Not reduced, it
+    is elementwise. A regression or denoising loss then runs on each rank's rows, where before it
+    had no rule: the data axis gathered the model's output over dp to compute it replicated."""
+    if len(ins) < 2 or ins[0].shape != ins[1].shape or not outs:
+        return []
+    if len(outs[0].shape):                               # reduction="none"
+        return broadcast_protos(ins[:2], outs[0])
+    return [Proto("", P, (Shard(d), Shard(d))) for d in range(len(ins[0].shape)) if ins[0].shape[d] > 1]
+
+
 @rule("cross_entropy_loss")
 def _cross_entropy(node, ins, outs):
     x = ins[0]

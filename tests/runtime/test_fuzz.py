@@ -203,11 +203,13 @@ TIED_LOOKUP_TWICE = _case(_spec(kind="tokens", hidden=12, heads=4, ffn=12, layer
                           dict(dp=1, tp=4, pp=1, recompute="none", mbs=1))
 
 
-# An MSE loss (no rule splits it over the batch: the data axis is solved, the loss replicated on
-# dp) reads the head's rows gathered on dp; the tp axis' table, on each rank's pieces, read that
+# An MSE loss, when no rule split it over the batch (the data axis solved, the loss replicated on
+# dp), read the head's rows gathered on dp; the tp axis' table, on each rank's pieces, read that
 # input as a broadcast and split the loss' broadcast_tensors over the batch from replicated
 # inputs, which the run then gathered back in the backward (an all_gather the prediction did not
-# have; ``benchmarks/fuzz.py --seed 40``; ``rules.broadcast_protos``).
+# have; ``benchmarks/fuzz.py --seed 40``; ``rules.broadcast_protos``, tests/solver/test_rules.py).
+# Since, the loss splits over the batch (``rules._pointwise_loss``, run by ``fallback.py``): the
+# case checks that path on dp x tp with ZeRO-2 and recompute.
 MSE_DATA_GATHER = _case(_spec(kind="features", hidden=12, heads=3, ffn=3, layers=3, block=["linear", "linear"],
                               norm="layernorm", act="silu", causal=True, seq=0, features=8, loss="mse", batch=8,
                               seed=9),
