@@ -526,6 +526,7 @@ class GraphExecutor:
                                      run_check=False)
         if p.output is None:
             return out
+
         def fixed(o: DTensor) -> DTensor:
             o = unmasked(o)
             return edge(o, resolve(o, p.output), keep)

@@ -525,9 +525,9 @@ def _loss_rows_protos(node, ins, outs, n_extra: int) -> list[Proto]:
 @rule("mse_loss", "smooth_l1_loss", "huber_loss")
 def _pointwise_loss(node, ins, outs):
     """An elementwise loss of (input, target), reduced or not. Reduced (mean or sum: the output is
-    0-d), a split of any dim, alike on both, gives each rank its elements' share: a summand
-    (DTensor runs the op decomposed: the mean as Partial(avg) over equal shards). Not reduced, it
-    is elementwise. A regression or denoising loss then runs on each rank's rows, where before it
+    0-d), a split of any dim, alike on both, gives each rank its elements' share: a summand (run
+    on each rank's elements, a mean's share scaled: ``codegen/fallback.py``). Not reduced, it is
+    elementwise. A regression or denoising loss then runs on each rank's rows, where before it
     had no rule: the data axis gathered the model's output over dp to compute it replicated."""
     if len(ins) < 2 or ins[0].shape != ins[1].shape or not outs:
         return []
