@@ -322,14 +322,18 @@ def forced_plans(draw, spec: dict, world: int, wide: bool = False):
     force = {"dp": dp, "tp": tp, "pp": pp, "recompute": draw(st.sampled_from(["none", "selective", "full"]))}
     if cp > 1:
         force.update(cp=cp, cpmode=draw(st.sampled_from(["ring", "ulysses"])))
+    valid = wide and draw(st.integers(0, 3)) > 0     # mostly plans the planner takes (the rest: refusals)
     if wide and tp == 4:
         force["tpmode"] = draw(st.sampled_from(["1d", "2d"]))
-    if wide and pp > 1:
-        force["schedule"] = draw(st.sampled_from(SCHEDULES))
+    if wide and pp > 1:                              # two stages per rank need 2 pp layers
+        force["schedule"] = draw(st.sampled_from([s for s in SCHEDULES if not valid or s in ("1f1b", "gpipe")
+                                                  or spec["layers"] >= 2 * pp]))
     if wide:
         force["offload"] = draw(st.sampled_from(OFFLOADS))
     if dp > 1:
         force["zero"] = draw(st.integers(0, 3))
+        if valid and "params" in force.get("offload", ""):
+            force["zero"] = 3                        # offloaded parameters are ZeRO-3's rows
     per_replica = spec["batch"] // dp if spec["batch"] % dp == 0 else 0
     if per_replica:
         choices = [m for m in _divisors(per_replica) if per_replica // m >= pp]
