@@ -1,6 +1,6 @@
 """Fuzz plan + run: random small models under random forced plans on gloo CPU ranks.
 
-    python benchmarks/fuzz.py [--cases 32] [--world 2 4] [--seed 0] [--verbose] [--wide] [--predictions]
+    python benchmarks/fuzz.py [--cases 32] [--world 2 4 [8]] [--seed 0] [--verbose] [--wide] [--predictions]
 
 Each case (``tests/fuzz_models.py``: a random model of linears, norms, residuals, attention,
 embeddings, convs and activations at odd sizes; a forced dp x tp x pp mesh, ZeRO stage,
@@ -48,11 +48,13 @@ def draw_cases(n: int, world: int, seed: int, wide: bool = False) -> list:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", type=int, default=32, help="cases in all, split over the world sizes")
-    ap.add_argument("--world", type=int, nargs="+", default=[2, 4], choices=[2, 4])
+    ap.add_argument("--world", type=int, nargs="+", default=[2, 4], choices=[2, 4, 8],
+                    help="rank counts (8: the 2.5-D and 3-D tensor meshes under --wide; slow on 2 cores)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--verbose", action="store_true", help="print every case and failure tracebacks")
     ap.add_argument("--wide", action="store_true",
-                    help="wider plans: context parallelism, the 2-D tensor mesh, pipeline schedules, offload")
+                    help="wider plans: context parallelism, the 2-D (2.5-D, 3-D) tensor meshes, pipeline "
+                         "schedules, offload")
     ap.add_argument("--predictions", action="store_true",
                     help="also compare the collectives issued with codegen/expected.py's prediction (pp=1 "
                          "cases; reported, not failures)")

@@ -299,6 +299,7 @@ def _divisors(n: int) -> list[int]:
 # ``wide`` plans also draw these (``forced_plans``)
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zb", "zbv")
 OFFLOADS = ("none", "optimizer", "activations", "optimizer+grads", "optimizer+params")
+TP_MODES = {4: ("1d", "2d"), 8: ("1d", "2.5d", "3d")}     # the tensor mesh's families per tp
 
 
 @st.composite
@@ -306,8 +307,8 @@ def forced_plans(draw, spec: dict, world: int, wide: bool = False):
     """A ``--force`` dict for ``world`` ranks: dp x tp x pp (x cp) == world (pp only where the
     model has at least pp repeated layers), ZeRO 0-3 (> 0 only with dp > 1), recompute, and the
     micro-batch size. ``wide``: also context parallelism over a model with attention (cp 2, ring or
-    Ulysses), the tensor mesh's family at tp 4 (1-D or 2-D), the pipeline schedule, and an
-    offload (host memory; no NVMe). Mostly plans that should run; the solver and runtime must
+    Ulysses), the tensor mesh's family (``TP_MODES``: 1-D or 2-D at tp 4; 1-D, 2.5-D or 3-D at tp
+    8), the pipeline schedule, and an offload (host memory; no NVMe). Mostly plans that should run; the solver and runtime must
     refuse the rest clearly."""
     pps = [p for p in _divisors(world) if p == 1 or spec["layers"] >= p and spec["layers"] >= 2]
     pp = draw(st.sampled_from(pps))
@@ -323,8 +324,8 @@ def forced_plans(draw, spec: dict, world: int, wide: bool = False):
     if cp > 1:
         force.update(cp=cp, cpmode=draw(st.sampled_from(["ring", "ulysses"])))
     valid = wide and draw(st.integers(0, 3)) > 0     # mostly plans the planner takes (the rest: refusals)
-    if wide and tp == 4:
-        force["tpmode"] = draw(st.sampled_from(["1d", "2d"]))
+    if wide and tp in TP_MODES:
+        force["tpmode"] = draw(st.sampled_from(TP_MODES[tp]))
     if wide and pp > 1:                              # two stages per rank need 2 pp layers
         force["schedule"] = draw(st.sampled_from([s for s in SCHEDULES if not valid or s in ("1f1b", "gpipe")
                                                   or spec["layers"] >= 2 * pp]))
