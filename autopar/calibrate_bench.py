@@ -5,7 +5,13 @@ Every function measures on the device it is given (``torch.device("cuda", i)`` o
 returns seconds or rates; none decides what the figures mean for the cost model (the callers do).
 
 - ``time_per_call(fn, device)``: mean seconds per call: 2 warm-up calls, an estimate, then a timed
-  batch of >= 3 calls (CUDA events on a GPU, ``perf_counter`` on the CPU).
+  batch of >= 3 calls (CUDA events on a GPU, ``perf_counter`` on the CPU). With ``window_s`` (CPU
+  ranks that share cores: ``autopar calibrate --nproc 4`` on 2 cores) the calls run back to back
+  for that long instead. Every rank measures at once, so a window of the same length on every rank
+  keeps them busy together and the rate is each rank's share of the cores, as in a training step.
+  A batch sized by an estimate ends at different times on different ranks and timed a rank while
+  others idled: on 4 ranks over 2 cores a 256 x 256 x 768 fp32 GEMM measured 86-120 GFLOP/s per
+  rank so (102 on average) where all four running for 2 s got 76-83 each; windows of 0.1 s, 79-85.
 - ``gemm_shapes(tokens, hiddens, splits)``: weights (N, K=h) of a transformer layer, N in
   {h, 3h/t, 4h/t : t in splits} (QKV, MLP-up and their tensor-parallel shards), for M tokens.
   ``time_gemm`` times forward Y = X W^T, dgrad dX = dY W and wgrad dW = dY^T X, each 2*M*N*K FLOPs;
@@ -32,6 +38,7 @@ GEMM_PASSES = ("fwd", "dgrad", "wgrad")
 GPU_FAMILIES = ("h200", "h100", "a100", "v100")
 # Calls ``time_per_call`` makes once one call outlasts min_time_s / 3: 3 untimed + 3 timed (budgeting).
 CALLS_PER_MEASUREMENT = 6
+SHARED_WINDOW_S = 0.1        # ``time_per_call``'s window where CPU ranks share cores (module docstring)
 
 
 def sync(device: torch.device) -> None:
@@ -55,14 +62,36 @@ def _timed_batch(fn: Callable[[], Any], device: torch.device, reps: int) -> floa
 
 
 def time_per_call(fn: Callable[[], Any], device: torch.device, min_time_s: float = 0.03,
-                  max_reps: int = 100) -> float:
+                  max_reps: int = 100, window_s: float = 0.0) -> float:
     """Mean seconds per call of ``fn``: 2 warm-up calls, an estimate, then a timed batch of >= 3
-    calls lasting about ``min_time_s`` (at most ``max_reps``)."""
+    calls lasting about ``min_time_s`` (at most ``max_reps``); with ``window_s`` > 0, the calls
+    made back to back in that much wall time (module docstring)."""
     fn(); fn(); sync(device)
+    if window_s > 0:
+        calls, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            sync(device)
+            calls += 1
+            elapsed = time.perf_counter() - t0
+            if elapsed >= window_s:
+                return elapsed / calls
     t0 = time.perf_counter(); fn(); sync(device)
     est = max(time.perf_counter() - t0, 1e-7)
     reps = int(min(max_reps, max(3, min_time_s / est)))
     return _timed_batch(fn, device, reps)
+
+
+def shared_window_s(device_type: str, ranks: int, threads: int, cores: int) -> float:
+    """``time_per_call``'s window for ``ranks`` CPU ranks of ``threads`` threads each measuring at
+    once on ``cores`` cores: ``SHARED_WINDOW_S`` where they share them, else 0 (a GPU's events, or
+    cores enough for all: a batch is timed as before)."""
+    return SHARED_WINDOW_S if device_type == "cpu" and ranks * threads > cores else 0.0
+
+
+def measurement_s(call_s: float, window_s: float = 0.0) -> float:
+    """About how long ``time_per_call`` takes for calls of ``call_s`` (budgeting)."""
+    return max(CALLS_PER_MEASUREMENT * call_s, window_s + 2 * call_s)
 
 
 @dataclass(frozen=True)
@@ -91,13 +120,14 @@ def gemm_shapes(tokens: Sequence[int], hiddens: Sequence[int], splits: Sequence[
 
 
 def time_gemm(shape: GemmShape, dtype: torch.dtype, device: torch.device, min_time_s: float = 0.01,
-              max_reps: int = 50) -> dict[str, float]:
+              max_reps: int = 50, window_s: float = 0.0) -> dict[str, float]:
     """Seconds per call of each pass (GEMM_PASSES) of ``shape`` in ``dtype``."""
     x = torch.randn(shape.m, shape.k, dtype=dtype, device=device)
     w = torch.randn(shape.n, shape.k, dtype=dtype, device=device)
     dy = torch.randn(shape.m, shape.n, dtype=dtype, device=device)
     fns = {"fwd": lambda: torch.mm(x, w.t()), "dgrad": lambda: torch.mm(dy, w), "wgrad": lambda: torch.mm(dy.t(), x)}
-    return {name: time_per_call(fns[name], device, min_time_s=min_time_s, max_reps=max_reps) for name in GEMM_PASSES}
+    return {name: time_per_call(fns[name], device, min_time_s=min_time_s, max_reps=max_reps, window_s=window_s)
+            for name in GEMM_PASSES}
 
 
 @dataclass(frozen=True)
@@ -143,7 +173,7 @@ def sdpa_fwd_flops(b: int, h: int, t: int, d: int) -> float:
 
 
 def time_sdpa(b: int, h: int, t: int, d: int, dtype: torch.dtype, device: torch.device, causal: bool,
-              min_time_s: float = 0.02, forward: bool = True) -> tuple[float, float]:
+              min_time_s: float = 0.02, forward: bool = True, window_s: float = 0.0) -> tuple[float, float]:
     """(forward seconds, forward+backward seconds) of SDPA on (B, H, T, D); forward 0.0 if not
     ``forward``."""
     q, k, v = (torch.randn(b, h, t, d, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
@@ -157,21 +187,22 @@ def time_sdpa(b: int, h: int, t: int, d: int, dtype: torch.dtype, device: torch.
         o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         torch.autograd.grad(o, (q, k, v), go)
 
-    tf = time_per_call(fwd, device, min_time_s=min_time_s) if forward else 0.0
-    return tf, time_per_call(fwdbwd, device, min_time_s=min_time_s)
+    tf = time_per_call(fwd, device, min_time_s=min_time_s, window_s=window_s) if forward else 0.0
+    return tf, time_per_call(fwdbwd, device, min_time_s=min_time_s, window_s=window_s)
 
 
-def copy_Bps(nbytes: int, dtype: torch.dtype, device: torch.device, min_time_s: float = 0.03) -> float:
+def copy_Bps(nbytes: int, dtype: torch.dtype, device: torch.device, min_time_s: float = 0.03,
+             window_s: float = 0.0) -> float:
     """Bytes read + written per second by ``dst.copy_(src)`` of ``nbytes``."""
     n = nbytes // torch.empty((), dtype=dtype).element_size()
     src = torch.empty(n, dtype=dtype, device=device).fill_(1)
     dst = torch.empty_like(src)
-    t = time_per_call(lambda: dst.copy_(src), device, min_time_s=min_time_s)
+    t = time_per_call(lambda: dst.copy_(src), device, min_time_s=min_time_s, window_s=window_s)
     return 2.0 * n * src.element_size() / t
 
 
 def memory_class_Bps(tokens: Sequence[int], hiddens: Sequence[int], dtype: torch.dtype, device: torch.device,
-                     min_time_s: float = 0.01) -> dict[str, float]:
+                     min_time_s: float = 0.01, window_s: float = 0.0) -> dict[str, float]:
     """Bytes read + written per second of each memory-bound op class (``cost.compute.memory_class``)
     at transformer activation shapes (M tokens x h): "norm" ``layer_norm`` over h, "activation"
     ``gelu`` of the MLP's M x 4h, "softmax" over h, "elementwise" ``a + b``; per class the total
@@ -187,7 +218,7 @@ def memory_class_Bps(tokens: Sequence[int], hiddens: Sequence[int], dtype: torch
         for m in tokens:
             for h in hiddens:
                 fn, b = case(m, h)
-                seconds += time_per_call(fn, device, min_time_s=min_time_s, max_reps=1000)
+                seconds += time_per_call(fn, device, min_time_s=min_time_s, max_reps=1000, window_s=window_s)
                 nbytes += b
         out[name] = nbytes / seconds
     return out
@@ -210,10 +241,11 @@ def _add_case(m: int, h: int, dtype: torch.dtype, device: torch.device):
     return (lambda: torch.add(a, b, out=c)), 3 * a.numel() * a.element_size()
 
 
-def elementwise_flops(numel: int, device: torch.device, min_time_s: float = 0.02) -> float:
+def elementwise_flops(numel: int, device: torch.device, min_time_s: float = 0.02, window_s: float = 0.0) -> float:
     """fp32 ``torch.mul(a, b, out=c)`` elements (1 FLOP each) per second on ``numel`` elements."""
     a = torch.rand(numel, device=device); b = torch.rand(numel, device=device); c = torch.empty_like(a)
-    return numel / time_per_call(lambda: torch.mul(a, b, out=c), device, min_time_s=min_time_s, max_reps=1000)
+    return numel / time_per_call(lambda: torch.mul(a, b, out=c), device, min_time_s=min_time_s, max_reps=1000,
+                                 window_s=window_s)
 
 
 def op_overhead_s(device: torch.device) -> float:

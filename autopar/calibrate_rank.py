@@ -25,9 +25,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from autopar.calibrate_bench import (CALLS_PER_MEASUREMENT, GEMM_PASSES, SDPA_TRAIN_FACTOR, copy_Bps, elementwise_flops,
-                                     gemm_shapes, memory_class_Bps, op_overhead_s, sdpa_fwd_flops, time_gemm,
-                                     time_sdpa)
+from autopar.calibrate_bench import (GEMM_PASSES, SDPA_TRAIN_FACTOR, copy_Bps, elementwise_flops,
+                                     gemm_shapes, measurement_s, shared_window_s, memory_class_Bps, op_overhead_s, sdpa_fwd_flops,
+                                     time_gemm, time_sdpa)
 from autopar.calibrate_comm import collective_op, time_collective
 from autopar.runtime.launch import report_progress
 from autopar.runtime.precision import parse_dtype
@@ -70,7 +70,7 @@ class _Gate:
             os.replace(tmp, self.path)
 
 
-def _gemms(gate: _Gate, cfg: dict, device: torch.device, deadline: float, out: dict) -> None:
+def _gemms(gate: _Gate, cfg: dict, device: torch.device, deadline: float, out: dict, window_s: float) -> None:
     start = time.monotonic()
     shapes = gemm_shapes(cfg["gemm_tokens"], cfg["gemm_hiddens"], cfg["gemm_splits"])
     dtypes = cfg["dtypes"]
@@ -80,9 +80,9 @@ def _gemms(gate: _Gate, cfg: dict, device: torch.device, deadline: float, out: d
         rate: Optional[float] = None
         rows, skipped = [], 0
         for shape in shapes:
-            predicted = 0.0 if rate is None else len(GEMM_PASSES) * CALLS_PER_MEASUREMENT * shape.flops / rate
+            predicted = 0.0 if rate is None else len(GEMM_PASSES) * measurement_s(shape.flops / rate, window_s)
             if gate.go(predicted, dt_deadline, first=rate is None and not skipped):
-                times = time_gemm(shape, parse_dtype(name), device)
+                times = time_gemm(shape, parse_dtype(name), device, window_s=window_s)
                 rows.append([shape.m, shape.k, shape.n] + [times[p] for p in GEMM_PASSES])
                 rate = len(GEMM_PASSES) * shape.flops / sum(times.values())
             else:
@@ -92,22 +92,23 @@ def _gemms(gate: _Gate, cfg: dict, device: torch.device, deadline: float, out: d
         out["gemm_skipped"][name] = skipped
 
 
-def _sdpa(gate: _Gate, cfg: dict, device: torch.device, out: dict) -> None:
+def _sdpa(gate: _Gate, cfg: dict, device: torch.device, out: dict, window_s: float) -> None:
     s = cfg["sdpa"]
     b, t, d, dtype = s["batch"], s["seq"], s["head_dim"], parse_dtype(s["dtype"])
     rate: Optional[float] = None
     for h in s["heads"]:
         flops = SDPA_TRAIN_FACTOR * sdpa_fwd_flops(b, h, t, d)
-        if gate.go(0.0 if rate is None else 2 * CALLS_PER_MEASUREMENT * flops / rate, gate.deadline["sdpa"],
+        if gate.go(0.0 if rate is None else 2 * measurement_s(flops / rate, window_s), gate.deadline["sdpa"],
                    first=rate is None):
-            fwd, fwdbwd = time_sdpa(b, h, t, d, dtype, device, causal=True)
+            fwd, fwdbwd = time_sdpa(b, h, t, d, dtype, device, causal=True, window_s=window_s)
             out["sdpa"].append([h, fwd, fwdbwd])
             rate = flops / fwdbwd
         gate.step(f"SDPA causal H={h}")
     h = s["heads"][len(s["heads"]) // 2]
     flops = SDPA_TRAIN_FACTOR * sdpa_fwd_flops(b, h, t, d)
-    if gate.go(0.0 if rate is None else 2 * CALLS_PER_MEASUREMENT * flops / rate, gate.deadline["sdpa"]):
-        out["sdpa_noncausal"] = [h, time_sdpa(b, h, t, d, dtype, device, causal=False, forward=False)[1]]
+    if gate.go(0.0 if rate is None else 2 * measurement_s(flops / rate, window_s), gate.deadline["sdpa"]):
+        out["sdpa_noncausal"] = [h, time_sdpa(b, h, t, d, dtype, device, causal=False, forward=False,
+                                              window_s=window_s)[1]]
     gate.step(f"SDPA non-causal H={h}")
 
 
@@ -165,16 +166,18 @@ def rank_main(rank: int, world: int, cfg: dict) -> dict[str, Any]:
         torch.cuda.synchronize(device)
     out["overhead_s"] = op_overhead_s(device)
     gate.step("per-op overhead")
-    out["copy_Bps"] = copy_Bps(cfg["copy_bytes"], parse_dtype(cfg["copy_dtype"]), device)
+    # CPU ranks that share cores time each measurement over a window, all at once (calibrate_bench.py)
+    window_s = shared_window_s(device.type, world, torch.get_num_threads(), os.cpu_count() or 1)
+    out["copy_Bps"] = copy_Bps(cfg["copy_bytes"], parse_dtype(cfg["copy_dtype"]), device, window_s=window_s)
     gate.step("memory copy")
     out["memory_classes"] = memory_class_Bps(cfg["gemm_tokens"], cfg["gemm_hiddens"], parse_dtype(cfg["copy_dtype"]),
-                                             device)
+                                             device, window_s=window_s)
     gate.step("memory-bound ops")
     if cfg["vector_numel"]:
-        out["vector_flops"] = elementwise_flops(cfg["vector_numel"], device)
+        out["vector_flops"] = elementwise_flops(cfg["vector_numel"], device, window_s=window_s)
         gate.step("elementwise")
-    _gemms(gate, cfg, device, gate.deadline["gemm"], out)
-    _sdpa(gate, cfg, device, out)
+    _gemms(gate, cfg, device, gate.deadline["gemm"], out, window_s)
+    _sdpa(gate, cfg, device, out, window_s)
     if world > 1:
         _collectives(gate, cfg, rank, world, device, group, out)
         from autopar.calibrate_overlap import CPU_SETUP, GPU_SETUP, measure_overlap

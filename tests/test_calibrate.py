@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 import tomllib
 from dataclasses import replace
 
@@ -12,7 +13,7 @@ from rich.console import Console
 
 from autopar.calibrate import SIZES, Calibration, SdpaFigures, add_parser, check_nproc, cmd_calibrate, measure
 from autopar.calibrate_file import calibration_toml, cluster_dict, measured_dict
-from autopar.calibrate_bench import GemmShape, summarize_gemms
+from autopar.calibrate_bench import SHARED_WINDOW_S, GemmShape, shared_window_s, summarize_gemms, time_per_call
 from autopar.calibrate_comm import CollectivePoint, fit_link
 from autopar.cost.collectives import COLLECTIVE_KINDS, collective_s
 from autopar.cost.compute import op_time_s
@@ -23,6 +24,20 @@ from autopar.cost.hardware import LinkSpec, get_gpu, resolve_cluster
 def _points(link: LinkSpec, n: int, noise=lambda i: 1.0) -> list[CollectivePoint]:
     pts = [CollectivePoint(k, n, size, collective_s(k, size, n, link)) for k in COLLECTIVE_KINDS for size in SIZES]
     return [replace(p, seconds=p.seconds * noise(i)) for i, p in enumerate(pts)]
+
+
+def test_ranks_sharing_cores_time_over_a_window():
+    """CPU ranks that share cores time each call back to back over a window, so that every rank
+    measures while all are busy (``calibrate_bench``'s module docstring); a GPU, or CPU ranks with
+    a core each, time a batch as before."""
+    import torch
+
+    assert shared_window_s("cpu", 4, 1, 2) == SHARED_WINDOW_S > 0
+    assert shared_window_s("cpu", 2, 1, 2) == shared_window_s("cuda", 8, 1, 2) == 0.0
+    calls: list = []
+    per_call = time_per_call(lambda: calls.append(time.perf_counter()), torch.device("cpu"), window_s=0.02)
+    timed = len(calls) - 2                                   # after the two warm-up calls
+    assert timed > 1 and per_call * timed >= 0.02            # the window's wall time over its calls
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
