@@ -25,8 +25,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from autopar.calibrate_bench import (GEMM_PASSES, SDPA_TRAIN_FACTOR, copy_Bps, elementwise_flops,
-                                     gemm_shapes, measurement_s, shared_window_s, memory_class_Bps, op_overhead_s, sdpa_fwd_flops,
+from autopar.calibrate_bench import (GEMM_PASSES, SDPA_TRAIN_FACTOR, copy_Bps, elementwise_flops, gemm_shapes,
+                                     measurement_s, memory_class_Bps, op_overhead_s, sdpa_fwd_flops, shared_window_s,
                                      time_gemm, time_sdpa)
 from autopar.calibrate_comm import collective_op, time_collective
 from autopar.runtime.launch import report_progress

@@ -308,8 +308,8 @@ def forced_plans(draw, spec: dict, world: int, wide: bool = False):
     model has at least pp repeated layers), ZeRO 0-3 (> 0 only with dp > 1), recompute, and the
     micro-batch size. ``wide``: also context parallelism over a model with attention (cp 2, ring or
     Ulysses), the tensor mesh's family (``TP_MODES``: 1-D or 2-D at tp 4; 1-D, 2.5-D or 3-D at tp
-    8), the pipeline schedule, and an offload (host memory; no NVMe). Mostly plans that should run; the solver and runtime must
-    refuse the rest clearly."""
+    8), the pipeline schedule, and an offload (host memory; no NVMe). Mostly plans that should
+    run; the solver and runtime must refuse the rest clearly."""
     pps = [p for p in _divisors(world) if p == 1 or spec["layers"] >= p and spec["layers"] >= 2]
     pp = draw(st.sampled_from(pps))
     tps = _divisors(world // pp)
