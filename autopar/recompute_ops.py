@@ -23,7 +23,6 @@ The classes, found in the traced graph by aten target (``solver/op_classes.py``)
 from __future__ import annotations
 
 import functools
-
 from typing import Optional
 
 OP_CLASSES = ("attention", "mlp_act", "norm")

@@ -289,16 +289,11 @@ def _unpredicted(case: dict, plan, results: list) -> list[str]:
     module, x, lf, y = build(case["spec"])
     n = x[0].shape[0] // plan.num_micro_batches        # predicted from one micro-batch's trace
     x, y = tuple(t[:n] for t in x), y[:n]
-    if plan.context_parallel > 1:                      # the folded batch cp runs (``ContextRun.fold``)
-        from autopar.codegen.context_attention import fold
+    if plan.context_parallel > 1:                      # the folded batch cp runs
+        from autopar.codegen.context_run import ContextRun
 
-        seq = x[0].shape[1]
-
-        def folded(t):
-            seq_dim = 1 if t.dim() >= 2 and t.shape[1] == seq else None
-            return fold(t, dp=plan.dp, n=plan.context_parallel, seq_dim=seq_dim, order="zigzag")
-
-        x, y = tuple(folded(t) for t in x), folded(y)
+        run = ContextRun.make(None, 0, plan.context_parallel, plan.context_parallel_mode, x[0].shape[1], plan.dp, "cpu")
+        x, y = tuple(run.fold(t) for t in x), run.fold(y)
     graph = trace_model(module, x, loss_fn=lf, example_target=y, collapse_repeats=False)
     out = []
     for r, res in enumerate(results):

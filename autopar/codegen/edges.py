@@ -91,14 +91,20 @@ def _partial_contiguous(x: DTensor) -> DTensor:
     return _contiguous(x) if _needs_copy(x, x.placements) else x
 
 
+def _held_mask(p):
+    """The mask a masked-Partial placement (DTensor's vocab-sharded lookup) holds, None if none."""
+    buf = getattr(p, "mask_buffer", None)
+    return buf if buf is not None and buf.data is not None else None
+
+
 class _Unmask(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         local = x.to_local().clone()
         placements = []
         for p in x.placements:
-            buf = getattr(p, "mask_buffer", None)
-            if buf is not None and buf.data is not None:
+            buf = _held_mask(p)
+            if buf is not None:
                 buf.apply_mask(local)
                 buf.release_mask()
                 p = TPartial(p.reduce_op)
@@ -118,8 +124,7 @@ def unmasked(x):
     the value more than once (a lookup read by a norm's reduce-scatter and by the residual add: the
     second reduction found the mask released, an AssertionError in torch; ``benchmarks/fuzz.py
     --seed 36``). Anything else as it is."""
-    if isinstance(x, DTensor) and any(getattr(getattr(p, "mask_buffer", None), "data", None) is not None
-                                      for p in x.placements):
+    if isinstance(x, DTensor) and any(_held_mask(p) is not None for p in x.placements):
         return _Unmask.apply(x)
     return x
 
@@ -131,8 +136,8 @@ def release_masks(out) -> None:
     for t in torch.utils._pytree.tree_leaves(out):
         if isinstance(t, DTensor):
             for p in t.placements:
-                buf = getattr(p, "mask_buffer", None)
-                if buf is not None and buf.data is not None:
+                buf = _held_mask(p)
+                if buf is not None:
                     buf.release_mask()
 
 

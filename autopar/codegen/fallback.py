@@ -98,6 +98,11 @@ def _arg(args: Sequence[Any], kwargs: dict, i: int, name: str, default=None):
     return args[i] if i < len(args) else kwargs.get(name, default)
 
 
+def _reduction(args: Sequence[Any], kwargs: dict) -> int:
+    """A ``LOSS_TARGETS`` op's reduction: 0 none, 1 mean (the default), 2 sum."""
+    return _arg(args, kwargs, 2, "reduction", 1)
+
+
 def local_placements(target: str, args: Sequence[Any], kwargs: dict, placements: Sequence[tuple],
                      ndims: Sequence[int]) -> tuple[list[tuple], tuple]:
     """Per tensor argument (in ``placements`` order) the placements to run locally under, and the
@@ -132,7 +137,7 @@ def local_placements(target: str, args: Sequence[Any], kwargs: dict, placements:
     if target in CONV_TARGETS and 2 <= len(placements) <= 3 and len(ndims) >= 2 and ndims[0] == ndims[1]:
         return _conv_placements(placements, _conv_groups(target, args, kwargs))
     if target in LOSS_TARGETS and len(placements) == 2 and ndims[0] == ndims[1]:
-        reduced = _arg(args, kwargs, 2, "reduction", 1) != 0
+        reduced = _reduction(args, kwargs) != 0
         ins = [[], []]
         out = []
         for px, pt in zip(*placements):
@@ -237,7 +242,7 @@ def run_local(op, target: str, args, kwargs: dict, mesh):
     out = op(*fx.node.map_aggregate(args, local), **fx.node.map_aggregate(kwargs, local))
     if not isinstance(out, torch.Tensor):
         raise NotImplementedError(f"local fallback for the multi-output op {target}")
-    if target in LOSS_TARGETS and _arg(args, kwargs, 2, "reduction", 1) == 1 and any(o.is_partial() for o in out_pl):
+    if target in LOSS_TARGETS and _reduction(args, kwargs) == 1 and any(o.is_partial() for o in out_pl):
         out = out * (pieces[0].numel() / flat[0].numel())       # the mean's share: this rank's elements of all
     split = any(o.is_shard() for o in out_pl)
     shape = global_output_shape(target, shapes, out.shape) if split else tuple(out.shape)

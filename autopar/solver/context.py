@@ -119,7 +119,8 @@ def context_problem(facts: GraphFacts, unbatched: Optional[tuple] = None) -> Opt
 
         unbatched = unbatched_ops(facts)
     if unbatched:
-        return (f"{unbatched[0]} ({facts.nodes[unbatched[0]].target}) does not run on the data axis' batch shards, into which "
+        key = unbatched[0]
+        return (f"{key} ({facts.nodes[key].target}) does not run on the data axis' batch shards, into which "
                 "context parallelism folds each sequence's chunks (solver/data_axis.py)")
     return None
 

@@ -169,8 +169,8 @@ def axis_tables(searcher, axis: str, t: int, solved: dict, link, sp: bool, mbs: 
     metas = _local_metas(base["metas"], solved)
     cache = {"metas": metas, "protos": dict(base["protos"]), "kept": base["kept"], "copies": base["copies"]}
     nodes = {n.key: n for n in searcher.facts.graph.nodes}
-    base = _allowed(nodes, _sharded_dims(solved))
-    allowed = base if also is None else (lambda k, s: base(k, s) and also(k, s))
+    by_axes = _allowed(nodes, _sharded_dims(solved))
+    allowed = by_axes if also is None else (lambda k, s: by_axes(k, s) and also(k, s))
     bg = AxisBackground(axis, link, _work(solved), allowed, rows, batch_only=axis == DATA)
     return build_tables(searcher.facts, searcher.cluster, t, sp and axis == TENSOR, mbs, searcher.dtype,
                         searcher.profile, cache, cp=cp, cp_mode=cp_mode, background=bg)
