@@ -8,7 +8,9 @@ takes GPU ``rank`` and the collectives run over an NCCL group) and measure at th
 (``autopar/calibrate_rank.py``): per-op overhead, memory copy, GEMMs at transformer shapes per dtype
 (``autopar/calibrate_bench.py``), causal and non-causal SDPA, then every collective of
 ``autopar.cost.collectives`` from 1 KiB up to 256 MiB, as far as the time budget allows, over all
-ranks. A latency and a bus bandwidth are fitted to each collective's times with the cost model's
+ranks; on CPU ranks each is also timed in situ, after a block of compute as a training step issues
+it, and that time is the one fitted (``calibrate_comm.time_collective_in_situ``; the back-to-back
+times are kept in ``[measured]``). A latency and a bus bandwidth are fitted to each collective's times with the cost model's
 own formulas (``autopar/calibrate_comm.py``); the file's ``[intra]`` link is the all_reduce fit
 (data-parallel gradients and tensor-parallel layers use all_reduce), and the other collectives run
 at their own fitted busbw relative to it (its ``busbw_scale``: gloo's reduce_scatter and all_gather
@@ -183,7 +185,8 @@ def _aggregate(results: list[dict], cfg: dict, kind: str, nproc: int, start: flo
         sdpa = SdpaFigures(s["dtype"], f"B={s['batch']} T={s['seq']} D={s['head_dim']} H={heads}",
                            SDPA_TRAIN_FACTOR * sum(fl) / sum(fb), sum(fl) / sum(fwd),
                            (sum(fb) - sum(fwd)) / sum(fwd), nc)
-    points = tuple(CollectivePoint(k, int(n), int(b), float(t)) for k, n, b, t in results[0]["collectives"])
+    points = tuple(CollectivePoint(k, int(n), int(b), float(t), float(b2b) if b2b != t else 0.0)
+                   for k, n, b, t, b2b in results[0]["collectives"])
     fits = []
     for k in cfg["kinds"]:
         try:

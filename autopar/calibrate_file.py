@@ -86,7 +86,9 @@ def cluster_dict(cal: Calibration, nodes: int = 1) -> dict[str, Any]:
         others = ", ".join(f"{k} {f:.2g}x" for k, f in scale.items())
         d["intra"] = {"name": f"measured-{'nccl' if cal.device_kind == 'cuda' else 'gloo'}",
                       "busbw_GBps": _sig(cal.link.busbw_Bps / GB), "latency_us": _sig(cal.link.latency_s * 1e6),
-                      "source": (f"measured by autopar calibrate: latency + busbw fitted to {cal.link_kind} on "
+                      "source": (f"measured by autopar calibrate: latency + busbw fitted to {cal.link_kind}"
+                                 + (" in situ (each call after compute)" if any(p.back_to_back_s for p in kinds) else "")
+                                 + " on "
                                  f"{cal.nproc} ranks, {min(p.nbytes for p in kinds)} .. {max(p.nbytes for p in kinds)}"
                                  f" B (relative RMS error {100 * cal.link.rel_rms:.0f}%)"
                                  + (f"; the other collectives' own busbw, relative: {others} (busbw_scale)"
@@ -135,6 +137,8 @@ def measured_dict(cal: Calibration, budget_s: float, wall_s: float) -> dict[str,
             mine = [p for p in cal.points if p.kind == k]
             entry: dict[str, Any] = {"ranks": mine[0].ranks, "bytes": [p.nbytes for p in mine],
                                      "seconds": [p.seconds for p in mine]}
+            if any(p.back_to_back_s for p in mine):       # ``seconds`` in situ (calibrate_comm.py)
+                entry["back_to_back_seconds"] = [p.back_to_back_s or p.seconds for p in mine]
             if k in fits:
                 entry.update(busbw_GBps=fits[k].busbw_Bps / GB, latency_us=fits[k].latency_s * 1e6,
                              rel_rms=fits[k].rel_rms)

@@ -7,7 +7,8 @@ time budget and broadcasts the decision over the default (gloo) group, so every 
 measurements; rank 0 also writes the progress file the launcher's progress bar reads.
 
 Order: per-op overhead, memory copy, memory-bound op classes (norm, activation, softmax,
-elementwise, at the GEMMs' token and hidden sizes), elementwise rate (CPU), GEMMs per dtype, SDPA, collectives,
+elementwise, at the GEMMs' token and hidden sizes), elementwise rate (CPU), GEMMs per dtype, SDPA, collectives
+(on CPU ranks each also in situ, after a GEMM pair: ``calibrate_comm.time_collective_in_situ``),
 GEMMs beside async all-reduces (``calibrate_overlap.py``, outside the budget: ~1-2 s), then (CPU)
 autopar's per-node step overhead (``calibrate_runtime.py``, outside the budget: ~10 s, ~15 s on 4
 ranks or more, which also time DTensor on a 2-D mesh).
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from autopar.calibrate_bench import (GEMM_PASSES, SDPA_TRAIN_FACTOR, copy_Bps, elementwise_flops, gemm_shapes,
                                      measurement_s, memory_class_Bps, op_overhead_s, sdpa_fwd_flops, shared_window_s,
                                      time_gemm, time_sdpa)
-from autopar.calibrate_comm import collective_op, time_collective
+from autopar.calibrate_comm import collective_op, time_collective, time_collective_in_situ
 from autopar.runtime.launch import report_progress
 from autopar.runtime.precision import parse_dtype
 
@@ -37,6 +38,11 @@ RESERVE_S = 1.0                               # kept for gathering results and w
 COLLECTIVE_BATCHES = 5           # timed batches per collective and size; their median is the time
 COLLECTIVE_BATCH_S = 0.01        # a batch's length (at least one call)
 COLLECTIVE_MAX_REPS = 50
+# CPU ranks time each collective in situ too (``calibrate_comm.time_collective_in_situ``): after a
+# GEMM pair of this shape (M, K, N) in float32, up to a back-to-back time of IN_SITU_MAX_RATIO
+# compute blocks (beyond it the block is noise on the collective: measured the same either way)
+IN_SITU_GEMM = (256, 256, 768)
+IN_SITU_MAX_RATIO = 8.0
 
 
 class _Gate:
@@ -112,9 +118,24 @@ def _sdpa(gate: _Gate, cfg: dict, device: torch.device, out: dict, window_s: flo
     gate.step(f"SDPA non-causal H={h}")
 
 
+def _in_situ_compute(device: torch.device):
+    """(the compute block a CPU collective is timed after, seconds per block); None on a GPU."""
+    if device.type != "cpu":
+        return None
+    m, k, n = IN_SITU_GEMM
+    x, w = torch.randn(m, k), torch.randn(n, k)
+
+    def block() -> None:
+        torch.mm(x, w.t())
+        torch.mm(x, w.t())
+    block()
+    return block, time_collective(block, 10, device, batches=3)
+
+
 def _collectives(gate: _Gate, cfg: dict, rank: int, world: int, device: torch.device, group, out: dict) -> None:
     last: dict[str, float] = {}        # kind -> seconds per call at the previous size
     stopped: set[str] = set()
+    in_situ = _in_situ_compute(device)
     for size in cfg["sizes"]:
         for kind in cfg["kinds"]:
             label = f"{kind} {size >> 10} KiB" if size < 1 << 20 else f"{kind} {size >> 20} MiB"
@@ -122,7 +143,7 @@ def _collectives(gate: _Gate, cfg: dict, rank: int, world: int, device: torch.de
                 gate.step(label)
                 continue
             # the next size is 4x: warm-up, estimate and the timed calls, each ~4x the last call
-            predicted = 0.0 if kind not in last else 4 * last[kind] * (2 + COLLECTIVE_BATCHES)
+            predicted = 0.0 if kind not in last else 4 * last[kind] * (2 + COLLECTIVE_BATCHES) * (1 + (in_situ is not None))
             if not gate.go(predicted, gate.deadline["collectives"]):
                 stopped.add(kind)
                 gate.step(label)
@@ -133,7 +154,13 @@ def _collectives(gate: _Gate, cfg: dict, rank: int, world: int, device: torch.de
             reps = int(min(COLLECTIVE_MAX_REPS, max(1, COLLECTIVE_BATCH_S / max(est, 1e-9))))
             per_call = time_collective(fn, reps, device, batches=COLLECTIVE_BATCHES)
             last[kind] = per_call
-            out["collectives"].append([kind, world, nbytes, per_call * factor])
+            timed = per_call
+            if in_situ is not None and per_call < IN_SITU_MAX_RATIO * in_situ[1]:
+                block, block_s = in_situ
+                reps = int(min(COLLECTIVE_MAX_REPS, max(1, COLLECTIVE_BATCH_S / (per_call + block_s))))
+                # never below back to back: what the compute adds is >= 0 (a negative difference is noise)
+                timed = max(per_call, time_collective_in_situ(fn, block, reps, device, batches=COLLECTIVE_BATCHES))
+            out["collectives"].append([kind, world, nbytes, timed * factor, per_call * factor])
             del fn
             gate.step(label)
 

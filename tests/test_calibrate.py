@@ -9,12 +9,13 @@ import tomllib
 from dataclasses import replace
 
 import pytest
+import torch
 from rich.console import Console
 
 from autopar.calibrate import SIZES, Calibration, SdpaFigures, add_parser, check_nproc, cmd_calibrate, measure
 from autopar.calibrate_file import calibration_toml, cluster_dict, measured_dict
 from autopar.calibrate_bench import SHARED_WINDOW_S, GemmShape, shared_window_s, summarize_gemms, time_per_call
-from autopar.calibrate_comm import CollectivePoint, fit_link
+from autopar.calibrate_comm import CollectivePoint, fit_link, time_collective, time_collective_in_situ
 from autopar.cost.collectives import COLLECTIVE_KINDS, collective_s
 from autopar.cost.compute import op_time_s
 from autopar.cost.cluster_file import cluster_from_dict, cluster_to_toml, load_cluster
@@ -40,6 +41,35 @@ def test_ranks_sharing_cores_time_over_a_window():
                              max_reps=3, window_s=0.02)
     timed = len(calls) - 2                                   # after the two warm-up calls
     assert timed > 3 and per_call * timed >= 0.02            # the window's wall time over its calls
+
+
+def test_collectives_timed_in_situ_after_compute():
+    """``time_collective_in_situ``: what a collective adds after a block of compute, which is what a
+    training step pays, where back to back it runs warm. A stand-in collective that costs 6 ms
+    right after compute and 1 ms after itself times 1 ms back to back and 6 ms in situ; the 2 ms
+    compute block is taken out. One gloo rank (barriers and the MAX over ranks run for real)."""
+    import torch.distributed as dist
+
+    state = {"cold": False}
+
+    def compute():
+        time.sleep(0.002)
+        state["cold"] = True
+
+    def collective():
+        time.sleep(0.006 if state["cold"] else 0.001)
+        state["cold"] = False
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        cpu = torch.device("cpu")
+        back_to_back = time_collective(collective, 5, cpu, batches=3)
+        in_situ = time_collective_in_situ(collective, compute, 5, cpu, batches=3)
+    finally:
+        dist.destroy_process_group()
+    assert 0.001 <= back_to_back < 0.003         # sleeps only overshoot: upper bounds leave room for load
+    assert 0.0045 < in_situ < 0.0075            # the compute block taken out (8 ms with it)
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
@@ -190,6 +220,21 @@ def test_each_collective_kind_priced_at_its_measured_busbw():
                                                        "all_to_all": 1.0, "p2p": 3.8}, rel=1e-3)
     for p in points:
         assert collective_s(p.kind, p.nbytes, p.ranks, c.intra) == pytest.approx(p.seconds, rel=1e-3), p
+
+
+def test_the_file_fits_in_situ_times_and_keeps_the_back_to_back_ones():
+    """CPU collectives timed in situ: the link is fitted to those times, the source says so, and
+    the back-to-back times stay in ``[measured]`` beside them."""
+    truth = LinkSpec("t", 1.0e9, 1e-3, "")
+    points = [replace(p, back_to_back_s=0.5 * p.seconds) for p in _points(truth, 4)]
+    cal = _calibration("cpu", {"float32": 41.3e9}, 12.5e9, 20e9, points=points)
+    c = cluster_from_dict(cluster_dict(cal))
+    assert (c.intra.busbw_Bps, c.intra.latency_s) == pytest.approx((1.0e9, 1e-3), rel=1e-6)
+    assert "in situ" in c.intra.source
+    m = measured_dict(cal, 10.0, 12.0)["collectives"]["all_reduce"]
+    assert m["back_to_back_seconds"] == pytest.approx([0.5 * t for t in m["seconds"]])
+    plain = measured_dict(_calibration("cpu", {"float32": 41.3e9}, 12.5e9, 20e9, points=_points(truth, 4)), 10.0, 12.0)
+    assert "back_to_back_seconds" not in plain["collectives"]["all_reduce"]
 
 
 def test_gpu_file_keeps_datasheet_peaks_and_measures_efficiencies():
