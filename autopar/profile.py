@@ -102,10 +102,10 @@ def compute_shares(evaluation, summary, profile, cluster) -> dict[str, float]:
     most layers): per part the rank runs, each class's forward + backward compute in the solver's
     tables (``PartCost.by_kind``, host cost excluded) times its copies, plus the forward again for
     the layers recomputed in full, and the gradients' passes through the reducer's buffers as
-    memory-bound (``overlap.grad_pass_s``). ``evaluation, summary, profile``: the plan's
+    memory-bound, and ZeRO-3's gather copies (``overlap.memory_pass_s``). ``evaluation, summary, profile``: the plan's
     (``memory_predict.plan_evaluation``) on ``cluster``."""
     from autopar.solver.layer_memory import recomputed_layers
-    from autopar.solver.overlap import grad_pass_s
+    from autopar.solver.overlap import memory_pass_s
     from autopar.solver.layer_memory import rank_parts
 
     ev = evaluation
@@ -117,7 +117,7 @@ def compute_shares(evaluation, summary, profile, cluster) -> dict[str, float]:
     again = recomputed_layers(ev.config, st.layers, for_memory=False)
     for kind, (f, _) in summary.parts["block"].by_kind.items():
         acc[kind] += again * f
-    acc["memory"] += grad_pass_s(ev.config, st.param_numel, profile, cluster.gpu)   # as solver/timing.py
+    acc["memory"] += memory_pass_s(ev.config, st.param_numel, profile, cluster.gpu)   # as solver/timing.py
     total = sum(acc.values())
     return {k: v / total for k, v in acc.items()} if total > 0 else {}
 

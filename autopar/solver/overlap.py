@@ -107,12 +107,26 @@ def grad_pass_bytes(cfg, numel: float, grad_bytes: int) -> float:
     return passes * numel * grad_bytes
 
 
-def grad_pass_s(cfg, numel: float, profile, gpu) -> float:
-    """Seconds per micro-batch of ``grad_pass_bytes`` (1/m of the step's) at HBM bandwidth x memory
-    efficiency; 0 for a runtime without ``grad_passes``."""
-    if not profile.grad_passes:
+def gather_pass_bytes(cfg, numel: float, param_bytes: int) -> float:
+    """Bytes a rank's ZeRO-3 gathers move through memory per micro-batch beside the passes' GEMMs, on
+    a runtime with ``RuntimeProfile.gather_passes`` (``runtime/prefetch.py``), for ``numel`` local
+    parameter elements: each gather concatenates the rank's rows into its send buffer (read, write:
+    2 passes over 1/data of them) and copies every gathered parameter out of the receive buffer into
+    its own storage (read, write: 2 passes over all of them), in the forward and again in the
+    backward's re-gathers. 0 without ZeRO-3 over data > 1 ranks."""
+    if cfg.zero != 3 or cfg.data <= 1:
         return 0.0
-    return grad_pass_bytes(cfg, numel, profile.grad_bytes) / (cfg.m * gpu.hbm_Bps * gpu.memory_efficiency)
+    return 2 * (2.0 + 2.0 / cfg.data) * numel * param_bytes
+
+
+def memory_pass_s(cfg, numel: float, profile, gpu) -> float:
+    """Seconds per micro-batch of the runtime's own passes through memory: ``grad_pass_bytes`` (1/m
+    of the step's) and ``gather_pass_bytes``, at HBM bandwidth x memory efficiency; 0 for a runtime
+    with neither (``RuntimeProfile.grad_passes``, ``gather_passes``)."""
+    nbytes = grad_pass_bytes(cfg, numel, profile.grad_bytes) / cfg.m if profile.grad_passes else 0.0
+    if profile.gather_passes:
+        nbytes += gather_pass_bytes(cfg, numel, profile.param_bytes)
+    return nbytes / (gpu.hbm_Bps * gpu.memory_efficiency)
 
 
 def accumulates_rows(cfg) -> bool:

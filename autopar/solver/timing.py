@@ -36,7 +36,9 @@ each of a rank's v stage boundaries (one ``layer_input_bytes`` message each way)
 
 Gradient passes (a runtime with ``RuntimeProfile.grad_passes``): the reducer's copies of the
 gradients into its buffers and the micro-batches' accumulating adds (``overlap.grad_pass_bytes``),
-at HBM bandwidth x memory efficiency, in the rank's compute (per micro-batch: 1/m of the step's).
+at HBM bandwidth x memory efficiency, in the rank's compute (per micro-batch: 1/m of the step's);
+likewise ZeRO-3's gathers' copies into and out of their buffers (``gather_passes``,
+``overlap.gather_pass_bytes``, every micro-batch).
 
 Optimizer step (memory bound): per local parameter it reads the 16-bit param, the gradient, the
 fp32 master copy and the two Adam moments and writes the param, master and moments back
@@ -77,7 +79,7 @@ from autopar.solver.balance import balance
 from autopar.solver.grad_buckets import GradPiece
 from autopar.solver.problem import AxisSummary, PartCost
 from autopar.solver.overlap import (account as overlap_account, accumulates_rows, dp_sync as overlap_dp_sync,
-                                    grad_pass_s, reduces_once_per_step)
+                                    memory_pass_s, reduces_once_per_step)
 from autopar.solver.runtime_profile import RuntimeProfile
 from autopar.recompute_ops import is_per_op
 from autopar.solver.layer_memory import (activation_bytes_per_layer, held_loss_input_bytes, largest_group_numel,
@@ -441,7 +443,7 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
         comm[k] = comm.get(k, 0.0) + v
     copies_over = profile.copies_overlapped(cluster, cfg.data)      # offload's copies on a side stream
     mem = _rank_memory(summary, cfg, profile, r, parts, numel, lps, copies_over)
-    compute += grad_pass_s(cfg, numel, profile, gpu)    # the reducer's gradient copies, the micro-batches' adds
+    compute += memory_pass_s(cfg, numel, profile, gpu)   # the reducer's gradient copies and adds, ZeRO-3's gather copies
     cls = cfg.classes
     rows, nvme_Bps = optimizer_rows(numel, cfg.data, cfg.zero), cluster.nvme_Bps / cluster.gpus_per_node
     if cls:

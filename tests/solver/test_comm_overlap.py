@@ -65,6 +65,30 @@ def test_gradient_passes_by_hand():
     assert ours.step.compute_s - mega.step.compute_s == pytest.approx(11 * 2e9 * 4 / (3.35e12 * 0.85))
 
 
+def test_zero3_gather_passes_by_hand():
+    """``overlap.gather_pass_bytes``: per micro-batch, two gathers (the forward's, the backward's
+    re-gather), each 2 passes over the rank's 1/data rows (its send buffer) and 2 over every
+    parameter (out of the receive buffer); only ZeRO-3 over data > 1. Autopar's runtime prices them
+    in the rank's compute every micro-batch, beside its gradient passes; Megatron's has neither."""
+    from autopar.solver.overlap import gather_pass_bytes, grad_pass_bytes
+
+    def cfg(dp, zero, m=4):
+        return OuterConfig(tp=1, pp=1, dp=dp, mbs=1, m=m, recompute="none", zero=zero, sp=False)
+
+    assert gather_pass_bytes(cfg(4, 3), 100, 4) == 2 * (2 + 2 / 4) * 100 * 4       # 2,000 bytes
+    assert gather_pass_bytes(cfg(4, 2), 100, 4) == gather_pass_bytes(cfg(1, 3), 100, 4) == 0.0
+    c, numel = cfg(4, 3), 2e9
+    base = _cluster(0.0)
+    mega = evaluate(_summary({}), c, base, MEGATRON_RUNTIME, 1e15)
+    grads = evaluate(_summary({}), c, base, replace(MEGATRON_RUNTIME, grad_passes=True), 1e15)
+    both = evaluate(_summary({}), c, base, replace(MEGATRON_RUNTIME, grad_passes=True, gather_passes=True), 1e15)
+    bw = base.gpu.hbm_Bps * base.gpu.memory_efficiency
+    param_b = MEGATRON_RUNTIME.param_bytes
+    assert grads.step.compute_s - mega.step.compute_s == pytest.approx(
+        grad_pass_bytes(c, numel, MEGATRON_RUNTIME.grad_bytes) / bw)
+    assert both.step.compute_s - grads.step.compute_s == pytest.approx(c.m * 2 * 2.5 * numel * param_b / bw)
+
+
 def test_the_steps_host_cost_is_paid_once_per_step():
     """``GPUSpec.step_overhead_s`` (measured by ``autopar calibrate``): added to the step once,
     whatever the micro-batches and the pipeline, and shown as ``StepTime.host_s``."""
