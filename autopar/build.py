@@ -35,6 +35,7 @@ from autopar.runtime.reducer import GradReducer
 from autopar.runtime.world import (PlanMismatchError, build_mesh, check_agreement, context_group, init_world,
                                    runtime_mesh, start_watchdog, world_size_message)
 from autopar.solver.forcing import Force, check_world, parse_force
+from autopar.trace.errors import TraceError
 
 log = logging.getLogger("autopar.runtime")
 
@@ -203,8 +204,13 @@ def build(s: Setup, example_target: torch.Tensor) -> Built:
                                     + (f" of {dp} data-parallel shards" if local_dp else "")
                                     + "; re-plan for this batch")
         n = rows // split
-        graph = trace_model(model, tuple(x[:n] for x in inputs), loss_fn=loss_fn, example_target=example_target[:n],
-                            collapse_repeats=False, model_name=model_name)
+        try:
+            graph = trace_model(model, tuple(x[:n] for x in inputs), loss_fn=loss_fn,
+                                example_target=example_target[:n], collapse_repeats=False, model_name=model_name)
+        except TraceError as e:
+            if context is None:
+                raise
+            raise _chunk_trace_error(e, context) from e
     program = compile_program(graph, plan_, local_dp=local_keys)
     cut = None
     if plan_.pp > 1:
@@ -249,6 +255,19 @@ def build(s: Setup, example_target: torch.Tensor) -> Built:
                   optimizer=opt, reducer=reducer, buffers=buffers, collective_log=clog, device=s.device,
                   fused=s.fused, device_mesh=device_mesh, cut=cut, loss_scale=loss_scale,
                   precision=precision, context=context, offload=offload, engine=s.engine)
+
+
+def _chunk_trace_error(e: TraceError, context: ContextRun) -> TraceError:
+    """The model traced on the whole sequence but not on a cp rank's chunk of it (``context_run``)."""
+    first = str(e).splitlines()[0].split(": ", 1)[-1]        # less "could not trace <model>: "
+    return TraceError(
+        f"context parallelism (cp={context.n}) runs the model on {context.local_len} of each sequence's "
+        f"{context.seq_len} tokens per rank, and forward() fails at that length: {first}",
+        source=e.source,
+        hint="a tensor sized to the whole sequence (a positional table or mask added whole) cannot follow the "
+             "chunks. Derive positions from torch.arange(T), or index the table with position ids "
+             "(`table[torch.arange(T)]`, an nn.Embedding of them): autopar gives each rank its chunk's global "
+             "positions there. Or plan with cp=1.")
 
 
 def _context(plan: Plan, s: Setup) -> Optional[ContextRun]:

@@ -60,6 +60,27 @@ def position_sources(graph, seq: int) -> frozenset[str]:
     return frozenset(n.key for n in graph.nodes if is_position_source(n, seq, kinds))
 
 
+def _whole_sequence_leaf(facts: GraphFacts, n: NodeInfo, kinds: dict, seq: int) -> Optional[str]:
+    """Why elementwise op ``n`` cannot run on a chunk: it broadcasts a parameter or buffer whose dim
+    of the sequence's length lines up with a token dim of its output (``h + self.pos``, a learned
+    position table added whole), which a rank holding T / cp tokens cannot read as it is."""
+    from autopar.solver.rules import is_elementwise      # rules -> ... -> here
+
+    if not is_elementwise(n.target):
+        return None
+    out = n.outputs[0].shape
+    tdims = token_dims_of(facts, n.key, out)
+    for ref in facts.inputs[n.key]:
+        if kinds.get(ref.key) not in ("param", "buffer"):
+            continue
+        shape = facts.nodes[ref.key].outputs[0].shape
+        if any(size == seq and len(out) - len(shape) + i in tdims for i, size in enumerate(shape)):
+            return (f"{n.key} ({n.target}) adds the {kinds[ref.key]} {ref.key} of shape {tuple(shape)} whole to the "
+                    f"tokens, sized to all {seq} of them, so a rank's chunk cannot read it: index it with positions "
+                    "(table[torch.arange(T)] or an nn.Embedding of position ids: each rank gets its chunk's)")
+    return None
+
+
 def attention_nodes(graph) -> list[NodeInfo]:
     return [n for n in graph.nodes if n.kind == "op" and n.target == SDPA_TARGET]
 
@@ -105,6 +126,9 @@ def context_problem(facts: GraphFacts, unbatched: Optional[tuple] = None) -> Opt
                 return (f"attention {n.key} uses enable_gqa (context parallelism takes K/V with the queries' "
                         "heads: repeat them before the call)")
             continue
+        whole = _whole_sequence_leaf(facts, n, kinds, seq) if tokens[n.key] else None
+        if whole is not None:
+            return whole
         if not any(tokens.get(k) for k in ins):
             if n.key not in from_pos and any(seq in m.shape for m in n.outputs) and not tokens[n.key]:
                 return (f"{n.key} ({n.target}) builds a sequence-length tensor that is not a position "

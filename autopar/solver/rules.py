@@ -258,6 +258,13 @@ _ELEMENTWISE = (
     "gelu_", "silu_", "relu_", "add_", "mul_", "copy", "copy_", "log1p", "expm1", "sign", "floor",
     "ceil", "round", "trunc", "isnan", "logit", "softplus", "mish", "hardswish", "hardsigmoid",
 )
+
+
+def is_elementwise(target: str) -> bool:
+    """Whether ``target`` is an elementwise op (its operands broadcast against its output)."""
+    return base_name(target) in _ELEMENTWISE
+
+
 _LINEAR_UNARY = ("clone", "contiguous", "_to_copy", "to", "neg", "alias", "detach", "type_as")
 
 

@@ -4,6 +4,7 @@ choices that cannot work."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from autopar.cost.hardware import make_cluster
 from autopar.plan import Plan
@@ -164,3 +165,62 @@ def test_tensor_parallel_modes_are_read_and_unknown_ones_refused_by_name():
         parse_force("tpmode=4d")
     for w in ["tpmode=4d", "1d, 2d, 2.5d, 3d"]:
         assert w in str(e.value), str(e.value)
+
+
+class _PosTokens(torch.nn.Module):
+    """Tokens, a learned position table (added whole, or indexed by positions), one attention."""
+
+    def __init__(self, seq: int, hidden: int, indexed: bool) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, hidden)
+        self.pos = torch.nn.Parameter(torch.randn(seq, hidden))
+        self.qkv, self.head = torch.nn.Linear(hidden, 3 * hidden), torch.nn.Linear(hidden, 32)
+        self.indexed = indexed
+
+    def forward(self, x):
+        h = self.embed(x)
+        h = h + (self.pos[torch.arange(x.shape[1])] if self.indexed else self.pos)
+        q, k, v = self.qkv(h).unflatten(-1, (3, 2, -1)).permute(2, 0, 3, 1, 4)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(o.transpose(1, 2).flatten(2))
+
+
+@pytest.mark.parametrize("hidden", [16, 8])          # 16: weights and biases the sequence's size too
+def test_a_position_table_added_whole_cannot_follow_the_chunks(hidden):
+    """A parameter broadcast onto the tokens with a dim of the sequence's length on their sequence
+    dim (``h + self.pos``) cannot be read by a rank that holds T / cp tokens: cp is refused, naming
+    the op, the parameter and what to write instead. Indexed by positions (``pos[arange(T)]``),
+    each rank gets its chunk's rows and cp plans; a weight or bias that only happens to be T long
+    (hidden == T) is no such table."""
+    from autopar.trace import trace_model
+
+    x, y = torch.randint(0, 32, (2, 16)), torch.randint(0, 32, (2, 16))
+
+    def loss(out, t):
+        return torch.nn.functional.cross_entropy(out.flatten(0, 1), t.flatten())
+
+    for indexed in (False, True):
+        g = trace_model(_PosTokens(16, hidden, indexed), (x,), loss_fn=loss, example_target=y)
+        why = context_problem(graph_facts(g, 16))
+        if indexed:
+            assert why is None
+        else:
+            assert why is not None and "pos" in why and "(16, %d)" % hidden in why and "torch.arange" in why
+            with pytest.raises(PlanningError, match="cp=2: .*pos.*drop cp=2"):
+                plan_model(g, make_cluster("a100-80g", 1, 2), global_batch=2, seq_len=16, dtype="bfloat16",
+                           force=parse_force("cp=2"))
+
+
+def test_a_model_that_fails_on_its_chunk_says_cp_did_it():
+    """Where planning let cp through and the trace at a rank's chunk still fails, the error says
+    that cp traced T / cp tokens and how to make positions follow the chunks (``build.py``)."""
+    from autopar.build import _chunk_trace_error
+    from autopar.codegen.context_run import ContextRun
+    from autopar.trace import TraceError
+
+    e = TraceError("could not trace the model: RuntimeError: shape '[2, 16, 8]' is invalid",
+                   source="m.py:3 in forward: x.view(2, 16, 8)", hint="(the eager hint)")
+    out = _chunk_trace_error(e, ContextRun.make(None, 0, 2, "ring", 16, 1, "cpu"))
+    assert isinstance(out, TraceError) and out.source == e.source
+    assert "cp=2" in str(out) and "8 of each sequence's 16 tokens" in str(out) and "invalid" in str(out)
+    assert "torch.arange" in out.hint and "(the eager hint)" not in str(out)
