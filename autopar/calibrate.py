@@ -10,8 +10,8 @@ takes GPU ``rank`` and the collectives run over an NCCL group) and measure at th
 ``autopar.cost.collectives`` from 1 KiB up to 256 MiB, as far as the time budget allows, over all
 ranks; on CPU ranks each is also timed in situ, after a block of compute as a training step issues
 it, and that time is the one fitted (``calibrate_comm.time_collective_in_situ``; the back-to-back
-times are kept in ``[measured]``). A latency and a bus bandwidth are fitted to each collective's times with the cost model's
-own formulas (``autopar/calibrate_comm.py``); the file's ``[intra]`` link is the all_reduce fit
+times are kept in ``[measured]``). A latency and a bus bandwidth are fitted to each collective's
+times with the cost model's own formulas (``autopar/calibrate_comm.py``); the file's ``[intra]`` link is the all_reduce fit
 (data-parallel gradients and tensor-parallel layers use all_reduce), and the other collectives run
 at their own fitted busbw relative to it (its ``busbw_scale``: gloo's reduce_scatter and all_gather
 run at a fraction of its all_reduce busbw, its send/recv at a multiple; NCCL's kinds alike, about

@@ -87,7 +87,8 @@ def cluster_dict(cal: Calibration, nodes: int = 1) -> dict[str, Any]:
         d["intra"] = {"name": f"measured-{'nccl' if cal.device_kind == 'cuda' else 'gloo'}",
                       "busbw_GBps": _sig(cal.link.busbw_Bps / GB), "latency_us": _sig(cal.link.latency_s * 1e6),
                       "source": (f"measured by autopar calibrate: latency + busbw fitted to {cal.link_kind}"
-                                 + (" in situ (each call after compute)" if any(p.back_to_back_s for p in kinds) else "")
+                                 + (" in situ (each call after compute)" if any(p.back_to_back_s for p in kinds)
+                                    else "")
                                  + " on "
                                  f"{cal.nproc} ranks, {min(p.nbytes for p in kinds)} .. {max(p.nbytes for p in kinds)}"
                                  f" B (relative RMS error {100 * cal.link.rel_rms:.0f}%)"

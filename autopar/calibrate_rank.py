@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -118,7 +118,7 @@ def _sdpa(gate: _Gate, cfg: dict, device: torch.device, out: dict, window_s: flo
     gate.step(f"SDPA non-causal H={h}")
 
 
-def _in_situ_compute(device: torch.device):
+def _in_situ_compute(device: torch.device) -> Optional[tuple[Callable[[], None], float]]:
     """(the compute block a CPU collective is timed after, seconds per block); None on a GPU."""
     if device.type != "cpu":
         return None
@@ -143,7 +143,8 @@ def _collectives(gate: _Gate, cfg: dict, rank: int, world: int, device: torch.de
                 gate.step(label)
                 continue
             # the next size is 4x: warm-up, estimate and the timed calls, each ~4x the last call
-            predicted = 0.0 if kind not in last else 4 * last[kind] * (2 + COLLECTIVE_BATCHES) * (1 + (in_situ is not None))
+            # (twice that where each is timed in situ too)
+            predicted = 0.0 if kind not in last else 4 * last[kind] * (2 + COLLECTIVE_BATCHES) * (1 + bool(in_situ))
             if not gate.go(predicted, gate.deadline["collectives"]):
                 stopped.add(kind)
                 gate.step(label)

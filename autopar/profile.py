@@ -101,9 +101,9 @@ def compute_shares(evaluation, summary, profile, cluster) -> dict[str, float]:
     """Operator class -> its share of the plan's predicted compute on its busiest pipeline rank (the
     most layers): per part the rank runs, each class's forward + backward compute in the solver's
     tables (``PartCost.by_kind``, host cost excluded) times its copies, plus the forward again for
-    the layers recomputed in full, and the gradients' passes through the reducer's buffers as
-    memory-bound, and ZeRO-3's gather copies (``overlap.memory_pass_s``). ``evaluation, summary, profile``: the plan's
-    (``memory_predict.plan_evaluation``) on ``cluster``."""
+    the layers recomputed in full, and the gradients' passes through the reducer's buffers and
+    ZeRO-3's gather copies as memory-bound (``overlap.memory_pass_s``). ``evaluation, summary,
+    profile``: the plan's (``memory_predict.plan_evaluation``) on ``cluster``."""
     from autopar.solver.layer_memory import recomputed_layers
     from autopar.solver.overlap import memory_pass_s
     from autopar.solver.layer_memory import rank_parts

@@ -443,7 +443,7 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
         comm[k] = comm.get(k, 0.0) + v
     copies_over = profile.copies_overlapped(cluster, cfg.data)      # offload's copies on a side stream
     mem = _rank_memory(summary, cfg, profile, r, parts, numel, lps, copies_over)
-    compute += memory_pass_s(cfg, numel, profile, gpu)   # the reducer's gradient copies and adds, ZeRO-3's gather copies
+    compute += memory_pass_s(cfg, numel, profile, gpu)   # gradient copies and adds, ZeRO-3's gather copies
     cls = cfg.classes
     rows, nvme_Bps = optimizer_rows(numel, cfg.data, cfg.zero), cluster.nvme_Bps / cluster.gpus_per_node
     if cls:
