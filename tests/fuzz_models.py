@@ -318,7 +318,8 @@ def forced_plans(draw, spec: dict, world: int, wide: bool = False):
     tp = draw(st.sampled_from(tps))
     cp = 1
     if wide and "attn" in spec["block"] and (world // (pp * tp)) % 2 == 0 and draw(st.booleans()):
-        cp = 2
+        # mostly sequences its 2 x cp chunks divide (the rest: a clear refusal)
+        cp = 2 if spec["seq"] % 4 == 0 or not draw(st.integers(0, 3)) else 1
     dp = world // (pp * tp * cp)
     force = {"dp": dp, "tp": tp, "pp": pp, "recompute": draw(st.sampled_from(["none", "selective", "full"]))}
     if cp > 1:
