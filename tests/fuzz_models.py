@@ -376,6 +376,8 @@ def cases(draw, world: int, batch: Optional[int] = None, wide: bool = False):
     the cluster planned for ("free": ``fast_links_cluster``, so tp really splits; "world":
     autoparallelize's default, the running CPU world), meta-device init or real weights, and
     whether to check the forward."""
+    if wide and world >= 8 and batch is None:     # dp=8, or dp=4 x pp=2 with 2 rows a replica: 8 rows
+        batch = 8
     spec = draw(model_specs(batch))
     return dict(spec=spec, force=draw(forced_plans(spec, world, wide)),
                 cluster=draw(st.sampled_from(["free", "free", "world"])),
