@@ -33,6 +33,7 @@ and 256 MB ones (bandwidth) count alike; latency is kept >= 0.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -117,7 +118,7 @@ def time_collective(fn: Callable[[], None], reps: int, device: torch.device, bat
         per_batch.append((time.perf_counter() - t0) / reps)
     t = torch.tensor(per_batch, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return _median(t.tolist())
+    return statistics.median(t.tolist())
 
 
 def time_collective_in_situ(fn: Callable[[], None], compute: Callable[[], object], reps: int,
@@ -129,12 +130,7 @@ def time_collective_in_situ(fn: Callable[[], None], compute: Callable[[], object
     for _ in range(batches):
         both.append(time_collective(lambda: (compute(), fn()), reps, device))
         alone.append(time_collective(compute, reps, device))
-    return _median(both) - _median(alone)
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
+    return statistics.median(both) - statistics.median(alone)
 
 
 def _design(p: CollectivePoint) -> tuple[float, float]:

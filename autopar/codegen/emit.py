@@ -230,8 +230,7 @@ class _Emitter:
             out = g.call_function(fallback.assert_global_metadata, args, kwargs, name=node.name)
         elif t in self.fallbacks:
             out = g.call_function(forced_local_op, (node.target, *args), kwargs, name=node.name)
-        elif t in fallback.SDPA_TARGETS or t in fallback.CONV_TARGETS or t in fallback.LOSS_TARGETS \
-                or not has_dtensor_rule(node.target):
+        elif t in fallback.OWN_LOCAL_TARGETS or not has_dtensor_rule(node.target):
             out = g.call_function(local_op, (rt, node.target, *args), kwargs, name=node.name)
         else:
             out = g.call_function(node.target, args, kwargs, name=node.name)

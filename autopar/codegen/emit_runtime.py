@@ -219,7 +219,7 @@ def local_op(rt: StageRuntime, op, *args, **kwargs):
 
 def _lacks_rule(rt: StageRuntime, op, target: str, args, kwargs) -> bool:
     """The executor's ``_lacks_rule``: run ``op`` once on DTensors (copies of what it writes)."""
-    if target in fallback.SDPA_TARGETS or target in fallback.CONV_TARGETS or target in fallback.LOSS_TARGETS:
+    if target in fallback.OWN_LOCAL_TARGETS:
         return False                          # DTensor runs these where ``needs_local`` did not say local
     args = probe_copies(op, args)             # the probe must not write: copies of the written operands
     try:

@@ -92,7 +92,7 @@ from autopar.ir import DTYPE_BYTES, GraphIR, NodeInfo, TensorMeta
 from autopar.mesh import DATA, TENSOR
 from autopar.placements import Partial, Placement, Replicate, Shard
 from autopar.plan import Plan
-from autopar.solver.rules import _ELEMENTWISE as ELEMENTWISE, base_name, find_rule
+from autopar.solver.rules import find_rule, is_elementwise
 from autopar.solver.saved import saves_operand_given
 
 
@@ -154,11 +154,6 @@ def _loss_target(p_in: Optional[Placement], ndim: int) -> Optional[Placement]:
         d = p_in.dim % ndim
         return Replicate() if d == channel else Shard(d - 1 if d > channel else d)
     return None
-
-
-def _elementwise(target: str) -> bool:
-    """Whether DTensor runs ``target`` as a pointwise op (operands aligned by broadcasting)."""
-    return base_name(target) in ELEMENTWISE
 
 
 def _rule_less(target: str) -> bool:
@@ -315,7 +310,7 @@ def part_collectives(graph: GraphIR, program: RankProgram, *, backend: str = "gl
             continue
         if not np_.inputs:
             continue
-        pointwise = _elementwise(n.target) and bool(n.outputs)
+        pointwise = is_elementwise(n.target) and bool(n.outputs)
         x0 = by_key[n.inputs[0].key] if n.inputs else None
         loss_rule = x0 is not None and bool(x0.outputs) and dtensor_loss(
             n, np_, mesh, len(x0.outputs[n.inputs[0].index or 0].shape), fused)

@@ -61,6 +61,9 @@ CONV_TARGETS = frozenset({
     "aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default", "aten.convolution.default",
     "aten.conv1d.padding", "aten.conv2d.padding", "aten.conv3d.padding",
 })
+# the ops with a local run of their own (``local_placements``), which DTensor runs where
+# ``needs_local`` does not send them here: no probe of whether DTensor can
+OWN_LOCAL_TARGETS = SDPA_TARGETS | CONV_TARGETS | LOSS_TARGETS
 
 
 def _conv_groups(target: str, args: Sequence[Any], kwargs: dict) -> int:
