@@ -20,14 +20,16 @@ run at a fraction of its all_reduce busbw, its send/recv at a multiple; NCCL's k
 What the file says, so that peak x efficiency is the MEASURED rate the cost model divides by
 (``compute.op_time_s``; format in ``autopar/cost/hardware.py``):
 - CPU (``gpu = "cpu"``, no datasheet): ``peak_TFLOPs`` per dtype = the measured GEMM rate (FLOP-
-  weighted over all shapes and passes) and ``matmul_efficiency = 1.0``; ``vector`` = the measured
-  fp32 elementwise rate; ``hbm_GBps`` = the measured copy rate (read + write) and
-  ``memory_efficiency = 1.0`` (the memory-bound op classes are measured and recorded in
-  ``[measured]``, not priced: at the GEMMs' shapes they run from cache at up to 3x the copy's rate,
-  while a CPU-sized GPT's memory-bound ops measured 24 ms a step against 17 priced at the copy's
-  rate and 13 at the classes'). Rates are per rank with every rank busy, one thread each, as an
-  ``autopar run`` rank computes. A training dtype not measured within the budget is priced at the
-  slowest measured one (the file's source says so).
+  weighted over all shapes and passes); ``vector`` = the measured fp32 elementwise rate;
+  ``hbm_GBps`` = the measured copy rate (read + write) and ``memory_efficiency = 1.0``. Rates are
+  per rank with every rank busy, one thread each, as an ``autopar run`` rank computes. A training
+  dtype not measured within the budget is priced at the slowest measured one (the file's source
+  says so). Then a reference GPT trains on the ranks under the profiler, and ``matmul_efficiency``,
+  the attention efficiencies, every memory-bound class's efficiency and ``optimizer_efficiency``
+  are the fractions of those rates its ops reached inside the step (``autopar/calibrate_step.py``;
+  1.0 and the SDPA loop's where it failed). The memory-bound classes' own loop rates are recorded
+  in ``[measured]``, not priced: at the GEMMs' shapes they run from cache at up to 3x the copy's
+  rate.
 - GPU: datasheet peaks; ``matmul_efficiency`` = bf16 GEMM rate / bf16 peak; other dtypes whose
   rate differs get ``peak_TFLOPs`` = their rate / matmul_efficiency (fp32 runs as torch is set:
   TF32 only if ``torch.backends.cuda.matmul.allow_tf32``); ``memory_efficiency`` = copy / datasheet,
@@ -48,7 +50,8 @@ import os
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -65,6 +68,7 @@ if TYPE_CHECKING:       # torch is imported when measuring, not for `autopar --h
     from autopar.calibrate_bench import GemmSummary
     from autopar.calibrate_comm import CollectivePoint, LinkFit
     from autopar.calibrate_overlap import OverlapFigures
+    from autopar.calibrate_step import StepRates
 
 SIZES = tuple(1024 * 4**i for i in range(10))          # 1 KiB, 4 KiB, ..., 256 MiB
 
@@ -118,6 +122,7 @@ class Calibration:
     ring_attention_overhead: Optional[float] = None   # s per ring attention node per micro-batch (CPU)
     overlap: Optional[OverlapFigures] = None   # compute beside an async all-reduce (calibrate_overlap.py)
     memory_classes: tuple[tuple[str, float], ...] = ()   # (class, bytes/s) of memory-bound ops (calibrate_bench)
+    in_step: Optional[StepRates] = None      # the op classes inside a training step (CPU; calibrate_step.py)
 
 
 def _setup(device_kind: str) -> dict:
@@ -262,7 +267,14 @@ def measure(nproc: Optional[int] = None, budget_s: float = DEFAULT_BUDGET_S, con
             stop.set()
             if watcher is not None:
                 watcher.join()
-    return _aggregate(results, cfg, kind, n, start)
+    cal = _aggregate(results, cfg, kind, n, start)
+    if kind == "cpu":          # the classes inside a training step, priced on what was just measured
+        from autopar.calibrate_step import REF_MODEL, measure_in_step
+
+        with console.status(f"training {REF_MODEL} on {n} rank(s) under the profiler…") if console else nullcontext():
+            steps = measure_in_step(cluster_from_dict(cluster_dict(cal), where="calibration"), n)
+        cal = replace(cal, in_step=steps, measure_s=time.monotonic() - start)
+    return cal
 
 
 def _show_progress(console: Console, path: str, total: int, n: int, kind: str, stop: threading.Event) -> None:
@@ -383,4 +395,22 @@ def figures_table(cal: Calibration, cluster: ClusterSpec) -> Table:
         t.add_row(escape(f"GEMM beside async all_reduce ({o.setup})"),
                   f"alone {o.gemm_s * 1e3:.3g} + {o.comm_s * 1e3:.3g} ms, together {o.both_s * 1e3:.3g} ms",
                   f"overlap_slowdown {cluster.overlap_slowdown:.3g}")
+    if cal.in_step is not None:
+        _in_step_rows(t, cal.in_step, g)
     return t
+
+
+def _in_step_rows(t: Table, step: StepRates, g) -> None:
+    """``figures_table``'s rows of the reference training step (``calibrate_step.py``)."""
+    t.add_row(escape(f"a training step of {step.model}, {step.force}"),
+              escape(step.note) if step.note else "profiled, a step", "(not used)" if step.note else "")
+    files = {"matmul": f"matmul_eff {g.matmul_efficiency:.3g}",
+             "attention": f"attention_eff {g.attention_efficiency:.3g}",
+             "memory": f"<class>_memory_eff {g.memory_eff_for('elementwise'):.3g}",
+             "optimizer": f"optimizer_eff {g.optimizer_efficiency:.3g}"}
+    labels = {"memory": "memory-bound ops (less the runtime's copies)"}
+    for c, measured, predicted in step.classes:
+        f = step.raw_factor(c)
+        t.add_row(f"  {labels.get(c, c)}", f"{measured * 1e3:.3g} ms, {predicted * 1e3:.3g} at the rates above",
+                  files[c] if step.factor(c) is not None else
+                  f"(not used: x{f:.3g})" if f is not None else "(not measured)")

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from autopar.calibrate_step import CLASSES, FACTOR_BOUNDS, ROWS_PER_RANK, STEPS
 from autopar.cost.cluster_file import cluster_to_toml, toml_value
+from autopar.cost.compute import MEMORY_CLASSES
 from autopar.cost.hardware import GB, TRAINING_DTYPES, ClusterSpec, get_gpu, short_dtype
 
 if TYPE_CHECKING:
     from autopar.calibrate import Calibration
+    from autopar.calibrate_step import StepRates
 
 
 def _sig(x: float, digits: int = 4) -> float:
@@ -67,6 +70,8 @@ def cluster_dict(cal: Calibration, nodes: int = 1) -> dict[str, Any]:
             over["attention_noncausal_efficiency"] = _sig(cal.sdpa.noncausal_train_rate / sdpa_peak)
     else:
         notes.append("attention not measured: datasheet/default attention_efficiency kept")
+    if cal.in_step is not None and cal.device_kind == "cpu":
+        notes.append(_apply_in_step(cal.in_step, over))
     if cal.link is None:
         notes.append(f"[intra] link not measured: {cal.link_note}")
     if peaks:
@@ -98,6 +103,35 @@ def cluster_dict(cal: Calibration, nodes: int = 1) -> dict[str, Any]:
         if scale:                  # the cost model prices each kind at its own busbw
             d["intra"]["busbw_scale"] = scale
     return d
+
+
+def _apply_in_step(step: StepRates, over: dict[str, Any]) -> str:
+    """Fold the reference step's factors (``calibrate_step.py``) into the CPU file's efficiencies
+    ``over``; returns the note for the source."""
+    if step.note:
+        return f"efficiencies of the microbenchmarks alone ({step.note})"
+    used = []
+    f = step.factor("matmul")
+    if f is not None:
+        over["matmul_efficiency"] = _sig(f)
+        used.append("matmul")
+    f = step.factor("attention")
+    if f is not None and "attention_efficiency" in over:
+        for k in ("attention_efficiency", "attention_noncausal_efficiency"):
+            if k in over:
+                over[k] = _sig(over[k] * f)
+        used.append("attention")
+    f = step.factor("memory")
+    if f is not None:
+        over.update({f"{c}_memory_efficiency": _sig(f) for c in MEMORY_CLASSES})
+        used.append("memory-bound ops")
+    f = step.factor("optimizer")
+    if f is not None:
+        over["optimizer_efficiency"] = _sig(f)
+        used.append("optimizer")
+    left = [c for c in CLASSES if step.factor(c) is None]
+    return (f"{', '.join(used) or 'no class'} at the rate reached in a training step of {step.model} ({step.force})"
+            + (f"; not used (outside {FACTOR_BOUNDS} or not measured): {', '.join(left)}" if left else ""))
 
 
 def measured_dict(cal: Calibration, budget_s: float, wall_s: float) -> dict[str, Any]:
@@ -150,6 +184,15 @@ def measured_dict(cal: Calibration, budget_s: float, wall_s: float) -> dict[str,
                       "rel_rms": f.rel_rms, "max_rel": f.max_rel, "points": f.points}
     if cal.link_note:
         m["link_note"] = cal.link_note
+    if cal.in_step is not None:
+        st = cal.in_step
+        m["in_step"] = {"model": st.model, "plan": st.force, "rows_per_rank": ROWS_PER_RANK, "steps": STEPS,
+                        "measured_ms": {c: ms * 1e3 for c, ms, _ in st.classes},
+                        "predicted_ms": {c: p * 1e3 for c, _, p in st.classes},
+                        "factors": {c: f for c in CLASSES if (f := st.raw_factor(c)) is not None},
+                        "factor_bounds": list(FACTOR_BOUNDS)}
+        if st.note:
+            m["in_step"]["note"] = st.note
     if cal.overlap is not None:
         o = cal.overlap
         m["overlap"] = {"setup": o.setup, "gemm_s": o.gemm_s, "comm_s": o.comm_s, "both_s": o.both_s,

@@ -14,7 +14,9 @@ report compares:
 - the step by category: compute and optimizer against the plan's compute + recompute and optimizer
   times, and the compute by operator class (matmul, attention, memory-bound ops, views) against
   the plan's compute split as the cost model splits the rank's work (``compute_shares``: each
-  class's forward and backward time in the solver's tables, recomputed layers' forwards again); each collective kind's in-situ time against the
+  class's forward and backward time in the solver's tables, recomputed layers' forwards again;
+  ``--json``: ``"by_class"``, where ``"memory_passes"`` is the predicted part of the memory-bound
+  row that is the runtime's own gradient and gather copies); each collective kind's in-situ time against the
   plan's exposed time for it; the host overhead (the step's wall time less all of those: autopar's
   executor, DTensor dispatch, autograd, Python between ops) against the per-node overhead the
   cluster file gives (``autopar calibrate`` measures it; 0, not modelled, otherwise), which the
@@ -97,13 +99,14 @@ def predicted_collective_s(plan, cluster, kind: str, axis: str, nbytes: int) -> 
     return collective_s(kind, nbytes, stage.shape[i], link)
 
 
-def compute_shares(evaluation, summary, profile, cluster) -> dict[str, float]:
+def compute_shares(evaluation, summary, profile, cluster, passes_apart: bool = False) -> dict[str, float]:
     """Operator class -> its share of the plan's predicted compute on its busiest pipeline rank (the
     most layers): per part the rank runs, each class's forward + backward compute in the solver's
     tables (``PartCost.by_kind``, host cost excluded) times its copies, plus the forward again for
     the layers recomputed in full, and the gradients' passes through the reducer's buffers and
-    ZeRO-3's gather copies as memory-bound (``overlap.memory_pass_s``). ``evaluation, summary,
-    profile``: the plan's (``memory_predict.plan_evaluation``) on ``cluster``."""
+    ZeRO-3's gather copies as memory-bound (``overlap.memory_pass_s``; with ``passes_apart``, under
+    their own key ``"memory_passes"``, out of ``"memory"``). ``evaluation, summary, profile``: the
+    plan's (``memory_predict.plan_evaluation``) on ``cluster``."""
     from autopar.solver.layer_memory import recomputed_layers
     from autopar.solver.overlap import memory_pass_s
     from autopar.solver.layer_memory import rank_parts
@@ -117,7 +120,8 @@ def compute_shares(evaluation, summary, profile, cluster) -> dict[str, float]:
     again = recomputed_layers(ev.config, st.layers, for_memory=False)
     for kind, (f, _) in summary.parts["block"].by_kind.items():
         acc[kind] += again * f
-    acc["memory"] += memory_pass_s(ev.config, st.param_numel, profile, cluster.gpu)   # as solver/timing.py
+    acc["memory_passes" if passes_apart else "memory"] += memory_pass_s(ev.config, st.param_numel, profile,
+                                                                         cluster.gpu)    # as solver/timing.py
     total = sum(acc.values())
     return {k: v / total for k, v in acc.items()} if total > 0 else {}
 
@@ -147,8 +151,14 @@ def summarize(plan, cluster, profiles: list[dict], nodes: Optional[list[int]] = 
     profiled = sum(mean.values())
     compute_pred = st.compute_s + st.recompute_s - node_host
     categories = [("compute", measured_compute, compute_pred)]
-    if shares is not None:
-        categories += [(f"  {CLASS_LABELS[c]}", mean[c], compute_pred * shares.get(c, 0.0)) for c in COMPUTE_CLASSES]
+    by_class = {}
+    if shares is not None:           # the memory-bound row: the ops and the runtime's passes (memory_passes)
+        by_class = {c: {"measured_s": mean[c], "predicted_s": compute_pred * shares.get(c, 0.0)}
+                    for c in (*COMPUTE_CLASSES, "memory_passes")}
+        by_class["memory"]["predicted_s"] += by_class["memory_passes"]["predicted_s"]
+        by_class["memory_passes"]["measured_s"] = None        # the profiler counts them with the ops
+        categories += [(f"  {CLASS_LABELS[c]}", v["measured_s"], v["predicted_s"])
+                       for c, v in by_class.items() if c in COMPUTE_CLASSES]
     categories.append(("optimizer", mean["optimizer"], st.optimizer_s))
     kinds = sorted({k.split(":", 1)[1] for k in mean if k.startswith("collective:")}
                    | {k.split(":", 1)[-1] for k in comm_pred})
@@ -176,6 +186,7 @@ def summarize(plan, cluster, profiles: list[dict], nodes: Optional[list[int]] = 
     return {"measured_step_time_s": measured_step, "predicted_step_time_s": st.total_s,
             "step_time_error": measured_step / st.total_s - 1 if st.total_s > 0 else None,
             "categories": [{"category": c, "measured_s": m, "predicted_s": p} for c, m, p in categories],
+            "by_class": by_class, "optimizer": {"measured_s": mean["optimizer"], "predicted_s": st.optimizer_s},
             "collectives": collectives, "ranks": ranks, "cluster": cluster.name, "plan": plan.summary()}
 
 
@@ -251,7 +262,7 @@ def profile_command(model: str, nproc: int, steps: int, *, warmup: int = 1, clus
     graph, dtype = traced_for_prediction(model, batch, seq_len)
     evaluation = plan_evaluation(plan, graph, spec)          # once: the class split and the memory
     report = summarize(plan, spec, [o["profile"] for o in outs], [o["nodes"] for o in outs],
-                       compute_shares(*evaluation, spec), [o["ring_nodes"] for o in outs])
+                       compute_shares(*evaluation, spec, passes_apart=True), [o["ring_nodes"] for o in outs])
     report["memory"] = [r.to_json() for r in compare_ranks(plan, graph, [o["memory"] for o in outs], dtype, optimizer,
                                                            evaluation=evaluation)]
     render(report, console or make_console())

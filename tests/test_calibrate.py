@@ -16,8 +16,9 @@ from autopar.calibrate import SIZES, Calibration, SdpaFigures, add_parser, check
 from autopar.calibrate_file import calibration_toml, cluster_dict, measured_dict
 from autopar.calibrate_bench import SHARED_WINDOW_S, GemmShape, shared_window_s, summarize_gemms, time_per_call
 from autopar.calibrate_comm import CollectivePoint, fit_link, time_collective, time_collective_in_situ
+from autopar.calibrate_step import CLASSES, StepRates, class_times
 from autopar.cost.collectives import COLLECTIVE_KINDS, collective_s
-from autopar.cost.compute import op_time_s
+from autopar.cost.compute import MEMORY_CLASSES, op_time_s
 from autopar.cost.cluster_file import cluster_from_dict, cluster_to_toml, load_cluster
 from autopar.cost.hardware import LinkSpec, get_gpu, resolve_cluster
 
@@ -237,6 +238,62 @@ def test_the_file_fits_in_situ_times_and_keeps_the_back_to_back_ones():
     assert "back_to_back_seconds" not in plain["collectives"]["all_reduce"]
 
 
+def _report(matmul, attention, memory, passes, optimizer) -> dict:
+    """An ``autopar profile`` report's per-class rows: (measured, predicted) seconds per step; the
+    memory-bound row's prediction includes ``passes``, the runtime's copies."""
+    by = {c: {"measured_s": m, "predicted_s": p} for c, (m, p) in
+          (("matmul", matmul), ("attention", attention), ("memory", memory), ("free", (0.002, 0.0)))}
+    by["memory_passes"] = {"measured_s": None, "predicted_s": passes}
+    return {"by_class": by, "optimizer": {"measured_s": optimizer[0], "predicted_s": optimizer[1]}}
+
+
+def test_in_step_factors_are_the_predicted_over_the_measured_class_times():
+    """Per class, the reference step's time at the microbenchmarked rates over its measured time;
+    the memory-bound ops' after the runtime's own copies (priced at the copy's rate in both) are
+    taken out of each; a factor outside the bounds is recorded, not used."""
+    rows = class_times(_report((0.050, 0.040), (0.008, 0.004), (0.016, 0.009), 0.002, (0.006, 0.009)))
+    assert [r[0] for r in rows] == list(CLASSES)
+    assert [r[1:] for r in rows] == [pytest.approx(x) for x in ((0.050, 0.040), (0.008, 0.004), (0.014, 0.007),
+                                                                 (0.006, 0.009))]
+    st = StepRates("m", "dp=4", rows)
+    assert [st.factor(c) for c in CLASSES] == pytest.approx([0.8, 0.5, 0.5, 1.5])
+    wild = StepRates("m", "dp=4", (("matmul", 0.01, 0.04), ("attention", 0.0, 0.004)))
+    assert wild.raw_factor("matmul") == pytest.approx(4.0) and wild.factor("matmul") is None
+    assert wild.raw_factor("attention") is None and wild.factor("memory") is None
+
+
+def test_cpu_file_prices_each_class_at_its_in_step_rate(tmp_path):
+    """The CPU file's efficiencies are the reference step's factors: GEMMs at 0.8 x the loop's rate,
+    attention at 0.5 x the SDPA loop's, every memory-bound class at 0.5 x the copy's rate (the
+    runtime's copies and the optimizer's memory_efficiency stay at the copy's), the optimizer step
+    at 1.5 x; the figures are in ``[measured.in_step]`` and the file round-trips. A factor out of
+    bounds keeps the microbenchmark's figure, and a failed reference step changes nothing."""
+    rows = (("matmul", 0.050, 0.040), ("attention", 0.008, 0.004), ("memory", 0.014, 0.007), ("optimizer", 0.006, 0.009))
+    base = _calibration("cpu", {"float32": 41.3e9}, copy=12.5e9, sdpa_rate=20e9)
+    c = cluster_from_dict(cluster_dict(replace(base, in_step=StepRates("ref", "dp=4", rows))))
+    assert _rate(c.gpu, "float32") == pytest.approx(0.8 * 41.3e9)
+    assert _rate(c.gpu, "float32", "attention") == pytest.approx(0.5 * 20e9, rel=1e-3)
+    for mclass in MEMORY_CLASSES:
+        assert op_time_s(0.0, 1e9, "float32", c.gpu, "memory", mclass=mclass) == pytest.approx(1e9 / (0.5 * 12.5e9))
+    assert c.gpu.hbm_Bps * c.gpu.memory_efficiency == pytest.approx(12.5e9) and c.gpu.optimizer_efficiency == 1.5
+    assert "training step of ref (dp=4)" in c.gpu.source
+    p = tmp_path / "c.toml"
+    cal = replace(base, in_step=StepRates("ref", "dp=4", rows))
+    p.write_text(calibration_toml(c, measured_dict(cal, 10.0, 12.0)))
+    assert load_cluster(p) == c
+    m = tomllib.loads(p.read_text())["measured"]["in_step"]
+    assert m["factors"] == pytest.approx({"matmul": 0.8, "attention": 0.5, "memory": 0.5, "optimizer": 1.5})
+    assert m["measured_ms"]["matmul"] == pytest.approx(50.0) and m["predicted_ms"]["memory"] == pytest.approx(7.0)
+
+    wild = (("matmul", 0.010, 0.040),) + rows[1:]
+    w = cluster_from_dict(cluster_dict(replace(base, in_step=StepRates("ref", "dp=4", wild)))).gpu
+    assert w.matmul_efficiency == 1.0 and _rate(w, "float32") == pytest.approx(41.3e9)
+    assert "not used" in w.source and "matmul" in w.source.split("not used")[1]
+    failed = cluster_from_dict(cluster_dict(replace(base, in_step=StepRates("ref", "dp=4", note="rank 1 died")))).gpu
+    plain = cluster_from_dict(cluster_dict(base)).gpu
+    assert replace(failed, source="") == replace(plain, source="") and "rank 1 died" in failed.source
+
+
 def test_gpu_file_keeps_datasheet_peaks_and_measures_efficiencies():
     h200 = get_gpu("h200")
     bf16 = 0.7 * h200.peak_flops_for("bf16")
@@ -291,7 +348,17 @@ def test_real_run_writes_a_cluster_the_planner_uses(tmp_path):
         (per_node["plain"] * 1e-6, per_node["dtensor"] * 1e-6), rel=1e-3)
     assert c.intra.name == "measured-gloo" and set(m["collectives"]) == set(COLLECTIVE_KINDS)
     assert set(m["memory_class_GBps"]) == {"norm", "activation", "softmax", "elementwise"}
-    assert all(v > 0 for v in m["memory_class_GBps"].values()) and c.gpu.memory_class_efficiency == ()
+    assert all(v > 0 for v in m["memory_class_GBps"].values())
+    # the reference training step: every class measured and priced; the efficiencies its factors give
+    step = m["in_step"]
+    assert set(step["measured_ms"]) == set(step["predicted_ms"]) == set(CLASSES)
+    assert all(v > 0 for k in ("measured_ms", "predicted_ms") for v in step[k].values()), step
+    used = [k for k, f in step["factors"].items() if 0.2 <= f <= 2.0]
+    if "matmul" in used:
+        assert c.gpu.matmul_efficiency == pytest.approx(step["factors"]["matmul"], rel=1e-3)
+    if "memory" in used:
+        assert dict(c.gpu.memory_class_efficiency) == pytest.approx(
+            {k: step["factors"]["memory"] for k in MEMORY_CLASSES}, rel=1e-3)
     assert all(t > 0 for k in m["collectives"].values() for t in k["seconds"])
 
     b = build_model("gpt-tiny", device="meta")

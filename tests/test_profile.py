@@ -156,6 +156,10 @@ def test_compute_shares_split_the_rank_work_by_class(dp2_plan):
     shares = compute_shares(*plan_evaluation(plan, g, cluster), cluster)
     assert sum(shares.values()) == pytest.approx(1.0)
     assert shares.get("free", 0.0) == 0.0 and min(shares["matmul"], shares["memory"], shares["attention"]) > 0
+    # the runtime's passes through memory (dp=2: the gradients into the reducer's buckets) apart
+    apart = compute_shares(*plan_evaluation(plan, g, cluster), cluster, passes_apart=True)
+    assert sum(apart.values()) == pytest.approx(1.0) and apart["memory_passes"] > 0
+    assert apart["memory"] + apart["memory_passes"] == pytest.approx(shares["memory"])
     # the classes' times are the tables' compute without the host's per-node cost
     host = replace(cluster, gpu=replace(cluster.gpu, op_overhead_s=1e-4))
     _, summary, _ = plan_evaluation(plan, g, host)
@@ -254,6 +258,13 @@ def test_profile_runs_two_ranks_and_writes_json_and_traces(tmp_path):
     kinds = {(c["kind"], c["axis"]) for c in rep["collectives"]}
     assert ("reduce_scatter", "dp") in kinds and ("all_gather", "dp") in kinds, kinds
     assert [m["rank"] for m in rep["memory"]] == [0, 1]
+    # per class, as the table's rows; the memory-bound row's prediction holds the runtime's copies
+    cat = {c["category"].strip(): c for c in rep["categories"]}
+    by = rep["by_class"]
+    assert by["memory"]["predicted_s"] == pytest.approx(cat["memory-bound ops"]["predicted_s"])
+    assert 0 < by["memory_passes"]["predicted_s"] < by["memory"]["predicted_s"]
+    assert by["matmul"]["measured_s"] == pytest.approx(cat["matmul"]["measured_s"]) and by["matmul"]["measured_s"] > 0
+    assert rep["optimizer"]["measured_s"] > 0 and rep["optimizer"]["predicted_s"] > 0
     assert all(m["measured_peak_bytes"] > 0 and m["predicted_peak_bytes"] > 0 for m in rep["memory"])
     for r in rep["ranks"]:
         trace = json.loads(open(r["trace"]).read())

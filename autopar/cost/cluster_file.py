@@ -20,8 +20,9 @@ _HOST_KEYS = (("host_memory_gb", "host_memory_bytes"), ("host_GBps", "host_Bps")
 _TOP_KEYS = ("name", "gpu", "nodes", "gpus_per_node", "pcie_GBps", "intra", "inter", "gpu_overrides",
              "measured", "overlap_slowdown", "overlap_slowdown_source") + tuple(k for k, _ in _HOST_KEYS)
 _LINK_KEYS = ("busbw_GBps", "latency_us", "name", "source", "busbw_scale")
-_OVERRIDE_KEYS = ("memory_GB", "hbm_GBps", "matmul_efficiency", "attention_efficiency", "attention_noncausal_efficiency",
-                  "memory_efficiency", "peak_TFLOPs", "op_overhead_us", "dtensor_op_overhead_us",
+_EFFICIENCIES = ("matmul_efficiency", "attention_efficiency", "attention_noncausal_efficiency", "memory_efficiency",
+                 "optimizer_efficiency")
+_OVERRIDE_KEYS = ("memory_GB", "hbm_GBps", *_EFFICIENCIES, "peak_TFLOPs", "op_overhead_us", "dtensor_op_overhead_us",
                   "dtensor_2d_op_overhead_us", "step_overhead_us", "ring_attention_overhead_us", "source")
 # memory-bound ops measured apart, by class (``compute.MEMORY_CLASSES``): bytes/s / hbm_Bps
 _CLASS_KEYS = tuple((f"{c}_memory_efficiency", c) for c in MEMORY_CLASSES)
@@ -85,7 +86,7 @@ def cluster_from_dict(d: Mapping[str, Any], where: str = "cluster") -> ClusterSp
             changes["hbm_bytes"] = int(round(float(o["memory_GB"]) * GB))
         if "hbm_GBps" in o:
             changes["hbm_Bps"] = float(o["hbm_GBps"]) * GB
-        for k in ("matmul_efficiency", "attention_efficiency", "attention_noncausal_efficiency", "memory_efficiency"):
+        for k in _EFFICIENCIES:
             if k in o:
                 changes[k] = float(o[k])
         if "peak_TFLOPs" in o:
@@ -195,7 +196,7 @@ def cluster_to_toml(c: ClusterSpec) -> str:
         over.append(f"memory_GB = {toml_value(c.gpu.hbm_bytes / GB)}")
     if c.gpu.hbm_Bps != base.hbm_Bps:
         over.append(f"hbm_GBps = {toml_value(c.gpu.hbm_Bps / GB)}")
-    for k in ("matmul_efficiency", "attention_efficiency", "attention_noncausal_efficiency", "memory_efficiency"):
+    for k in _EFFICIENCIES:
         if getattr(c.gpu, k) != getattr(base, k) and getattr(c.gpu, k) is not None:
             over.append(f"{k} = {toml_value(getattr(c.gpu, k))}")
     for key, field_ in _OVERHEADS:

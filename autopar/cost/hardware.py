@@ -54,6 +54,7 @@ Cluster TOML (``cluster_file.load_cluster``)::
     attention_efficiency = 0.5
     attention_noncausal_efficiency = 0.3   # BERT/ViT attention (default: attention_efficiency / 2)
     memory_efficiency = 0.85
+    optimizer_efficiency = 1.6    # the optimizer step's bytes/s over hbm_GBps x memory_efficiency (default 1)
     norm_memory_efficiency = 0.55   # layer/RMS norms' bytes/s over hbm_GBps (default: memory_efficiency);
                                     # also activation_ (gelu, silu), softmax_ (softmax, cross-entropy),
                                     # elementwise_ (the other memory-bound ops): ``compute.memory_class``
@@ -73,7 +74,9 @@ float16, float32, float8_e4m3fn, vector, or the short aliases bf16, fp16, fp32, 
 keep the GPU's. ``autopar calibrate`` (``autopar/calibrate.py``) writes such files: on the "cpu"
 pseudo-GPU, which has no datasheet, the peaks are the MEASURED achieved GEMM rates per dtype (and
 ``vector`` the measured elementwise rate) with ``matmul_efficiency = 1.0``, ``hbm_GBps`` the
-measured copy rate with ``memory_efficiency = 1.0``; on a GPU the bf16 peak stays the datasheet
+measured copy rate with ``memory_efficiency = 1.0``, and the efficiencies of the matmuls,
+attention, memory-bound op classes and optimizer step the fractions of those rates they reached
+inside a training step (``autopar/calibrate_step.py``); on a GPU the bf16 peak stays the datasheet
 figure, the efficiencies are measured against it, and other dtypes whose measured rate differs
 get an effective peak (measured rate / matmul_efficiency). Either way peak x efficiency is the
 measured rate, which is what ``compute.op_time_s`` divides by.
@@ -142,6 +145,9 @@ class GPUSpec:
     # memory-bound ops of a class (``compute.MEMORY_CLASSES``) measured apart: (class, bytes/s /
     # hbm_Bps); a class not listed runs at ``memory_efficiency``
     memory_class_efficiency: tuple[tuple[str, float], ...] = ()
+    # the optimizer step (AdamW: ``timing.OPTIMIZER_BYTES_PER_PARAM`` and the gradient a parameter)
+    # runs at hbm_Bps x memory_efficiency x this; measured on CPU ranks (``calibrate_step.py``)
+    optimizer_efficiency: float = 1.0
 
     def memory_eff_for(self, mclass: str) -> float:
         """The memory efficiency of a memory-bound op of class ``mclass`` (``compute.memory_class``)."""

@@ -42,7 +42,8 @@ likewise ZeRO-3's gathers' copies into and out of their buffers (``gather_passes
 
 Optimizer step (memory bound): per local parameter it reads the 16-bit param, the gradient, the
 fp32 master copy and the two Adam moments and writes the param, master and moments back
-(``OPTIMIZER_BYTES_PER_PARAM`` + grad bytes), at HBM bandwidth x memory efficiency, / dp under ZeRO >= 1.
+(``OPTIMIZER_BYTES_PER_PARAM`` + grad bytes), at HBM bandwidth x memory efficiency x
+``optimizer_efficiency`` (1 unless measured), / dp under ZeRO >= 1.
 
 Memory of stage s (``MemoryUse``): model states by ``cost.memory.model_state_bytes`` on the stage's
 local (tp-sharded) parameters; activations = in-flight micro-batches
@@ -461,7 +462,8 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
                                               saved_largest_bytes=max(p.max_out_bytes for p, _, _ in parts)), 1.0)
     compute, recompute = rank_split_times(cfg, summary, gpu, r, lps, compute, recompute)   # zero-bubble's split
     t_stage = compute + recompute + sum(comm.values())
-    opt = numel * (OPTIMIZER_BYTES_PER_PARAM + profile.grad_bytes) / (gpu.hbm_Bps * gpu.memory_efficiency)
+    opt = numel * (OPTIMIZER_BYTES_PER_PARAM + profile.grad_bytes) / (
+        gpu.hbm_Bps * gpu.memory_efficiency * gpu.optimizer_efficiency)
     if cfg.zero >= 1:
         opt /= cfg.data
     if "optimizer" in cls:                   # the CPU step and its traffic replace the device step

@@ -102,6 +102,22 @@ def test_the_steps_host_cost_is_paid_once_per_step():
         assert b.step.compute_s == a.step.compute_s
 
 
+def test_the_optimizer_step_by_hand():
+    """AdamW's step: 28 bytes of state per local parameter and the gradient's (bf16: 2), at the HBM
+    bandwidth x memory efficiency x ``optimizer_efficiency`` (measured on CPU ranks by
+    ``autopar calibrate``, ``calibrate_step.py``): 2 layers x 1e9 parameters x 30 B at 3.35 TB/s x
+    0.85, / dp under ZeRO >= 1; optimizer_efficiency 1.5 takes a third off and nothing else."""
+    base = _cluster(0.0)
+    fast = replace(base, gpu=replace(base.gpu, optimizer_efficiency=1.5))
+    for zero, dp in ((0, 8), (1, 4)):
+        cfg = OuterConfig(tp=1, pp=1, dp=dp, mbs=1, m=1, recompute="none", zero=zero, sp=False)
+        a = evaluate(_summary({}), cfg, base, AUTOPAR_RUNTIME, 1e15)
+        b = evaluate(_summary({}), cfg, fast, AUTOPAR_RUNTIME, 1e15)
+        assert a.step.optimizer_s == pytest.approx(2e9 * 30 / (3.35e12 * 0.85) / (dp if zero else 1))
+        assert b.step.optimizer_s == pytest.approx(a.step.optimizer_s / 1.5)
+        assert b.step.total_s - a.step.total_s == pytest.approx(b.step.optimizer_s - a.step.optimizer_s)
+
+
 def test_bucket_launches_by_hand():
     """``grad_buckets.bucket_launches``: 10 MB over 10 s of backward (1 MB per second), a 4 MB cap
     and a 1 MB first one: buckets of 1, 4, 4, 1 MB, ready at 1, 5, 9, 10 s; an atomic 6 MB piece
