@@ -10,7 +10,10 @@ times and dK|dV n times (each block's gradient travels with it and goes home at 
 
     step 0: K|V;  steps 1..n-2: K|V + dK|dV;  step n-1: dK|dV;  after the last step: dK|dV home
 
-Each overlapped step exposes max(0, transfer - block compute); the final dK|dV send is fully
+Each overlapped step exposes max(0, transfer - block compute) and, for the part it hides, the
+compute's slowdown beside it (``ClusterSpec.overlap_slowdown`` x hidden, as the data-parallel
+overlap prices it: ``solver/overlap.overlapped_cost``; measured 0.6-0.7 on 4 gloo ranks sharing 2
+cores, where the transfer needs a core the compute is using); the final dK|dV send is fully
 exposed. Block compute = the rank's attention time / n (causal masks balanced by zig-zag, facts
 §2b "Load balance"). Times: ``collectives.p2p_s``; a ring that leaves the node runs at the slowest
 hop (the per-GPU NIC).
@@ -102,8 +105,9 @@ class RingTime:
 
 
 def ring_time(traffic: RingTraffic, cp: int, link: LinkSpec, fwd_block_compute_s: float,
-              bwd_block_compute_s: float) -> RingTime:
-    """Transfers of the schedule in the module docstring and their exposed part."""
+              bwd_block_compute_s: float, slowdown: float = 0.0) -> RingTime:
+    """Transfers of the schedule in the module docstring and their exposed part, with ``slowdown``
+    x the hidden part (the cluster's ``overlap_slowdown``)."""
     if cp == 1:
         return RingTime(0.0, 0.0, 0.0, 0.0)
     kv, dkv = traffic.block_bytes, traffic.grad_block_bytes or traffic.block_bytes
@@ -112,9 +116,11 @@ def ring_time(traffic: RingTraffic, cp: int, link: LinkSpec, fwd_block_compute_s
     # overlapped with backward steps 0..n-1: K|V (step 0), K|V + dK|dV, ..., dK|dV (step n-1)
     bwd = [one] + [p2p_s(kv + dkv, link)] * (cp - 2) + [grad]
     tail = grad                                        # last dK|dV home: nothing left to hide behind
-    return RingTime(sum(fwd), sum(bwd) + tail,
-                    sum(max(0.0, t - fwd_block_compute_s) for t in fwd),
-                    sum(max(0.0, t - bwd_block_compute_s) for t in bwd) + tail)
+    def exposed(t: float, window: float) -> float:
+        return max(0.0, t - window) + slowdown * min(t, window)
+
+    return RingTime(sum(fwd), sum(bwd) + tail, sum(exposed(t, fwd_block_compute_s) for t in fwd),
+                    sum(exposed(t, bwd_block_compute_s) for t in bwd) + tail)
 
 
 @dataclass(frozen=True)
@@ -170,7 +176,8 @@ def best_cp_kind(cluster: ClusterSpec, cp: int, seq: int, batch: int, heads: int
     """Ring vs Ulysses for one attention layer per micro-batch on ``cluster`` (cp adjacent ranks)."""
     link = cp_link(cluster, cp, nic_aggregation=nic_aggregation)
     fwd_c, bwd_c = ring_block_compute_s(cluster.gpu, cp, seq, batch, heads, head_dim, causal=causal, dtype=dtype)
-    ring = ring_time(ring_traffic(cp, seq, batch, kv_heads, head_dim, bytes_per_elem), cp, link, fwd_c, bwd_c)
+    ring = ring_time(ring_traffic(cp, seq, batch, kv_heads, head_dim, bytes_per_elem), cp, link, fwd_c, bwd_c,
+                     cluster.overlap_slowdown)
     compute = cp * (fwd_c + bwd_c)
     try:
         uly = sum(ulysses_time_s(ulysses_traffic(cp, seq, batch, heads, kv_heads, head_dim, bytes_per_elem), cp, link))

@@ -198,18 +198,19 @@ def check_context_force(force, facts: GraphFacts, problem: Optional[str]) -> Non
 
 
 def attention_comm(q_bytes: float, kv_bytes: float, out_bytes: float, cp: int, mode: str, fwd_s: float,
-                   bwd_s: float, link, elem_bytes: int = 2) -> tuple[tuple, tuple]:
+                   bwd_s: float, link, elem_bytes: int = 2, slowdown: float = 0.0) -> tuple[tuple, tuple]:
     """Exposed (forward, backward) communication of one attention node of one rank under cp:
     ``(("cp:<kind>", seconds),)`` each, by ``cost/context_parallel.py``'s schedules. Bytes are the
     rank's local q, k + v and output (its tokens, its tp heads) with ``elem_bytes`` per element;
-    ``fwd_s`` / ``bwd_s`` its attention compute, which ring rotations overlap block by block."""
+    ``fwd_s`` / ``bwd_s`` its attention compute, which ring rotations overlap block by block, at
+    ``slowdown`` x what they hide (the cluster's ``overlap_slowdown``)."""
     if cp <= 1:
         return (), ()
     if mode == "ring":
         # the engine accumulates dK|dV in fp32 on their way around the ring (``context_attention``)
         grad_block = kv_bytes * RING_GRAD_BYTES / max(elem_bytes, 1)
         t = ring_time(RingTraffic(kv_bytes, (cp - 1) * kv_bytes, (cp - 1) * kv_bytes + cp * grad_block, grad_block),
-                      cp, link, fwd_s / cp, bwd_s / cp)
+                      cp, link, fwd_s / cp, bwd_s / cp, slowdown)
         return (("cp:ring", t.forward_exposed_s),), (("cp:ring", t.backward_exposed_s),)
     a2a = sum(all_to_all_s(b, cp, link) for b in (q_bytes, kv_bytes, out_bytes))
     return (("cp:all_to_all", a2a),), (("cp:all_to_all", a2a),)

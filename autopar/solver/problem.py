@@ -255,7 +255,8 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
                 q, k, v = (metas[r.key][0].nbytes / (t if isinstance(p, Shard) else 1)
                            for r, p in zip(facts.inputs[n.key][:3], s.inputs))
                 elem = DTYPE_BYTES[metas[facts.inputs[n.key][1].key][0].dtype]
-                xf, xb = attention_comm(q, k + v, s.out_bytes_local, cp, cp_mode, compute, bwd, cp_link, elem)
+                xf, xb = attention_comm(q, k + v, s.out_bytes_local, cp, cp_mode, compute, bwd, cp_link, elem,
+                                        cluster.overlap_slowdown)
                 cf, cb = cf + xf, cb + (xb if grad else ())
             saved = int(s.out_bytes_local * copy_factor.get(n.key, 1.0)) if saves else 0
             copies = sum(_local_numel(metas[pk][0], s.inputs[pos], t) * DTYPE_BYTES[dtype]

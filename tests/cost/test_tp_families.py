@@ -178,6 +178,16 @@ def test_ring_exposed_fast_and_slow_link():
     assert slow32.forward_exposed_s == pytest.approx(22.165824e-3)
     assert slow32.backward_exposed_s == pytest.approx(82.274688e-3)
     assert slow32.forward_comm_s + slow32.backward_comm_s == pytest.approx(r32.total_bytes / 1e9)
+    # with the compute's slowdown beside a collective (overlap_slowdown 0.5): each step adds 0.5 x
+    # what it hides. Fast link: every overlapped transfer hidden, forward 3 blocks, backward
+    # 1 + 2 x 2 + 1 = 6 blocks (8.388608 us each), and the final send home as before
+    half = ring_time(r, 4, FAST, 1e-3, 2.5e-3, slowdown=0.5)
+    assert half.forward_exposed_s == pytest.approx(0.5 * 3 * 8.388608e-6)
+    assert half.backward_exposed_s == pytest.approx(0.5 * 6 * 8.388608e-6 + 8.388608e-6)
+    #   slow link: fwd 22.165824 + 0.5 x 3 x 1 ms; bwd 48.720256 + 0.5 x 4 x 2.5 ms
+    slow_half = ring_time(r, 4, SLOW, 1e-3, 2.5e-3, slowdown=0.5)
+    assert slow_half.forward_exposed_s == pytest.approx(22.165824e-3 + 1.5e-3)
+    assert slow_half.backward_exposed_s == pytest.approx(48.720256e-3 + 5e-3)
 
 
 def test_attention_flops_and_best_kind():
