@@ -120,6 +120,7 @@ class Calibration:
     runtime_overhead_2d: Optional[tuple[float, bool]] = None   # (s, slope) DTensor on a dp x tp mesh (4+ ranks)
     step_overhead: Optional[float] = None    # s per autopar step beside its graph's nodes (CPU)
     ring_attention_overhead: Optional[float] = None   # s per ring attention node per micro-batch (CPU)
+    zero3_group_overhead: Optional[float] = None      # s per ZeRO-3 gather group per micro-batch (CPU)
     overlap: Optional[OverlapFigures] = None   # compute beside an async all-reduce (calibrate_overlap.py)
     memory_classes: tuple[tuple[str, float], ...] = ()   # (class, bytes/s) of memory-bound ops (calibrate_bench)
     in_step: Optional[StepRates] = None      # the op classes inside a training step (CPU; calibrate_step.py)
@@ -226,6 +227,7 @@ def _aggregate(results: list[dict], cfg: dict, kind: str, nproc: int, start: flo
         if "dtensor_2d" in results[0].get("runtime_overhead", {}) else None,
         step_overhead=_mean([r["runtime_overhead"]["step"] for r in results]) if "runtime_overhead" in results[0] else None,
         ring_attention_overhead=_ring_host(results, by_kind.get("all_to_all", link)),
+        zero3_group_overhead=_zero3_host(results, by_kind, link),
         overlap=overlap_figures(results[0]["overlap"]) if "overlap" in results[0] else None,
         memory_classes=tuple((c, _hmean([r["memory_classes"][c] for r in results])) for c in results[0]["memory_classes"]))
 
@@ -239,6 +241,19 @@ def _ring_host(results: list[dict], rotation: Optional[LinkFit]) -> Optional[flo
         return None
     ring = _mean([r["runtime_overhead"]["ring_attention"] for r in results])
     return max(0.0, ring - RING_ROTATIONS * (rotation.latency_s if rotation else 0.0))
+
+
+def _zero3_host(results: list[dict], fits: dict, link: Optional[LinkFit]) -> Optional[float]:
+    """ZeRO-3's host cost per gather group per micro-batch (``calibrate_runtime``), less its
+    collectives' link latency (two all-gathers and a reduce-scatter of a few KB), which the cost
+    model prices on the link."""
+    from autopar.calibrate_runtime import ZERO3_COLLECTIVES
+
+    if "zero3_group" not in results[0].get("runtime_overhead", {}):
+        return None
+    group = _mean([r["runtime_overhead"]["zero3_group"] for r in results])
+    latency = sum(n * (fit.latency_s if (fit := fits.get(kind, link)) else 0.0) for kind, n in ZERO3_COLLECTIVES)
+    return max(0.0, group - latency)
 
 
 def measure(nproc: Optional[int] = None, budget_s: float = DEFAULT_BUDGET_S, console: Optional[Console] = None,
@@ -382,6 +397,9 @@ def figures_table(cal: Calibration, cluster: ClusterSpec) -> Table:
     if cal.ring_attention_overhead is not None:
         t.add_row("ring attention (cp=2), per node per micro-batch", f"{cal.ring_attention_overhead * 1e6:.3g} us",
                   "ring_attention_overhead_us (less the rotations' latency)")
+    if cal.zero3_group_overhead is not None:
+        t.add_row("ZeRO-3, per gather group per micro-batch", f"{cal.zero3_group_overhead * 1e6:.3g} us",
+                  "zero3_group_overhead_us (less its collectives' latency)")
     for k, f in cal.fits + ((("all kinds", cal.joint),) if cal.joint else ()):
         top = max(p.nbytes for p in cal.points if k == "all kinds" or p.kind == k)
         role = ("\\[intra] link" if k == cal.link_kind else

@@ -54,6 +54,8 @@ def cluster_dict(cal: Calibration, nodes: int = 1) -> dict[str, Any]:
             over["step_overhead_us"] = _sig(cal.step_overhead * 1e6)
         if cal.ring_attention_overhead is not None:
             over["ring_attention_overhead_us"] = _sig(cal.ring_attention_overhead * 1e6)
+        if cal.zero3_group_overhead is not None:
+            over["zero3_group_overhead_us"] = _sig(cal.zero3_group_overhead * 1e6)
     else:
         if "bfloat16" not in rates:
             raise ValueError("no bf16 GEMM was measured within the time budget; raise --budget-s")
@@ -155,6 +157,8 @@ def measured_dict(cal: Calibration, budget_s: float, wall_s: float) -> dict[str,
         m["step_overhead_us"] = cal.step_overhead * 1e6
     if cal.ring_attention_overhead is not None:
         m["ring_attention_overhead_us"] = cal.ring_attention_overhead * 1e6
+    if cal.zero3_group_overhead is not None:
+        m["zero3_group_overhead_us"] = cal.zero3_group_overhead * 1e6
     m["gemm"] = {d: {"TFLOPs": s.rate / 1e12, "mean_TFLOPs": s.mean_rate / 1e12, "shapes": s.shapes,
                      "skipped_for_time": skipped, "per_pass_TFLOPs": {k: v / 1e12 for k, v in s.per_pass},
                      "per_hidden_TFLOPs": {str(k): v / 1e12 for k, v in s.per_hidden},

@@ -35,6 +35,15 @@ issued from Python); the calibration takes out the rotations' link latency (``au
 which the cost model prices on the link, and the planner adds the rest per ring attention node
 (``GPUSpec.ring_attention_overhead_s``, ``solver/problem.py``).
 
+ZeRO-3 (2 ranks or more): the same fit under ``dp=world, zero=3``. What its slope adds to the plain
+one, times the nodes of a layer, is the host's cost of one layer's gather group per micro-batch
+(``runtime/prefetch.py``: the forward's gather and its prefetch, the backward's re-gather, the
+gradients' reduce-scatter, the buffers' bookkeeping, issued from Python); the calibration takes
+out those three collectives' link latency (``autopar.calibrate``), which the cost model prices on
+the link, and the planner adds the rest per gather group per micro-batch
+(``GPUSpec.zero3_group_overhead_s``, ``solver/timing.py``). Measured here (4 ranks on 2 cores):
+705-771 us per node against 177-309 plain, about 4.7 ms a group beyond the latencies.
+
 The per-step figure (plain tensors: ``GPUSpec.step_overhead_s``, added once per step by
 ``solver/timing.py``) is what a step costs beside its nodes: the step's Python, zeroing the
 gradients, the loss's all-reduce, the optimizer's launch. It includes this tiny model's own gradient
@@ -49,6 +58,7 @@ import warnings
 SHALLOW, DEEP = 1, 6            # transformer layers (about 23 graph nodes each)
 RING_CP = 2                     # cp of the ring attention run
 RING_ROTATIONS = 3 * RING_CP - 2  # its rotations per attention per micro-batch: cp - 1 forward, 2 cp - 1 backward
+ZERO3_COLLECTIVES = (("all_gather", 2), ("reduce_scatter", 1))   # a gather group's per micro-batch
 MODEL = "gpt:hidden=16,layers={layers},heads=2,vocab=64,seq=8"
 WARMUP, TIMED = 2, 8            # steps per model; the timed ones alternate between the depths
 
@@ -98,8 +108,10 @@ def per_node_s(world: int, dp_mode: str, force: str = "") -> tuple[float, bool, 
 def runtime_overheads(world: int) -> dict[str, float]:
     """{"plain": s, "dtensor": s} per graph node per step, on the running world, with
     {"plain_slope": bool, "dtensor_slope": bool}, "step": s per step beside the nodes (plain
-    tensors), and "dtensor_2d" / "dtensor_2d_slope" on an even world of 4 ranks or more (module
-    docstring)."""
+    tensors), "dtensor_2d" / "dtensor_2d_slope" on an even world of 4 ranks or more,
+    "ring_attention" (s per ring attention node per micro-batch) on an even world and
+    "zero3_group" (s per ZeRO-3 gather group per micro-batch) on 2 ranks or more (module
+    docstring; both with their link latencies in)."""
     out = {}
     runs = [("plain", "auto", ""), ("dtensor", "dtensor", "")]
     if world >= 4 and world % 2 == 0:
@@ -111,4 +123,7 @@ def runtime_overheads(world: int) -> dict[str, float]:
     if world % 2 == 0:          # per ring attention node (the GPT has one per layer) per micro-batch
         ring, ok, _, per_layer = per_node_s(world, "auto", f"cp={RING_CP},cpmode=ring,dp={world // RING_CP}")
         out["ring_attention"] = max(0.0, ring - out["plain"]) * per_layer if ok and out["plain_slope"] else 0.0
+    if world >= 2:              # per gather group (the GPT has one per layer) per micro-batch
+        zero3, ok, _, per_layer = per_node_s(world, "auto", f"dp={world},zero=3")
+        out["zero3_group"] = max(0.0, zero3 - out["plain"]) * per_layer if ok and out["plain_slope"] else 0.0
     return out

@@ -21,7 +21,8 @@ report compares:
   executor, DTensor dispatch, autograd, Python between ops) against the per-node overhead the
   cluster file gives (``autopar calibrate`` measures it; 0, not modelled, otherwise), which the
   plan's compute time includes and the compute row leaves out, a ring attention node's own
-  (``ring_attention_overhead_us``, likewise) and the step's fixed host cost (``step_overhead_us``:
+  (``ring_attention_overhead_us``, likewise), ZeRO-3's gather groups' (``zero3_group_overhead_us``,
+  likewise) and the step's fixed host cost (``step_overhead_us``:
   ``StepTime.host_s``);
 - every collective issued (kind, mesh axis, bytes, calls per step) with the cost model's time for it
   on its link (``cost/collectives.py``; all of it, overlapped or not);
@@ -126,12 +127,24 @@ def compute_shares(evaluation, summary, profile, cluster, passes_apart: bool = F
     return {k: v / total for k, v in acc.items()} if total > 0 else {}
 
 
+def group_host_s(evaluation, summary, cluster) -> float:
+    """Seconds per step of the host's work on ZeRO-3's gather groups (``overlap.zero3_host_s``) on
+    ``compute_shares``' rank, which the plan's compute holds."""
+    from autopar.solver.layer_memory import gather_group_count, rank_parts
+    from autopar.solver.overlap import zero3_host_s
+
+    st = max(evaluation.stages, key=lambda s: s.layers)
+    parts = rank_parts(summary, st.layers, st.has_pre, st.has_post)
+    cfg = evaluation.config
+    return cfg.m * zero3_host_s(cfg, cluster.gpu, gather_group_count(summary, parts, st.has_pre or st.has_post))
+
+
 def summarize(plan, cluster, profiles: list[dict], nodes: Optional[list[int]] = None,
-              shares: Optional[dict] = None, ring_nodes: Optional[list[int]] = None) -> dict:
+              shares: Optional[dict] = None, ring_nodes: Optional[list[int]] = None, groups_host_s: float = 0.0) -> dict:
     """The measured-vs-predicted report of ``autopar profile`` as plain data (module docstring).
     ``nodes``: per rank, the graph nodes it runs per step (for the host overhead), ``ring_nodes``
     the ring attention nodes among them (their own host cost); ``shares``: ``compute_shares``
-    (the compute's rows by operator class; none without it)."""
+    (the compute's rows by operator class; none without it); ``groups_host_s``: ``group_host_s``."""
     steps = profiles[0]["steps"]
     slowest = [max(p["step_times_s"][i] for p in profiles) for i in range(steps)]
     measured_step = sum(slowest) / steps
@@ -146,6 +159,7 @@ def summarize(plan, cluster, profiles: list[dict], nodes: Optional[list[int]] = 
     per_node = cluster.gpu.node_overhead_s(plan.tp > 1, sum(1 for n in stage.shape if n > 1))
     node_host = per_node * max(nodes) if nodes else 0.0      # inside the plan's compute (solver/problem.py)
     node_host += cluster.gpu.ring_attention_overhead_s * max(ring_nodes) if ring_nodes else 0.0
+    node_host += groups_host_s
     host_pred = node_host + st.host_s                          # + the step's own (solver/timing.py)
     measured_compute = sum(mean[c] for c in COMPUTE_CLASSES)
     profiled = sum(mean.values())
@@ -262,7 +276,8 @@ def profile_command(model: str, nproc: int, steps: int, *, warmup: int = 1, clus
     graph, dtype = traced_for_prediction(model, batch, seq_len)
     evaluation = plan_evaluation(plan, graph, spec)          # once: the class split and the memory
     report = summarize(plan, spec, [o["profile"] for o in outs], [o["nodes"] for o in outs],
-                       compute_shares(*evaluation, spec, passes_apart=True), [o["ring_nodes"] for o in outs])
+                       compute_shares(*evaluation, spec, passes_apart=True), [o["ring_nodes"] for o in outs],
+                       group_host_s(*evaluation[:2], spec))
     report["memory"] = [r.to_json() for r in compare_ranks(plan, graph, [o["memory"] for o in outs], dtype, optimizer,
                                                            evaluation=evaluation)]
     render(report, console or make_console())

@@ -178,9 +178,11 @@ def test_per_node_step_costs_reach_the_cluster(tmp_path):
     from dataclasses import replace
 
     cal = replace(_calibration("cpu", {"float32": 41.3e9}, 12.5e9, 20e9), runtime_overhead=(4.5e-4, 1.1e-3),
-                  runtime_overhead_2d=(2.0e-3, True), step_overhead=0.015, ring_attention_overhead=6e-3)
+                  runtime_overhead_2d=(2.0e-3, True), step_overhead=0.015, ring_attention_overhead=6e-3,
+                  zero3_group_overhead=4e-3)
     c = cluster_from_dict(cluster_dict(cal))
     assert (c.gpu.step_overhead_s, c.gpu.ring_attention_overhead_s) == pytest.approx((0.015, 6e-3))
+    assert c.gpu.zero3_group_overhead_s == pytest.approx(4e-3)
     assert (c.gpu.op_overhead_s, c.gpu.dtensor_op_overhead_s, c.gpu.dtensor_2d_op_overhead_s) == pytest.approx(
         (4.5e-4, 1.1e-3, 2.0e-3))
     assert c.gpu.node_overhead_s(True, 2) == pytest.approx(2.0e-3) and c.gpu.node_overhead_s(True, 1) == pytest.approx(1.1e-3)
@@ -206,6 +208,24 @@ def test_the_ring_attention_host_figure_leaves_its_rotations_to_the_link():
     assert _ring_host(ranks, LinkFit(latency_s=1.0, busbw_Bps=1e9, rel_rms=0.1, max_rel=0.2, points=8)) == 0.0
     assert _ring_host(ranks, None) == pytest.approx(6e-3)
     assert _ring_host([{"runtime_overhead": {"plain": 1e-4}}], fit) is None
+
+
+def test_the_zero3_group_host_figure_leaves_its_collectives_to_the_link():
+    """``calibrate._zero3_host``: ZeRO-3's per-group host cost, measured with the group's two
+    all-gathers and one reduce-scatter (a few KB each), less their latencies on each kind's fit
+    (the link's where a kind has none); never below 0; absent where it was not measured (1 rank)."""
+    from autopar.calibrate import _zero3_host
+    from autopar.calibrate_comm import LinkFit
+
+    def fit(lat):
+        return LinkFit(latency_s=lat, busbw_Bps=1e9, rel_rms=0.1, max_rel=0.2, points=8)
+
+    ranks = [{"runtime_overhead": {"zero3_group": 5e-3}}, {"runtime_overhead": {"zero3_group": 7e-3}}]
+    fits = {"all_gather": fit(5e-4), "reduce_scatter": fit(1e-3)}
+    assert _zero3_host(ranks, fits, fit(2e-4)) == pytest.approx(6e-3 - 2 * 5e-4 - 1e-3)
+    assert _zero3_host(ranks, {"all_gather": fit(5e-4)}, fit(2e-4)) == pytest.approx(6e-3 - 2 * 5e-4 - 2e-4)
+    assert _zero3_host(ranks, {}, fit(1.0)) == 0.0 and _zero3_host(ranks, {}, None) == pytest.approx(6e-3)
+    assert _zero3_host([{"runtime_overhead": {"plain": 1e-4}}], fits, None) is None
 
 
 def test_each_collective_kind_priced_at_its_measured_busbw():
@@ -343,6 +363,8 @@ def test_real_run_writes_a_cluster_the_planner_uses(tmp_path):
     # deep step per node), recorded and in the cluster; never 0
     per_node = m["step_us_per_node"]
     assert set(per_node) == {"plain", "dtensor"} and all(math.isfinite(x) and x > 0 for x in per_node.values())
+    assert m["zero3_group_overhead_us"] >= 0 and c.gpu.zero3_group_overhead_s == pytest.approx(
+        m["zero3_group_overhead_us"] * 1e-6, rel=1e-3, abs=1e-9)
     assert set(m["step_us_per_node_is_slope"]) == {"plain", "dtensor"}
     assert (c.gpu.op_overhead_s, c.gpu.dtensor_op_overhead_s) == pytest.approx(
         (per_node["plain"] * 1e-6, per_node["dtensor"] * 1e-6), rel=1e-3)

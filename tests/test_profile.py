@@ -182,6 +182,32 @@ def dp2_plan():
                       dtype="float32", force=parse_force("dp=2,zero=0")), cluster
 
 
+def test_the_zero3_groups_host_time_is_the_plans():
+    """``group_host_s``: what ``GPUSpec.zero3_group_overhead_s`` adds to the plan's compute (per gather
+    group per micro-batch on the busiest rank), and nothing without ZeRO-3."""
+    from dataclasses import replace
+
+    from autopar.models import build_model
+    from autopar.profile import group_host_s
+    from autopar.runtime.memory_predict import plan_evaluation
+    from autopar.solver import plan_model
+    from autopar.solver.forcing import parse_force
+    from autopar.trace import trace_model
+
+    b = build_model("gpt-tiny", device="meta")
+    g = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target)
+    cpu = resolve_cluster("cpu", nodes=1, gpus_per_node=2)
+    host = replace(cpu, gpu=replace(cpu.gpu, zero3_group_overhead_s=1e-3))
+    for zero in (3, 2):
+        plan = plan_model(g, cpu, global_batch=int(b.example_inputs[0].shape[0]), seq_len=b.seq_len,
+                          dtype="float32", force=parse_force(f"dp=2,zero={zero},mbs=1"))
+        ev, summary, _ = plan_evaluation(plan, g, cpu)
+        ev_host, _, _ = plan_evaluation(plan, g, host)
+        extra = ev_host.step.compute_s - ev.step.compute_s
+        assert group_host_s(ev_host, summary, host) == pytest.approx(extra, abs=1e-12)
+        assert (extra >= 2 * 1e-3 * plan.num_micro_batches) if zero == 3 else extra == 0.0
+
+
 def test_report_arithmetic_on_hand_made_profiles(dp2_plan):
     plan, cluster = dp2_plan
     mesh = {"dp": 0, "tp": 0}
@@ -215,6 +241,10 @@ def test_host_overhead_is_predicted_per_node_when_the_cluster_has_it(dp2_plan):
     cat = {c["category"]: c for c in summarize(plan, measured, ranks, nodes=[120])["categories"]}
     assert cat["host overhead (executor, dispatch, autograd)"]["predicted_s"] == pytest.approx(120 * 1e-4)   # tp == 1
     assert cat["compute"]["predicted_s"] == pytest.approx(plan.step_time.compute_s - 120 * 1e-4)
+    # ZeRO-3's gather groups' host time (``group_host_s``) moves from the compute row to the host row
+    cat = {c["category"]: c for c in summarize(plan, measured, ranks, nodes=[120], groups_host_s=0.003)["categories"]}
+    assert cat["host overhead (executor, dispatch, autograd)"]["predicted_s"] == pytest.approx(120 * 1e-4 + 0.003)
+    assert cat["compute"]["predicted_s"] == pytest.approx(plan.step_time.compute_s - 120 * 1e-4 - 0.003)
 
 
 def test_the_rings_rotations_are_compared_on_the_all_to_all_row():

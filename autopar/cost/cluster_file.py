@@ -23,13 +23,15 @@ _LINK_KEYS = ("busbw_GBps", "latency_us", "name", "source", "busbw_scale")
 _EFFICIENCIES = ("matmul_efficiency", "attention_efficiency", "attention_noncausal_efficiency", "memory_efficiency",
                  "optimizer_efficiency")
 _OVERRIDE_KEYS = ("memory_GB", "hbm_GBps", *_EFFICIENCIES, "peak_TFLOPs", "op_overhead_us", "dtensor_op_overhead_us",
-                  "dtensor_2d_op_overhead_us", "step_overhead_us", "ring_attention_overhead_us", "source")
+                  "dtensor_2d_op_overhead_us", "step_overhead_us", "ring_attention_overhead_us",
+                  "zero3_group_overhead_us", "source")
 # memory-bound ops measured apart, by class (``compute.MEMORY_CLASSES``): bytes/s / hbm_Bps
 _CLASS_KEYS = tuple((f"{c}_memory_efficiency", c) for c in MEMORY_CLASSES)
 _OVERRIDE_KEYS += tuple(k for k, _ in _CLASS_KEYS)
 _OVERHEADS = (("op_overhead_us", "op_overhead_s"), ("dtensor_op_overhead_us", "dtensor_op_overhead_s"),
               ("dtensor_2d_op_overhead_us", "dtensor_2d_op_overhead_s"), ("step_overhead_us", "step_overhead_s"),
-              ("ring_attention_overhead_us", "ring_attention_overhead_s"))
+              ("ring_attention_overhead_us", "ring_attention_overhead_s"),
+              ("zero3_group_overhead_us", "zero3_group_overhead_s"))
 _PEAK_DTYPES = TRAINING_DTYPES + ("float8_e4m3fn", "vector")
 
 

@@ -64,6 +64,7 @@ Cluster TOML (``cluster_file.load_cluster``)::
     dtensor_2d_op_overhead_us = 400.0   # under DTensor on a mesh of two axes or more (default: the above)
     step_overhead_us = 15000.0    # host time per training step that does not grow with the graph (default 0)
     ring_attention_overhead_us = 8000.0   # host time of a ring attention node per micro-batch (default 0)
+    zero3_group_overhead_us = 4000.0   # host time of a ZeRO-3 gather group per micro-batch (default 0)
     source = "..."
 
     [measured]                    # optional, any content; read and ignored (``autopar calibrate``
@@ -140,6 +141,10 @@ class GPUSpec:
     # host time of one ring attention node (cp > 1, ring) per micro-batch beyond a plain node's: its
     # blocks, merges and rotations issued from Python (``codegen/context_attention.py``); 0 unless measured
     ring_attention_overhead_s: float = 0.0
+    # host time of one ZeRO-3 gather group (``codegen/gather_groups.py``: about a layer's
+    # parameters) per micro-batch, dp > 1: its gathers, prefetch, re-gather and reduce-scatter
+    # issued from Python (``runtime/prefetch.py``), beside their link time; 0 unless measured
+    zero3_group_overhead_s: float = 0.0
     # non-causal attention (BERT, ViT): achieved FLOP/s / peak, FULL count; None: not measured
     attention_noncausal_efficiency: Optional[float] = None
     # memory-bound ops of a class (``compute.MEMORY_CLASSES``) measured apart: (class, bytes/s /

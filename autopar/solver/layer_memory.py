@@ -26,6 +26,12 @@ def rank_parts(summary: AxisSummary, layers: float, has_pre: bool, has_post: boo
     return parts
 
 
+def gather_group_count(summary: AxisSummary, parts, shared: bool) -> float:
+    """A rank's ZeRO-3 gather groups among its ``parts`` (``codegen/gather_groups.py``: one per layer
+    and per part with parameters; a tied parameter, ``shared``, is gathered alone)."""
+    return sum(c for p, c, _ in parts if p.param_tensors) + (summary.shared_param_tensors if shared else 0.0)
+
+
 def largest_group_numel(summary: AxisSummary, parts, shared: bool) -> float:
     """Elements (tp-local, whole over dp) of a rank's largest ZeRO-3 gather group among its ``parts``
     (``codegen/gather_groups.py``: one per layer and per part with parameters; a tied parameter,

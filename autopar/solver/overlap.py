@@ -129,6 +129,13 @@ def memory_pass_s(cfg, numel: float, profile, gpu) -> float:
     return nbytes / (gpu.hbm_Bps * gpu.memory_efficiency)
 
 
+def zero3_host_s(cfg, gpu, groups: float) -> float:
+    """Seconds per micro-batch of the host's work on ``groups`` ZeRO-3 gather groups beside their
+    collectives' link time (``GPUSpec.zero3_group_overhead_s``, measured by ``autopar calibrate``
+    on CPU ranks); 0 without ZeRO-3 over data > 1."""
+    return gpu.zero3_group_overhead_s * groups if cfg.zero == 3 and cfg.data > 1 else 0.0
+
+
 def accumulates_rows(cfg) -> bool:
     """ZeRO 2/3 over data > 1 ranks with several micro-batches and no pipeline: every micro-batch
     reduce-scatters, and each rank adds the rows to the ones of the micro-batches before (the rows

@@ -38,7 +38,9 @@ Gradient passes (a runtime with ``RuntimeProfile.grad_passes``): the reducer's c
 gradients into its buffers and the micro-batches' accumulating adds (``overlap.grad_pass_bytes``),
 at HBM bandwidth x memory efficiency, in the rank's compute (per micro-batch: 1/m of the step's);
 likewise ZeRO-3's gathers' copies into and out of their buffers (``gather_passes``,
-``overlap.gather_pass_bytes``, every micro-batch).
+``overlap.gather_pass_bytes``, every micro-batch), and the host's work on its gather groups beside
+their collectives (``GPUSpec.zero3_group_overhead_s`` per group per micro-batch, measured on CPU
+ranks: ``overlap.zero3_host_s``).
 
 Optimizer step (memory bound): per local parameter it reads the 16-bit param, the gradient, the
 fp32 master copy and the two Adam moments and writes the param, master and moments back
@@ -80,11 +82,11 @@ from autopar.solver.balance import balance
 from autopar.solver.grad_buckets import GradPiece
 from autopar.solver.problem import AxisSummary, PartCost
 from autopar.solver.overlap import (account as overlap_account, accumulates_rows, dp_sync as overlap_dp_sync,
-                                    memory_pass_s, reduces_once_per_step)
+                                    memory_pass_s, reduces_once_per_step, zero3_host_s)
 from autopar.solver.runtime_profile import RuntimeProfile
 from autopar.recompute_ops import is_per_op
-from autopar.solver.layer_memory import (activation_bytes_per_layer, held_loss_input_bytes, largest_group_numel,
-                                         rank_parts, rc_of,
+from autopar.solver.layer_memory import (activation_bytes_per_layer, gather_group_count, held_loss_input_bytes,
+                                         largest_group_numel, rank_parts, rc_of,
                                          recast_per_microbatch, recomputed_layers, saved_per_microbatch,
                                          workspace_bytes)
 from autopar.solver.outer_config import OuterConfig
@@ -433,9 +435,7 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
         pp_link = stage_link(cluster, cfg.data * cfg.tp)
         comm["pp:p2p"] = 2 * cfg.v * collective_s("p2p", summary.layer_input_bytes, 2, pp_link)
     numel = sum(c * p.param_numel for p, c, _ in parts) + (summary.shared_param_numel if (first or last) else 0.0)
-    # ZeRO-3 gather groups (codegen/gather_groups.py): one per layer and per part with parameters;
-    # a tied parameter (read by the first and the last part) is gathered alone
-    groups = sum(c for p, c, _ in parts if p.param_tensors) + (summary.shared_param_tensors if (first or last) else 0.0)
+    groups = gather_group_count(summary, parts, first or last)      # ZeRO-3's (codegen/gather_groups.py)
     param_b = numel * profile.param_bytes
     dp_comm, dp_sync, dp_rows = overlap_dp_sync(cfg, numel, profile, dp_link, win_f, win_b, cluster.overlap_slowdown,
                                                 groups, () if summary.is_lower_bound else
@@ -445,6 +445,7 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
     copies_over = profile.copies_overlapped(cluster, cfg.data)      # offload's copies on a side stream
     mem = _rank_memory(summary, cfg, profile, r, parts, numel, lps, copies_over)
     compute += memory_pass_s(cfg, numel, profile, gpu)   # gradient copies and adds, ZeRO-3's gather copies
+    compute += zero3_host_s(cfg, gpu, groups)            # and its groups' Python
     cls = cfg.classes
     rows, nvme_Bps = optimizer_rows(numel, cfg.data, cfg.zero), cluster.nvme_Bps / cluster.gpus_per_node
     if cls:

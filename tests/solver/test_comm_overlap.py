@@ -102,6 +102,24 @@ def test_the_steps_host_cost_is_paid_once_per_step():
         assert b.step.compute_s == a.step.compute_s
 
 
+def test_zero3_group_host_by_hand():
+    """``GPUSpec.zero3_group_overhead_s`` (measured by ``autopar calibrate``): per gather group (one a
+    layer with parameters: 2 here) per micro-batch (4) under ZeRO-3 over data > 1, in the rank's
+    compute: 4 x 2 x 0.01 s; nothing under ZeRO-2 or on one data rank."""
+    from autopar.solver.overlap import zero3_host_s
+
+    base = _cluster(0.0)
+    host = replace(base, gpu=replace(base.gpu, zero3_group_overhead_s=0.01))
+    summary = _summary({})
+    summary = replace(summary, parts={**summary.parts, "block": replace(summary.parts["block"], param_tensors=4.0)})
+    for zero, dp, extra in ((3, 4, 4 * 2 * 0.01), (2, 4, 0.0), (3, 1, 0.0)):
+        cfg = OuterConfig(tp=1, pp=1, dp=dp, mbs=1, m=4, recompute="none", zero=zero, sp=False)
+        a = evaluate(summary, cfg, base, AUTOPAR_RUNTIME, 1e15)
+        b = evaluate(summary, cfg, host, AUTOPAR_RUNTIME, 1e15)
+        assert b.step.compute_s - a.step.compute_s == pytest.approx(extra), (zero, dp)
+        assert zero3_host_s(cfg, host.gpu, 2.0) == pytest.approx(extra / 4)
+
+
 def test_the_optimizer_step_by_hand():
     """AdamW's step: 28 bytes of state per local parameter and the gradient's (bf16: 2), at the HBM
     bandwidth x memory efficiency x ``optimizer_efficiency`` (measured on CPU ranks by
