@@ -15,8 +15,9 @@ HBM and link bandwidth; on CPUs gloo's threads take cores), so the step pays
 (first order: the compute beside the collective takes (1 + s) times as long, the collective's own
 time is unchanged; with s <= 1 never more than running them one after the other). s is measured by
 ``autopar calibrate`` (``calibrate_overlap.py``) or is the GPU family's published figure
-(``cost/hardware.py`` ``_OVERLAP_SLOWDOWN``). The TP overlap (``problem.py``), context-parallel
-rings and offload copies keep the plain rule, without contention.
+(``cost/hardware.py`` ``_OVERLAP_SLOWDOWN``). Context-parallel rings pay it too
+(``cost/context_parallel.ring_time``); the TP overlap (``problem.py``) and offload copies keep the
+plain rule, without contention.
 ``overlap.account`` reports per collective the total, window, hidden, exposed and contention parts
 and why (``StepTime.overlap``, the report's "Communication" table).
 
