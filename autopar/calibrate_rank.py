@@ -10,8 +10,10 @@ Order: per-op overhead, memory copy, memory-bound op classes (norm, activation, 
 elementwise, at the GEMMs' token and hidden sizes), elementwise rate (CPU), GEMMs per dtype, SDPA, collectives
 (on CPU ranks each also in situ, after a GEMM pair: ``calibrate_comm.time_collective_in_situ``),
 GEMMs beside async all-reduces (``calibrate_overlap.py``, outside the budget: ~1-2 s), then (CPU)
-autopar's per-node step overhead (``calibrate_runtime.py``, outside the budget: ~10 s, ~15 s on 4
-ranks or more, which also time DTensor on a 2-D mesh).
+autopar's per-node step overhead (``calibrate_runtime.py``, outside the budget: ~10 s, ~20 s on 4
+ranks or more, which also time DTensor on a 2-D mesh; with a ring attention and a ZeRO-3 fit).
+After the ranks return, ``autopar.calibrate.measure`` trains a reference GPT on fresh ranks under the
+profiler (``calibrate_step.py``, CPU, ~10 s).
 Each phase has a deadline, cumulative shares of the budget (``PHASE_SHARES``), so time a phase
 leaves unused goes to the next; the collectives, last, take whatever remains, smallest size first.
 The first GEMM of each dtype and the first SDPA run whatever the budget says.
