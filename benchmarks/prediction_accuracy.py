@@ -1,10 +1,10 @@
 """Predicted vs measured step time and peak memory on this machine, five plan families side by side.
 
-    python benchmarks/prediction_accuracy.py [--cluster FILE.toml] [--nproc 4] [--steps 3]
+    python benchmarks/prediction_accuracy.py [--cluster FILE.toml] [--nproc 4] [--steps 5]
 
 (``--nproc 2`` runs the same families on 2 ranks: dp=2, tp=2, pp=2, ZeRO-3 over dp=2, cp=2.)
 
-Without ``--cluster`` it first runs ``autopar calibrate --nproc N`` (about 1.5 minutes) and plans
+Without ``--cluster`` it first runs ``autopar calibrate --nproc N`` (about 1.7 minutes) and plans
 with the file it writes, so the predictions are for this machine. Then a CPU-sized GPT
 (``MODEL``) is profiled (``autopar profile``) under five forced plan families: data parallel,
 tensor x data parallel, pipeline x data parallel, ZeRO-3, and ring context x data parallel. Prints, per family, the step time
@@ -39,7 +39,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cluster", default=None, help="a cluster TOML from `autopar calibrate` (default: calibrate now)")
     ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--families", default=",".join(FAMILIES), help="which of: " + ", ".join(FAMILIES))
     args = ap.parse_args()
     if args.nproc < 2 or args.nproc % 2:
