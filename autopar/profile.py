@@ -140,7 +140,8 @@ def group_host_s(evaluation, summary, cluster) -> float:
 
 
 def summarize(plan, cluster, profiles: list[dict], nodes: Optional[list[int]] = None,
-              shares: Optional[dict] = None, ring_nodes: Optional[list[int]] = None, groups_host_s: float = 0.0) -> dict:
+              shares: Optional[dict] = None, ring_nodes: Optional[list[int]] = None,
+              groups_host_s: float = 0.0) -> dict:
     """The measured-vs-predicted report of ``autopar profile`` as plain data (module docstring).
     ``nodes``: per rank, the graph nodes it runs per step (for the host overhead), ``ring_nodes``
     the ring attention nodes among them (their own host cost); ``shares``: ``compute_shares``

@@ -116,6 +116,7 @@ def ring_time(traffic: RingTraffic, cp: int, link: LinkSpec, fwd_block_compute_s
     # overlapped with backward steps 0..n-1: K|V (step 0), K|V + dK|dV, ..., dK|dV (step n-1)
     bwd = [one] + [p2p_s(kv + dkv, link)] * (cp - 2) + [grad]
     tail = grad                                        # last dK|dV home: nothing left to hide behind
+
     def exposed(t: float, window: float) -> float:
         return max(0.0, t - window) + slowdown * min(t, window)
 
