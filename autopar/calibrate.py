@@ -124,6 +124,7 @@ class Calibration:
     overlap: Optional[OverlapFigures] = None   # compute beside an async all-reduce (calibrate_overlap.py)
     memory_classes: tuple[tuple[str, float], ...] = ()   # (class, bytes/s) of memory-bound ops (calibrate_bench)
     in_step: Optional[StepRates] = None      # the op classes inside a training step (CPU; calibrate_step.py)
+    cores: int = 0                           # CPU cores the ranks shared (CPU; 0 on GPUs)
 
 
 def _setup(device_kind: str) -> dict:
@@ -229,7 +230,8 @@ def _aggregate(results: list[dict], cfg: dict, kind: str, nproc: int, start: flo
         ring_attention_overhead=_ring_host(results, by_kind.get("all_to_all", link)),
         zero3_group_overhead=_zero3_host(results, by_kind, link),
         overlap=overlap_figures(results[0]["overlap"]) if "overlap" in results[0] else None,
-        memory_classes=tuple((c, _hmean([r["memory_classes"][c] for r in results])) for c in results[0]["memory_classes"]))
+        memory_classes=tuple((c, _hmean([r["memory_classes"][c] for r in results])) for c in results[0]["memory_classes"]),
+        cores=(os.cpu_count() or 1) if kind == "cpu" else 0)
 
 
 def _ring_host(results: list[dict], rotation: Optional[LinkFit]) -> Optional[float]:

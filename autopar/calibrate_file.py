@@ -81,6 +81,8 @@ def cluster_dict(cal: Calibration, nodes: int = 1) -> dict[str, Any]:
     over["source"] = f"measured by autopar calibrate on {where}" + "".join(f"; {n}" for n in notes)
     d: dict[str, Any] = {"name": f"calibrated-{cal.gpu}x{cal.nproc}", "gpu": cal.gpu, "nodes": nodes,
                          "gpus_per_node": cal.nproc, "gpu_overrides": over}
+    if cal.device_kind == "cpu" and cal.cores:       # ranks sharing them run faster while others idle
+        d["cores_per_node"] = cal.cores
     if cal.overlap is not None:
         o = cal.overlap
         d["overlap_slowdown"] = _sig(o.slowdown) if o.slowdown > 0 else 0.0

@@ -1,12 +1,12 @@
 """Predicted vs measured step time and peak memory on this machine, five plan families side by side.
 
-    python benchmarks/prediction_accuracy.py [--cluster FILE.toml] [--nproc 4] [--steps 5]
+    python benchmarks/prediction_accuracy.py [--cluster FILE.toml] [--nproc 4] [--steps 5] [--model SPEC]
 
 (``--nproc 2`` runs the same families on 2 ranks: dp=2, tp=2, pp=2, ZeRO-3 over dp=2, cp=2.)
 
 Without ``--cluster`` it first runs ``autopar calibrate --nproc N`` (about 1.7 minutes) and plans
 with the file it writes, so the predictions are for this machine. Then a CPU-sized GPT
-(``MODEL``) is profiled (``autopar profile``) under five forced plan families: data parallel,
+(``MODEL``, or ``--model``) is profiled (``autopar profile``) under five forced plan families: data parallel,
 tensor x data parallel, pipeline x data parallel, ZeRO-3, and ring context x data parallel. Prints, per family, the step time
 (measured: per step the slowest rank's wall time, mean over ``--steps``) and the peak memory (the
 largest rank's, measured by category) next to the predictions, and the ratios. Goals from issue
@@ -40,6 +40,7 @@ def main() -> int:
     ap.add_argument("--cluster", default=None, help="a cluster TOML from `autopar calibrate` (default: calibrate now)")
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--model", default=MODEL, help=f"a model spec with a sequence divisible by 4 (default {MODEL})")
     ap.add_argument("--families", default=",".join(FAMILIES), help="which of: " + ", ".join(FAMILIES))
     args = ap.parse_args()
     if args.nproc < 2 or args.nproc % 2:
@@ -53,13 +54,13 @@ def main() -> int:
         if cli(["calibrate", "--nproc", str(args.nproc), "--out", cluster]) != 0:
             return 1
     quiet = Console(file=open(os.devnull, "w"))
-    t = Table(title=f"{MODEL}, batch {BATCH}, {args.nproc} CPU ranks, cluster {cluster}")
+    t = Table(title=f"{args.model}, batch {BATCH}, {args.nproc} CPU ranks, cluster {cluster}")
     for col in ("family", "plan", "step measured", "step predicted", "ratio", "peak measured", "peak predicted", "ratio"):
         t.add_column(col, justify="left" if col in ("family", "plan") else "right")
     worst_t = worst_m = 0.0
     for name in args.families.split(","):
         force = FAMILIES[name.strip()].format(n=args.nproc, h=args.nproc // 2)
-        rep = profile_command(MODEL, args.nproc, args.steps, warmup=1, cluster=cluster, force=force, batch=BATCH,
+        rep = profile_command(args.model, args.nproc, args.steps, warmup=1, cluster=cluster, force=force, batch=BATCH,
                               console=quiet)
         mt, pt = rep["measured_step_time_s"], rep["predicted_step_time_s"]
         top = max(rep["memory"], key=lambda m: m["measured_peak_bytes"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 import tomllib
 from dataclasses import replace
@@ -131,6 +132,9 @@ def test_cpu_file_prices_what_was_measured(tmp_path):
     assert (c.nodes, c.gpus_per_node, c.gpu.name) == (2, 4, "cpu")
     assert _rate(c.gpu, "float32") == pytest.approx(41.3e9) and _rate(c.gpu, "bf16") == pytest.approx(77.7e9)
     assert _rate(c.gpu, "fp16") == pytest.approx(41.3e9)                  # not measured: the slowest measured
+    assert c.cores_per_node == 0                                         # the cores the ranks shared: not given
+    shared = cluster_from_dict(cluster_dict(replace(cal, cores=2), nodes=2))
+    assert shared.cores_per_node == 2 and shared.rank_speedup == 2.0       # 4 ranks on 2 cores
     assert "fp16 not measured" in c.gpu.source
     assert _rate(c.gpu, "float32", "attention") == pytest.approx(20e9, rel=1e-3)
     assert c.gpu.hbm_Bps * c.gpu.memory_efficiency == pytest.approx(12.5e9)
@@ -354,6 +358,7 @@ def test_real_run_writes_a_cluster_the_planner_uses(tmp_path):
     assert cmd_calibrate(args, Console(quiet=True)) == 0
     c = load_cluster(out)
     assert c == resolve_cluster(out) and c.gpus_per_node == 2 and c.gpu.name == "cpu"
+    assert c.cores_per_node == os.cpu_count()
     m = tomllib.loads(out.read_text())["measured"]
     figures = [c.gpu.peak_flops_for(d) for d in ("float32", "bfloat16", "float16", "vector")] + [
         c.gpu.hbm_Bps, c.gpu.attention_efficiency, c.intra.busbw_Bps, c.intra.latency_s + 1e-12,

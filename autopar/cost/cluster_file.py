@@ -18,7 +18,8 @@ from autopar.cost.hardware import (_T, _US, GB, TRAINING_DTYPES, ClusterSpec, Li
 _HOST_KEYS = (("host_memory_gb", "host_memory_bytes"), ("host_GBps", "host_Bps"), ("nvme_gb", "nvme_bytes"),
               ("nvme_GBps", "nvme_Bps"))
 _TOP_KEYS = ("name", "gpu", "nodes", "gpus_per_node", "pcie_GBps", "intra", "inter", "gpu_overrides",
-             "measured", "overlap_slowdown", "overlap_slowdown_source") + tuple(k for k, _ in _HOST_KEYS)
+             "measured", "overlap_slowdown", "overlap_slowdown_source", "cores_per_node") + tuple(
+                 k for k, _ in _HOST_KEYS)
 _LINK_KEYS = ("busbw_GBps", "latency_us", "name", "source", "busbw_scale")
 _EFFICIENCIES = ("matmul_efficiency", "attention_efficiency", "attention_noncausal_efficiency", "memory_efficiency",
                  "optimizer_efficiency")
@@ -130,6 +131,12 @@ def cluster_from_dict(d: Mapping[str, Any], where: str = "cluster") -> ClusterSp
         host["overlap_slowdown_source"] = str(d.get("overlap_slowdown_source", f"user TOML ({where})"))
     elif "overlap_slowdown_source" in d:
         raise ValueError(f"{where}: overlap_slowdown_source without overlap_slowdown; give both")
+    if "cores_per_node" in d:
+        cores = d["cores_per_node"]
+        if isinstance(cores, bool) or not isinstance(cores, int) or cores < 0:
+            raise ValueError(f"{where}: cores_per_node = {cores!r} must be a whole number >= 0 (the CPU cores a "
+                             "node's ranks share; 0: a device per rank)")
+        host["cores_per_node"] = cores
     return replace(base, gpu=gpu, intra=intra, inter=inter, pcie_Bps=pcie, **host)
 
 
@@ -186,7 +193,9 @@ def cluster_to_toml(c: ClusterSpec) -> str:
              f"gpus_per_node = {c.gpus_per_node}", f"pcie_GBps = {toml_value(c.pcie_Bps / GB)}"]
     lines += [f"{k} = {toml_value(getattr(c, f) / GB)}" for k, f in _HOST_KEYS]
     lines += [f"overlap_slowdown = {toml_value(c.overlap_slowdown)}",
-              f"overlap_slowdown_source = {toml_value(c.overlap_slowdown_source)}", ""]
+              f"overlap_slowdown_source = {toml_value(c.overlap_slowdown_source)}"]
+    lines += [f"cores_per_node = {c.cores_per_node}"] if c.cores_per_node else []
+    lines.append("")
     for tname, link in (("intra", c.intra), ("inter", c.inter)):
         lines += [f"[{tname}]", f"name = {toml_value(link.name)}", f"busbw_GBps = {toml_value(link.busbw_Bps / GB)}",
                   f"latency_us = {toml_value(link.latency_s / _US)}", f"source = {toml_value(link.source)}"]

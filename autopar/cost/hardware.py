@@ -35,6 +35,7 @@ Cluster TOML (``cluster_file.load_cluster``)::
     nvme_GBps = 50.0              # NVMe bandwidth per node
     overlap_slowdown = 0.12       # optional: compute slowdown beside an overlapped collective
     overlap_slowdown_source = "autopar calibrate, 2 ranks"   # optional (default: per GPU type)
+    cores_per_node = 2            # optional, CPU ranks: the cores they share (default 0: a device each)
 
     [intra]                       # optional; default: the GPU's NVLink/NVSwitch link
     busbw_GBps = 370.0            # required inside the table
@@ -254,15 +255,28 @@ class ClusterSpec:
     # ``autopar calibrate`` (calibrate_overlap.py).
     overlap_slowdown: float = 0.0
     overlap_slowdown_source: str = "not measured: no contention modelled"
+    # CPU ranks: the cores a node's ``gpus_per_node`` ranks share (``autopar calibrate`` writes it);
+    # 0: each rank has a device of its own
+    cores_per_node: int = 0
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
             raise ValueError(f"cluster {self.name!r}: nodes ({self.nodes}) and gpus_per_node "
                              f"({self.gpus_per_node}) must both be >= 1")
+        if self.cores_per_node < 0:
+            raise ValueError(f"cluster {self.name!r}: cores_per_node ({self.cores_per_node}) must be >= 0")
 
     @property
     def num_gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def rank_speedup(self) -> float:
+        """How much faster a CPU rank computes alone than with all of its node's ranks busy (the
+        rates of an ``autopar calibrate`` file): ranks / cores where they outnumber the cores, else 1."""
+        if not self.cores_per_node:
+            return 1.0
+        return max(1.0, self.gpus_per_node / self.cores_per_node)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,15 @@ of it (p - 1 for GPipe/1F1B, Megatron §2.2.1; (p - 1)/v interleaved; ... ``pipe
 The cut (layers per rank) is ``choose_cuts``: the fastest that fits, from an affine model of each
 rank's time and memory in its layer count (``balance``).
 
+Shared cores (a one-node CPU cluster whose ranks outnumber its cores, ``ClusterSpec.cores_per_node``):
+the file's rates are a rank's with every rank busy, and a rank computes up to S = ranks / cores
+times faster while others idle, as a pipeline's ranks do in its bubble and while a lighter stage
+waits on a heavier one. The pipeline part, (m + U) t_max, becomes the larger of two lower bounds,
+the ranks' whole work spread over all of them (m x the mean of t_rank over the p ranks) and the
+schedule run at S times the speed ((m + U) t_max / S), never above (m + U) t_max; its compute,
+recompute, per-micro-batch comm and bubble are scaled alike (``shared_core_speedup``). Measured on
+4 ranks sharing 2 cores: a 3-layer LLaMA at pp=2 stepped in 209 ms where (m + U) t_max priced 352.
+
 DP sync (per step, on the dp axis link) by ZeRO stage (``overlap.dp_sync``), each costing
 ``max(0, comm - window) + overlap_slowdown * min(comm, window)`` when the runtime profile overlaps
 it (``runtime_profile.py``; ``overlap.account`` says per collective how much is hidden, and why):
@@ -305,6 +314,11 @@ def memory_lower_bound(summary: AxisSummary, cfg: OuterConfig, profile: RuntimeP
     return mem
 
 
+def shared_core_speedup(cluster: ClusterSpec) -> float:
+    """S of the module docstring's "Shared cores" (``ClusterSpec.rank_speedup``; one node), else 1."""
+    return cluster.rank_speedup if cluster.nodes == 1 else 1.0
+
+
 def step_time_lower_bound(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profile: RuntimeProfile,
                           terms=None) -> float:
     """A cheap lower bound on ``evaluate(summary, cfg, ...).step.total_s`` (same summary), without
@@ -337,7 +351,8 @@ def step_time_lower_bound(summary: AxisSummary, cfg: OuterConfig, cluster: Clust
             ends = a * v + max(e_pre, e_post)
         t = max(mean, ends)
         p2p = 2 * v * collective_s("p2p", summary.layer_input_bytes, 2, stage_link(cluster, cfg.data * cfg.tp))
-    return max(0.0, (cfg.m + pipeline_bubble_units(p, cfg.m, cfg.schedule, v)) * (t + p2p) * (1.0 - 1e-9))
+    share = shared_core_speedup(cluster) if p > 1 else 1.0     # evaluate's pipeline >= (m + U) t_max / share
+    return max(0.0, (cfg.m + pipeline_bubble_units(p, cfg.m, cfg.schedule, v)) * (t + p2p) * (1.0 - 1e-9) / share)
 
 
 # ---- evaluation ------------------------------------------------------------------------------------
@@ -359,7 +374,8 @@ def evaluate(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profi
         terms = _linear_terms(summary, cfg, profile)
         affine = _memory_affine(summary, cfg, profile, terms[3], terms[4])
     cuts, _ = choose_cuts(summary, cfg, profile, budget_bytes, terms, affine)
-    if all_stages or p <= 2:
+    share = shared_core_speedup(cluster)
+    if all_stages or p <= 2 or share > 1:
         ranks = list(range(p))
     else:
         a, e_pre, e_post, rate, act = terms
@@ -376,14 +392,18 @@ def evaluate(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, profi
     t_max = bottleneck.time_per_microbatch_s
     pipeline_s = pipeline_step_time_s(t_max, p, cfg.m, cfg.schedule, cfg.v)      # (m + bubble units) t_max
     bubble_s = pipeline_bubble_fraction(p, cfg.m, cfg.schedule, cfg.v) * cfg.m * t_max
+    g = 1.0          # the pipeline's time on shared cores over its time on a core (or device) per rank
+    if p > 1 and share > 1 and pipeline_s > 0:
+        g = min(1.0, max(cfg.m * sum(st.time_per_microbatch_s for st in stages) / p, pipeline_s / share) / pipeline_s)
+    pipeline_s, bubble_s = g * pipeline_s, g * bubble_s
     dp_stage = max(stages, key=lambda st: sum(st.dp_sync.values()))
     opt_s = max(st.optimizer_s for st in stages)
     comm_total: dict = {}
-    _merge(comm_total, bottleneck.comm, cfg.m)
+    _merge(comm_total, bottleneck.comm, g * cfg.m)
     _merge(comm_total, dp_stage.dp_sync, 1.0)
     host_s = cluster.gpu.step_overhead_s         # once per step, beside the graph's nodes
     total = pipeline_s + sum(dp_stage.dp_sync.values()) + opt_s + host_s
-    step = StepTime(compute_s=cfg.m * bottleneck.compute_s, recompute_s=cfg.m * bottleneck.recompute_s,
+    step = StepTime(compute_s=g * cfg.m * bottleneck.compute_s, recompute_s=g * cfg.m * bottleneck.recompute_s,
                     comm_s=tuple(sorted(comm_total.items())), bubble_s=bubble_s,
                     optimizer_s=opt_s, total_s=total, host_s=host_s)
     if all_stages:           # the plan's evaluation: how much of each collective is hidden, and why
