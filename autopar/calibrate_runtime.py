@@ -42,7 +42,7 @@ gradients' reduce-scatter, the buffers' bookkeeping, issued from Python); the ca
 out those three collectives' link latency (``autopar.calibrate``), which the cost model prices on
 the link, and the planner adds the rest per gather group per micro-batch
 (``GPUSpec.zero3_group_overhead_s``, ``solver/timing.py``). Measured here beyond the latencies:
-6.2-8.0 ms a group and micro-batch on 4 ranks sharing 2 cores, 1.5 ms on 2 ranks.
+4.9-8.0 ms a group and micro-batch on 4 ranks sharing 2 cores, 1.5 ms on 2 ranks.
 
 The per-step figure (plain tensors: ``GPUSpec.step_overhead_s``, added once per step by
 ``solver/timing.py``) is what a step costs beside its nodes: the step's Python, zeroing the
