@@ -29,7 +29,8 @@ What the file says, so that peak x efficiency is the MEASURED rate the cost mode
   are the fractions of those rates its ops reached inside the step (``autopar/calibrate_step.py``;
   1.0 and the SDPA loop's where it failed). The memory-bound classes' own loop rates are recorded
   in ``[measured]``, not priced: at the GEMMs' shapes they run from cache at up to 3x the copy's
-  rate.
+  rate. ``cores_per_node`` = the machine's cores (ranks that outnumber them run faster while
+  others idle: ``solver/timing.py``, "Shared cores").
 - GPU: datasheet peaks; ``matmul_efficiency`` = bf16 GEMM rate / bf16 peak; other dtypes whose
   rate differs get ``peak_TFLOPs`` = their rate / matmul_efficiency (fp32 runs as torch is set:
   TF32 only if ``torch.backends.cuda.matmul.allow_tf32``); ``memory_efficiency`` = copy / datasheet,
