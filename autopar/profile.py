@@ -167,13 +167,13 @@ def summarize(plan, cluster, profiles: list[dict], nodes: Optional[list[int]] = 
     compute_pred = st.compute_s + st.recompute_s - node_host
     categories = [("compute", measured_compute, compute_pred)]
     by_class = {}
-    if shares is not None:           # the memory-bound row: the ops and the runtime's passes (memory_passes)
-        by_class = {c: {"measured_s": mean[c], "predicted_s": compute_pred * shares.get(c, 0.0)}
-                    for c in (*COMPUTE_CLASSES, "memory_passes")}
-        by_class["memory"]["predicted_s"] += by_class["memory_passes"]["predicted_s"]
-        by_class["memory_passes"]["measured_s"] = None        # the profiler counts them with the ops
-        categories += [(f"  {CLASS_LABELS[c]}", v["measured_s"], v["predicted_s"])
-                       for c, v in by_class.items() if c in COMPUTE_CLASSES]
+    if shares is not None:
+        passes = compute_pred * shares.get("memory_passes", 0.0)     # the profiler counts them with the ops
+        by_class = {c: {"measured_s": mean[c], "predicted_s": compute_pred * shares.get(c, 0.0)
+                        + (passes if c == "memory" else 0.0)} for c in COMPUTE_CLASSES}
+        by_class["memory_passes"] = {"measured_s": None, "predicted_s": passes}
+        categories += [(f"  {CLASS_LABELS[c]}", by_class[c]["measured_s"], by_class[c]["predicted_s"])
+                       for c in COMPUTE_CLASSES]
     categories.append(("optimizer", mean["optimizer"], st.optimizer_s))
     kinds = sorted({k.split(":", 1)[1] for k in mean if k.startswith("collective:")}
                    | {k.split(":", 1)[-1] for k in comm_pred})

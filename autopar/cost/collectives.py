@@ -94,6 +94,16 @@ def collective_s(kind: str, nbytes: float, n: int, link: LinkSpec) -> float:
     raise ValueError(f"unknown collective kind {kind!r}; expected one of {COLLECTIVE_KINDS}")
 
 
+def overlapped_cost(comm_s: float, window_s: float, overlapped: bool, slowdown: float) -> float:
+    """``exposed + contention`` of a collective of ``comm_s`` beside ``window_s`` of compute: the part
+    the window cannot hide, plus ``slowdown`` x the hidden part (``ClusterSpec.overlap_slowdown``;
+    the rule of ``solver/runtime_profile.py``)."""
+    if not overlapped:
+        return comm_s
+    hidden = min(comm_s, window_s)
+    return comm_s - hidden + slowdown * hidden
+
+
 def axis_link(cluster: ClusterSpec, mesh_shape: tuple[int, ...], axis: int, *,
               nic_aggregation: bool = False) -> LinkSpec:
     """The link a group along mesh ``axis`` crosses.

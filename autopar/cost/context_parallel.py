@@ -12,7 +12,7 @@ times and dK|dV n times (each block's gradient travels with it and goes home at 
 
 Each overlapped step exposes max(0, transfer - block compute) and, for the part it hides, the
 compute's slowdown beside it (``ClusterSpec.overlap_slowdown`` x hidden, as the data-parallel
-overlap prices it: ``solver/overlap.overlapped_cost``; measured 0.6-0.7 on 4 gloo ranks sharing 2
+overlap prices it: ``collectives.overlapped_cost``; measured 0.59-0.84 on 4 gloo ranks sharing 2
 cores, where the transfer needs a core the compute is using); the final dK|dV send is fully
 exposed. Block compute = the rank's attention time / n (causal masks balanced by zig-zag, facts
 §2b "Load balance"). Times: ``collectives.p2p_s``; a ring that leaves the node runs at the slowest
@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from autopar.cost.collectives import all_to_all_s, axis_link, p2p_s
+from autopar.cost.collectives import all_to_all_s, axis_link, overlapped_cost, p2p_s
 from autopar.cost.compute import backward_factor
 from autopar.cost.hardware import ClusterSpec, GPUSpec, LinkSpec
 
@@ -117,11 +117,9 @@ def ring_time(traffic: RingTraffic, cp: int, link: LinkSpec, fwd_block_compute_s
     bwd = [one] + [p2p_s(kv + dkv, link)] * (cp - 2) + [grad]
     tail = grad                                        # last dK|dV home: nothing left to hide behind
 
-    def exposed(t: float, window: float) -> float:
-        return max(0.0, t - window) + slowdown * min(t, window)
-
-    return RingTime(sum(fwd), sum(bwd) + tail, sum(exposed(t, fwd_block_compute_s) for t in fwd),
-                    sum(exposed(t, bwd_block_compute_s) for t in bwd) + tail)
+    return RingTime(sum(fwd), sum(bwd) + tail,
+                    sum(overlapped_cost(t, fwd_block_compute_s, True, slowdown) for t in fwd),
+                    sum(overlapped_cost(t, bwd_block_compute_s, True, slowdown) for t in bwd) + tail)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from autopar.comm_overlap import CommOverlap
-from autopar.cost.collectives import collective_s
+from autopar.cost.collectives import collective_s, overlapped_cost
 from autopar.mesh import DATA, TENSOR_AXES
 from autopar.solver.grad_buckets import GradPiece, bucketed_overlap
 
@@ -71,14 +71,6 @@ _AFTER_STEP = {("host", "h2d"): "the updated rows' copies up", ("host", "copy"):
 # NVMe writes on the store's threads behind the backward: (axis, kind) -> what is left exposed
 _WRITTEN_BEHIND = {("nvme", "grads"): "the step's reads and the writes past the backward, the last bucket's at "
                                       "least (the others are written as they come down, runtime/nvme_grads.py)"}
-
-
-def overlapped_cost(comm_s: float, window_s: float, overlapped: bool, slowdown: float) -> float:
-    """``exposed + contention`` of a collective of ``comm_s`` beside ``window_s`` of compute."""
-    if not overlapped:
-        return comm_s
-    hidden = min(comm_s, window_s)
-    return comm_s - hidden + slowdown * hidden
 
 
 def reduces_once_per_step(cfg) -> bool:

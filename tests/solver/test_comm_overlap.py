@@ -18,7 +18,7 @@ from autopar.cost.cluster_file import cluster_from_dict, cluster_to_toml, load_c
 from autopar.cost.hardware import LinkSpec
 from autopar.plan import Plan
 from autopar.report import comm_table, render
-from autopar.solver.overlap import overlapped_cost
+from autopar.cost.collectives import overlapped_cost
 from autopar.solver.problem import AxisSummary, PartCost
 from autopar.solver.runtime_profile import AUTOPAR_RUNTIME, MEGATRON_RUNTIME
 from autopar.solver.timing import OuterConfig, evaluate
