@@ -135,7 +135,8 @@ def _apply_in_step(step: StepRates, over: dict[str, Any]) -> str:
         used.append("optimizer")
     left = [c for c in CLASSES if step.factor(c) is None]
     return (f"{', '.join(used) or 'no class'} at the rate reached in a training step of {step.model} ({step.force})"
-            + (f"; not used (outside {FACTOR_BOUNDS} or not measured): {', '.join(left)}" if left else ""))
+            + ("; not used: " + ", ".join(f"{c} (outside {FACTOR_BOUNDS[c]} or not measured)" for c in left)
+               if left else ""))
 
 
 def measured_dict(cal: Calibration, budget_s: float, wall_s: float) -> dict[str, Any]:
@@ -196,7 +197,7 @@ def measured_dict(cal: Calibration, budget_s: float, wall_s: float) -> dict[str,
                         "measured_ms": {c: ms * 1e3 for c, ms, _ in st.classes},
                         "predicted_ms": {c: p * 1e3 for c, _, p in st.classes},
                         "factors": {c: f for c in CLASSES if (f := st.raw_factor(c)) is not None},
-                        "factor_bounds": list(FACTOR_BOUNDS)}
+                        "factor_bounds": {c: list(b) for c, b in FACTOR_BOUNDS.items()}}
         if st.note:
             m["in_step"]["note"] = st.note
     if cal.overlap is not None:

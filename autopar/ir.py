@@ -22,6 +22,7 @@ from typing import Any, Optional, Union
 # parallelism's planner, executor and collective prediction look for
 SDPA_TARGET = "aten.scaled_dot_product_attention.default"
 TARGET_KEY = "|target|0"                   # the loss target's input node (training traces only)
+OUTPUT_KEY = "|output|0"                   # the graph's output node (its input: the loss, when traced with one)
 
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,

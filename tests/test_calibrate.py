@@ -284,6 +284,10 @@ def test_in_step_factors_are_the_predicted_over_the_measured_class_times():
     wild = StepRates("m", "dp=4", (("matmul", 0.01, 0.04), ("attention", 0.0, 0.004)))
     assert wild.raw_factor("matmul") == pytest.approx(4.0) and wild.factor("matmul") is None
     assert wild.raw_factor("attention") is None and wild.factor("memory") is None
+    # the optimizer's bound is wider (AdamW's state in the cache, FACTOR_BOUNDS): 2.5 is used there only
+    fast = StepRates("m", "dp=4", (("matmul", 0.004, 0.010), ("optimizer", 0.004, 0.010), ("memory", 0.001, 0.0045)))
+    assert fast.factor("optimizer") == pytest.approx(2.5) and fast.factor("matmul") is None
+    assert fast.raw_factor("memory") == pytest.approx(4.5) and fast.factor("memory") is None
 
 
 def test_cpu_file_prices_each_class_at_its_in_step_rate(tmp_path):

@@ -88,7 +88,7 @@ from autopar.codegen.program import RankProgram, axis_index, compile_program, lo
 from autopar.codegen.shards import chunk_range, local_shape
 from autopar.cost.compute import op_kind
 from autopar import placements
-from autopar.ir import DTYPE_BYTES, GraphIR, NodeInfo, TensorMeta
+from autopar.ir import DTYPE_BYTES, OUTPUT_KEY, GraphIR, NodeInfo, TensorMeta
 from autopar.mesh import DATA, TENSOR
 from autopar.placements import Partial, Placement, Replicate, Shard
 from autopar.plan import Plan
@@ -217,7 +217,7 @@ def expected_collectives(graph: GraphIR, plan: Plan, *, bucket_bytes: int = DEFA
     if program is None:
         program = compile_program(graph, plan, local_dp=local_dp_nodes(graph, plan) if dp_mode == "auto" else None)
     by_key = {n.key: n for n in graph.nodes}
-    loss = next((by_key[r.key] for r in by_key["|output|0"].inputs), None) if "|output|0" in by_key else None
+    loss = next((by_key[r.key] for r in by_key[OUTPUT_KEY].inputs), None) if OUTPUT_KEY in by_key else None
     per_run = part_collectives(graph, program, backend=backend, tp_rank=tp_rank, fused=fused,
                                loss_key=loss.key if loss is not None else None)
     per_run += context_collectives(graph, program, plan.context_parallel, plan.context_parallel_mode)

@@ -72,6 +72,15 @@ def all_to_all_s(nbytes: float, n: int, link: LinkSpec) -> float:
     return _ring_s("all_to_all", nbytes, n, link, n - 1)
 
 
+def small_all_reduce_s(nbytes: float, n: int, link: LinkSpec, tree: bool) -> float:
+    """All-reduce of a few bytes (a loss, a count), where latency is all there is. ``tree``: NCCL,
+    which runs small all-reduces on its double binary trees (NCCL 2.4+: logarithmic latency), up and
+    down one: 2 ceil(log2 n) hops; else gloo's ring, ``all_reduce_s``'s 2(n-1)."""
+    if not tree or n == 1:
+        return all_reduce_s(nbytes, n, link)
+    return 2 * math.ceil(math.log2(n)) * link.latency_s + bus_factor("all_reduce", n) * nbytes / link.busbw_Bps
+
+
 def p2p_s(nbytes: float, link: LinkSpec) -> float:
     """One send/recv of ``nbytes``: lat + nbytes / busbw (0 bytes -> 0)."""
     if nbytes < 0:

@@ -29,7 +29,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from autopar.comm_overlap import CommOverlap
-from autopar.cost.collectives import collective_s, overlapped_cost
+from autopar.cost.collectives import collective_s, overlapped_cost, small_all_reduce_s
+from autopar.cost.hardware import device_kind
 from autopar.mesh import DATA, TENSOR_AXES
 from autopar.solver.grad_buckets import GradPiece, bucketed_overlap
 
@@ -128,11 +129,39 @@ def zero3_host_s(cfg, gpu, groups: float) -> float:
     return gpu.zero3_group_overhead_s * groups if cfg.zero == 3 and cfg.data > 1 else 0.0
 
 
+def loss_scalars_s(cfg, scalars: int, link, cluster) -> float:
+    """Seconds per micro-batch, on the rank holding the loss, of its ``scalars`` one-value
+    all-reduces over the data axis' batch shards (``GraphFacts.loss_scalars``: the loss, the mean's
+    count; 4 bytes each): NCCL's tree on GPUs, gloo's ring on CPU ranks. Where the data axis is
+    solved (``data_axis.py``) and gathers the batch before the loss, they are not issued and this
+    over-prices them."""
+    if cfg.data <= 1:
+        return 0.0
+    return scalars * small_all_reduce_s(4, cfg.data, link, tree=device_kind(cluster) == "cuda")
+
+
 def accumulates_rows(cfg) -> bool:
     """ZeRO 2/3 over data > 1 ranks with several micro-batches and no pipeline: every micro-batch
     reduce-scatters, and each rank adds the rows to the ones of the micro-batches before (the rows
     kept sit beside the last reduction's outputs: ``cost.memory.reducer_end_bytes``)."""
     return cfg.zero >= 2 and cfg.data > 1 and cfg.m > 1 and not reduces_once_per_step(cfg)
+
+
+def grad_pieces(summary, lps: int, first: bool, last: bool, wire_bytes: int) -> tuple[GradPiece, ...]:
+    """A rank's gradients (``summary``: its ``AxisSummary``) in the order its backward makes them
+    (``grad_buckets.py``, moved here from ``timing.py``): the head's, its layers' from the last, the
+    embedding's (one tensor; with a tied weight's, complete only then), each with the backward
+    seconds that make them."""
+    blk, pre, post = summary.parts["block"], summary.parts["pre"], summary.parts["post"]
+    shared = summary.shared_param_numel if (first or last) else 0.0
+    out = []
+    if last:
+        out.append(GradPiece((post.param_numel + (0.0 if first else shared)) * wire_bytes, post.window_bwd_s))
+    if lps:                      # the layers alike: one run at one pace (grad_buckets folds it whole)
+        out.append(GradPiece(lps * blk.param_numel * wire_bytes, lps * blk.window_bwd_s))
+    if first:
+        out.append(GradPiece((pre.param_numel + shared) * wire_bytes, pre.window_bwd_s, atomic=True))
+    return tuple(out)
 
 
 def dp_sync(cfg, numel: float, profile, link, win_f: float, win_b: float, slowdown: float,
@@ -211,6 +240,10 @@ def _upstream(key: str, profile, copies_over: tuple = (), step_over: bool = Fals
     ``per_microbatch``: a collective of the micro-batch's passes (not of the step's sync)."""
     axis, _, kind = key.partition(":")
     if axis == DATA and per_microbatch:
+        if kind == "all_reduce":
+            return ("exposed: the loss and its mean's count, all-reduced as one value each over the batch shards "
+                    "(loss_scalars_s), and any activations the data axis moves where an op does not run on them "
+                    "(solver/data_axis.py); not overlapped"), True
         return ("exposed: the data axis moves activations where an op does not run on the batch shards "
                 "(solver/data_axis.py; not overlapped)"), True
     if step_over and (axis, kind) in _AFTER_STEP:

@@ -464,6 +464,7 @@ class AxisSummary:
     # (``AxisTables.wire_factor``): the last pipeline stage's output, held in torch's fwd_cache until
     # its micro-batch's backward (``layer_memory.held_loss_input_bytes``)
     loss_input_bytes: float = 0.0
+    loss_scalars: int = 0             # ``GraphFacts.loss_scalars``: the loss's one-value all-reduces per micro-batch
 
 
 def _add(d: dict, kind: str, s: float) -> None:
@@ -532,7 +533,8 @@ def summarize(tab: AxisTables, choice: dict) -> AxisSummary:
     obj = ilp_problem_objective(tab, choice)
     loss_in = sum(tab.costs[k][choice[k]].out_bytes * tab.wire_factor(k) for k in tab.facts.loss_inputs if k in choice)
     return AxisSummary(tab.t, tab.sp, tab.mbs, parts, shared["params"], layer_in, count, obj,
-                       shared_param_tensors=shared["tensors"], loss_input_bytes=loss_in)
+                       shared_param_tensors=shared["tensors"], loss_input_bytes=loss_in,
+                       loss_scalars=tab.facts.loss_scalars)
 
 
 def ilp_problem_objective(tab: AxisTables, choice: dict) -> float:
@@ -585,4 +587,5 @@ def lower_bound_summary(tab: AxisTables, batch_only: bool = False) -> AxisSummar
     loss_in = sum(min(c.out_bytes for c in tab.costs[k]) * tab.wire_factor(k) for k in tab.facts.loss_inputs
                   if k in tab.costs and not (batch_only and not tab.facts.batch_dims.get(k)))
     return AxisSummary(tab.t, tab.sp, tab.mbs, parts, shared["params"], layer_in, tab.count, obj, is_lower_bound=True,
-                       shared_param_tensors=shared["tensors"], loss_input_bytes=loss_in)
+                       shared_param_tensors=shared["tensors"], loss_input_bytes=loss_in,
+                       loss_scalars=tab.facts.loss_scalars)

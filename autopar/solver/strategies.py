@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from autopar.ir import DTYPE_BYTES, SDPA_TARGET, TARGET_KEY, GraphIR, NodeInfo, Ref, TensorMeta
+from autopar.ir import DTYPE_BYTES, OUTPUT_KEY, SDPA_TARGET, TARGET_KEY, GraphIR, NodeInfo, Ref, TensorMeta
 from autopar.placements import Partial, Placement, Replicate, Shard
 from autopar.solver.rules import Comm, Proto, base_name, find_rule
 
@@ -68,6 +68,8 @@ class GraphFacts:
     # the ops the loss reads (the nodes depending on the target read them): what the last pipeline
     # stage sends to the schedule's loss_fn, which torch's fwd_cache holds until its backward
     loss_inputs: frozenset = frozenset()
+    # one-value all-reduces of the loss per micro-batch over an axis its rows are split on (``_loss_scalars``)
+    loss_scalars: int = 0
 
 
 def tensor_nodes(graph: GraphIR) -> list[NodeInfo]:
@@ -131,7 +133,7 @@ def graph_facts(graph: GraphIR, seq_len: Optional[int]) -> GraphFacts:
             param_parts[n.key] = ps or frozenset({"pre"})
 
     facts = GraphFacts(graph, seq_len, nodes, {k: tuple(v) for k, v in consumers.items()}, needs_grad,
-                       {}, {}, {}, inputs, part, param_parts, (), _loss_inputs(graph))
+                       {}, {}, {}, inputs, part, param_parts, (), _loss_inputs(graph), _loss_scalars(graph))
     batch_dims, seq_dims, unknown = _propagate_roles(facts, tnodes)
     _, token, _ = _propagate_roles(facts, tnodes, through_attention=True) if seq_len else (None, {}, None)
     return replace(facts, batch_dims=batch_dims, seq_dims=seq_dims, token_dims=token,
@@ -145,6 +147,24 @@ def _loss_inputs(graph: GraphIR) -> frozenset:
     ops = {n.key for n in graph.nodes if n.kind == "op"}
     return frozenset(r.key for n in graph.nodes if n.key in loss and n.kind == "op"
                      for r in n.inputs if r.key in ops and r.key not in loss)
+
+
+# losses whose mean divides by a global count of targets (their ``reduction`` is args[3])
+_COUNTED_MEANS = ("cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d", "nll_loss_nd")
+
+
+def _loss_scalars(graph: GraphIR) -> int:
+    """All-reduces of one value per micro-batch over each axis that splits the loss's rows (the data
+    axis' batch shards): the loss itself, returned as one float, and for a mean cross-entropy or NLL
+    the global count of its targets (the fused and vocab-parallel losses' in forward, DTensor
+    nll_loss's ``total_weight`` in backward: ``codegen/expected.py``). 0 where the graph's output is
+    not a scalar loss."""
+    out = next((n for n in graph.nodes if n.key == OUTPUT_KEY), None)
+    loss = next((n for n in graph.nodes if out is not None and out.inputs and n.key == out.inputs[0].key), None)
+    if loss is None or loss.kind != "op" or not loss.outputs or loss.outputs[0].shape != ():
+        return 0
+    reduction = loss.args[3] if len(loss.args) > 3 else dict(loss.kwargs).get("reduction", 1)
+    return 1 + (base_name(loss.target) in _COUNTED_MEANS and reduction == 1)
 
 
 _RESHAPES = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default")

@@ -24,9 +24,9 @@ the file's rates are a rank's with every rank busy, and a rank computes up to S 
 times faster while others idle, as a pipeline's ranks do in its bubble and while a lighter stage
 waits on a heavier one. The pipeline part, (m + U) t_max, becomes the larger of two lower bounds,
 the ranks' whole work spread over all of them (m x the mean of t_rank over the p ranks) and the
-schedule run at S times the speed ((m + U) t_max / S), never above (m + U) t_max; its compute,
-recompute, per-micro-batch comm and bubble are scaled alike (``shared_core_speedup``). Measured on
-4 ranks sharing 2 cores: a 3-layer LLaMA at pp=2 stepped in 209 ms where (m + U) t_max priced 352.
+schedule run at S times the speed ((m + U) t_max / S), never above (m + U) t_max; all its terms
+scale alike (``shared_core_speedup``). On 4 ranks sharing 2 cores a 3-layer LLaMA at pp=2 stepped in
+209 ms where (m + U) t_max priced 352.
 
 DP sync (per step, on the dp axis link) by ZeRO stage (``overlap.dp_sync``), each costing
 ``max(0, comm - window) + overlap_slowdown * min(comm, window)`` when the runtime profile overlaps
@@ -42,6 +42,8 @@ the same parameters as its dp peers.
 
 Pipeline p2p: each micro-batch sends its activation forward and its gradient backward across
 each of a rank's v stage boundaries (one ``layer_input_bytes`` message each way), not overlapped.
+The last stage's loss: its one-value all-reduces over the batch shards, each micro-batch
+(``overlap.loss_scalars_s``).
 
 Gradient passes (a runtime with ``RuntimeProfile.grad_passes``): the reducer's copies of the
 gradients into its buffers and the micro-batches' accumulating adds (``overlap.grad_pass_bytes``),
@@ -88,10 +90,9 @@ from autopar.cost.offload import (FP32, bucket_bytes, chunk_share, offload_memor
                                   resident_saved_bytes)
 from autopar.plan import V_SCHEDULES, MemoryUse, StepTime
 from autopar.solver.balance import balance
-from autopar.solver.grad_buckets import GradPiece
 from autopar.solver.problem import AxisSummary, PartCost
 from autopar.solver.overlap import (account as overlap_account, accumulates_rows, dp_sync as overlap_dp_sync,
-                                    memory_pass_s, reduces_once_per_step, zero3_host_s)
+                                    grad_pieces, loss_scalars_s, memory_pass_s, reduces_once_per_step, zero3_host_s)
 from autopar.solver.runtime_profile import RuntimeProfile
 from autopar.recompute_ops import is_per_op
 from autopar.solver.layer_memory import (activation_bytes_per_layer, gather_group_count, held_loss_input_bytes,
@@ -154,22 +155,6 @@ def host_budgets(cluster: ClusterSpec) -> tuple[float, float]:
     and its NVMe, shared by its GPUs."""
     return (cluster.host_memory_bytes * (1.0 - HOST_MEMORY_RESERVE_FRACTION) / cluster.gpus_per_node,
             cluster.nvme_bytes / cluster.gpus_per_node)
-
-
-def grad_pieces(summary: AxisSummary, lps: int, first: bool, last: bool, wire_bytes: int) -> tuple[GradPiece, ...]:
-    """A rank's gradients in the order its backward makes them (``grad_buckets.py``): the head's,
-    its layers' from the last, the embedding's (one tensor; with a tied weight's, complete only
-    then), each with the backward seconds that make them."""
-    blk, pre, post = summary.parts["block"], summary.parts["pre"], summary.parts["post"]
-    shared = summary.shared_param_numel if (first or last) else 0.0
-    out = []
-    if last:
-        out.append(GradPiece((post.param_numel + (0.0 if first else shared)) * wire_bytes, post.window_bwd_s))
-    if lps:                      # the layers alike: one run at one pace (grad_buckets folds it whole)
-        out.append(GradPiece(lps * blk.param_numel * wire_bytes, lps * blk.window_bwd_s))
-    if first:
-        out.append(GradPiece((pre.param_numel + shared) * wire_bytes, pre.window_bwd_s, atomic=True))
-    return tuple(out)
 
 
 def _merge(into: dict, src: dict, scale: float) -> None:
@@ -329,7 +314,7 @@ def step_time_lower_bound(summary: AxisSummary, cfg: OuterConfig, cluster: Clust
     * t_max is the largest ``_rank_eval`` time over the evaluated ranks, which always include the
       slowest rank of the affine model (``slow``). ``_rank_eval``'s time of rank r with n_r layers
       is exactly the affine a n_r + e_r (compute, recompute, TP comm: ``_linear_terms``) plus the
-      pipeline p2p (the same 2 v p2p on every rank, pp > 1) plus ZeRO-2/3 comm (>= 0);
+      pipeline p2p (the same 2 v p2p on every rank, pp > 1) plus ZeRO-2/3 comm and the loss's (>= 0);
     * for any cut with n_r >= v and sum_r n_r = L (the cut ``balance`` returns), max_r (a n_r + e_r)
       >= the mean (a L + e_pre + e_post) / pp (the embedding and head each sit on one rank), and
       >= a v + e_r of the rank holding the embedding / the head (both on rank 0 for V schedules).
@@ -460,8 +445,9 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
     dp_comm, dp_sync, dp_rows = overlap_dp_sync(cfg, numel, profile, dp_link, win_f, win_b, cluster.overlap_slowdown,
                                                 groups, () if summary.is_lower_bound else
                                                 grad_pieces(summary, lps, first, last, profile.grad_wire_bytes))
-    for k, v in dp_comm.items():        # beside the data axis' own resharding (data_axis.py): same keys
-        comm[k] = comm.get(k, 0.0) + v
+    _merge(comm, dp_comm, 1.0)          # beside the data axis' own resharding (data_axis.py): same keys
+    if last:                            # the loss's one-value all-reduces over the batch shards
+        _merge(comm, {"dp:all_reduce": loss_scalars_s(cfg, summary.loss_scalars, dp_link, cluster)}, 1.0)
     copies_over = profile.copies_overlapped(cluster, cfg.data)      # offload's copies on a side stream
     mem = _rank_memory(summary, cfg, profile, r, parts, numel, lps, copies_over)
     compute += memory_pass_s(cfg, numel, profile, gpu)   # gradient copies and adds, ZeRO-3's gather copies

@@ -28,7 +28,7 @@ from torch import fx, nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from autopar.ir import GraphIR, NodeInfo, Ref, RepeatedBlock, TensorMeta
+from autopar.ir import OUTPUT_KEY, GraphIR, NodeInfo, Ref, RepeatedBlock, TensorMeta
 from autopar.trace.errors import TraceError, describe_source
 from autopar.trace.flops import node_cost
 from autopar.trace.repeats import RepeatInfo
@@ -166,7 +166,7 @@ def build_graph_ir(ep: ExportedProgram, traced_root: nn.Module, canonical: dict[
             args: tuple = ()
             kwargs: tuple = ()
         elif node.op == "output":
-            kind, key, target, module_path = "output", "|output|0", "", ""
+            kind, key, target, module_path = "output", OUTPUT_KEY, "", ""
             args = (conv(node.args[0]),)
             kwargs = ()
             outputs = tuple(m for a in node.args[0] if isinstance(a, fx.Node)
