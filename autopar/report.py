@@ -9,7 +9,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from autopar.mesh import DATA, tensor_mode
+from autopar.cost.tensor_parallel import parse_tp_mode
+from autopar.mesh import DATA, TENSOR_AXES, tensor_mode
 from autopar.placements import Partial, Shard, format_placements
 from autopar.plan import NodeStrategy, Plan, stage_rank
 
@@ -247,8 +248,20 @@ def render(plan: Plan, console: Console | None = None, verbose: bool = False) ->
         console.print("forced: " + ", ".join(f"{k}={v}" for k, v in plan.forced), markup=False)
     for note in plan.notes:
         console.print(f"note: {note}", markup=False)
-    for note in idle_axis_notes(plan):
+    for note in forced_family_notes(plan) + idle_axis_notes(plan):
         console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+
+
+def forced_family_notes(plan: Plan) -> list[str]:
+    """A line where the forced ``tpmode`` names another family than the plan's: 2.5-D's d x q x q
+    mesh with d = q is the 3-D mesh (``mesh.tensor_mode``), e.g. tp=8 as 2 x 2 x 2."""
+    forced = dict(plan.forced).get("tensor_parallel_mode")
+    mode = tensor_mode(plan.mesh_axes, plan.mesh_shape)
+    if forced is None or parse_tp_mode(forced) == mode:
+        return []
+    shape = " x ".join(str(n) for a, n in zip(plan.mesh_axes, plan.mesh_shape) if a in TENSOR_AXES)
+    return [f"tensor_parallel_mode={forced} lays tp={plan.tp} out as {shape}: with d = q that is the {mode} mesh, "
+            f"which the plan reports"]
 
 
 def idle_axis_notes(plan: Plan) -> list[str]:

@@ -311,7 +311,9 @@ def judge(case: dict, results: list, ref: Optional[dict] = None, check_predictio
     """Every rank's result of ``case`` against the one-process run. ``check_prediction``: also
     compare what the ranks issued with ``codegen/expected.py``'s prediction (``Outcome.unpredicted``;
     reported, not a failure: the numbers are right, the planner's model of the traffic is not)."""
+    from autopar.mesh import TENSOR_AXES
     from autopar.plan import Plan
+    from autopar.solver.tensor_axes import tensor_shape
 
     if any("error" in res for res in results):
         return _judge_error(case, results)
@@ -325,8 +327,9 @@ def judge(case: dict, results: list, ref: Optional[dict] = None, check_predictio
         if key in f:
             want[attr] = f[key]
     got = {k: getattr(plan, k) for k in want}
-    if "tpmode" in f:
-        want["tensor_parallel_mode"], got["tensor_parallel_mode"] = f["tpmode"], plan.summary()["tensor_parallel_mode"]
+    if "tpmode" in f:        # the mesh, not the family's name: 2.5-D's 2 x 2 x 2 is the 3-D mesh (mesh.tensor_mode)
+        want["tensor_mesh"] = tuple(n for n in tensor_shape(f["tpmode"], f["tp"]) or (f["tp"],) if n > 1)
+        got["tensor_mesh"] = tuple(n for a, n in zip(plan.mesh_axes, plan.mesh_shape) if a in TENSOR_AXES and n > 1)
     if got != want:
         return Outcome(case, "fail", f"the plan is not the forced one: {got} != {want}")
     problems, note = _numbers(case, results, ref if ref is not None else reference(case),

@@ -170,3 +170,16 @@ def test_further_sweeps_keep_only_what_lowers_the_step(monkeypatch):
     assert more.mesh_shape == one.mesh_shape
     one, more = plans(GPT, 8, "tp=4,tpmode=2d", 8)
     assert more.strategies == one.strategies and more.step_time.total_s == one.step_time.total_s
+
+
+def test_a_forced_2p5d_mesh_with_d_equal_q_is_reported_as_3d_and_says_so():
+    """tp=8 as 2.5-D is d x q x q = 2 x 2 x 2, the 3-D mesh: the plan reports 3d, and its report
+    says why (the forced family's name differs from the plan's)."""
+    from autopar.report import forced_family_notes
+
+    p = _plan("tp=8,tpmode=2.5d")
+    assert p.mesh_shape == (2, 2, 2) and p.summary()["tensor_parallel_mode"] == "3d"
+    (note,) = forced_family_notes(p)
+    assert "tensor_parallel_mode=2.5d" in note and "2 x 2 x 2" in note and "3d mesh" in note
+    assert forced_family_notes(_plan("tp=8,tpmode=3d")) == []
+    assert forced_family_notes(_plan("tp=4,tpmode=2d", gpus=4)) == []
