@@ -61,9 +61,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from autopar.calibrate_file import calibration_toml, cluster_dict, measured_dict
-from autopar.cost.collectives import COLLECTIVE_KINDS
+from autopar.cost.collectives import COLLECTIVE_KINDS, small_all_reduce_s
 from autopar.cost.cluster_file import cluster_from_dict
-from autopar.cost.hardware import GB, ClusterSpec, short_dtype
+from autopar.cost.hardware import GB, ClusterSpec, LinkSpec, short_dtype
 
 if TYPE_CHECKING:       # torch is imported when measuring, not for `autopar --help`
     from autopar.calibrate_bench import GemmSummary
@@ -119,7 +119,8 @@ class Calibration:
     runtime_overhead: Optional[tuple[float, float]] = None   # (plain, DTensor) s per graph node per step (CPU)
     runtime_overhead_slope: tuple[bool, bool] = (True, True)   # measured as the slope (False: noise, upper bound)
     runtime_overhead_2d: Optional[tuple[float, bool]] = None   # (s, slope) DTensor on a dp x tp mesh (4+ ranks)
-    step_overhead: Optional[float] = None    # s per autopar step beside its graph's nodes (CPU)
+    step_overhead: Optional[float] = None    # s per autopar step beside its graph's nodes (CPU; _step_host)
+    step_intercept: Optional[float] = None   # the fit's whole intercept, the loss's all-reduces in
     ring_attention_overhead: Optional[float] = None   # s per ring attention node per micro-batch (CPU)
     zero3_group_overhead: Optional[float] = None      # s per ZeRO-3 gather group per micro-batch (CPU)
     overlap: Optional[OverlapFigures] = None   # compute beside an async all-reduce (calibrate_overlap.py)
@@ -227,12 +228,28 @@ def _aggregate(results: list[dict], cfg: dict, kind: str, nproc: int, start: flo
         runtime_overhead_2d=(_mean([r["runtime_overhead"]["dtensor_2d"] for r in results]),
                              all(r["runtime_overhead"]["dtensor_2d_slope"] for r in results))
         if "dtensor_2d" in results[0].get("runtime_overhead", {}) else None,
-        step_overhead=_mean([r["runtime_overhead"]["step"] for r in results]) if "runtime_overhead" in results[0] else None,
+        step_overhead=_step_host(results, link, kind),
+        step_intercept=_mean([r["runtime_overhead"]["step"] for r in results]) if "runtime_overhead" in results[0] else None,
         ring_attention_overhead=_ring_host(results, by_kind.get("all_to_all", link)),
         zero3_group_overhead=_zero3_host(results, by_kind, link),
         overlap=overlap_figures(results[0]["overlap"]) if "overlap" in results[0] else None,
         memory_classes=tuple((c, _hmean([r["memory_classes"][c] for r in results])) for c in results[0]["memory_classes"]),
         cores=(os.cpu_count() or 1) if kind == "cpu" else 0)
+
+
+def _step_host(results: list[dict], link: Optional[LinkFit], kind: str) -> Optional[float]:
+    """The step's host cost beside its nodes (``calibrate_runtime``'s intercept), less the loss's
+    one-value all-reduces over the ranks (``calibrate_runtime.LOSS_ALL_REDUCES``, one micro-batch),
+    which the cost model prices on the link (``overlap.loss_scalars_s``)."""
+    from autopar.calibrate_runtime import LOSS_ALL_REDUCES
+
+    if "runtime_overhead" not in results[0]:
+        return None
+    step = _mean([r["runtime_overhead"]["step"] for r in results])
+    if link is None:
+        return step
+    fitted = LinkSpec("fit", link.busbw_Bps, link.latency_s, "")
+    return max(0.0, step - LOSS_ALL_REDUCES * small_all_reduce_s(4, len(results), fitted, tree=kind == "cuda"))
 
 
 def _ring_host(results: list[dict], rotation: Optional[LinkFit]) -> Optional[float]:
@@ -396,7 +413,7 @@ def figures_table(cal: Calibration, cluster: ClusterSpec) -> Table:
                   f"dtensor_2d_op_overhead_us ({'slope' if ok else 'noisy: whole step / node'})")
     if cal.step_overhead is not None:
         t.add_row("autopar step, beside its nodes", f"{cal.step_overhead * 1e3:.3g} ms",
-                  "step_overhead_us (the intercept)")
+                  "step_overhead_us (the intercept less the loss's all-reduces)")
     if cal.ring_attention_overhead is not None:
         t.add_row("ring attention (cp=2), per node per micro-batch", f"{cal.ring_attention_overhead * 1e6:.3g} us",
                   "ring_attention_overhead_us (less the rotations' latency)")

@@ -158,6 +158,8 @@ def measured_dict(cal: Calibration, budget_s: float, wall_s: float) -> dict[str,
             m["step_us_per_node_is_slope"]["dtensor_2d"] = cal.runtime_overhead_2d[1]
     if cal.step_overhead is not None:
         m["step_overhead_us"] = cal.step_overhead * 1e6
+    if cal.step_intercept is not None:
+        m["step_intercept_us"] = cal.step_intercept * 1e6
     if cal.ring_attention_overhead is not None:
         m["ring_attention_overhead_us"] = cal.ring_attention_overhead * 1e6
     if cal.zero3_group_overhead is not None:

@@ -46,9 +46,12 @@ the link, and the planner adds the rest per gather group per micro-batch
 
 The per-step figure (plain tensors: ``GPUSpec.step_overhead_s``, added once per step by
 ``solver/timing.py``) is what a step costs beside its nodes: the step's Python, zeroing the
-gradients, the loss's all-reduce, the optimizer's launch. It includes this tiny model's own gradient
-all-reduce (a few KB: about one link latency) and optimizer step (SGD on ~30K parameters), which
-the cost model also prices for a real model: counted twice, about one latency.
+gradients, the optimizer's launch. The intercept also holds the loss's one-value all-reduces
+(``LOSS_ALL_REDUCES``, one micro-batch of 2 rows a rank), which the cost model prices apart
+(``overlap.loss_scalars_s``): the calibration takes their link latency out (``autopar.calibrate``;
+on 4 ranks sharing 2 cores they were most of it: a 13-16 ms intercept against 2 x 7 ms). It
+still includes this tiny model's own gradient all-reduce (a few KB) and optimizer step (SGD on
+~30K parameters), which the cost model also prices for a real model: counted twice.
 """
 from __future__ import annotations
 
@@ -60,6 +63,7 @@ RING_CP = 2                     # cp of the ring attention run
 RING_ROTATIONS = 3 * RING_CP - 2  # its rotations per attention per micro-batch: cp - 1 forward, 2 cp - 1 backward
 ZERO3_COLLECTIVES = (("all_gather", 2), ("reduce_scatter", 1))   # a gather group's per micro-batch
 MODEL = "gpt:hidden=16,layers={layers},heads=2,vocab=64,seq=8"
+LOSS_ALL_REDUCES = 2            # its mean cross-entropy's value and count (strategies._scalar_loss)
 WARMUP, TIMED = 2, 8            # steps per model; the timed ones alternate between the depths
 
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
-from autopar.cost.collectives import axis_link, collective_s
+from autopar.cost.collectives import all_reduce_s, axis_link, collective_s
 from autopar.cost.compute import backward_factor, memory_class, op_kind, op_time_s
 from autopar.cost.hardware import ClusterSpec, LinkSpec, device_kind
 from autopar.ir import DTYPE_BYTES, SDPA_TARGET, TensorMeta
-from autopar.mesh import TENSOR
+from autopar.mesh import DATA, TENSOR
 from autopar.placements import Partial, Shard
 from autopar.solver.ilp import IlpEdge, IlpProblem, LinearConstraint
 from autopar.solver.reshard import grad_target, reshard_kind, reshard_s
@@ -520,6 +520,12 @@ def summarize(tab: AxisTables, choice: dict) -> AxisSummary:
         if ec.bwd_kind:
             _add(a["cb"], f"{tab.axis}:{ec.bwd_kind}", ec.bwd_s * scale)
         _add(a["cb"], f"{tab.axis}:all_gather", ec.regather_s * scale)
+    lk = tab.facts.loss_key
+    if tab.axis != DATA and lk in choice and isinstance(tab.strategies[lk][choice[lk]].output, Partial):
+        # the loss's one-value all-reduces where it is Partial (GraphFacts.loss_scalars; the data axis'
+        # are ``timing._rank_eval``'s): gloo's ring on CPU ranks, and a few microseconds inside a node
+        loss_s = tab.facts.loss_scalars * all_reduce_s(4, tab.t, tab.link)
+        _add(acc[tab.facts.part[lk]]["cf"], f"{tab.axis}:all_reduce", loss_s)
     shared = acc.pop("shared")
     parts = {p: PartCost(v["fwd"], v["bwd"], v["cf"], v["cb"], v["saved"], v["core_f"], v["core_b"], v["mx"],
                          v["params"], v["fwd"], v["bwd"], param_tensors=v["tensors"], nodes=v["nodes"],

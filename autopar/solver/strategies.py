@@ -68,7 +68,9 @@ class GraphFacts:
     # the ops the loss reads (the nodes depending on the target read them): what the last pipeline
     # stage sends to the schedule's loss_fn, which torch's fwd_cache holds until its backward
     loss_inputs: frozenset = frozenset()
-    # one-value all-reduces of the loss per micro-batch over an axis its rows are split on (``_loss_scalars``)
+    # the graph's scalar loss and its one-value all-reduces per micro-batch over each axis it is
+    # Partial on (``_scalar_loss``)
+    loss_key: Optional[str] = None
     loss_scalars: int = 0
 
 
@@ -133,7 +135,7 @@ def graph_facts(graph: GraphIR, seq_len: Optional[int]) -> GraphFacts:
             param_parts[n.key] = ps or frozenset({"pre"})
 
     facts = GraphFacts(graph, seq_len, nodes, {k: tuple(v) for k, v in consumers.items()}, needs_grad,
-                       {}, {}, {}, inputs, part, param_parts, (), _loss_inputs(graph), _loss_scalars(graph))
+                       {}, {}, {}, inputs, part, param_parts, (), _loss_inputs(graph), *_scalar_loss(graph))
     batch_dims, seq_dims, unknown = _propagate_roles(facts, tnodes)
     _, token, _ = _propagate_roles(facts, tnodes, through_attention=True) if seq_len else (None, {}, None)
     return replace(facts, batch_dims=batch_dims, seq_dims=seq_dims, token_dims=token,
@@ -153,18 +155,19 @@ def _loss_inputs(graph: GraphIR) -> frozenset:
 _COUNTED_MEANS = ("cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d", "nll_loss_nd")
 
 
-def _loss_scalars(graph: GraphIR) -> int:
-    """All-reduces of one value per micro-batch over each axis that splits the loss's rows (the data
-    axis' batch shards): the loss itself, returned as one float, and for a mean cross-entropy or NLL
-    the global count of its targets (the fused and vocab-parallel losses' in forward, DTensor
-    nll_loss's ``total_weight`` in backward: ``codegen/expected.py``). 0 where the graph's output is
+def _scalar_loss(graph: GraphIR) -> tuple[Optional[str], int]:
+    """(key, all-reduces) of the graph's scalar loss: one value each, per micro-batch, over each
+    axis the loss is Partial on (the data axis' batch shards; a tensor axis its rows are split on):
+    the loss itself, returned as one float, and for a mean cross-entropy or NLL the global count of
+    its targets (the fused and vocab-parallel losses' in forward, DTensor nll_loss's
+    ``total_weight`` in backward: ``codegen/expected.py``). (None, 0) where the graph's output is
     not a scalar loss."""
     out = next((n for n in graph.nodes if n.key == OUTPUT_KEY), None)
     loss = next((n for n in graph.nodes if out is not None and out.inputs and n.key == out.inputs[0].key), None)
     if loss is None or loss.kind != "op" or not loss.outputs or loss.outputs[0].shape != ():
-        return 0
+        return None, 0
     reduction = loss.args[3] if len(loss.args) > 3 else dict(loss.kwargs).get("reduction", 1)
-    return 1 + (base_name(loss.target) in _COUNTED_MEANS and reduction == 1)
+    return loss.key, 1 + (base_name(loss.target) in _COUNTED_MEANS and reduction == 1)
 
 
 _RESHAPES = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default")

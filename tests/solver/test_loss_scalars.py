@@ -1,8 +1,9 @@
-"""The loss's one-value all-reduces over the batch shards (``GraphFacts.loss_scalars``,
-``overlap.loss_scalars_s``): the runtime returns the loss as one float and a mean cross-entropy
-divides by the global count of its targets, each an all-reduce of 4 bytes over the data axis, every
-micro-batch, on the rank that holds the loss. On gloo they are latency-bound ring all-reduces
-(``autopar profile`` of dp=4 on 4 CPU ranks: two at 6.8 ms each, 6% of the step, unpriced before)."""
+"""The loss's one-value all-reduces (``GraphFacts.loss_scalars``): the runtime returns the loss as
+one float and a mean cross-entropy divides by the global count of its targets, each an all-reduce
+of 4 bytes, every micro-batch, on the rank that holds the loss, over each axis the loss is Partial
+on: the data axis' batch shards (``overlap.loss_scalars_s``) and a tensor axis that splits its rows
+(``problem.summarize``). On gloo they are latency-bound ring all-reduces (``autopar profile`` of
+dp=4 on 4 CPU ranks: two at 6.8 ms each, 6% of the step, unpriced before)."""
 from __future__ import annotations
 
 import math
@@ -108,3 +109,28 @@ def test_a_planned_step_says_where_the_loss_all_reduces_went():
     loss = plan.num_micro_batches * 2 * all_reduce_s(4, 4, c.intra)
     assert "the loss" in row.why and row.exposed_s >= loss
     assert row.total_s - row.hidden_s == pytest.approx(row.exposed_s)
+
+
+def test_a_tensor_axis_the_loss_is_partial_on_prices_its_all_reduces():
+    """tp=2 tables: where the chosen strategy leaves the loss Partial on tp (its rows split there),
+    the summary's tp all-reduces gain the loss's (``GraphFacts.loss_scalars``, gloo's ring on the
+    CPU cluster); where it is not Partial, nothing. ``summarize`` of the same choice with the
+    count set to 0 is the reference."""
+    from autopar.placements import Partial
+    from autopar.solver.problem import build_tables, summarize
+    from autopar.solver.runtime_profile import AUTOPAR_RUNTIME as PROFILE
+    from solver_helpers import traced
+
+    g, _ = traced("gpt:hidden=64,layers=2,heads=4,vocab=128,seq=16")
+    facts = graph_facts(g, 16)
+    assert facts.loss_scalars == 2 and facts.loss_key is not None
+    tab = build_tables(facts, make_cluster("cpu", 1), 2, False, 2, "float32", PROFILE)
+    none = replace(tab, facts=replace(facts, loss_scalars=0))
+    lk, part = facts.loss_key, facts.part[facts.loss_key]
+    kinds = {isinstance(s.output, Partial): i for i, s in enumerate(tab.strategies[lk])}
+    assert set(kinds) == {True, False}              # the rows split (Partial) and the vocab-parallel loss
+    for partial, i in kinds.items():
+        choice = {k: 0 for k in tab.keys} | {lk: i}
+        got = summarize(tab, choice).parts[part].comm_fwd.get("tp:all_reduce", 0.0)
+        ref = summarize(none, choice).parts[part].comm_fwd.get("tp:all_reduce", 0.0)
+        assert got - ref == pytest.approx(2 * all_reduce_s(4, 2, tab.link) if partial else 0.0)
