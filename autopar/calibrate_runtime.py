@@ -49,7 +49,7 @@ The per-step figure (plain tensors: ``GPUSpec.step_overhead_s``, added once per 
 gradients, the optimizer's launch. The intercept also holds the loss's one-value all-reduces
 (``LOSS_ALL_REDUCES``, one micro-batch of 2 rows a rank), which the cost model prices apart
 (``overlap.loss_scalars_s``): the calibration takes their link latency out (``autopar.calibrate``;
-on 4 ranks sharing 2 cores they were most of it: a 13-16 ms intercept against 2 x 7 ms). It
+on 4 ranks sharing 2 cores they were most of it: a 13-21 ms intercept against 2 x 6.6-8.4 ms). It
 still includes this tiny model's own gradient all-reduce (a few KB) and optimizer step (SGD on
 ~30K parameters), which the cost model also prices for a real model: counted twice.
 """

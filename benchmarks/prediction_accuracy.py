@@ -4,7 +4,7 @@
 
 (``--nproc 2`` runs the same families on 2 ranks: dp=2, tp=2, pp=2, ZeRO-3 over dp=2, cp=2.)
 
-Without ``--cluster`` it first runs ``autopar calibrate --nproc N`` (about 1.7 minutes) and plans
+Without ``--cluster`` it first runs ``autopar calibrate --nproc N`` (100-120 s on 4 ranks here) and plans
 with the file it writes, so the predictions are for this machine. Then a CPU-sized GPT
 (``MODEL``, or ``--model``) is profiled (``autopar profile``) under five forced plan families: data parallel,
 tensor x data parallel, pipeline x data parallel, ZeRO-3, and ring context x data parallel. Prints, per family, the step time
