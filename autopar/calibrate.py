@@ -73,8 +73,9 @@ if TYPE_CHECKING:       # torch is imported when measuring, not for `autopar --h
 
 SIZES = tuple(1024 * 4**i for i in range(10))          # 1 KiB, 4 KiB, ..., 256 MiB
 
-DEFAULT_BUDGET_S = 80.0          # measurement budget: with start-up, the step fits, the reference step and writing,
-#                                  under 2 minutes (4 CPU ranks: 117-122 s at 90 on a slow day, 109 at 75; 96-99 at 90 on a quiet one)
+# measurement budget: with start-up, the step fits, the reference step and writing, under 2 minutes
+# (4 CPU ranks here: 112 s at 80 on a slow day, where 90 took 117-122 and 75 took 109; 96-99 s at 90 on a quiet one)
+DEFAULT_BUDGET_S = 80.0
 DEFAULT_OUT = "cluster.toml"
 CPU_SETUP = dict(dtypes=["float32", "bfloat16", "float16"], gemm_tokens=[256, 1024], gemm_hiddens=[64, 256, 1024],
                  gemm_splits=[1, 2], sdpa=dict(batch=1, seq=512, head_dim=64, heads=[2, 4, 8], dtype="float32"),
