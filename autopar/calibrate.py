@@ -231,7 +231,8 @@ def _aggregate(results: list[dict], cfg: dict, kind: str, nproc: int, start: flo
                              all(r["runtime_overhead"]["dtensor_2d_slope"] for r in results))
         if "dtensor_2d" in results[0].get("runtime_overhead", {}) else None,
         step_overhead=_step_host(results, link, kind),
-        step_intercept=_mean([r["runtime_overhead"]["step"] for r in results]) if "runtime_overhead" in results[0] else None,
+        step_intercept=_mean([r["runtime_overhead"]["step"] for r in results])
+        if "runtime_overhead" in results[0] else None,
         ring_attention_overhead=_ring_host(results, by_kind.get("all_to_all", link)),
         zero3_group_overhead=_zero3_host(results, by_kind, link),
         overlap=overlap_figures(results[0]["overlap"]) if "overlap" in results[0] else None,
