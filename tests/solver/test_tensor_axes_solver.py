@@ -177,9 +177,9 @@ def test_a_forced_2p5d_mesh_with_d_equal_q_is_reported_as_3d_and_says_so():
     says why (the forced family's name differs from the plan's)."""
     from autopar.report import forced_family_notes
 
-    p = _plan("tp=8,tpmode=2.5d")
+    small = "gpt:hidden=256,layers=2,heads=8,vocab=512,seq=64"
+    p = _plan("tp=8,tpmode=2.5d", small)
     assert p.mesh_shape == (2, 2, 2) and p.summary()["tensor_parallel_mode"] == "3d"
     (note,) = forced_family_notes(p)
     assert "tensor_parallel_mode=2.5d" in note and "2 x 2 x 2" in note and "3d mesh" in note
-    assert forced_family_notes(_plan("tp=8,tpmode=3d")) == []
-    assert forced_family_notes(_plan("tp=4,tpmode=2d", gpus=4)) == []
+    assert forced_family_notes(_plan("tp=8,tpmode=3d", small)) == []
