@@ -83,6 +83,8 @@ def test_the_loss_all_reduces_in_the_step_by_hand(gpu, hops):
 
 
 def test_only_the_last_pipeline_stage_reduces_the_loss():
+    """pp=2 over dp=2, 4 even layers: the last stage holds the loss and alone pays its two
+    all-reduces a micro-batch; the stages differ by exactly that."""
     cfg = OuterConfig(tp=1, pp=2, dp=2, mbs=1, m=2, recompute="none", zero=0, sp=False)
     c = _link_cluster("cpu", 1, 1e-3)
     ev = evaluate(_summary(4, 2), cfg, c, AUTOPAR_RUNTIME, 1e15, all_stages=True)
