@@ -63,7 +63,7 @@ from rich.table import Table
 from autopar.calibrate_file import calibration_toml, cluster_dict, measured_dict
 from autopar.cost.collectives import COLLECTIVE_KINDS, small_all_reduce_s
 from autopar.cost.cluster_file import cluster_from_dict
-from autopar.cost.hardware import GB, ClusterSpec, LinkSpec, short_dtype
+from autopar.cost.hardware import GB, ClusterSpec, short_dtype
 
 if TYPE_CHECKING:       # torch is imported when measuring, not for `autopar --help`
     from autopar.calibrate_bench import GemmSummary
@@ -213,6 +213,7 @@ def _aggregate(results: list[dict], cfg: dict, kind: str, nproc: int, start: flo
     by_kind = dict(fits)
     link = by_kind.get("all_reduce", joint)
     link_kind = "all_reduce" if "all_reduce" in by_kind else "all kinds" if joint else ""
+    intercept = _mean([r["runtime_overhead"]["step"] for r in results]) if "runtime_overhead" in results[0] else None
     return Calibration(
         device_kind=kind, device_name=results[0]["device_name"], gpu="cpu" if kind == "cpu" else gpu_name_for(
             family_of(results[0]["device_name"]), results[0]["total_memory"]),
@@ -230,9 +231,7 @@ def _aggregate(results: list[dict], cfg: dict, kind: str, nproc: int, start: flo
         runtime_overhead_2d=(_mean([r["runtime_overhead"]["dtensor_2d"] for r in results]),
                              all(r["runtime_overhead"]["dtensor_2d_slope"] for r in results))
         if "dtensor_2d" in results[0].get("runtime_overhead", {}) else None,
-        step_overhead=_step_host(results, link, kind),
-        step_intercept=_mean([r["runtime_overhead"]["step"] for r in results])
-        if "runtime_overhead" in results[0] else None,
+        step_overhead=_step_host(intercept, nproc, link, kind), step_intercept=intercept,
         ring_attention_overhead=_ring_host(results, by_kind.get("all_to_all", link)),
         zero3_group_overhead=_zero3_host(results, by_kind, link),
         overlap=overlap_figures(results[0]["overlap"]) if "overlap" in results[0] else None,
@@ -240,19 +239,17 @@ def _aggregate(results: list[dict], cfg: dict, kind: str, nproc: int, start: flo
         cores=(os.cpu_count() or 1) if kind == "cpu" else 0)
 
 
-def _step_host(results: list[dict], link: Optional[LinkFit], kind: str) -> Optional[float]:
-    """The step's host cost beside its nodes (``calibrate_runtime``'s intercept), less the loss's
-    one-value all-reduces over the ranks (``calibrate_runtime.LOSS_ALL_REDUCES``, one micro-batch),
-    which the cost model prices on the link (``overlap.loss_scalars_s``)."""
+def _step_host(intercept: Optional[float], nproc: int, link: Optional[LinkFit], kind: str) -> Optional[float]:
+    """The step's host cost beside its nodes: ``calibrate_runtime``'s ``intercept`` (None where it
+    was not measured) less the loss's one-value all-reduces over the ``nproc`` ranks
+    (``calibrate_runtime.LOSS_ALL_REDUCES``, one micro-batch), which the cost model prices on the
+    link (``overlap.loss_scalars_s``)."""
     from autopar.calibrate_runtime import LOSS_ALL_REDUCES
 
-    if "runtime_overhead" not in results[0]:
-        return None
-    step = _mean([r["runtime_overhead"]["step"] for r in results])
-    if link is None:
-        return step
-    fitted = LinkSpec("fit", link.busbw_Bps, link.latency_s, "")
-    return max(0.0, step - LOSS_ALL_REDUCES * small_all_reduce_s(4, len(results), fitted, tree=kind == "cuda"))
+    if intercept is None or link is None:
+        return intercept
+    loss_s = small_all_reduce_s(4, nproc, link.link("fit", ""), tree=kind == "cuda")
+    return max(0.0, intercept - LOSS_ALL_REDUCES * loss_s)
 
 
 def _ring_host(results: list[dict], rotation: Optional[LinkFit]) -> Optional[float]:

@@ -229,14 +229,13 @@ def test_the_step_host_figure_leaves_the_loss_all_reduces_to_the_link():
     b = build_model(MODEL.format(layers=1), batch=2, device="meta")
     g = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target, model_name="m")
     assert graph_facts(g, None).loss_scalars == LOSS_ALL_REDUCES == 2
-    ranks = [{"runtime_overhead": {"step": 12e-3}}, {"runtime_overhead": {"step": 14e-3}}] * 2     # 4 ranks
     fit = LinkFit(latency_s=5e-4, busbw_Bps=1e9, rel_rms=0.1, max_rel=0.2, points=8)
     small = 2 * 3 / 4 * 4 / 1e9                     # 4 bytes' bus term
-    assert _step_host(ranks, fit, "cpu") == pytest.approx(13e-3 - 2 * (6 * 5e-4 + small))     # ring: 2 (n - 1) hops
-    assert _step_host(ranks, fit, "cuda") == pytest.approx(13e-3 - 2 * (4 * 5e-4 + small))    # tree: 2 log2 n
-    assert _step_host(ranks, replace(fit, latency_s=1.0), "cpu") == 0.0
-    assert _step_host(ranks, None, "cpu") == pytest.approx(13e-3)
-    assert _step_host([{"overhead_s": 1e-6}], fit, "cpu") is None
+    assert _step_host(13e-3, 4, fit, "cpu") == pytest.approx(13e-3 - 2 * (6 * 5e-4 + small))     # ring: 2 (n - 1) hops
+    assert _step_host(13e-3, 4, fit, "cuda") == pytest.approx(13e-3 - 2 * (4 * 5e-4 + small))    # tree: 2 log2 n
+    assert _step_host(13e-3, 4, replace(fit, latency_s=1.0), "cpu") == 0.0
+    assert _step_host(13e-3, 4, None, "cpu") == pytest.approx(13e-3)
+    assert _step_host(None, 4, fit, "cpu") is None
 
 
 def test_the_zero3_group_host_figure_leaves_its_collectives_to_the_link():

@@ -28,7 +28,7 @@ from typing import Optional
 
 from autopar.ir import DTYPE_BYTES, OUTPUT_KEY, SDPA_TARGET, TARGET_KEY, GraphIR, NodeInfo, Ref, TensorMeta
 from autopar.placements import Partial, Placement, Replicate, Shard
-from autopar.solver.rules import Comm, Proto, base_name, find_rule
+from autopar.solver.rules import Comm, Proto, arg, base_name, find_rule
 
 R = Replicate()
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
@@ -163,11 +163,10 @@ def _scalar_loss(graph: GraphIR) -> tuple[Optional[str], int]:
     ``total_weight`` in backward: ``codegen/expected.py``). (None, 0) where the graph's output is
     not a scalar loss."""
     out = next((n for n in graph.nodes if n.key == OUTPUT_KEY), None)
-    loss = next((n for n in graph.nodes if out is not None and out.inputs and n.key == out.inputs[0].key), None)
+    loss = graph.node(out.inputs[0].key) if out is not None and out.inputs else None
     if loss is None or loss.kind != "op" or not loss.outputs or loss.outputs[0].shape != ():
         return None, 0
-    reduction = loss.args[3] if len(loss.args) > 3 else dict(loss.kwargs).get("reduction", 1)
-    return loss.key, 1 + (base_name(loss.target) in _COUNTED_MEANS and reduction == 1)
+    return loss.key, 1 + (base_name(loss.target) in _COUNTED_MEANS and arg(loss, 3, "reduction", 1) == 1)
 
 
 _RESHAPES = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default")
