@@ -235,7 +235,8 @@ def _aggregate(results: list[dict], cfg: dict, kind: str, nproc: int, start: flo
         ring_attention_overhead=_ring_host(results, by_kind.get("all_to_all", link)),
         zero3_group_overhead=_zero3_host(results, by_kind, link),
         overlap=overlap_figures(results[0]["overlap"]) if "overlap" in results[0] else None,
-        memory_classes=tuple((c, _hmean([r["memory_classes"][c] for r in results])) for c in results[0]["memory_classes"]),
+        memory_classes=tuple((c, _hmean([r["memory_classes"][c] for r in results]))
+                             for c in results[0]["memory_classes"]),
         cores=(os.cpu_count() or 1) if kind == "cpu" else 0)
 
 
