@@ -88,6 +88,18 @@ def p2p_s(nbytes: float, link: LinkSpec) -> float:
     return 0.0 if nbytes == 0 else link.latency_s + nbytes / link.busbw_of("p2p")
 
 
+def broadcast_s(nbytes: float, n: int, link: LinkSpec, binomial: bool) -> float:
+    """Broadcast of ``nbytes`` from one rank to ``n``. ``binomial``: gloo, whose broadcast is a binomial
+    tree (``gloo/broadcast.cc``: ceil(log2 n) rounds, each a send to one more rank per holder);
+    else NCCL's, a ring from the root: n-1 hops, the message pipelined along it (bus factor 1)."""
+    if nbytes < 0:
+        raise ValueError(f"broadcast: nbytes must be >= 0, got {nbytes}")
+    if n == 1 or nbytes == 0:
+        return 0.0
+    hops = math.ceil(math.log2(n)) if binomial else n - 1
+    return hops * link.latency_s + (hops if binomial else 1) * nbytes / link.busbw_of("p2p")
+
+
 def collective_s(kind: str, nbytes: float, n: int, link: LinkSpec) -> float:
     """Dispatch by ``kind`` in COLLECTIVE_KINDS (nbytes as in the module docstring's table)."""
     if kind == "all_reduce":

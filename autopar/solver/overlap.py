@@ -29,9 +29,10 @@ from __future__ import annotations
 from typing import Sequence
 
 from autopar.comm_overlap import CommOverlap
-from autopar.cost.collectives import collective_s, overlapped_cost, small_all_reduce_s
+from autopar.cost.collectives import (all_reduce_s, axis_link, broadcast_s, collective_s, overlapped_cost,
+                                      small_all_reduce_s)
 from autopar.cost.hardware import device_kind
-from autopar.mesh import DATA, TENSOR_AXES
+from autopar.mesh import DATA, PIPELINE, TENSOR_AXES
 from autopar.solver.grad_buckets import GradPiece, bucketed_overlap
 
 MB, STEP = "mb", "step"      # a row per micro-batch (x m on the slowest rank) or per step
@@ -69,6 +70,10 @@ _AFTER_STEP = {("host", "h2d"): "the updated rows' copies up", ("host", "copy"):
                ("nvme", "io"): "the state's reads and writes around it (the NVMe tier's chunks)",
                ("nvme", "grads"): "the gradients' reads (with the writes past the backward, the last bucket's at "
                                   "least)"}
+# the pipeline's collectives once a step (``pipeline_sync_s``): kind -> what they carry
+_AFTER_SCHEDULE = {"broadcast": "the step's loss, broadcast from the last stage's rank",
+                   "all_reduce": "the tied parameters' gradients (embedding and head), summed by the first and the "
+                                 "last stage's ranks"}
 # NVMe writes on the store's threads behind the backward: (axis, kind) -> what is left exposed
 _WRITTEN_BEHIND = {("nvme", "grads"): "the step's reads and the writes past the backward, the last bucket's at "
                                       "least (the others are written as they come down, runtime/nvme_grads.py)"}
@@ -138,6 +143,25 @@ def loss_scalars_s(cfg, scalars: int, link, cluster) -> float:
     if cfg.data <= 1:
         return 0.0
     return scalars * small_all_reduce_s(4, cfg.data, link, tree=device_kind(cluster) == "cuda")
+
+
+def pipeline_sync_s(cfg, first: bool, last: bool, tied_numel: float, profile, cluster) -> dict:
+    """Seconds per step of a pipeline rank's collectives after the schedule (``PipelineRunner.step``,
+    ``runtime/pipeline.py``), on the pipeline group's link (its ranks a stage apart: ``axis_link``
+    over (pp, ranks per stage)): "pp:broadcast", the step's loss (one fp32) from the last stage's rank
+    to every pipeline rank (gloo's binomial tree on CPU ranks, NCCL's ring on GPUs:
+    ``collectives.broadcast_s``); "pp:all_reduce", on a rank holding the first stage or the last but
+    not both (``first``, ``last``; the V schedules put both on rank 0), the sum of the tied
+    parameters' gradients (``tied_numel`` local elements: a tied embedding and head, at the gradient
+    reduction's bytes) with the other holder. Both wait for the other ranks' schedules to end: not
+    overlapped. {} without a pipeline."""
+    if cfg.pp <= 1:
+        return {}
+    link = axis_link(cluster, (cfg.pp, cfg.data * cfg.tp), 0)
+    out = {f"{PIPELINE}:broadcast": broadcast_s(4, cfg.pp, link, binomial=device_kind(cluster) != "cuda")}
+    if (first != last) and tied_numel > 0:
+        out[f"{PIPELINE}:all_reduce"] = all_reduce_s(tied_numel * profile.grad_wire_bytes, 2, link)
+    return out
 
 
 def accumulates_rows(cfg) -> bool:
@@ -250,7 +274,9 @@ def _upstream(key: str, profile, copies_over: tuple = (), step_over: bool = Fals
         return (f"remainder after the CPU step and {_AFTER_STEP[axis, kind]} run chunk by chunk beside the next "
                 "forward, the first chunk exposed (runtime/host_step.py, cost/offload.py; hidden part not "
                 "carried here)"), False
-    if axis == "pp":
+    if axis == PIPELINE and not per_microbatch and kind in _AFTER_SCHEDULE:
+        return f"exposed: {_AFTER_SCHEDULE[kind]}, after the schedule (pipeline_sync_s; not overlapped)", True
+    if axis == PIPELINE:
         return "exposed: pipeline sends/receives wait on the neighbouring stage (not overlapped)", True
     if axis in TENSOR_AXES:
         if kind in profile.tp_overlap_kinds:

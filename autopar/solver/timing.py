@@ -42,7 +42,9 @@ the same parameters as its dp peers.
 
 Pipeline p2p: each micro-batch sends its activation forward and its gradient backward across
 each of a rank's v stage boundaries (one ``layer_input_bytes`` message each way), not overlapped.
-The last stage's loss: its one-value all-reduces over the batch shards, each micro-batch
+Once a step, after the schedule, with the DP sync: the loss's broadcast over the pipeline and the
+tied parameters' gradient all-reduce between the first and the last stage's ranks
+(``overlap.pipeline_sync_s``). The last stage's loss: its one-value all-reduces over the batch shards, each micro-batch
 (``overlap.loss_scalars_s``).
 
 Gradient passes (a runtime with ``RuntimeProfile.grad_passes``): the reducer's copies of the
@@ -92,7 +94,8 @@ from autopar.plan import V_SCHEDULES, MemoryUse, StepTime
 from autopar.solver.balance import balance
 from autopar.solver.problem import AxisSummary, PartCost
 from autopar.solver.overlap import (account as overlap_account, accumulates_rows, dp_sync as overlap_dp_sync,
-                                    grad_pieces, loss_scalars_s, memory_pass_s, reduces_once_per_step, zero3_host_s)
+                                    grad_pieces, loss_scalars_s, memory_pass_s, pipeline_sync_s, reduces_once_per_step,
+                                    zero3_host_s)
 from autopar.solver.runtime_profile import RuntimeProfile
 from autopar.recompute_ops import is_per_op
 from autopar.solver.layer_memory import (activation_bytes_per_layer, gather_group_count, held_loss_input_bytes,
@@ -446,6 +449,7 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
                                                 groups, () if summary.is_lower_bound else
                                                 grad_pieces(summary, lps, first, last, profile.grad_wire_bytes))
     _merge(comm, dp_comm, 1.0)          # beside the data axis' own resharding (data_axis.py): same keys
+    _merge(dp_sync, pipeline_sync_s(cfg, first, last, summary.shared_param_numel, profile, cluster), 1.0)
     if last:                            # the loss's one-value all-reduces over the batch shards
         _merge(comm, {"dp:all_reduce": loss_scalars_s(cfg, summary.loss_scalars, dp_link, cluster)}, 1.0)
     copies_over = profile.copies_overlapped(cluster, cfg.data)      # offload's copies on a side stream
