@@ -23,7 +23,9 @@ report compares:
   plan's compute time includes and the compute row leaves out, a ring attention node's own
   (``ring_attention_overhead_us``, likewise), ZeRO-3's gather groups' (``zero3_group_overhead_us``,
   likewise) and the step's fixed host cost (``step_overhead_us``:
-  ``StepTime.host_s``);
+  ``StepTime.host_s``); with a pipeline, together with the plan's bubble (``PIPELINE_HOST``: a stage
+  waiting for its neighbour blocks inside torch's schedule, in ``work.wait()``, which the profiler
+  does not record, so its waits are measured as host time);
 - every collective issued (kind, mesh axis, bytes, calls per step) with the cost model's time for it
   on its link (``cost/collectives.py``; all of it, overlapped or not);
 - per rank: step time and busy time by class (with pp > 1 each rank is a pipeline stage), and the
@@ -38,6 +40,9 @@ from collections import defaultdict
 from typing import Optional
 
 from autopar.runtime.world import DEFAULT_TIMEOUT_S
+
+HOST = "host overhead (executor, dispatch, autograd)"
+PIPELINE_HOST = "host overhead and pipeline waits (bubble)"
 
 COMPUTE_CLASSES = ("matmul", "attention", "memory", "free")
 CLASS_LABELS = {"matmul": "matmul", "attention": "attention", "memory": "memory-bound ops", "free": "views"}
@@ -190,9 +195,10 @@ def summarize(plan, cluster, profiles: list[dict], nodes: Optional[list[int]] = 
     # host: what no aten op or collective accounts for (executor, dispatch, autograd, Python between
     # ops): the step's wall time less the profiled compute, collectives and optimizer
     other = profiled - mean["runtime"]
-    categories += [("pipeline bubble", None, st.bubble_s),
-                   ("host overhead (executor, dispatch, autograd)", measured_step - other,
-                    host_pred if host_pred > 0 else None)]
+    if plan.pp > 1:      # a stage waiting for its neighbour blocks in torch's schedule, unprofiled: host time here
+        categories.append((PIPELINE_HOST, measured_step - other, host_pred + st.bubble_s))
+    else:
+        categories.append((HOST, measured_step - other, host_pred if host_pred > 0 else None))
     seen = {}
     for p in profiles:
         for kind, axis, nbytes, calls in p["collectives"]:

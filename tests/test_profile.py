@@ -247,6 +247,29 @@ def test_host_overhead_is_predicted_per_node_when_the_cluster_has_it(dp2_plan):
     assert cat["compute"]["predicted_s"] == pytest.approx(plan.step_time.compute_s - 120 * 1e-4 - 0.003)
 
 
+def test_a_pipelines_waits_are_compared_with_its_bubble_on_the_host_row():
+    """With pp > 1 a stage waiting for its neighbour blocks in torch's schedule, where the profiler
+    records nothing: the host row then measures those waits too, and its prediction is the host's
+    plus the plan's bubble (one row, no unmeasurable bubble row)."""
+    from autopar.models import build_model
+    from autopar.profile import HOST, PIPELINE_HOST
+    from autopar.solver import plan_model
+    from autopar.trace import trace_model
+
+    b = build_model("gpt-tiny", device="meta")
+    g = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target)
+    cluster = resolve_cluster("cpu", nodes=1, gpus_per_node=2)
+    plan = plan_model(g, cluster, global_batch=int(b.example_inputs[0].shape[0]), seq_len=b.seq_len,
+                      dtype="float32", force="pp=2,mbs=1")
+    assert plan.step_time.bubble_s > 0
+    ranks = [{"rank": r, "coordinates": {"pp": r}, "steps": 1, "step_times_s": [0.05], "trace_path": None,
+              "by_class_s": {"matmul": 0.01, "runtime": 0.002}, "collectives": []} for r in range(2)]
+    cat = {c["category"]: c for c in summarize(plan, cluster, ranks)["categories"]}
+    assert HOST not in cat and "pipeline bubble" not in cat
+    assert cat[PIPELINE_HOST]["measured_s"] == pytest.approx(0.05 - 0.01)
+    assert cat[PIPELINE_HOST]["predicted_s"] == pytest.approx(plan.step_time.host_s + plan.step_time.bubble_s)
+
+
 def test_the_rings_rotations_are_compared_on_the_all_to_all_row():
     """The ring's rotations run as ``all_to_all_single`` on the cp group: the plan's ``cp:ring`` time
     is the prediction of the measured all_to_all row, not a row of its own."""
