@@ -92,7 +92,7 @@ from autopar.ir import DTYPE_BYTES, OUTPUT_KEY, GraphIR, NodeInfo, TensorMeta
 from autopar.mesh import DATA, TENSOR
 from autopar.placements import Partial, Placement, Replicate, Shard
 from autopar.plan import Plan
-from autopar.solver.rules import find_rule, is_elementwise
+from autopar.solver.rules import arg, find_rule, is_elementwise
 from autopar.solver.saved import saves_operand_given
 
 
@@ -482,8 +482,8 @@ def _loss_rows_sharded(np_, ax: int, logits_ndim: int) -> bool:
 
 
 def _ce_reduction(n: NodeInfo) -> int:
-    i, name = 3, "reduction"
-    return n.args[i] if i < len(n.args) else dict(n.kwargs).get(name, 1)
+    """A cross-entropy or NLL loss's reduction: 0 none, 1 mean (the default), 2 sum."""
+    return arg(n, 3, "reduction", 1)
 
 
 def vocab_parallel_ce(n: NodeInfo, np_, mesh, ndim: int) -> bool:
