@@ -88,17 +88,13 @@ def _profile_rank(rank: int, world: int, model: str, plan_json: Optional[str], f
 
 def predicted_collective_s(plan, cluster, kind: str, axis: str, nbytes: int) -> float:
     """The cost model's time of one collective of ``kind`` on mesh ``axis`` (``cost/collectives``)."""
-    from autopar.cost.collectives import (COLLECTIVE_KINDS, all_reduce_s, axis_link, broadcast_s, collective_s,
-                                          stage_link)
-    from autopar.cost.hardware import device_kind
+    from autopar.cost.collectives import COLLECTIVE_KINDS, axis_link, collective_s, stage_link
     from autopar.mesh import CONTEXT, PIPELINE
+    from autopar.solver.overlap import pipeline_collective_s
 
     kind = _P2P.get(kind, kind)
-    if axis == PIPELINE and kind in ("broadcast", "all_reduce"):    # after the schedule (overlap.pipeline_sync_s)
-        link = axis_link(cluster, (plan.pp, plan.stage_mesh.size), 0)
-        if kind == "all_reduce":                   # the tied weights' gradients: the first and the last stage's ranks
-            return all_reduce_s(nbytes, 2, link)
-        return broadcast_s(nbytes, plan.pp, link, binomial=device_kind(cluster) != "cuda")
+    if axis == PIPELINE and kind in ("broadcast", "all_reduce"):   # the loss; the tied weights' gradients
+        return pipeline_collective_s(kind, nbytes, plan.pp, plan.stage_mesh.size, cluster)
     if axis == PIPELINE:
         return collective_s("p2p", nbytes, 2, stage_link(cluster, plan.stage_mesh.size))
     # the cp axis is the whole mesh's; the DATA axis the graph's mesh (dp x cp ranks)

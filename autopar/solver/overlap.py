@@ -147,21 +147,33 @@ def loss_scalars_s(cfg, scalars: int, link, cluster) -> float:
 
 def pipeline_sync_s(cfg, first: bool, last: bool, tied_numel: float, profile, cluster) -> dict:
     """Seconds per step of a pipeline rank's collectives after the schedule (``PipelineRunner.step``,
-    ``runtime/pipeline.py``), on the pipeline group's link (its ranks a stage apart: ``axis_link``
-    over (pp, ranks per stage)): "pp:broadcast", the step's loss (one fp32) from the last stage's rank
-    to every pipeline rank (gloo's binomial tree on CPU ranks, NCCL's ring on GPUs:
-    ``collectives.broadcast_s``); "pp:all_reduce", on a rank holding the first stage or the last but
-    not both (``first``, ``last``; the V schedules put both on rank 0), the sum of the tied
-    parameters' gradients (``tied_numel`` local elements: a tied embedding and head, at the gradient
-    reduction's bytes) with the other holder. Both wait for the other ranks' schedules to end: not
-    overlapped. {} without a pipeline."""
+    ``runtime/pipeline.py``; each as ``pipeline_collective_s`` prices it): "pp:broadcast", the step's
+    loss (one fp32) from the last stage's rank to every pipeline rank; "pp:all_reduce", on a rank
+    holding the first stage or the last but not both (``first``, ``last``; the V schedules put both
+    on rank 0), the sum of the tied parameters' gradients (``tied_numel`` local elements: a tied
+    embedding and head, at the gradient reduction's bytes) with the other holder. Both wait for the
+    other ranks' schedules to end: not overlapped. {} without a pipeline."""
     if cfg.pp <= 1:
         return {}
-    link = axis_link(cluster, (cfg.pp, cfg.data * cfg.tp), 0)
-    out = {f"{PIPELINE}:broadcast": broadcast_s(4, cfg.pp, link, binomial=device_kind(cluster) != "cuda")}
+    ranks = cfg.data * cfg.tp                 # a stage's
+    out = {f"{PIPELINE}:broadcast": pipeline_collective_s("broadcast", 4, cfg.pp, ranks, cluster)}
     if (first != last) and tied_numel > 0:
-        out[f"{PIPELINE}:all_reduce"] = all_reduce_s(tied_numel * profile.grad_wire_bytes, 2, link)
+        out[f"{PIPELINE}:all_reduce"] = pipeline_collective_s("all_reduce", tied_numel * profile.grad_wire_bytes,
+                                                              cfg.pp, ranks, cluster)
     return out
+
+
+def pipeline_collective_s(kind: str, nbytes: float, pp: int, stage_ranks: int, cluster) -> float:
+    """One of ``pipeline_sync_s``'s collectives on the pipeline group's link (its ranks
+    ``stage_ranks`` apart: ``axis_link`` over (pp, stage_ranks)): "broadcast" over the pp ranks
+    (gloo's binomial tree on CPU ranks, NCCL's ring on GPUs: ``collectives.broadcast_s``),
+    "all_reduce" over the tied weight's two holders."""
+    link = axis_link(cluster, (pp, stage_ranks), 0)
+    if kind == "broadcast":
+        return broadcast_s(nbytes, pp, link, binomial=device_kind(cluster) != "cuda")
+    if kind == "all_reduce":
+        return all_reduce_s(nbytes, 2, link)
+    raise ValueError(f"the pipeline issues no {kind!r} after its schedule (broadcast, all_reduce)")
 
 
 def accumulates_rows(cfg) -> bool:

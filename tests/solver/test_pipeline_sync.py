@@ -79,6 +79,13 @@ def test_the_pipeline_sync_in_the_step_by_hand(gpu, schedule, pp, broadcast_hops
         assert rows["pp", "all_reduce"].exposed_s == pytest.approx(ar)
 
 
+def test_the_pipeline_issues_only_these_after_its_schedule():
+    from autopar.solver.overlap import pipeline_collective_s
+
+    with pytest.raises(ValueError, match="no 'all_gather'"):
+        pipeline_collective_s("all_gather", 4, 2, 1, _cluster("cpu"))
+
+
 def test_no_pipeline_no_pipeline_sync():
     c = _cluster("cpu")
     cfg = OuterConfig(tp=1, pp=1, dp=2, mbs=1, m=4, recompute="none", zero=0, sp=False)
