@@ -17,7 +17,7 @@ from autopar.calibrate import SIZES, Calibration, SdpaFigures, add_parser, check
 from autopar.calibrate_file import calibration_toml, cluster_dict, measured_dict
 from autopar.calibrate_bench import SHARED_WINDOW_S, GemmShape, shared_window_s, summarize_gemms, time_per_call
 from autopar.calibrate_comm import CollectivePoint, fit_link, time_collective, time_collective_in_situ
-from autopar.calibrate_step import CLASSES, StepRates, class_times
+from autopar.calibrate_step import CLASSES, FACTOR_BOUNDS, StepRates, class_times
 from autopar.cost.collectives import COLLECTIVE_KINDS, collective_s
 from autopar.cost.compute import MEMORY_CLASSES, op_time_s
 from autopar.cost.cluster_file import cluster_from_dict, cluster_to_toml, load_cluster
@@ -408,7 +408,9 @@ def test_real_run_writes_a_cluster_the_planner_uses(tmp_path):
     step = m["in_step"]
     assert set(step["measured_ms"]) == set(step["predicted_ms"]) == set(CLASSES)
     assert all(v > 0 for k in ("measured_ms", "predicted_ms") for v in step[k].values()), step
-    used = {k: f for k, f in step["factors"].items() if 0.2 <= f <= 2.0}     # the rest: recorded, not priced
+    bounds = step["factor_bounds"]                       # per class (FACTOR_BOUNDS): outside, recorded, not priced
+    assert bounds == {c: list(b) for c, b in FACTOR_BOUNDS.items()}
+    used = {k: f for k, f in step["factors"].items() if bounds[k][0] <= f <= bounds[k][1]}
     assert c.gpu.matmul_efficiency == pytest.approx(used.get("matmul", 1.0), rel=1e-3)
     assert c.gpu.optimizer_efficiency == pytest.approx(used.get("optimizer", 1.0), rel=1e-3)
     assert dict(c.gpu.memory_class_efficiency) == pytest.approx(
