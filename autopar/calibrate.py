@@ -61,7 +61,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from autopar.calibrate_file import calibration_toml, cluster_dict, measured_dict
-from autopar.cost.collectives import COLLECTIVE_KINDS, small_all_reduce_s
+from autopar.cost.collectives import COLLECTIVE_KINDS, SCALAR_BYTES, small_all_reduce_s
 from autopar.cost.cluster_file import cluster_from_dict
 from autopar.cost.hardware import GB, ClusterSpec, short_dtype
 
@@ -249,7 +249,7 @@ def _step_host(intercept: Optional[float], nproc: int, link: Optional[LinkFit], 
 
     if intercept is None or link is None:
         return intercept
-    loss_s = small_all_reduce_s(4, nproc, link.link("fit", ""), tree=kind == "cuda")
+    loss_s = small_all_reduce_s(SCALAR_BYTES, nproc, link.link("fit", ""), tree=kind == "cuda")
     return max(0.0, intercept - LOSS_ALL_REDUCES * loss_s)
 
 

@@ -29,6 +29,7 @@ from dataclasses import replace
 from autopar.cost.hardware import ClusterSpec, LinkSpec
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+SCALAR_BYTES = 4        # one fp32 value: the loss, a mean's count (their all-reduces and broadcast)
 
 
 def bus_factor(kind: str, n: int) -> float:

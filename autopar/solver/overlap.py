@@ -29,8 +29,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from autopar.comm_overlap import CommOverlap
-from autopar.cost.collectives import (all_reduce_s, axis_link, broadcast_s, collective_s, overlapped_cost,
-                                      small_all_reduce_s)
+from autopar.cost.collectives import (SCALAR_BYTES, all_reduce_s, axis_link, broadcast_s, collective_s,
+                                      overlapped_cost, small_all_reduce_s)
 from autopar.cost.hardware import device_kind
 from autopar.mesh import DATA, PIPELINE, TENSOR_AXES
 from autopar.solver.grad_buckets import GradPiece, bucketed_overlap
@@ -142,7 +142,7 @@ def loss_scalars_s(cfg, scalars: int, link, cluster) -> float:
     over-prices them."""
     if cfg.data <= 1:
         return 0.0
-    return scalars * small_all_reduce_s(4, cfg.data, link, tree=device_kind(cluster) == "cuda")
+    return scalars * small_all_reduce_s(SCALAR_BYTES, cfg.data, link, tree=device_kind(cluster) == "cuda")
 
 
 def pipeline_sync_s(cfg, first: bool, last: bool, tied_numel: float, profile, cluster) -> dict:
@@ -156,7 +156,7 @@ def pipeline_sync_s(cfg, first: bool, last: bool, tied_numel: float, profile, cl
     if cfg.pp <= 1:
         return {}
     ranks = cfg.data * cfg.tp                 # a stage's
-    out = {f"{PIPELINE}:broadcast": pipeline_collective_s("broadcast", 4, cfg.pp, ranks, cluster)}
+    out = {f"{PIPELINE}:broadcast": pipeline_collective_s("broadcast", SCALAR_BYTES, cfg.pp, ranks, cluster)}
     if (first != last) and tied_numel > 0:
         out[f"{PIPELINE}:all_reduce"] = pipeline_collective_s("all_reduce", tied_numel * profile.grad_wire_bytes,
                                                               cfg.pp, ranks, cluster)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
-from autopar.cost.collectives import axis_link, collective_s, small_all_reduce_s
+from autopar.cost.collectives import SCALAR_BYTES, axis_link, collective_s, small_all_reduce_s
 from autopar.cost.compute import backward_factor, memory_class, op_kind, op_time_s
 from autopar.cost.hardware import ClusterSpec, LinkSpec, device_kind
 from autopar.ir import DTYPE_BYTES, SDPA_TARGET, TensorMeta
@@ -525,7 +525,7 @@ def summarize(tab: AxisTables, choice: dict) -> AxisSummary:
     if tab.axis != DATA and lk in choice and isinstance(tab.strategies[lk][choice[lk]].output, Partial):
         # the loss's one-value all-reduces where it is Partial (GraphFacts.loss_scalars; the data axis'
         # are ``timing._rank_eval``'s): gloo's ring on CPU ranks, NCCL's tree on GPUs (small_all_reduce_s)
-        loss_s = tab.facts.loss_scalars * small_all_reduce_s(4, tab.t, tab.link, tree=tab.nccl)
+        loss_s = tab.facts.loss_scalars * small_all_reduce_s(SCALAR_BYTES, tab.t, tab.link, tree=tab.nccl)
         _add(acc[tab.facts.part[lk]]["cf"], f"{tab.axis}:all_reduce", loss_s)
     shared = acc.pop("shared")
     parts = {p: PartCost(v["fwd"], v["bwd"], v["cf"], v["cb"], v["saved"], v["core_f"], v["core_b"], v["mx"],

@@ -9,6 +9,29 @@ from torch import nn
 from autopar.ir import GraphIR, NodeInfo, Ref, TensorMeta
 
 
+def toy_summary(layers: int, loss_scalars: int = 0, tied: float = 0.0):
+    """An ``AxisSummary`` by hand: ``layers`` layers of 1 s forward and 2 s backward, no parameters
+    but ``tied`` elements the embedding and the head share, no pre or post work; the loss's
+    ``loss_scalars`` one-value all-reduces per micro-batch."""
+    from autopar.solver.problem import AxisSummary, PartCost
+
+    zero = PartCost(0.0, 0.0, {}, {}, 0.0, 0.0, 0.0, 0.0, 0.0)
+    blk = PartCost(1.0, 2.0, {}, {}, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 2.0)
+    return AxisSummary(1, False, 1, {"pre": zero, "block": blk, "post": zero}, tied, 1e6, layers, 0.0,
+                       loss_scalars=loss_scalars)
+
+
+def link_cluster(gpu: str, latency_s: float = 1e-3, nodes: int = 1):
+    """The built-in cluster of ``gpu`` with one test link (1 GB/s, ``latency_s``) inside and between nodes."""
+    from dataclasses import replace
+
+    from autopar.cost import make_cluster
+    from autopar.cost.hardware import LinkSpec
+
+    link = LinkSpec("test", busbw_Bps=1e9, latency_s=latency_s, source="test")
+    return replace(make_cluster(gpu, nodes), intra=link, inter=link)
+
+
 @functools.lru_cache(maxsize=None)
 def traced(spec: str, batch: int = 2):
     from autopar.models import build_model

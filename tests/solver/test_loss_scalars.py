@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from autopar.cost import make_cluster
 from autopar.cost.collectives import all_reduce_s, small_all_reduce_s
 from autopar.cost.hardware import LinkSpec
-from autopar.solver.problem import AxisSummary, PartCost
 from autopar.solver.runtime_profile import AUTOPAR_RUNTIME
 from autopar.solver.strategies import graph_facts
 from autopar.solver.timing import OuterConfig, evaluate
 from autopar.trace import trace_model
+from solver_helpers import link_cluster, toy_summary, traced
 
 
 class _Net(nn.Module):
@@ -55,30 +55,17 @@ def test_small_all_reduce_by_hand():
     assert small_all_reduce_s(4, 1, link, tree=True) == 0.0 == small_all_reduce_s(4, 1, link, tree=False)
 
 
-def _summary(layers: int, scalars: int) -> AxisSummary:
-    """``layers`` layers of 1 s forward, 2 s backward; no parameters, pre or post."""
-    zero = PartCost(0.0, 0.0, {}, {}, 0.0, 0.0, 0.0, 0.0, 0.0)
-    blk = PartCost(1.0, 2.0, {}, {}, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 2.0)
-    return AxisSummary(1, False, 1, {"pre": zero, "block": blk, "post": zero}, 0.0, 1e6, layers, 0.0,
-                       loss_scalars=scalars)
-
-
-def _link_cluster(gpu: str, nodes: int, latency_s: float):
-    link = LinkSpec("test", busbw_Bps=1e9, latency_s=latency_s, source="test")
-    return replace(make_cluster(gpu, nodes), intra=link, inter=link)
-
-
 @pytest.mark.parametrize("gpu, hops", [("cpu", 2 * 3), ("h100", 2 * 2)])    # dp=4: gloo's ring, NCCL's tree
 def test_the_loss_all_reduces_in_the_step_by_hand(gpu, hops):
     """dp=4, m=3 micro-batches, no pipeline: the step grows by m x 2 all-reduces of 4 bytes."""
-    c = _link_cluster(gpu, 1, 1e-3)
+    c = link_cluster(gpu)
     cfg = OuterConfig(tp=1, pp=1, dp=4, mbs=1, m=3, recompute="none", zero=0, sp=False)
-    without = evaluate(_summary(2, 0), cfg, c, AUTOPAR_RUNTIME, 1e15)
-    with_loss = evaluate(_summary(2, 2), cfg, c, AUTOPAR_RUNTIME, 1e15)
+    without = evaluate(toy_summary(2, 0), cfg, c, AUTOPAR_RUNTIME, 1e15)
+    with_loss = evaluate(toy_summary(2, 2), cfg, c, AUTOPAR_RUNTIME, 1e15)
     one = hops * 1e-3 + 2 * 3 / 4 * 4 / 1e9
     assert with_loss.step.total_s - without.step.total_s == pytest.approx(3 * 2 * one)
     assert dict(with_loss.step.comm_s)["dp:all_reduce"] == pytest.approx(3 * 2 * one)
-    one_rank = evaluate(_summary(2, 2), replace(cfg, dp=1), c, AUTOPAR_RUNTIME, 1e15)
+    one_rank = evaluate(toy_summary(2, 2), replace(cfg, dp=1), c, AUTOPAR_RUNTIME, 1e15)
     assert "dp:all_reduce" not in dict(one_rank.step.comm_s)
 
 
@@ -86,8 +73,8 @@ def test_only_the_last_pipeline_stage_reduces_the_loss():
     """pp=2 over dp=2, 4 even layers: the last stage holds the loss and alone pays its two
     all-reduces a micro-batch; the stages differ by exactly that."""
     cfg = OuterConfig(tp=1, pp=2, dp=2, mbs=1, m=2, recompute="none", zero=0, sp=False)
-    c = _link_cluster("cpu", 1, 1e-3)
-    ev = evaluate(_summary(4, 2), cfg, c, AUTOPAR_RUNTIME, 1e15, all_stages=True)
+    c = link_cluster("cpu")
+    ev = evaluate(toy_summary(4, 2), cfg, c, AUTOPAR_RUNTIME, 1e15, all_stages=True)
     by_rank = {st.index: st for st in ev.stages}
     first, last = by_rank[0], by_rank[max(by_rank)]
     one = all_reduce_s(4, 2, c.intra)
@@ -99,12 +86,10 @@ def test_only_the_last_pipeline_stage_reduces_the_loss():
 def test_a_planned_step_says_where_the_loss_all_reduces_went():
     """A GPT planned dp=4 on the CPU cluster: its data axis' all-reduce row carries the loss's two
     ring all-reduces per micro-batch beside the gradients', and says so."""
-    from autopar.models import build_model
     from autopar.solver import plan_model
 
     spec = "gpt:hidden=64,layers=2,heads=4,vocab=128,seq=32"
-    b = build_model(spec, batch=8)
-    g = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target, model_name=spec)
+    g, _ = traced(spec, batch=8)
     c = make_cluster("cpu", 1)
     plan = plan_model(g, c, global_batch=8, seq_len=32, dtype="float32", force="dp=4,mbs=1")
     row = next(o for o in plan.step_time.overlap if (o.axis, o.kind) == ("dp", "all_reduce"))
@@ -122,7 +107,6 @@ def test_a_tensor_axis_the_loss_is_partial_on_prices_its_all_reduces(gpu, t, tre
     from autopar.placements import Partial
     from autopar.solver.problem import build_tables, summarize
     from autopar.solver.runtime_profile import AUTOPAR_RUNTIME as PROFILE
-    from solver_helpers import traced
 
     g, _ = traced("gpt:hidden=64,layers=2,heads=4,vocab=128,seq=16")
     facts = graph_facts(g, 16)

@@ -12,9 +12,9 @@ import pytest
 from autopar.cost import make_cluster
 from autopar.cost.collectives import all_reduce_s, broadcast_s
 from autopar.cost.hardware import LinkSpec
-from autopar.solver.problem import AxisSummary, PartCost
 from autopar.solver.runtime_profile import AUTOPAR_RUNTIME
 from autopar.solver.timing import OuterConfig, evaluate
+from solver_helpers import link_cluster, toy_summary, traced
 
 LINK = LinkSpec("t", busbw_Bps=1e9, latency_s=1e-3, source="test")
 PROFILE = replace(AUTOPAR_RUNTIME, grad_passes=False, gather_passes=False)   # the tied weight costs no copies
@@ -32,18 +32,6 @@ def test_broadcast_by_hand():
         broadcast_s(-1, 2, LINK, binomial=True)
 
 
-def _summary(tied: float) -> AxisSummary:
-    """4 layers of 1 s forward, 2 s backward, no parameters but ``tied`` elements the embedding and
-    the head share."""
-    zero = PartCost(0.0, 0.0, {}, {}, 0.0, 0.0, 0.0, 0.0, 0.0)
-    blk = PartCost(1.0, 2.0, {}, {}, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 2.0)
-    return AxisSummary(1, False, 1, {"pre": zero, "block": blk, "post": zero}, tied, 1e6, 4, 0.0)
-
-
-def _cluster(gpu: str):
-    return replace(make_cluster(gpu, 1), intra=LINK, inter=LINK)
-
-
 @pytest.mark.parametrize("gpu, schedule, pp, broadcast_hops, tied", [
     ("cpu", "1f1b", 2, 1, True),          # gloo's tree over 2 ranks; first and last stage on ranks 0, 1
     ("cpu", "1f1b", 4, 2, True),          # over 4: 2 rounds
@@ -53,14 +41,14 @@ def _cluster(gpu: str):
 def test_the_pipeline_sync_in_the_step_by_hand(gpu, schedule, pp, broadcast_hops, tied):
     """The step grows by the broadcast and, where two ranks hold the tied weight, a 2-rank
     all-reduce of its gradient (fp32 on the wire here): once a step, not per micro-batch."""
-    c = _cluster(gpu)
+    c = link_cluster(gpu)
     cfg = OuterConfig(tp=1, pp=pp, dp=1, mbs=1, m=4, recompute="none", zero=0, sp=False, schedule=schedule,
                       v=2 if schedule == "zbv" else 1)
     numel = 1000.0
-    base = evaluate(_summary(0.0), cfg, c, PROFILE, 1e15, all_stages=True)
-    ev = evaluate(_summary(numel), cfg, c, PROFILE, 1e15, all_stages=True)
+    base = evaluate(toy_summary(4), cfg, c, PROFILE, 1e15, all_stages=True)
+    ev = evaluate(toy_summary(4, tied=numel), cfg, c, PROFILE, 1e15, all_stages=True)
     bcast = broadcast_hops * 1e-3 + (broadcast_hops if gpu == "cpu" else 1) * 4 / 1e9
-    ar = all_reduce_s(numel * PROFILE.grad_wire_bytes, 2, LINK) if tied else 0.0
+    ar = all_reduce_s(numel * PROFILE.grad_wire_bytes, 2, c.intra) if tied else 0.0
     comm = dict(ev.step.comm_s)
     assert comm["pp:broadcast"] == pytest.approx(bcast) == dict(base.step.comm_s)["pp:broadcast"]
     assert comm.get("pp:all_reduce", 0.0) == pytest.approx(ar)
@@ -83,13 +71,13 @@ def test_the_pipeline_issues_only_these_after_its_schedule():
     from autopar.solver.overlap import pipeline_collective_s
 
     with pytest.raises(ValueError, match="no 'all_gather'"):
-        pipeline_collective_s("all_gather", 4, 2, 1, _cluster("cpu"))
+        pipeline_collective_s("all_gather", 4, 2, 1, link_cluster("cpu"))
 
 
 def test_no_pipeline_no_pipeline_sync():
-    c = _cluster("cpu")
+    c = link_cluster("cpu")
     cfg = OuterConfig(tp=1, pp=1, dp=2, mbs=1, m=4, recompute="none", zero=0, sp=False)
-    comm = dict(evaluate(_summary(1000.0), cfg, c, PROFILE, 1e15).step.comm_s)
+    comm = dict(evaluate(toy_summary(4, tied=1000.0), cfg, c, PROFILE, 1e15).step.comm_s)
     assert not any(k.startswith("pp:") for k in comm)
 
 
@@ -98,14 +86,12 @@ def test_a_planned_gpt_pipeline_prices_what_profile_lists():
     are what ``autopar profile`` prices for the collectives the runtime is expected to issue
     (``codegen.expected_pipeline``: the 4-byte loss, the tied weight's fp32 gradient)."""
     from autopar.codegen.expected_pipeline import expected_pipeline_collectives
-    from autopar.models import build_model
     from autopar.profile import predicted_collective_s
     from autopar.solver import plan_model
     from autopar.trace import trace_model
 
     spec = "gpt:hidden=64,layers=2,heads=4,vocab=128,seq=32"
-    b = build_model(spec, batch=8)
-    g = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target, model_name=spec)
+    g, b = traced(spec, batch=8)
     c = make_cluster("cpu", 1)
     plan = plan_model(g, c, global_batch=8, seq_len=32, dtype="float32", force="pp=2,dp=2,mbs=2")
     comm = dict(plan.step_time.comm_s)
