@@ -61,7 +61,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from autopar.calibrate_file import calibration_toml, cluster_dict, measured_dict
-from autopar.cost.collectives import COLLECTIVE_KINDS, SCALAR_BYTES, small_all_reduce_s
+from autopar.cost.collectives import COLLECTIVE_KINDS, SCALAR_BYTES, all_reduce_s
 from autopar.cost.cluster_file import cluster_from_dict
 from autopar.cost.hardware import GB, ClusterSpec, short_dtype
 
@@ -198,16 +198,16 @@ def _aggregate(results: list[dict], cfg: dict, kind: str, nproc: int, start: flo
                            (sum(fb) - sum(fwd)) / sum(fwd), nc)
     points = tuple(CollectivePoint(k, int(n), int(b), float(t), float(b2b) if b2b != t else 0.0)
                    for k, n, b, t, b2b in results[0]["collectives"])
-    fits = []
+    fits, tree = [], kind == "cuda"          # NCCL's all-reduces take trees (collectives.all_reduce_s)
     for k in cfg["kinds"]:
         try:
-            fits.append((k, fit_link([p for p in points if p.kind == k])))
+            fits.append((k, fit_link([p for p in points if p.kind == k], tree)))
         except ValueError:
             pass                        # too few sizes of this kind, or times that do not grow: no fit
     joint, note = None, "1 rank: no collectives" if nproc == 1 else ""
     if nproc > 1:
         try:
-            joint = fit_link(points)
+            joint = fit_link(points, tree)
         except ValueError as e:
             note = f"collectives not fitted ({e})"
     by_kind = dict(fits)
@@ -231,7 +231,7 @@ def _aggregate(results: list[dict], cfg: dict, kind: str, nproc: int, start: flo
         runtime_overhead_2d=(_mean([r["runtime_overhead"]["dtensor_2d"] for r in results]),
                              all(r["runtime_overhead"]["dtensor_2d_slope"] for r in results))
         if "dtensor_2d" in results[0].get("runtime_overhead", {}) else None,
-        step_overhead=_step_host(intercept, nproc, link, kind), step_intercept=intercept,
+        step_overhead=_step_host(intercept, nproc, link), step_intercept=intercept,
         ring_attention_overhead=_ring_host(results, by_kind.get("all_to_all", link)),
         zero3_group_overhead=_zero3_host(results, by_kind, link),
         overlap=overlap_figures(results[0]["overlap"]) if "overlap" in results[0] else None,
@@ -240,7 +240,7 @@ def _aggregate(results: list[dict], cfg: dict, kind: str, nproc: int, start: flo
         cores=(os.cpu_count() or 1) if kind == "cpu" else 0)
 
 
-def _step_host(intercept: Optional[float], nproc: int, link: Optional[LinkFit], kind: str) -> Optional[float]:
+def _step_host(intercept: Optional[float], nproc: int, link: Optional[LinkFit]) -> Optional[float]:
     """The step's host cost beside its nodes: ``calibrate_runtime``'s ``intercept`` (None where it
     was not measured) less the loss's one-value all-reduces over the ``nproc`` ranks
     (``calibrate_runtime.LOSS_ALL_REDUCES``, one micro-batch), which the cost model prices on the
@@ -249,7 +249,7 @@ def _step_host(intercept: Optional[float], nproc: int, link: Optional[LinkFit], 
 
     if intercept is None or link is None:
         return intercept
-    loss_s = small_all_reduce_s(SCALAR_BYTES, nproc, link.link("fit", ""), tree=kind == "cuda")
+    loss_s = all_reduce_s(SCALAR_BYTES, nproc, link.link("fit", ""))
     return max(0.0, intercept - LOSS_ALL_REDUCES * loss_s)
 
 

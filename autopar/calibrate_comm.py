@@ -26,7 +26,9 @@ against 4.4, 16 MiB 14.0 against 14.6; 4 ranks, 16 KiB 6.0 against 8.8, 4 MiB 8.
 
 ``fit_link(points)`` fits one latency and one bus bandwidth to the measured times, with the cost
 model's own formula (``collectives.collective_s``): for each point the prediction is
-``steps(kind, n) * latency + bus_factor(kind, n) * nbytes / busbw``, linear in (latency, 1/busbw).
+``steps(kind, n) * latency + bus_factor(kind, n) * nbytes / busbw``, linear in (latency, 1/busbw);
+an all-reduce's steps are a tree's on GPUs (NCCL: ``all_reduce_tree``, as the link it writes then
+prices them) and a ring's on CPU ranks (gloo).
 The fit minimises the RELATIVE error (each point weighted by 1/time), so 1 KB messages (latency)
 and 256 MB ones (bandwidth) count alike; latency is kept >= 0.
 """
@@ -63,9 +65,11 @@ class LinkFit:
     rel_rms: float     # root-mean-square relative error of the fitted times
     max_rel: float     # largest relative error
     points: int
+    all_reduce_tree: bool = False   # the all-reduce steps the fit counted (``collectives.all_reduce_s``)
 
     def link(self, name: str, source: str) -> LinkSpec:
-        return LinkSpec(name=name, busbw_Bps=self.busbw_Bps, latency_s=self.latency_s, source=source)
+        return LinkSpec(name=name, busbw_Bps=self.busbw_Bps, latency_s=self.latency_s, source=source,
+                        all_reduce_tree=self.all_reduce_tree)
 
 
 def collective_op(kind: str, nbytes: int, rank: int, world: int, device: torch.device,
@@ -133,22 +137,23 @@ def time_collective_in_situ(fn: Callable[[], None], compute: Callable[[], object
     return statistics.median(both) - statistics.median(alone)
 
 
-def _design(p: CollectivePoint) -> tuple[float, float]:
+def _design(p: CollectivePoint, tree: bool) -> tuple[float, float]:
     """(latency coefficient, 1/busbw coefficient) of ``p``'s predicted time, read off the cost model."""
-    steps = collective_s(p.kind, p.nbytes, p.ranks, LinkSpec("", math.inf, 1.0, ""))
-    bus_bytes = collective_s(p.kind, p.nbytes, p.ranks, LinkSpec("", 1.0, 0.0, ""))
+    steps = collective_s(p.kind, p.nbytes, p.ranks, LinkSpec("", math.inf, 1.0, "", all_reduce_tree=tree))
+    bus_bytes = collective_s(p.kind, p.nbytes, p.ranks, LinkSpec("", 1.0, 0.0, "", all_reduce_tree=tree))
     return steps, bus_bytes
 
 
-def fit_link(points: Iterable[CollectivePoint]) -> LinkFit:
-    """Latency and busbw minimising the relative error of ``collective_s`` over ``points``."""
+def fit_link(points: Iterable[CollectivePoint], all_reduce_tree: bool = False) -> LinkFit:
+    """Latency and busbw minimising the relative error of ``collective_s`` over ``points``, on a link
+    whose all-reduces take trees (NCCL) or rings (gloo) as ``all_reduce_tree`` says."""
     pts = [p for p in points if p.ranks > 1]
     if len(pts) < 2:
         raise ValueError(f"fitting a link needs at least 2 timed collectives on >= 2 ranks, got {len(pts)}")
     for p in pts:
         if not (p.seconds > 0 and math.isfinite(p.seconds)):
             raise ValueError(f"{p.kind} of {p.nbytes} bytes took {p.seconds} s: not a positive finite time")
-    rows = [(s / p.seconds, x / p.seconds) for p, (s, x) in ((p, _design(p)) for p in pts)]
+    rows = [(s / p.seconds, x / p.seconds) for p, (s, x) in ((p, _design(p, all_reduce_tree)) for p in pts)]
     suu = sum(u * u for u, _ in rows); svv = sum(v * v for _, v in rows); suv = sum(u * v for u, v in rows)
     su = sum(u for u, _ in rows); sv = sum(v for _, v in rows)
     det = suu * svv - suv * suv
@@ -162,4 +167,4 @@ def fit_link(points: Iterable[CollectivePoint]) -> LinkFit:
     errs = [lat * u + inv_bw * v - 1.0 for u, v in rows]
     return LinkFit(latency_s=lat, busbw_Bps=1.0 / inv_bw,
                    rel_rms=math.sqrt(sum(e * e for e in errs) / len(errs)), max_rel=max(abs(e) for e in errs),
-                   points=len(pts))
+                   points=len(pts), all_reduce_tree=all_reduce_tree)

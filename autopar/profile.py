@@ -8,7 +8,8 @@ Each rank runs ``--warmup`` steps, ``--steps`` timed ones, then ``--steps`` prof
 a Chrome/TensorBoard trace (``--trace-dir``, one file per rank; chrome://tracing or Perfetto). The
 report compares:
 
-- the step time: measured (per step, the slowest rank's wall time, averaged over the steps) against
+- the step time: measured (per step, the slowest rank's wall time, averaged over the steps; ``--json``:
+  ``"step_times_s"`` has each step's, to see how much they spread) against
   the plan's ``step_time.total_s`` for the cluster it was planned for (``--cluster``: a file from
   ``autopar calibrate`` makes that the machine it runs on);
 - the step by category: compute and optimizer against the plan's compute + recompute and optimizer
@@ -208,7 +209,7 @@ def summarize(plan, cluster, profiles: list[dict], nodes: Optional[list[int]] = 
               "compute_s": sum(p["by_class_s"].get(c, 0.0) for c in COMPUTE_CLASSES),
               "by_class_s": p["by_class_s"], "trace": p.get("trace_path")} for p in profiles]
     return {"measured_step_time_s": measured_step, "predicted_step_time_s": st.total_s,
-            "step_time_error": measured_step / st.total_s - 1 if st.total_s > 0 else None,
+            "step_times_s": slowest, "step_time_error": measured_step / st.total_s - 1 if st.total_s > 0 else None,
             "categories": [{"category": c, "measured_s": m, "predicted_s": p} for c, m, p in categories],
             "by_class": by_class, "optimizer": {"measured_s": mean["optimizer"], "predicted_s": st.optimizer_s},
             "collectives": collectives, "ranks": ranks, "cluster": cluster.name, "plan": plan.summary()}

@@ -86,6 +86,17 @@ def test_fit_recovers_latency_and_busbw(n):
     assert 0.0 < noisy.rel_rms < 0.05
 
 
+def test_fit_counts_the_steps_of_the_links_all_reduce():
+    """NCCL's all-reduces take trees: a GPU calibration's fit counts 2 ceil(log2 n) latency steps, as
+    the cost model then prices them (``collectives.all_reduce_s``), and its link says so."""
+    truth = LinkSpec("t", busbw_Bps=3.2e9, latency_s=45e-6, source="", all_reduce_tree=True)
+    pts = [p for p in _points(truth, 8) if p.kind == "all_reduce"]
+    fit = fit_link(pts, all_reduce_tree=True)
+    assert fit.latency_s == pytest.approx(45e-6, rel=1e-9) and fit.link("x", "").all_reduce_tree
+    ring = fit_link(pts)                 # the same times read as a ring's 14 steps: a smaller latency
+    assert ring.latency_s < 45e-6 * 6 / 14 * 1.5 and not ring.link("x", "").all_reduce_tree
+
+
 def test_fit_one_kind_and_bandwidth_only():
     truth = LinkSpec("t", busbw_Bps=1e9, latency_s=0.0, source="")
     pts = [p for p in _points(truth, 4) if p.kind == "all_reduce"]
@@ -217,8 +228,9 @@ def test_the_ring_attention_host_figure_leaves_its_rotations_to_the_link():
 def test_the_step_host_figure_leaves_the_loss_all_reduces_to_the_link():
     """``calibrate._step_host``: the step's intercept less the loss's two one-value all-reduces
     over the ranks (the reference GPT's mean cross-entropy: ``calibrate_runtime.LOSS_ALL_REDUCES``,
-    what ``strategies._scalar_loss`` finds in it), gloo's ring on CPU ranks, NCCL's tree on GPUs;
-    never below 0; absent where it was not measured."""
+    what ``strategies._scalar_loss`` finds in it), gloo's ring on CPU ranks, NCCL's tree on GPUs
+    (the fit's link says which: ``LinkFit.all_reduce_tree``); never below 0; absent where it was not
+    measured."""
     from autopar.calibrate import _step_host
     from autopar.calibrate_comm import LinkFit
     from autopar.calibrate_runtime import LOSS_ALL_REDUCES, MODEL
@@ -231,11 +243,12 @@ def test_the_step_host_figure_leaves_the_loss_all_reduces_to_the_link():
     assert graph_facts(g, None).loss_scalars == LOSS_ALL_REDUCES == 2
     fit = LinkFit(latency_s=5e-4, busbw_Bps=1e9, rel_rms=0.1, max_rel=0.2, points=8)
     small = 2 * 3 / 4 * 4 / 1e9                     # 4 bytes' bus term
-    assert _step_host(13e-3, 4, fit, "cpu") == pytest.approx(13e-3 - 2 * (6 * 5e-4 + small))     # ring: 2 (n - 1) hops
-    assert _step_host(13e-3, 4, fit, "cuda") == pytest.approx(13e-3 - 2 * (4 * 5e-4 + small))    # tree: 2 log2 n
-    assert _step_host(13e-3, 4, replace(fit, latency_s=1.0), "cpu") == 0.0
-    assert _step_host(13e-3, 4, None, "cpu") == pytest.approx(13e-3)
-    assert _step_host(None, 4, fit, "cpu") is None
+    tree = replace(fit, all_reduce_tree=True)
+    assert _step_host(13e-3, 4, fit) == pytest.approx(13e-3 - 2 * (6 * 5e-4 + small))     # ring: 2 (n - 1) hops
+    assert _step_host(13e-3, 4, tree) == pytest.approx(13e-3 - 2 * (4 * 5e-4 + small))    # tree: 2 log2 n
+    assert _step_host(13e-3, 4, replace(fit, latency_s=1.0)) == 0.0
+    assert _step_host(13e-3, 4, None) == pytest.approx(13e-3)
+    assert _step_host(None, 4, fit) is None
 
 
 def test_the_zero3_group_host_figure_leaves_its_collectives_to_the_link():

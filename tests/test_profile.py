@@ -218,6 +218,7 @@ def test_report_arithmetic_on_hand_made_profiles(dp2_plan):
              for r, times in enumerate(((0.05, 0.07), (0.06, 0.05)))]
     rep = summarize(plan, cluster, ranks)
     assert rep["measured_step_time_s"] == pytest.approx((0.06 + 0.07) / 2)      # slowest rank per step
+    assert rep["step_times_s"] == [0.06, 0.07]                                   # each step's, in order
     assert rep["predicted_step_time_s"] == plan.step_time.total_s
     cat = {c["category"]: c for c in rep["categories"]}
     assert cat["compute"]["measured_s"] == pytest.approx(0.011 + 0.004)         # mean over ranks

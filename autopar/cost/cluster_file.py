@@ -51,7 +51,8 @@ def _link_from_table(where: str, t: Any, default: LinkSpec) -> LinkSpec:
     lat = float(t["latency_us"]) * _US if "latency_us" in t else default.latency_s
     return LinkSpec(name=str(t.get("name", default.name)), busbw_Bps=float(t["busbw_GBps"]) * GB,
                     latency_s=lat, source=str(t.get("source", f"user TOML ({where})")),
-                    busbw_scale=_busbw_scale(where, t.get("busbw_scale", {})))
+                    busbw_scale=_busbw_scale(where, t.get("busbw_scale", {})),
+                    all_reduce_tree=default.all_reduce_tree)     # the GPU type's collectives: NCCL or gloo
 
 
 def _busbw_scale(where: str, t: Any) -> tuple:

@@ -18,8 +18,17 @@ by ``autopar calibrate``, carries each kind's own relative busbw: ``LinkSpec.bus
 
 Latency term (ring): a ring all-gather / reduce-scatter takes n-1 steps, so (n-1)*latency; a
 ring all-reduce is reduce-scatter + all-gather, 2(n-1)*latency; all-to-all is n-1 pairwise steps,
-(n-1)*latency; p2p one latency. (NCCL may pick tree / NVLS for all-reduce; their bandwidth is
-folded into the link's busbw, their latency is ignored: a small-message refinement.) n == 1 -> 0.
+(n-1)*latency; p2p one latency. n == 1 -> 0.
+
+All-reduce on NCCL (a link with ``all_reduce_tree``, every GPU family's): NCCL 2.4+ runs it on two
+binary trees ("Massively Scale Your Deep Learning Training with NCCL 2.4", NVIDIA, 2019: logarithmic
+latency, and the two trees together carry the ring's full bandwidth), so it costs 2 ceil(log2 n)
+steps (up and down a tree) and the ring's bandwidth term. NCCL picks ring or tree per size with its
+own tuning model; at equal bandwidth the tree is never slower here, and the ring's 2(n-1) steps
+would price DDP's 25 MiB buckets over 1,024 ranks at 16 ms of latency each (8 us a hop) where the
+tree has 20 steps. Inside an NVSwitch node NCCL's tree is a chain and NVLS a switch reduction:
+the same formula, a simplification. All-gather and reduce-scatter stay rings (NCCL's PAT
+algorithm, 2.23+, is logarithmic only at one GPU per node). gloo (CPU ranks) runs rings.
 """
 from __future__ import annotations
 
@@ -54,8 +63,11 @@ def _ring_s(kind: str, nbytes: float, n: int, link: LinkSpec, steps: int) -> flo
 
 
 def all_reduce_s(nbytes: float, n: int, link: LinkSpec) -> float:
-    """Ring all-reduce of an ``nbytes`` tensor on ``n`` ranks: 2(n-1)*lat + 2(n-1)/n * nbytes / busbw."""
-    return _ring_s("all_reduce", nbytes, n, link, 2 * (n - 1))
+    """All-reduce of an ``nbytes`` tensor on ``n`` ranks: steps*lat + 2(n-1)/n * nbytes / busbw, with
+    2 ceil(log2 n) steps on a link whose all-reduces take trees (NCCL: ``link.all_reduce_tree``),
+    else a ring's 2(n-1) (module docstring)."""
+    steps = 2 * math.ceil(math.log2(n)) if link.all_reduce_tree and n > 1 else 2 * (n - 1)
+    return _ring_s("all_reduce", nbytes, n, link, steps)
 
 
 def all_gather_s(output_nbytes: float, n: int, link: LinkSpec) -> float:
@@ -71,15 +83,6 @@ def reduce_scatter_s(input_nbytes: float, n: int, link: LinkSpec) -> float:
 def all_to_all_s(nbytes: float, n: int, link: LinkSpec) -> float:
     """All-to-all where each rank sends ``nbytes`` in total: (n-1)*lat + (n-1)/n * nbytes / busbw."""
     return _ring_s("all_to_all", nbytes, n, link, n - 1)
-
-
-def small_all_reduce_s(nbytes: float, n: int, link: LinkSpec, tree: bool) -> float:
-    """All-reduce of a few bytes (a loss, a count), where latency is all there is. ``tree``: NCCL,
-    which runs small all-reduces on its double binary trees (NCCL 2.4+: logarithmic latency), up and
-    down one: 2 ceil(log2 n) hops; else gloo's ring, ``all_reduce_s``'s 2(n-1)."""
-    if not tree or n == 1:
-        return all_reduce_s(nbytes, n, link)
-    return 2 * math.ceil(math.log2(n)) * link.latency_s + bus_factor("all_reduce", n) * nbytes / link.busbw_Bps
 
 
 def p2p_s(nbytes: float, link: LinkSpec) -> float:

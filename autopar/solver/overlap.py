@@ -30,7 +30,7 @@ from typing import Sequence
 
 from autopar.comm_overlap import CommOverlap
 from autopar.cost.collectives import (SCALAR_BYTES, all_reduce_s, axis_link, broadcast_s, collective_s,
-                                      overlapped_cost, small_all_reduce_s)
+                                      overlapped_cost)
 from autopar.cost.hardware import device_kind
 from autopar.mesh import DATA, PIPELINE, TENSOR_AXES
 from autopar.solver.grad_buckets import GradPiece, bucketed_overlap
@@ -134,15 +134,15 @@ def zero3_host_s(cfg, gpu, groups: float) -> float:
     return gpu.zero3_group_overhead_s * groups if cfg.zero == 3 and cfg.data > 1 else 0.0
 
 
-def loss_scalars_s(cfg, scalars: int, link, cluster) -> float:
+def loss_scalars_s(cfg, scalars: int, link) -> float:
     """Seconds per micro-batch, on the rank holding the loss, of its ``scalars`` one-value
     all-reduces over the data axis' batch shards (``GraphFacts.loss_scalars``: the loss, the mean's
-    count; 4 bytes each): NCCL's tree on GPUs, gloo's ring on CPU ranks. Where the data axis is
+    count; 4 bytes each; ``collectives.all_reduce_s``: NCCL's tree on GPUs, gloo's ring on CPU ranks). Where the data axis is
     solved (``data_axis.py``) and gathers the batch before the loss, they are not issued and this
     over-prices them."""
     if cfg.data <= 1:
         return 0.0
-    return scalars * small_all_reduce_s(SCALAR_BYTES, cfg.data, link, tree=device_kind(cluster) == "cuda")
+    return scalars * all_reduce_s(SCALAR_BYTES, cfg.data, link)
 
 
 def pipeline_sync_s(cfg, first: bool, last: bool, tied_numel: float, profile, cluster) -> dict:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
-from autopar.cost.collectives import SCALAR_BYTES, axis_link, collective_s, small_all_reduce_s
+from autopar.cost.collectives import SCALAR_BYTES, all_reduce_s, axis_link, collective_s
 from autopar.cost.compute import backward_factor, memory_class, op_kind, op_time_s
 from autopar.cost.hardware import ClusterSpec, LinkSpec, device_kind
 from autopar.ir import DTYPE_BYTES, SDPA_TARGET, TensorMeta
@@ -118,7 +118,6 @@ class AxisTables:
     # (t, link, source placement, target placement, bytes) -> (kind, seconds): shared by the tables
     # of one ``build_tables`` cache (the same activation sizes recur on every edge and table)
     reshard_cache: dict = field(default_factory=dict)
-    nccl: bool = False                # the cluster's collectives are NCCL's (GPUs): small all-reduces take its tree
 
     def wire_factor(self, key: str) -> float:
         """A pipeline's boundary value crosses at its traced dtype (``runtime/pipeline.Wire.send``
@@ -275,7 +274,7 @@ def build_tables(facts: GraphFacts, cluster: ClusterSpec, t: int, sp: bool, mbs:
     return AxisTables(facts, t, sp, mbs, link, profile, tuple(keys), strategies, costs, weight, tuple(edges),
                       metas, kinds, core_nodes(facts), carried, block_out, count,
                       op_sets=all_op_sets(facts, alias=t == 1), axis=TENSOR if background is None else background.axis,
-                      reshard_cache=cache.setdefault("reshard", {}), nccl=device_kind(cluster) == "cuda")
+                      reshard_cache=cache.setdefault("reshard", {}))
 
 
 def splits_rows(s) -> bool:
@@ -524,8 +523,8 @@ def summarize(tab: AxisTables, choice: dict) -> AxisSummary:
     lk = tab.facts.loss_key
     if tab.axis != DATA and lk in choice and isinstance(tab.strategies[lk][choice[lk]].output, Partial):
         # the loss's one-value all-reduces where it is Partial (GraphFacts.loss_scalars; the data axis'
-        # are ``timing._rank_eval``'s): gloo's ring on CPU ranks, NCCL's tree on GPUs (small_all_reduce_s)
-        loss_s = tab.facts.loss_scalars * small_all_reduce_s(SCALAR_BYTES, tab.t, tab.link, tree=tab.nccl)
+        # are ``timing._rank_eval``'s): gloo's ring on CPU ranks, NCCL's tree on GPUs (all_reduce_s)
+        loss_s = tab.facts.loss_scalars * all_reduce_s(SCALAR_BYTES, tab.t, tab.link)
         _add(acc[tab.facts.part[lk]]["cf"], f"{tab.axis}:all_reduce", loss_s)
     shared = acc.pop("shared")
     parts = {p: PartCost(v["fwd"], v["bwd"], v["cf"], v["cb"], v["saved"], v["core_f"], v["core_b"], v["mx"],

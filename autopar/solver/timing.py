@@ -451,7 +451,7 @@ def _rank_eval(summary: AxisSummary, cfg: OuterConfig, cluster: ClusterSpec, pro
     _merge(comm, dp_comm, 1.0)          # beside the data axis' own resharding (data_axis.py): same keys
     _merge(dp_sync, pipeline_sync_s(cfg, first, last, summary.shared_param_numel, profile, cluster), 1.0)
     if last:                            # the loss's one-value all-reduces over the batch shards
-        _merge(comm, {"dp:all_reduce": loss_scalars_s(cfg, summary.loss_scalars, dp_link, cluster)}, 1.0)
+        _merge(comm, {"dp:all_reduce": loss_scalars_s(cfg, summary.loss_scalars, dp_link)}, 1.0)
     copies_over = profile.copies_overlapped(cluster, cfg.data)      # offload's copies on a side stream
     mem = _rank_memory(summary, cfg, profile, r, parts, numel, lps, copies_over)
     compute += memory_pass_s(cfg, numel, profile, gpu)   # gradient copies and adds, ZeRO-3's gather copies

@@ -112,14 +112,14 @@ def test_layer_memory_korthikanti():
 
 def test_layer_comm_time_links():
     h100 = make_cluster("h100", nodes=2)
-    # 1d t=8 in one node (370 GB/s, 2 us/hop): one AR of 4,194,304 B = 2*7*2us + 1.75*4,194,304/370e9
-    #   = 28 us + 19.8379 us = 47.8379 us; 2 per phase
+    # 1d t=8 in one node (370 GB/s, 2 us/hop; NCCL's all-reduce on trees: 2 ceil(log2 8) = 6 steps):
+    #   one AR of 4,194,304 B = 6*2us + 1.75*4,194,304/370e9 = 12 us + 19.8379 us = 31.8379 us; 2 per phase
     t8 = layer_comm_time(layer_comm(TPFamily("1d", 8), batch=1, **LAYER), h100)
-    assert t8.forward_s == pytest.approx(2 * 47.8379e-6, rel=1e-5)
-    assert t8.total_s == pytest.approx(4 * 47.8379e-6, rel=1e-5)
-    # 1d t=16 on 2 nodes -> NIC (48 GB/s, 8 us): 2*15*8us + 1.875*4,194,304/48e9 = 240 + 163.84 us
+    assert t8.forward_s == pytest.approx(2 * 31.8379e-6, rel=1e-5)
+    assert t8.total_s == pytest.approx(4 * 31.8379e-6, rel=1e-5)
+    # 1d t=16 on 2 nodes -> NIC (48 GB/s, 8 us): 2*4*8us + 1.875*4,194,304/48e9 = 64 + 163.84 us
     t16 = layer_comm_time(layer_comm(TPFamily("1d", 16), batch=1, **LAYER), h100)
-    assert t16.forward_s == pytest.approx(2 * 403.84e-6)
+    assert t16.forward_s == pytest.approx(2 * 227.84e-6)
     # inner axes fill a node first
     assert family_links(TPFamily("2d", 8), make_cluster("h100", 8)) == {"col": h100.inter, "row": h100.intra}
     links3 = family_links(TPFamily("3d", 4), make_cluster("h100", 8))

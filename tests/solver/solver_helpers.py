@@ -22,14 +22,17 @@ def toy_summary(layers: int, loss_scalars: int = 0, tied: float = 0.0):
 
 
 def link_cluster(gpu: str, latency_s: float = 1e-3, nodes: int = 1):
-    """The built-in cluster of ``gpu`` with one test link (1 GB/s, ``latency_s``) inside and between nodes."""
+    """The built-in cluster of ``gpu`` with one test link (1 GB/s, ``latency_s``; all-reduces on trees
+    where the GPU's own links take them: NCCL) inside and between nodes."""
     from dataclasses import replace
 
     from autopar.cost import make_cluster
     from autopar.cost.hardware import LinkSpec
 
-    link = LinkSpec("test", busbw_Bps=1e9, latency_s=latency_s, source="test")
-    return replace(make_cluster(gpu, nodes), intra=link, inter=link)
+    base = make_cluster(gpu, nodes)
+    link = LinkSpec("test", busbw_Bps=1e9, latency_s=latency_s, source="test",
+                    all_reduce_tree=base.intra.all_reduce_tree)
+    return replace(base, intra=link, inter=link)
 
 
 @functools.lru_cache(maxsize=None)

@@ -415,3 +415,26 @@ def test_zero23_reduce_where_the_runtime_does(zero):
     assert ("step", "dp:reduce_scatter") in {(r[0], r[1]) for r in rows}
     if zero == 3:                                        # the gathers stay per micro-batch
         assert per_mb["dp:all_gather"] == pytest.approx(2 * ag) and "dp:all_gather" not in per_step
+
+
+
+def test_ddp_buckets_over_a_thousand_gpus_pay_a_trees_latency():
+    """dp=1,024 H100s under DDP (zero=0): the gradient buckets' all-reduces take NCCL's trees, 20
+    latency steps each (8 us a network hop) where a ring takes 2,046 (16 ms a bucket). The data axis'
+    all-reduce of a small GPT's gradients (a few buckets of at most 25 MiB) then costs its bandwidth
+    and 0.16 ms a bucket."""
+    from autopar.solver import plan_model
+    from solver_helpers import traced
+
+    g, _ = traced("gpt:hidden=256,layers=2,heads=4,vocab=1024,seq=128")
+    cluster = make_cluster("h100", 128)
+    plan = plan_model(g, cluster, global_batch=2048, seq_len=128, force="dp=1024,tp=1,pp=1,zero=0")
+    (row,) = [o for o in plan.step_time.overlap if o.key == "dp:all_reduce" and o.total_s > 1e-4]
+    link = cluster.inter
+    assert link.all_reduce_tree and link.latency_s == 8e-6
+    grad_bytes = 2 * g.param_count                   # bf16 gradients on the wire (autopar's runtime)
+    buckets = math.ceil(grad_bytes / (25 * 2**20)) + 1          # the first bucket is 1 MiB
+    bandwidth = 2 * 1023 / 1024 * grad_bytes / link.busbw_Bps
+    losses = 2 * plan.num_micro_batches             # the loss's two one-value all-reduces a micro-batch
+    assert bandwidth < row.total_s <= bandwidth + (buckets + losses) * 20 * link.latency_s + 1e-9
+    assert row.total_s < 2046 * link.latency_s          # one bucket's ring latency: 16 ms

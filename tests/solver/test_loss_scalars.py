@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar.cost import make_cluster
-from autopar.cost.collectives import all_reduce_s, small_all_reduce_s
+from autopar.cost.collectives import all_reduce_s
 from autopar.cost.hardware import LinkSpec
 from autopar.solver.runtime_profile import AUTOPAR_RUNTIME
 from autopar.solver.strategies import graph_facts
@@ -46,13 +46,27 @@ def test_loss_scalars_of_a_traced_loss(loss_fn, scalars):
     assert graph_facts(g, None).loss_scalars == scalars
 
 
-def test_small_all_reduce_by_hand():
-    """NCCL's tree: 2 ceil(log2 n) hops; gloo's ring: 2 (n - 1), as ``all_reduce_s``."""
-    link = LinkSpec("t", busbw_Bps=1e9, latency_s=1e-5, source="test")
-    assert small_all_reduce_s(4, 16, link, tree=True) == pytest.approx(8e-5 + 2 * 15 / 16 * 4 / 1e9)
-    assert small_all_reduce_s(4, 5, link, tree=True) == pytest.approx(6e-5 + 2 * 4 / 5 * 4 / 1e9)
-    assert small_all_reduce_s(4, 4, link, tree=False) == all_reduce_s(4, 4, link) == pytest.approx(6e-5 + 6e-9)
-    assert small_all_reduce_s(4, 1, link, tree=True) == 0.0 == small_all_reduce_s(4, 1, link, tree=False)
+def test_all_reduce_steps_by_hand():
+    """NCCL's tree: 2 ceil(log2 n) steps; gloo's ring: 2 (n - 1); the same bandwidth term."""
+    ring = LinkSpec("t", busbw_Bps=1e9, latency_s=1e-5, source="test")
+    tree = replace(ring, all_reduce_tree=True)
+    assert all_reduce_s(4, 16, tree) == pytest.approx(8e-5 + 2 * 15 / 16 * 4 / 1e9)
+    assert all_reduce_s(4, 5, tree) == pytest.approx(6e-5 + 2 * 4 / 5 * 4 / 1e9)
+    assert all_reduce_s(4, 4, ring) == pytest.approx(6e-5 + 6e-9)
+    assert all_reduce_s(4, 2, ring) == all_reduce_s(4, 2, tree) == pytest.approx(2e-5 + 4e-9)
+    assert all_reduce_s(4, 1, tree) == 0.0 == all_reduce_s(4, 1, ring)
+    # a bucket of 25 MiB over 1,024 ranks: 20 tree steps, where the ring takes 2,046
+    mb25 = 25 * 2**20
+    assert all_reduce_s(mb25, 1024, tree) == pytest.approx(20e-5 + 2 * 1023 / 1024 * mb25 / 1e9)
+    assert all_reduce_s(mb25, 1024, ring) - all_reduce_s(mb25, 1024, tree) == pytest.approx(2026e-5)
+
+
+def test_gpu_links_take_trees_and_cpu_links_rings():
+    for gpu in ("a100-80g", "h100", "h200", "v100"):
+        c = make_cluster(gpu, 2)
+        assert c.intra.all_reduce_tree and c.inter.all_reduce_tree
+    c = make_cluster("cpu", 2)
+    assert not c.intra.all_reduce_tree and not c.inter.all_reduce_tree
 
 
 @pytest.mark.parametrize("gpu, hops", [("cpu", 2 * 3), ("h100", 2 * 2)])    # dp=4: gloo's ring, NCCL's tree
@@ -120,6 +134,7 @@ def test_a_tensor_axis_the_loss_is_partial_on_prices_its_all_reduces(gpu, t, tre
         choice = {k: 0 for k in tab.keys} | {lk: i}
         got = summarize(tab, choice).parts[part].comm_fwd.get("tp:all_reduce", 0.0)
         ref = summarize(none, choice).parts[part].comm_fwd.get("tp:all_reduce", 0.0)
-        assert got - ref == pytest.approx(2 * small_all_reduce_s(4, t, tab.link, tree=tree) if partial else 0.0)
+        assert tab.link.all_reduce_tree == tree
+        assert got - ref == pytest.approx(2 * all_reduce_s(4, t, tab.link) if partial else 0.0)
         if partial and tree:
-            assert got - ref < 2 * all_reduce_s(4, t, tab.link)
+            assert got - ref < 2 * all_reduce_s(4, t, replace(tab.link, all_reduce_tree=False))
