@@ -26,9 +26,10 @@ latency, and the two trees together carry the ring's full bandwidth), so it cost
 steps (up and down a tree) and the ring's bandwidth term. NCCL picks ring or tree per size with its
 own tuning model; at equal bandwidth the tree is never slower here, and the ring's 2(n-1) steps
 would price DDP's 25 MiB buckets over 1,024 ranks at 16 ms of latency each (8 us a hop) where the
-tree has 20 steps. Inside an NVSwitch node NCCL's tree is a chain and NVLS a switch reduction:
-the same formula, a simplification. All-gather and reduce-scatter stay rings (NCCL's PAT
-algorithm, 2.23+, is logarithmic only at one GPU per node). gloo (CPU ranks) runs rings.
+tree has 20 steps. Inside one node NCCL's tree is a chain (2(k-1) steps, as a ring's) and H100's
+NVLS a reduction in the switch (a few steps): both priced at 2 ceil(log2 k), a simplification of
+a few microseconds an all-reduce. All-gather and reduce-scatter stay rings (NCCL's PAT algorithm,
+2.23+, is logarithmic only at one GPU per node). gloo (CPU ranks) runs rings.
 """
 from __future__ import annotations
 
