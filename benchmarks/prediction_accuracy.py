@@ -23,11 +23,15 @@ and the range of the step-time ratio over the rounds; the worst figures are the 
 from its own calibration (about 3.5 minutes a round on 4 ranks): the ratio's range then holds the
 calibrations' spread too, and the table shows the median prediction and the median ratio.
 
-"vs dp" is each family's ratio over the dp family's in the same round (median over the rounds): a
-shared machine drifts between the calibration and the profiles, and a round that runs 20% slow runs
+"vs dp" is each family's ratio over the dp family's at the same time (median over the rounds): a
+shared machine drifts between the calibration and the profiles, and a spell that runs 20% slow runs
 so for every family (thirty-third session: dp=4 and cp x dp alternated four times measured 1.11-1.35
-and 1.07-1.37 of their predictions, their ratio to each other 0.95-1.13). What is left is the step
-model's error on one plan family against another, which is what ranks the plans a search compares.
+and 1.07-1.37 of their predictions, their ratio to each other 0.95-1.13). Each round opens with the
+dp family and closes with it once more (not counted in its row), and a family's reference is the dp
+ratio interpolated, by the time it was profiled at, between the two: a machine that slows down
+through a round (one run's rounds: 0.94-1.10, then 1.04-1.30, then 1.16-1.41, later families
+slower) slows the reference with it. What is left is the step model's error on one plan family
+against another, which is what ranks the plans a search compares.
 """
 from __future__ import annotations
 
@@ -36,6 +40,8 @@ import os
 import statistics
 import sys
 import tempfile
+import time
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -72,27 +78,37 @@ def main() -> int:
     unknown = [n for n in names if n not in FAMILIES]
     if unknown or not names:
         ap.error(f"--families {args.families!r}: choose among {', '.join(FAMILIES)}")
+    if "dp" in names:                   # the reference opens every round (and closes it: ``summarize``)
+        names = ["dp"] + [n for n in names if n != "dp"]
     console = make_console()
     cluster = args.cluster
     runs: dict = {name: [] for name in names}
+    closing: list = []
+    start = time.monotonic()
     with open(os.devnull, "w") as devnull:
         quiet = Console(file=devnull)
+
+        def profile(name: str, label: str) -> tuple:
+            force = FAMILIES[name].format(n=args.nproc, h=args.nproc // 2)
+            rep = profile_command(args.model, args.nproc, args.steps, warmup=1, cluster=cluster, force=force,
+                                  batch=BATCH, console=quiet)
+            top = max(rep["memory"], key=lambda m: m["measured_peak_bytes"])
+            console.print(f"{label}: {rep['measured_step_time_s'] * 1e3:.0f} ms measured, "
+                          f"{rep['predicted_step_time_s'] * 1e3:.0f} ms predicted")
+            return (rep["measured_step_time_s"], rep["predicted_step_time_s"], top["measured_peak_bytes"],
+                    top["predicted_peak_bytes"], time.monotonic() - start)
+
         for r in range(args.rounds):
             if cluster is None or args.recalibrate:
                 cluster = _calibrate(args.nproc)
                 if cluster is None:
                     return 1
             for name in names:
-                force = FAMILIES[name].format(n=args.nproc, h=args.nproc // 2)
-                rep = profile_command(args.model, args.nproc, args.steps, warmup=1, cluster=cluster, force=force,
-                                      batch=BATCH, console=quiet)
-                top = max(rep["memory"], key=lambda m: m["measured_peak_bytes"])
-                runs[name].append((rep["measured_step_time_s"], rep["predicted_step_time_s"],
-                                   top["measured_peak_bytes"], top["predicted_peak_bytes"]))
-                console.print(f"round {r + 1}/{args.rounds} {name}: {rep['measured_step_time_s'] * 1e3:.0f} ms "
-                              f"measured, {rep['predicted_step_time_s'] * 1e3:.0f} ms predicted")
+                runs[name].append(profile(name, f"round {r + 1}/{args.rounds} {name}"))
+            if "dp" in names and len(names) > 1:
+                closing.append(profile("dp", f"round {r + 1}/{args.rounds} dp again (the reference)"))
     where = "a calibration per round" if args.recalibrate else f"cluster {cluster}"
-    rows, worst = summarize(runs)
+    rows, worst = summarize(runs, closing or None)
     t = Table(title=f"{args.model}, batch {BATCH}, {args.nproc} CPU ranks, {where}, median of {args.rounds} round(s)")
     for col in ("family", "plan", "step measured", "step predicted", "ratio", "ratio range", "vs dp",
                 "peak measured", "peak predicted", "ratio"):
@@ -110,18 +126,30 @@ def main() -> int:
     return 0
 
 
-def summarize(runs: dict) -> tuple[list[dict], dict]:
+def summarize(runs: dict, closing: Optional[list] = None) -> tuple[list[dict], dict]:
     """Per family (in ``runs``' order: name -> [(measured s, predicted s, measured peak, predicted
-    peak) per round]) its median round, the step ratio's median and range and its median over the
-    dp family's ratio in the same round ("vs_dp", None without a dp family); and the worst
-    |ratio - 1| of the medians ("step", "peak", "vs_dp") and of any one round ("round")."""
-    ref = [m / p for m, p, _, _ in runs["dp"]] if "dp" in runs else None
-    rows, worst = [], {"step": 0.0, "peak": 0.0, "round": 0.0, "vs_dp": None if ref is None else 0.0}
+    peak, time s) per round]) its median round, the step ratio's median and range and its median over
+    the dp family's ratio at the same time ("vs_dp", None without a dp family: module docstring);
+    and the worst |ratio - 1| of the medians ("step", "peak", "vs_dp") and of any one round
+    ("round"). ``closing``: per round, the dp family's profile once more after the others, the
+    same tuple; the reference is then the dp ratio interpolated by time between the round's two dp
+    profiles (without it, the round's one dp ratio)."""
+    def ref(r: int, t: float) -> float:
+        m, p, _, _, t0 = runs["dp"][r]
+        if not closing:
+            return m / p
+        mc, pc, _, _, t1 = closing[r]
+        w = min(1.0, max(0.0, (t - t0) / (t1 - t0))) if t1 > t0 else 0.0
+        return (1 - w) * m / p + w * mc / pc
+
+    has_ref = "dp" in runs
+    rows, worst = [], {"step": 0.0, "peak": 0.0, "round": 0.0, "vs_dp": 0.0 if has_ref else None}
     for name, rounds in runs.items():
-        mt, pt, mm, pm = (statistics.median(col) for col in zip(*rounds))
-        ratios = [m / p for m, p, _, _ in rounds]
+        mt, pt, mm, pm = (statistics.median(col) for col in list(zip(*rounds))[:4])
+        ratios = [run[0] / run[1] for run in rounds]
         ratio = statistics.median(ratios)       # mt / pt where the prediction is one calibration's
-        vs_dp = None if ref is None else statistics.median(r / d for r, d in zip(ratios, ref))
+        vs_dp = statistics.median(x / ref(r, run[4]) for r, (x, run) in enumerate(zip(ratios, rounds))) \
+            if has_ref else None
         rows.append({"family": name, "measured_s": mt, "predicted_s": pt, "ratio": ratio, "low": min(ratios),
                      "high": max(ratios), "vs_dp": vs_dp, "peak_measured": mm, "peak_predicted": pm,
                      "peak_ratio": mm / pm})
