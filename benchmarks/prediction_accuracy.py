@@ -120,7 +120,7 @@ def main() -> int:
                   f"{row['peak_measured'] / 2**20:.2f} MiB", f"{row['peak_predicted'] / 2**20:.2f} MiB",
                   f"{row['peak_ratio']:.3f}")
     console.print(t)
-    vs = "" if worst["vs_dp"] is None else f"; against the dp family's in the same round: {worst['vs_dp']:.0%}"
+    vs = "" if worst["vs_dp"] is None else f"; against the dp family's at the same time (vs dp): {worst['vs_dp']:.0%}"
     console.print(f"worst |measured / predicted - 1| of the medians: step time {worst['step']:.0%} (goal 25%), "
                   f"peak memory {worst['peak']:.0%} (goal 10%); of any one round's step time: {worst['round']:.0%}{vs}")
     return 0
