@@ -137,9 +137,9 @@ def zero3_host_s(cfg, gpu, groups: float) -> float:
 def loss_scalars_s(cfg, scalars: int, link) -> float:
     """Seconds per micro-batch, on the rank holding the loss, of its ``scalars`` one-value
     all-reduces over the data axis' batch shards (``GraphFacts.loss_scalars``: the loss, the mean's
-    count; 4 bytes each; ``collectives.all_reduce_s``: NCCL's tree on GPUs, gloo's ring on CPU ranks). Where the data axis is
-    solved (``data_axis.py``) and gathers the batch before the loss, they are not issued and this
-    over-prices them."""
+    count; 4 bytes each; ``collectives.all_reduce_s``: NCCL's tree on GPUs, gloo's ring on CPU
+    ranks). Where the data axis is solved (``data_axis.py``) and gathers the batch before the loss,
+    they are not issued and this over-prices them."""
     if cfg.data <= 1:
         return 0.0
     return scalars * all_reduce_s(SCALAR_BYTES, cfg.data, link)

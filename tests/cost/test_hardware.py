@@ -129,7 +129,6 @@ def test_toml_user_file_and_errors(tmp_path):
     assert c.inter.all_reduce_tree and c.intra.all_reduce_tree          # a GPU's links: NCCL's trees
     p.write_text('gpu = "cpu"\nnodes = 1\ngpus_per_node = 4\n[intra]\nbusbw_GBps = 1\n')
     assert not load_cluster(p).intra.all_reduce_tree                    # CPU ranks' gloo: rings
-    p.write_text('gpu = "h100"\nnodes = 2\n[inter]\nbusbw_GBps = 25\n[gpu_overrides]\nmemory_GB = 80\n')
     assert c.gpu.hbm_bytes == 80 * 10**9 and "memory_GB" in c.gpu.source
     p.write_text('gpu = "h100"\nnodes = 2\ngpu_per_node = 8\n')
     with pytest.raises(ValueError, match=r"gpu_per_node.*gpus_per_node"):

@@ -417,7 +417,6 @@ def test_zero23_reduce_where_the_runtime_does(zero):
         assert per_mb["dp:all_gather"] == pytest.approx(2 * ag) and "dp:all_gather" not in per_step
 
 
-
 def test_ddp_buckets_over_a_thousand_gpus_pay_a_trees_latency():
     """dp=1,024 H100s under DDP (zero=0): the gradient buckets' all-reduces take NCCL's trees, 20
     latency steps each (8 us a network hop) where a ring takes 2,046 (16 ms a bucket). The data axis'
