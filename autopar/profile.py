@@ -232,6 +232,9 @@ def render(report: dict, console) -> None:
         t.add_row(row["category"], s(row["measured_s"]), s(row["predicted_s"]), err(row["measured_s"], row["predicted_s"]))
     t.add_row("step (wall, slowest rank)", s(report["measured_step_time_s"]), s(report["predicted_step_time_s"]),
               err(report["measured_step_time_s"], report["predicted_step_time_s"]), style="bold")
+    steps = report.get("step_times_s") or []
+    if len(steps) > 1:
+        t.caption = f"measured step: the mean of {len(steps)} steps, {s(min(steps))} to {s(max(steps))}"
     console.print(t)
     if report["collectives"]:
         c = Table(title="collectives issued (cost model time on the axis' link, per step, overlap not subtracted)")

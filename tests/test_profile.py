@@ -3,14 +3,16 @@ on hand-made rank profiles; one real run on two gloo ranks (JSON keys the issue 
 collectives the reducer issued, a Chrome trace per rank)."""
 from __future__ import annotations
 
+import io
 import json
 import math
 
 import pytest
+from rich.console import Console
 
 from autopar.cost.collectives import collective_s
 from autopar.cost.hardware import resolve_cluster
-from autopar.profile import predicted_collective_s, summarize
+from autopar.profile import predicted_collective_s, render, summarize
 from autopar.runtime.profiling import op_class
 
 
@@ -219,6 +221,9 @@ def test_report_arithmetic_on_hand_made_profiles(dp2_plan):
     rep = summarize(plan, cluster, ranks)
     assert rep["measured_step_time_s"] == pytest.approx((0.06 + 0.07) / 2)      # slowest rank per step
     assert rep["step_times_s"] == [0.06, 0.07]                                   # each step's, in order
+    console = Console(file=io.StringIO(), width=200)
+    render(rep, console)
+    assert "the mean of 2 steps, 60.00 ms to 70.00 ms" in console.file.getvalue()
     assert rep["predicted_step_time_s"] == plan.step_time.total_s
     cat = {c["category"]: c for c in rep["categories"]}
     assert cat["compute"]["measured_s"] == pytest.approx(0.011 + 0.004)         # mean over ranks
