@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 SPEC = f"{os.path.abspath(__file__)}:batch_max_norm"
+LOSS_SPEC = f"{os.path.abspath(__file__)}:batch_max_loss"
 
 
 class BatchMaxNorm(nn.Module):
@@ -27,6 +28,19 @@ def batch_max_norm():
     """(module, example inputs, loss, target) at a batch of 8 rows."""
     torch.manual_seed(0)
     return BatchMaxNorm(), (torch.randn(8, 8),), nn.functional.cross_entropy, torch.randint(0, 4, (8,))
+
+
+def max_over_batch_loss(out, target):
+    """A loss of the batch's largest output per class (the target unused): read whole, it is whole
+    on every data-parallel rank (no Partial to all-reduce)."""
+    return (out.amax(0) - 1.0).pow(2).mean()
+
+
+def batch_max_loss():
+    """(module, example inputs, loss, target): an MLP under :func:`max_over_batch_loss`, 8 rows."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    return m, (torch.randn(8, 8),), max_over_batch_loss, torch.randint(0, 4, (8,))
 
 
 class AttentionBatchMax(nn.Module):

@@ -157,4 +157,10 @@ def solve_data_axis(searcher, tables, choice, axes: tuple, cfg):
     inner = replace(inner, mbs=cfg.mbs)           # built on dp x mbs rows; each rank's share is mbs
     inner_choice = solve_axis(searcher, inner)
     out_axes = tuple((a, tab, ch) for a, (tab, ch) in outer.items())
-    return inner, inner_choice, with_outer_axes(summarize(inner, inner_choice), out_axes, cfg.tp), out_axes
+    summary = with_outer_axes(summarize(inner, inner_choice), out_axes, cfg.tp)
+    lk = facts.loss_key
+    if lk in data_choice and not isinstance(data_tab.strategies[lk][data_choice[lk]].output, Partial):
+        # the batch is gathered before the loss: every dp rank holds it whole and returns it as it is,
+        # with no one-value all-reduces over the batch shards (``overlap.loss_scalars_s``)
+        summary = replace(summary, loss_scalars=0)
+    return inner, inner_choice, summary, out_axes
