@@ -139,7 +139,7 @@ def loss_scalars_s(cfg, scalars: int, link) -> float:
     all-reduces over the data axis' batch shards (``GraphFacts.loss_scalars``: the loss, the mean's
     count; 4 bytes each; ``collectives.all_reduce_s``: NCCL's tree on GPUs, gloo's ring on CPU
     ranks). Where the data axis is solved (``data_axis.py``) and gathers the batch before the loss,
-    none are issued: its summary's ``scalars`` is 0 then."""
+    none are issued, and the summary it passes gives ``scalars`` = 0 (``solve_data_axis``)."""
     if cfg.data <= 1:
         return 0.0
     return scalars * all_reduce_s(SCALAR_BYTES, cfg.data, link)

@@ -2,10 +2,10 @@
 (``solver/data_axis.py``): a max over the batch (its input all-gathered over dp, then computed
 whole), and ViT's class token (a parameter broadcast to the batch, whose gradient stays Partial on
 dp up to the reducer, ``RankProgram.positional``), and a loss read off the batch's max (whole on
-every rank: no all-reduce of its value is issued, and none is priced). Each run equals one process (losses, every
-step's gradients, final weights) and every rank issues exactly the predicted collectives; the statistic in repeated blocks under
-dp x tp too (one micro-batch: with several, a statistic over the batch is each micro-batch's, as
-BatchNorm's)."""
+every rank: no all-reduce of its value is issued, and none is priced). Each run equals one process
+(losses, every step's gradients, final weights) and every rank issues exactly the predicted
+collectives; the statistic in repeated blocks under dp x tp too (one micro-batch: with several, a
+statistic over the batch is each micro-batch's, as BatchNorm's)."""
 from __future__ import annotations
 
 import pytest
