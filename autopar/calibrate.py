@@ -198,7 +198,8 @@ def _aggregate(results: list[dict], cfg: dict, kind: str, nproc: int, start: flo
                            (sum(fb) - sum(fwd)) / sum(fwd), nc)
     points = tuple(CollectivePoint(k, int(n), int(b), float(t), float(b2b) if b2b != t else 0.0)
                    for k, n, b, t, b2b in results[0]["collectives"])
-    fits, tree = [], kind == "cuda"          # NCCL's all-reduces take trees (collectives.all_reduce_s)
+    fits = []
+    tree = kind == "cuda"                    # NCCL's all-reduces take trees (collectives.all_reduce_s)
     for k in cfg["kinds"]:
         try:
             fits.append((k, fit_link([p for p in points if p.kind == k], tree)))

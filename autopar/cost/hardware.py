@@ -94,7 +94,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Union
@@ -227,7 +227,7 @@ class LinkSpec:
     # NCCL's kinds run alike, gloo's do not (``autopar calibrate`` writes them); unlisted kinds: 1
     busbw_scale: tuple = ()
     # all-reduces take trees, whose latency grows with log2 n (NCCL, ``collectives.all_reduce_s``);
-    # False: a ring's 2(n-1) steps (gloo). Every GPU family's links have it, CPU ranks' do not.
+    # False: a ring's 2(n-1) steps (gloo). ``make_cluster`` sets it on every GPU family's links.
     all_reduce_tree: bool = False
 
     def busbw_of(self, kind: str) -> float:
@@ -442,44 +442,36 @@ def short_dtype(dtype: str) -> str:
 _US = 1e-6
 # Per-hop latencies are rough (order of NCCL's own tuning model: ~1-2 us per NVLink hop for the
 # Simple protocol, several us per network hop); they matter for small messages and for rings of many
-# ranks. NCCL's all-reduces take trees (``all_reduce_tree``: ``collectives.all_reduce_s``).
+# ranks. NCCL's all-reduces take trees: ``make_cluster`` sets ``all_reduce_tree`` on every GPU's links.
 _INTRA: Mapping[str, LinkSpec] = MappingProxyType({
     # nccl_busbw_reference.csv "8x A100-SXM (NVLink3, NVSwitch)": all_reduce busbw 230 GB/s (maintainer).
     "a100": LinkSpec("nvlink3-nvswitch", 230 * GB, 2 * _US,
-                     "nccl_busbw_reference.csv: 8x A100-SXM NVSwitch all_reduce busbw 230 GB/s (NVIDIA/nccl-tests#149)",
-                     all_reduce_tree=True),
+                     "nccl_busbw_reference.csv: 8x A100-SXM NVSwitch all_reduce busbw 230 GB/s (NVIDIA/nccl-tests#149)"),
     # nccl_busbw_reference.csv "8x H100-SXM (NVLink4, NVSwitch)": ring / non-allreduce busbw 370 GB/s.
     # NVLS all-reduce reaches ~480 GB/s for > 256 MB messages; we use the ring figure for every op.
     "h100": LinkSpec("nvlink4-nvswitch", 370 * GB, 2 * _US,
                      "nccl_busbw_reference.csv: 8x H100-SXM ring busbw 370 GB/s (NVIDIA/nccl-tests#212); "
-                     "NVLS all-reduce ~480 not modelled",
-                     all_reduce_tree=True),
+                     "NVLS all-reduce ~480 not modelled"),
     # Same NVLink4 as H100 (gpu_specs.csv: 900 GB/s, 18 links); csv's H200 all_reduce 475 is NVLS.
     "h200": LinkSpec("nvlink4-nvswitch", 370 * GB, 2 * _US,
-                     "as H100 (same NVLink4, gpu_specs.csv); nccl_busbw_reference.csv 8x H200 all_reduce 475 is NVLS",
-                     all_reduce_tree=True),
+                     "as H100 (same NVLink4, gpu_specs.csv); nccl_busbw_reference.csv 8x H200 all_reduce 475 is NVLS"),
     # ESTIMATE: 80% of the 150 GB/s/dir NVLink2 line rate in gpu_specs.csv V100 row; not measured.
     "v100": LinkSpec("nvlink2", 120 * GB, 3 * _US,
-                     "ESTIMATE: 0.8 x 150 GB/s/dir NVLink2 (gpu_specs.csv V100 row); not a measurement",
-                     all_reduce_tree=True),
+                     "ESTIMATE: 0.8 x 150 GB/s/dir NVLink2 (gpu_specs.csv V100 row); not a measurement"),
     "cpu": LinkSpec("gloo-loopback", 2 * GB, 50 * _US, "rough: gloo over shared memory/loopback"),
 })
 _INTER: Mapping[str, LinkSpec] = MappingProxyType({
     # nccl_busbw_reference.csv "1x HDR 200Gb/s NIC": 24 GB/s per NIC (one NIC per GPU on DGX A100).
     "a100": LinkSpec("ib-hdr200-per-gpu", 24 * GB, 8 * _US,
-                     "nccl_busbw_reference.csv: 1x HDR 200Gb/s NIC 24 GB/s (NVIDIA/nccl#412), one NIC per GPU",
-                     all_reduce_tree=True),
+                     "nccl_busbw_reference.csv: 1x HDR 200Gb/s NIC 24 GB/s (NVIDIA/nccl#412), one NIC per GPU"),
     # nccl_busbw_reference.csv "1x NDR 400Gb/s NIC (ConnectX-7)": 46-48 GB/s per NIC.
     "h100": LinkSpec("ib-ndr400-per-gpu", 48 * GB, 8 * _US,
-                     "nccl_busbw_reference.csv: 1x NDR 400Gb/s NIC 46-48 GB/s (NVIDIA/nccl-tests#290), one NIC per GPU",
-                     all_reduce_tree=True),
+                     "nccl_busbw_reference.csv: 1x NDR 400Gb/s NIC 46-48 GB/s (NVIDIA/nccl-tests#290), one NIC per GPU"),
     "h200": LinkSpec("ib-ndr400-per-gpu", 48 * GB, 8 * _US,
-                     "nccl_busbw_reference.csv: 1x NDR 400Gb/s NIC 46-48 GB/s (NVIDIA/nccl-tests#290), one NIC per GPU",
-                     all_reduce_tree=True),
+                     "nccl_busbw_reference.csv: 1x NDR 400Gb/s NIC 46-48 GB/s (NVIDIA/nccl-tests#290), one NIC per GPU"),
     # nccl_busbw_reference.csv "1x EDR 100Gb/s NIC": 12.2 GB/s.
     "v100": LinkSpec("ib-edr100-per-gpu", 12.2 * GB, 8 * _US,
-                     "nccl_busbw_reference.csv: 1x EDR 100Gb/s NIC 12.2 GB/s (NVIDIA/nccl-tests#29)",
-                     all_reduce_tree=True),
+                     "nccl_busbw_reference.csv: 1x EDR 100Gb/s NIC 12.2 GB/s (NVIDIA/nccl-tests#29)"),
     "cpu": LinkSpec("tcp", 1 * GB, 100 * _US, "rough: gloo over TCP"),
 })
 # Host<->device per GPU, ROUGH achievable (not in the reference csvs): PCIe Gen4 x16 ~25 GB/s
@@ -515,8 +507,10 @@ def make_cluster(gpu: str, nodes: int, gpus_per_node: int = 8, name: Optional[st
     for H100/H200, HDR 200 Gb/s ~24 GB/s for A100, EDR 100 Gb/s ~12.2 GB/s for V100)."""
     spec = get_gpu(gpu)
     fam = _DATASHEETS[spec.name].family
+    tree = fam != "cpu"          # NCCL's all-reduces take trees, gloo's rings (``collectives.all_reduce_s``)
     return ClusterSpec(name=name or f"{spec.name}x{nodes}x{gpus_per_node}", gpu=spec, nodes=nodes,
-                       gpus_per_node=gpus_per_node, intra=_INTRA[fam], inter=_INTER[fam],
+                       gpus_per_node=gpus_per_node, intra=replace(_INTRA[fam], all_reduce_tree=tree),
+                       inter=replace(_INTER[fam], all_reduce_tree=tree),
                        pcie_Bps=_PCIE_Bps[fam], host_memory_bytes=_HOST[fam][0], host_Bps=_HOST[fam][1],
                        nvme_bytes=_HOST[fam][2], nvme_Bps=_HOST[fam][3], overlap_slowdown=_OVERLAP_SLOWDOWN[fam][0],
                        overlap_slowdown_source=_OVERLAP_SLOWDOWN[fam][1])

@@ -422,6 +422,7 @@ def test_ddp_buckets_over_a_thousand_gpus_pay_a_trees_latency():
     latency steps each (8 us a network hop) where a ring takes 2,046 (16 ms a bucket). The data axis'
     all-reduce of a small GPT's gradients (a few buckets of at most 25 MiB) then costs its bandwidth
     and 0.16 ms a bucket."""
+    from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES
     from autopar.solver import plan_model
     from solver_helpers import traced
 
@@ -432,7 +433,7 @@ def test_ddp_buckets_over_a_thousand_gpus_pay_a_trees_latency():
     link = cluster.inter
     assert link.all_reduce_tree and link.latency_s == 8e-6
     grad_bytes = 2 * g.param_count                   # bf16 gradients on the wire (autopar's runtime)
-    buckets = math.ceil(grad_bytes / (25 * 2**20)) + 1          # the first bucket is 1 MiB
+    buckets = math.ceil(grad_bytes / DEFAULT_BUCKET_BYTES) + 1     # and the small first one
     bandwidth = 2 * 1023 / 1024 * grad_bytes / link.busbw_Bps
     losses = 2 * plan.num_micro_batches             # the loss's two one-value all-reduces a micro-batch
     assert bandwidth < row.total_s <= bandwidth + (buckets + losses) * 20 * link.latency_s + 1e-9
