@@ -27,8 +27,12 @@ report compares:
   ``StepTime.host_s``); with a pipeline, together with the plan's bubble (``PIPELINE_HOST``: a stage
   waiting for its neighbour blocks inside torch's schedule, in ``work.wait()``, which the profiler
   does not record, so its waits are measured as host time);
-- every collective issued (kind, mesh axis, bytes, calls per step) with the cost model's time for it
-  on its link (``cost/collectives.py``; all of it, overlapped or not);
+- every collective issued (kind, mesh axis, bytes, calls per step): the time measured inside its
+  launch and the wait for it (``collectives.collective_range``: the profiler's self time of what
+  runs there, mean over the ranks that issued it; on gloo a blocked rank's wait for the slowest one
+  is in it; ``--json``: ``"measured_s_per_step"``) against the cost model's time for it on its link
+  (``cost/collectives.py``; all of it, overlapped or not). A pipeline's sends and receives, issued
+  inside torch's schedule, are counted in their kind's row of the step table only;
 - per rank: step time and busy time by class (with pp > 1 each rank is a pipeline stage), and the
   peak memory of one more step, measured by category, against the plan's memory model
   (``runtime/memory_measure.py``; ``--json``: ``"memory"``).
@@ -196,14 +200,7 @@ def summarize(plan, cluster, profiles: list[dict], nodes: Optional[list[int]] = 
         categories.append((PIPELINE_HOST, measured_step - other, host_pred + st.bubble_s))
     else:
         categories.append((HOST, measured_step - other, host_pred if host_pred > 0 else None))
-    seen = {}
-    for p in profiles:
-        for kind, axis, nbytes, calls in p["collectives"]:
-            key = (kind, axis, nbytes)
-            seen[key] = max(seen.get(key, 0), calls)
-    collectives = [{"kind": k, "axis": a, "bytes": n, "calls_per_step": c,
-                    "predicted_s_per_step": c * predicted_collective_s(plan, cluster, k, a, n)}
-                   for (k, a, n), c in sorted(seen.items())]
+    collectives = collective_rows(plan, cluster, profiles)
     ranks = [{"rank": p["rank"], "coordinates": p["coordinates"],
               "step_time_s": sum(p["step_times_s"]) / steps,
               "compute_s": sum(p["by_class_s"].get(c, 0.0) for c in COMPUTE_CLASSES),
@@ -213,6 +210,26 @@ def summarize(plan, cluster, profiles: list[dict], nodes: Optional[list[int]] = 
             "categories": [{"category": c, "measured_s": m, "predicted_s": p} for c, m, p in categories],
             "by_class": by_class, "optimizer": {"measured_s": mean["optimizer"], "predicted_s": st.optimizer_s},
             "collectives": collectives, "ranks": ranks, "cluster": cluster.name, "plan": plan.summary()}
+
+
+def collective_rows(plan, cluster, profiles: list[dict]) -> list[dict]:
+    """One row per collective (kind, axis, bytes) the ranks logged: calls per step (the most any
+    rank issued), the cost model's time for them, and the measured: the self time inside their
+    ``collective_range`` (``profiling.step_profile``), mean over the ranks that issued them (None
+    where no rank's profile has these times)."""
+    seen: dict = {}
+    issued: dict = defaultdict(list)
+    for p in profiles:
+        timed = {(k, a, n): t for k, a, n, t in p.get("collective_s", ())}
+        for kind, axis, nbytes, calls in p["collectives"]:
+            key = (kind, axis, nbytes)
+            seen[key] = max(seen.get(key, 0), calls)
+            if "collective_s" in p:
+                issued[key].append(timed.get(key, 0.0))
+    return [{"kind": k, "axis": a, "bytes": n, "calls_per_step": c,
+             "predicted_s_per_step": c * predicted_collective_s(plan, cluster, k, a, n),
+             "measured_s_per_step": sum(issued[k, a, n]) / len(issued[k, a, n]) if issued[k, a, n] else None}
+            for (k, a, n), c in sorted(seen.items())]
 
 
 def render(report: dict, console) -> None:
@@ -237,12 +254,14 @@ def render(report: dict, console) -> None:
         t.caption = f"measured step: the mean of {len(steps)} steps, {s(min(steps))} to {s(max(steps))}"
     console.print(t)
     if report["collectives"]:
-        c = Table(title="collectives issued (cost model time on the axis' link, per step, overlap not subtracted)")
-        for col in ("kind", "axis", "bytes", "calls / step", "predicted"):
+        c = Table(title="collectives issued, per step (predicted: the cost model's time on the axis' link, overlap not "
+                        "subtracted; measured: profiler self time of each one's launch and wait, mean over the ranks "
+                        "issuing it, which on gloo includes waiting for the slowest of them)")
+        for col in ("kind", "axis", "bytes", "calls / step", "measured", "predicted", "measured / predicted - 1"):
             c.add_column(col, justify="left" if col in ("kind", "axis") else "right")
         for row in report["collectives"]:
-            c.add_row(row["kind"], row["axis"], f"{row['bytes']:,}", str(row["calls_per_step"]),
-                      s(row["predicted_s_per_step"]))
+            m, p = row.get("measured_s_per_step"), row["predicted_s_per_step"]
+            c.add_row(row["kind"], row["axis"], f"{row['bytes']:,}", str(row["calls_per_step"]), s(m), s(p), err(m, p))
         console.print(c)
     r = Table(title="ranks (peak memory: one more step, measured by category; runtime/memory_measure.py)")
     for col in ("rank", "mesh coordinates", "step", "compute", "peak memory", "predicted", "error", "trace"):

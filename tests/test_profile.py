@@ -26,7 +26,7 @@ def test_profiler_events_are_classed_as_the_cost_model_classes_ops():
     assert op_class("c10d::send") == "collective:p2p"
     assert op_class("Optimizer.step#AdamW.step") == "optimizer"
     assert op_class("autograd::engine::evaluate_function: AddmmBackward0") == "runtime"
-    assert op_class("autopar::wait:all_reduce") == "collective:all_reduce"
+    assert op_class("autopar::collective:all_reduce|dp|1024") == "collective:all_reduce"
 
 
 def test_waiting_for_an_async_collective_counts_as_that_collective():
@@ -44,11 +44,37 @@ def test_waiting_for_an_async_collective_counts_as_that_collective():
             time.sleep(0.02)
 
     with profile() as prof:
-        wait_for(Work(), "all_reduce")
+        wait_for(Work(), "all_reduce", "dp", 4096)
     by = Counter()
     for e in prof.key_averages():
         by[op_class(e.key)] += e.self_cpu_time_total * 1e-6
     assert by["collective:all_reduce"] >= 0.02 and by["runtime"] < 0.01
+
+
+def test_each_collectives_launch_and_wait_are_timed_as_that_collective():
+    """``collective_range`` around a launch and ``wait_for`` its wait: ``step_profile`` adds what runs
+    inside (the c10d op's self time, the wait) to that collective's (kind, axis, bytes), per step; an
+    aten op inside a launch stays its own class and is not the collective's; a collective op outside
+    any range counts for its kind only."""
+    from types import SimpleNamespace
+
+    from autopar.runtime.collectives import COLLECTIVE_EVENT
+    from autopar.runtime.profiling import step_profile
+
+    def ev(name, self_us, parent=None):
+        return SimpleNamespace(name=name, thread=1, time_range=SimpleNamespace(start=0),
+                               self_cpu_time_total=self_us, cpu_parent=parent)
+
+    launch = ev(COLLECTIVE_EVENT + "all_reduce|dp|4096", 10)
+    wait = ev(COLLECTIVE_EVENT + "all_reduce|dp|4096", 6000)
+    tp = ev(COLLECTIVE_EVENT + "all_gather|tp|512", 2000)
+    events = [launch, ev("c10d::allreduce_", 1000, launch), ev("aten::copy_", 500, launch), wait, tp,
+              ev("c10d::allreduce_", 3000)]
+    by_class, by_coll = step_profile(events, 2)
+    assert by_coll == {("all_reduce", "dp", 4096): pytest.approx(0.00701 / 2),
+                       ("all_gather", "tp", 512): pytest.approx(0.001)}
+    assert by_class["collective:all_reduce"] == pytest.approx(0.01001 / 2)
+    assert by_class["memory"] == pytest.approx(0.00025)
 
 
 def test_what_the_optimizer_step_runs_is_the_optimizers():

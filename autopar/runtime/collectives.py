@@ -8,6 +8,9 @@ Two sources feed one ``CollectiveLog``:
   ``CommDebugMode`` counts the same ops but keeps neither the axis nor the size.)
 - autopar's own gradient reducer and ZeRO gathers call ``CollectiveLog.add`` directly.
 
+Each collective's launch and the wait for it run inside its ``collective_range``, a profiler range
+named for its kind, axis and bytes: ``autopar profile`` measures each one's time from them.
+
 ``nbytes`` follows ``autopar.cost.collectives``: all_reduce the tensor, all_gather the OUTPUT,
 reduce_scatter the INPUT, all_to_all each rank's send buffer.
 """
@@ -50,17 +53,32 @@ class CollectiveLog:
         self._records.clear()
 
 
-WAIT_EVENT = "autopar::wait:"      # + the collective's kind: a profiler range around waiting for one
+COLLECTIVE_EVENT = "autopar::collective:"   # + "kind|axis|bytes": a profiler range around one collective
 
 
-def wait_for(work, kind: str) -> None:
-    """``work.wait()`` inside a profiler range named ``WAIT_EVENT + kind``: the time an async
-    collective keeps a rank waiting is not in any c10d op's self time (the launch returned), and
-    ``autopar profile`` counts it as that collective's (``runtime/profiling.op_class``), not as host
-    overhead. Outside a profiler the range costs a microsecond or two."""
+def collective_range(kind: str, axis: str, nbytes: int):
+    """A profiler range around one collective's launch or wait, named for its kind, mesh axis and
+    bytes (as the log records them): ``autopar profile`` adds the self time of the ops inside to
+    that collective's measured time (``runtime/profiling.step_collectives``) and classes it as the
+    kind's. Outside a profiler it costs a microsecond or two."""
     import torch
 
-    with torch.profiler.record_function(WAIT_EVENT + kind):
+    return torch.profiler.record_function(f"{COLLECTIVE_EVENT}{kind}|{axis}|{int(nbytes)}")
+
+
+def parse_collective_event(name: str) -> Optional[tuple[str, str, int]]:
+    """``(kind, axis, bytes)`` of a ``collective_range``'s event name, else None."""
+    if not name.startswith(COLLECTIVE_EVENT):
+        return None
+    kind, axis, nbytes = name[len(COLLECTIVE_EVENT):].rsplit("|", 2)
+    return kind, axis, int(nbytes)
+
+
+def wait_for(work, kind: str, axis: str, nbytes: int) -> None:
+    """``work.wait()`` inside the collective's ``collective_range``: the time an async collective
+    keeps a rank waiting is not in any c10d op's self time (the launch returned), and ``autopar
+    profile`` counts it as that collective's, not as host overhead."""
+    with collective_range(kind, axis, nbytes):
         work.wait()
 
 
@@ -91,7 +109,8 @@ _COALESCED = {"all_reduce_coalesced", "all_gather_into_tensor_coalesced", "reduc
 
 
 class CollectiveRecorder(TorchDispatchMode):
-    """Records DTensor's functional collectives into ``log`` while active.
+    """Records DTensor's functional collectives into ``log`` while active, each launch and the wait
+    for it inside the collective's ``collective_range`` (``autopar profile`` times them).
 
     ``axis_ranks``: mesh axis name -> the global ranks of this rank's group on that axis. A group
     is named by its ranks, not its name: DTensor caches redistribution plans per mesh layout, so a
@@ -105,6 +124,8 @@ class CollectiveRecorder(TorchDispatchMode):
         # process-group name -> axis, before the ranks: a group autopar issues on itself (the cp
         # group of context-parallel attention) may hold the same ranks as a mesh axis' group
         self._names: dict[str, str] = dict(named or {})
+        # id of a launch's output -> (a weak reference to it, (kind, axis, bytes)) until its wait
+        self._inflight: dict[int, tuple] = {}
 
     def _axis(self, group_name: str) -> str:
         if group_name not in self._names:
@@ -121,26 +142,41 @@ class CollectiveRecorder(TorchDispatchMode):
 
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented            # let DTensor lower to plain ops first; we see those
-        out = func(*args, **kwargs)
-        ns = getattr(func, "namespace", "")
-        if ns in ("_c10d_functional", "_c10d_functional_autograd"):
-            name = func._opname
-            if name in _COALESCED:
-                raise NotImplementedError(f"autopar's collective log does not handle {func}")
-            kind = FUNCOL_KINDS.get(name)
-            if kind is not None:
-                self._record(kind, args, out)
-        return out
+        if getattr(func, "namespace", "") not in ("_c10d_functional", "_c10d_functional_autograd"):
+            return func(*args, **kwargs)
+        name = func._opname
+        if name in _COALESCED:
+            raise NotImplementedError(f"autopar's collective log does not handle {func}")
+        kind = FUNCOL_KINDS.get(name)
+        if kind is not None:
+            key = self._key(kind, args)
+            with collective_range(*key):
+                out = func(*args, **kwargs)
+            self.log.add(*key, "dtensor")
+            self._track(out, key)
+            return out
+        if name == "wait_tensor" and args:
+            ref, key = self._inflight.pop(id(args[0]), (None, None))
+            if ref is not None and ref() is args[0]:
+                with collective_range(*key):
+                    return func(*args, **kwargs)
+        return func(*args, **kwargs)
 
-    def _record(self, kind: str, args, out) -> None:
-        axis = self._axis(args[-1])          # every functional collective ends with its group name
+    def _key(self, kind: str, args) -> tuple[str, str, int]:
+        """(kind, axis, bytes) of a functional collective's call: every one ends with its group
+        name; all_gather counts its output (input x group size, its second argument)."""
         t = args[0]
-        if kind == "all_gather":
-            nbytes = out.numel() * out.element_size()
-        else:
-            nbytes = t.numel() * t.element_size()
-        self.log.add(kind, axis, nbytes, "dtensor")
+        nbytes = t.numel() * t.element_size() * (int(args[1]) if kind == "all_gather" else 1)
+        return kind, self._axis(args[-1]), nbytes
 
+    def _track(self, out, key) -> None:
+        """Remember ``out``'s collective until its ``wait_tensor``; entries whose tensor is gone
+        (never waited for under this mode) are dropped once there are many."""
+        import weakref
+
+        if len(self._inflight) > 256:
+            self._inflight = {k: v for k, v in self._inflight.items() if v[0]() is not None}
+        self._inflight[id(out)] = (weakref.ref(out), key)
 
 
 def traffic_by_axis(records: "tuple[Collective, ...] | list[Collective]") -> dict[str, dict]:

@@ -39,7 +39,7 @@ from autopar.codegen.program import ParamPlan
 from autopar.codegen.shards import chunk_range, contiguous_stride, local_ranges, slice_of
 from autopar.mesh import DATA, TENSOR, axis_position, tensor_axes
 from autopar.placements import Shard, to_torch
-from autopar.runtime.collectives import CollectiveLog
+from autopar.runtime.collectives import CollectiveLog, collective_range
 from autopar.runtime.init import InitRule, generate
 from autopar.runtime.regather import Regather
 
@@ -180,9 +180,11 @@ def gather_rows(slot: ParamSlot, chunk: torch.Tensor, ctx: ParamContext, record:
         return chunk.view(slot.layout.local_shape)
     send = padded_rows(slot, chunk, ctx.dp)
     out = torch.empty(ctx.dp * send.numel(), dtype=chunk.dtype, device=chunk.device)
-    dist.all_gather_single(out, send, group=ctx.dp_group)
+    nbytes = out.numel() * out.element_size()
+    with collective_range("all_gather", DATA, nbytes):
+        dist.all_gather_single(out, send, group=ctx.dp_group)
     if record:
-        ctx.log.add("all_gather", DATA, out.numel() * out.element_size(), "zero")
+        ctx.log.add("all_gather", DATA, nbytes, "zero")
     return unpadded(slot, out)
 
 

@@ -56,6 +56,7 @@ from torch.distributed.tensor import DTensor
 from autopar.codegen.shards import local_ranges
 from autopar.codegen.stages import wire_placements
 from autopar.placements import to_torch
+from autopar.runtime.collectives import collective_range
 from autopar.plan import ZERO_BUBBLE_SCHEDULES, split_backward_problem, stage_rank
 
 # plan.EXECUTED_SCHEDULES -> torch's class (tests/runtime/test_pipeline.py checks they agree)
@@ -315,8 +316,10 @@ class PipelineRunner:
         loss = (torch.stack([x.detach() for x in losses]).sum() if self.holds_last
                 else torch.zeros((), dtype=torch.float32))
         loss = loss.to(torch.float32).reshape(())
-        dist.broadcast(loss, src=self.last_pp_rank, group=self.pp_group)
-        self.log.add("broadcast", "pp", loss.numel() * loss.element_size(), "pipeline")
+        nbytes = loss.numel() * loss.element_size()
+        with collective_range("broadcast", "pp", nbytes):
+            dist.broadcast(loss, src=self.last_pp_rank, group=self.pp_group)
+        self.log.add("broadcast", "pp", nbytes, "pipeline")
         self._sum_tied_grads()
         return loss
 
@@ -334,8 +337,10 @@ class PipelineRunner:
                 if g is None:
                     g = torch.zeros(s.layout.local_shape, dtype=s.local.dtype,
                                     device=self.store.ctx.device or s.local.device)
-                dist.all_reduce(g, group=group)
-                self.log.add("all_reduce", "pp", g.numel() * g.element_size(), "tied")
+                nbytes = g.numel() * g.element_size()
+                with collective_range("all_reduce", "pp", nbytes):
+                    dist.all_reduce(g, group=group)
+                self.log.add("all_reduce", "pp", nbytes, "tied")
                 if zero3:
                     s.full_grad = g
                 else:

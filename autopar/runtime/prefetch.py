@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.mesh import DATA
-from autopar.runtime.collectives import release, wait_for
+from autopar.runtime.collectives import collective_range, release, wait_for
 from autopar.runtime.copy_stream import Copies
 from autopar.runtime.params import chunk_numel, on_device, padded_rows, stored_rows, unpadded
 
@@ -131,7 +131,7 @@ class GroupGathers:
         """A started gather no one reads: waited for (every rank issued it; an upload, before the
         optimizer writes the host rows it reads), its buffers freed."""
         if flight.work is not None:
-            wait_for(flight.work, "all_gather")
+            wait_for(flight.work, "all_gather", DATA, flight.out.numel() * flight.out.element_size())
         for up in (flight.uploads or {}).values():
             if up.event is not None:
                 up.event.synchronize()
@@ -146,15 +146,17 @@ class GroupGathers:
             return _Flight(slots, None, None, uploads={s.name: self._copies.up(stored_rows(s, ctx)) for s in slots})
         send = torch.cat([padded_rows(s, on_device(stored_rows(s, ctx), ctx), ctx.dp) for s in slots])
         out = torch.empty(ctx.dp * send.numel(), dtype=send.dtype, device=send.device)
-        work = dist.all_gather_single(out, send, group=ctx.dp_group, async_op=async_op)
-        ctx.log.add("all_gather", DATA, out.numel() * out.element_size(), "zero")
+        nbytes = out.numel() * out.element_size()
+        with collective_range("all_gather", DATA, nbytes):
+            work = dist.all_gather_single(out, send, group=ctx.dp_group, async_op=async_op)
+        ctx.log.add("all_gather", DATA, nbytes, "zero")
         return _Flight(slots, out, work if async_op else None, send)
 
     def _land(self, f: _Flight) -> dict[str, torch.Tensor]:
         if f.uploads is not None:
             return {s.name: f.uploads[s.name].get().view(s.layout.local_shape) for s in f.slots}
         if f.work is not None:
-            wait_for(f.work, "all_gather")
+            wait_for(f.work, "all_gather", DATA, f.out.numel() * f.out.element_size())
         rows = f.out.view(self.ctx.dp, -1)
         out, off = {}, 0
         for s in f.slots:

@@ -5,7 +5,8 @@ cost host time of their own), then K steps inside ``torch.profiler.profile`` (CP
 CUDA on GPUs), and returns a ``RankProfile``: the wall time of each timed step, the profiler's
 self time per operator class (``op_class``) averaged per step (on a GPU the device time of the
 kernels each op launched: ``step_classes``), the collectives autopar logged in
-the profiled steps (kind, mesh axis, bytes) and, optionally, a Chrome/TensorBoard trace file.
+the profiled steps (kind, mesh axis, bytes), the time measured inside each one's
+``collectives.collective_range`` (``step_profile``) and, optionally, a Chrome/TensorBoard trace file.
 
 Operator classes of profiler events (self time, so nested events are not counted twice):
 ``matmul``, ``attention``, ``memory`` (elementwise, norms, reductions) and ``free`` (views) as the
@@ -32,7 +33,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from autopar.cost.compute import op_kind
-from autopar.runtime.collectives import FUNCOL_KINDS, WAIT_EVENT
+from autopar.runtime.collectives import FUNCOL_KINDS, parse_collective_event
 
 _C10D = {"allreduce": "all_reduce", "allgather": "all_gather", "_allgather_base": "all_gather",
          "allgather_into_tensor_coalesced": "all_gather", "reduce_scatter": "reduce_scatter",
@@ -46,8 +47,9 @@ def op_class(event_name: str) -> str:
     if event_name.startswith("c10d::"):
         base = event_name[len("c10d::"):].rstrip("_")
         return "collective:" + _C10D.get(base, base)
-    if event_name.startswith(WAIT_EVENT):            # waiting for an async one (``collectives.wait_for``)
-        return "collective:" + event_name[len(WAIT_EVENT):]
+    key = parse_collective_event(event_name)       # a collective's range: the wait for an async one
+    if key is not None:                            # (``collectives.wait_for``), a launch's own Python
+        return "collective:" + key[0]
     if event_name.startswith(_FUNCOL):               # DTensor's functional collectives' launches
         kind = FUNCOL_KINDS.get(event_name[len(_FUNCOL):].removesuffix("_coalesced"))
         if kind is not None:
@@ -73,7 +75,15 @@ def step_classes(events, steps: int, device: bool = False) -> Counter:
     launched them, are skipped. On a GPU the host's time is mostly launching, and the step waits
     for the kernels: measured there by host self time, a GEMM-bound step read as 20 ms of matmul
     and 491 ms of "host" (the first lent H200)."""
+    return step_profile(events, steps, device)[0]
+
+
+def step_profile(events, steps: int, device: bool = False) -> tuple[Counter, Counter]:
+    """``(step_classes, per collective)``: the second, the part of each ``collective:<kind>`` class'
+    time spent inside one collective's ``collectives.collective_range`` (its launch or the wait for
+    it), per step, keyed ``(kind, axis, bytes)``."""
     by_class: Counter = Counter()
+    by_collective: Counter = Counter()
     waits = _functional_waits(events)
     for e in events:
         if device and _on_device(e):
@@ -81,8 +91,23 @@ def step_classes(events, steps: int, device: bool = False) -> Counter:
         cls = waits.get(id(e)) or op_class(e.name)
         if not cls.startswith("collective:") and cls != "optimizer":
             cls = _owner(e) or cls
-        by_class[cls] += (e.self_device_time_total if device else e.self_cpu_time_total) * 1e-6 / steps
-    return by_class
+        t = (e.self_device_time_total if device else e.self_cpu_time_total) * 1e-6 / steps
+        by_class[cls] += t
+        if cls.startswith("collective:"):
+            key = _collective_of(e)
+            if key is not None and cls == "collective:" + key[0]:
+                by_collective[key] += t
+    return by_class, by_collective
+
+
+def _collective_of(event) -> Optional[tuple[str, str, int]]:
+    """(kind, axis, bytes) of the innermost ``collective_range`` around ``event`` (or itself)."""
+    while event is not None:
+        key = parse_collective_event(event.name)
+        if key is not None:
+            return key
+        event = event.cpu_parent
+    return None
 
 
 def _on_device(event) -> bool:
@@ -138,6 +163,7 @@ class RankProfile:
     by_class_s: dict               # op class -> self time per step
     collectives: tuple[tuple[str, str, int, int], ...]   # (kind, axis, bytes per call, calls per step)
     trace_path: Optional[str] = None
+    collective_s: tuple[tuple[str, str, int, float], ...] = ()   # (kind, axis, bytes, self time per step)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -170,11 +196,11 @@ def profile_steps(pm, batches: Iterable, *, warmup: int, steps: int, trace_path:
     with profile(activities=activities) as prof:
         for _ in range(steps):
             run(*next(batches))
-    by_class = step_classes(prof.events(), steps, device=pm.device.type == "cuda")
+    by_class, by_collective = step_profile(prof.events(), steps, device=pm.device.type == "cuda")
     calls = Counter((c.kind, c.axis, c.nbytes) for c in pm.collectives if c.phase != "setup")
     if trace_path:
         prof.export_chrome_trace(trace_path)
     return RankProfile(rank=torch.distributed.get_rank(), coordinates=pm.coordinates, steps=steps,
                        step_times_s=tuple(times), by_class_s=dict(by_class),
                        collectives=tuple(sorted((k, a, b, n // steps) for (k, a, b), n in calls.items())),
-                       trace_path=trace_path)
+                       trace_path=trace_path, collective_s=tuple(sorted((*k, v) for k, v in by_collective.items())))

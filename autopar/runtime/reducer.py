@@ -74,7 +74,7 @@ import torch.distributed as dist
 
 from autopar.codegen.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from autopar.mesh import DATA
-from autopar.runtime.collectives import release, wait_for
+from autopar.runtime.collectives import collective_range, release, wait_for
 from autopar.runtime.params import ParamSlot, ParamStore, chunk_numel
 
 
@@ -222,13 +222,17 @@ class GradReducer:
                 self._into_bucket(i)
             flat = self._flat[b]
             send = flat if self.reduce_dtype is None else flat.to(self.reduce_dtype)
-            work = dist.all_reduce(send, group=self.group, async_op=True)
-            self._inflight[b] = _Flight("all_reduce", send.numel() * send.element_size(), work, send, None)
+            nbytes = send.numel() * send.element_size()
+            with collective_range("all_reduce", DATA, nbytes):
+                work = dist.all_reduce(send, group=self.group, async_op=True)
+            self._inflight[b] = _Flight("all_reduce", nbytes, work, send, None)
         else:
             send = self._interleave(slots)
             out = send.new_empty(send.numel() // self.dp)
-            work = dist.reduce_scatter_single(out, send, group=self.group, async_op=True)
-            self._inflight[b] = _Flight("reduce_scatter", send.numel() * send.element_size(), work, send, out)
+            nbytes = send.numel() * send.element_size()
+            with collective_range("reduce_scatter", DATA, nbytes):
+                work = dist.reduce_scatter_single(out, send, group=self.group, async_op=True)
+            self._inflight[b] = _Flight("reduce_scatter", nbytes, work, send, out)
 
     def _interleave(self, slots: list[ParamSlot]) -> torch.Tensor:
         """The send buffer in rank-major layout: [rank 0's padded rows of each parameter][rank 1's
@@ -269,7 +273,7 @@ class GradReducer:
 
     def _finish(self, b: int) -> None:
         f = self._inflight[b]
-        wait_for(f.work, f.kind)
+        wait_for(f.work, f.kind, DATA, f.nbytes)
         slots = [self.slots[i] for i in self.buckets[b]]
         if f.kind == "all_reduce":
             flat = self._flat[b]
@@ -344,8 +348,10 @@ class GradReducer:
                 pieces.append(mine)
             send = torch.cat(pieces)
             out = send.new_empty(send.numel() * dp)
-            dist.all_gather_single(out, send, group=self.group)
-            self.log.add("all_gather", DATA, out.numel() * out.element_size(), "zero")
+            nbytes = out.numel() * out.element_size()
+            with collective_range("all_gather", DATA, nbytes):
+                dist.all_gather_single(out, send, group=self.group)
+            self.log.add("all_gather", DATA, nbytes, "zero")
             gathered = out.view(dp, -1)
             offset = 0
             for s in slots:
