@@ -10,8 +10,10 @@ takes GPU ``rank`` and the collectives run over an NCCL group) and measure at th
 ``autopar.cost.collectives`` from 1 KiB up to 256 MiB, as far as the time budget allows, over all
 ranks; on CPU ranks each is also timed in situ, after a block of compute as a training step issues
 it, and that time is the one fitted (``calibrate_comm.time_collective_in_situ``; the back-to-back
-times are kept in ``[measured]``). A latency and a bus bandwidth are fitted to each collective's
-times with the cost model's own formulas (``autopar/calibrate_comm.py``); the file's ``[intra]`` link is the all_reduce fit
+times are kept in ``[measured]``). With 4 ranks or more (an even count) all-reduces are timed
+over pairs of ranks too, every pair at once. A latency and a bus bandwidth are fitted to each
+collective's times with the cost model's own formulas (``autopar/calibrate_comm.py``), and a call
+latency where a kind was timed over two group sizes (the all-reduce); the file's ``[intra]`` link is the all_reduce fit
 (data-parallel gradients and tensor-parallel layers use all_reduce), and the other collectives run
 at their own fitted busbw relative to it (its ``busbw_scale``: gloo's reduce_scatter and all_gather
 run at a fraction of its all_reduce busbw, its send/recv at a multiple; NCCL's kinds alike, about
@@ -233,7 +235,7 @@ def _aggregate(results: list[dict], cfg: dict, kind: str, nproc: int, start: flo
                              all(r["runtime_overhead"]["dtensor_2d_slope"] for r in results))
         if "dtensor_2d" in results[0].get("runtime_overhead", {}) else None,
         step_overhead=_step_host(intercept, nproc, link), step_intercept=intercept,
-        ring_attention_overhead=_ring_host(results, by_kind.get("all_to_all", link)),
+        ring_attention_overhead=_ring_host(results, link),
         zero3_group_overhead=_zero3_host(results, by_kind, link),
         overlap=overlap_figures(results[0]["overlap"]) if "overlap" in results[0] else None,
         memory_classes=tuple((c, _hmean([r["memory_classes"][c] for r in results]))
@@ -254,15 +256,16 @@ def _step_host(intercept: Optional[float], nproc: int, link: Optional[LinkFit]) 
     return max(0.0, intercept - LOSS_ALL_REDUCES * loss_s)
 
 
-def _ring_host(results: list[dict], rotation: Optional[LinkFit]) -> Optional[float]:
+def _ring_host(results: list[dict], link: Optional[LinkFit]) -> Optional[float]:
     """The ring attention's host cost per node per micro-batch (``calibrate_runtime``), less its
-    rotations' link latency (an all_to_all of a few KB each), which the cost model prices on the link."""
+    rotations' latency on the fitted link (a few KB each), which the cost model prices there
+    (``context_parallel``: ``collectives.p2p_s``, a call latency and one step each)."""
     from autopar.calibrate_runtime import RING_ROTATIONS
 
     if "ring_attention" not in results[0].get("runtime_overhead", {}):
         return None
     ring = _mean([r["runtime_overhead"]["ring_attention"] for r in results])
-    return max(0.0, ring - RING_ROTATIONS * (rotation.latency_s if rotation else 0.0))
+    return max(0.0, ring - RING_ROTATIONS * (link.call_latency_s + link.latency_s if link else 0.0))
 
 
 def _zero3_host(results: list[dict], fits: dict, link: Optional[LinkFit]) -> Optional[float]:
@@ -274,7 +277,8 @@ def _zero3_host(results: list[dict], fits: dict, link: Optional[LinkFit]) -> Opt
     if "zero3_group" not in results[0].get("runtime_overhead", {}):
         return None
     group = _mean([r["runtime_overhead"]["zero3_group"] for r in results])
-    latency = sum(n * (fit.latency_s if (fit := fits.get(kind, link)) else 0.0) for kind, n in ZERO3_COLLECTIVES)
+    latency = sum(n * (fit.call_latency_s + fit.latency_s if (fit := fits.get(kind, link)) else 0.0)
+                  for kind, n in ZERO3_COLLECTIVES)
     return max(0.0, group - latency)
 
 
@@ -426,7 +430,8 @@ def figures_table(cal: Calibration, cluster: ClusterSpec) -> Table:
         top = max(p.nbytes for p in cal.points if k == "all kinds" or p.kind == k)
         role = ("\\[intra] link" if k == cal.link_kind else
                 f"{f.busbw_Bps / cal.link.busbw_Bps:.2g}x the link's busbw" if cal.link else "")
-        t.add_row(f"{k} (up to {top / 2**20:.4g} MiB)", f"busbw {f.busbw_Bps / GB:.3g} GB/s, lat {f.latency_s * 1e6:.3g} us",
+        call = f", call {f.call_latency_s * 1e6:.3g} us" if f.call_latency_s else ""
+        t.add_row(f"{k} (up to {top / 2**20:.4g} MiB)", f"busbw {f.busbw_Bps / GB:.3g} GB/s, lat {f.latency_s * 1e6:.3g} us{call}",
                   f"{role}, fit error {100 * f.rel_rms:.0f}% RMS")
     if cal.link is None:
         t.add_row("collectives", escape(cal.link_note), f"\\[intra] default {cluster.intra.name}")

@@ -24,13 +24,17 @@ against 4.4, 16 MiB 14.0 against 14.6; 4 ranks, 16 KiB 6.0 against 8.8, 4 MiB 8.
 16 MiB 30.4 against 30.2 (large messages: the same). In a tensor-parallel step on 2 ranks, a
 1 MiB all_reduce took 0.7-9 ms (most 3-5) where the back-to-back fit predicted 1.09 ms.
 
-``fit_link(points)`` fits one latency and one bus bandwidth to the measured times, with the cost
-model's own formula (``collectives.collective_s``): for each point the prediction is
-``steps(kind, n) * latency + bus_factor(kind, n) * nbytes / busbw``, linear in (latency, 1/busbw);
+``fit_link(points)`` fits a call latency, a per-step latency and a bus bandwidth to the measured
+times, with the cost model's own formula (``collectives.collective_s``): for each point the
+prediction is ``call_latency + steps(kind, n) * latency + bus_factor(kind, n) * nbytes / busbw``,
+linear in (call_latency, latency, 1/busbw); the two latencies are told apart by points of two group
+sizes (``autopar calibrate`` times all-reduces over pairs of ranks beside those over all ranks: on
+this 2-core machine with 4 ranks the small ones took 2.6-3.9 ms over pairs, 7.0-8.0 over all four,
+where per-step latency alone, fitted to the four, priced the pairs at a third of the four's);
 an all-reduce's steps are a tree's on GPUs (NCCL: ``all_reduce_tree``, as the link it writes then
 prices them) and a ring's on CPU ranks (gloo).
 The fit minimises the RELATIVE error (each point weighted by 1/time), so 1 KB messages (latency)
-and 256 MB ones (bandwidth) count alike; latency is kept >= 0.
+and 256 MB ones (bandwidth) count alike; the latencies are kept >= 0.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -66,10 +70,11 @@ class LinkFit:
     max_rel: float     # largest relative error
     points: int
     all_reduce_tree: bool = False   # the all-reduce steps the fit counted (``collectives.all_reduce_s``)
+    call_latency_s: float = 0.0     # per collective, as LinkSpec.call_latency_s
 
     def link(self, name: str, source: str) -> LinkSpec:
         return LinkSpec(name=name, busbw_Bps=self.busbw_Bps, latency_s=self.latency_s, source=source,
-                        all_reduce_tree=self.all_reduce_tree)
+                        all_reduce_tree=self.all_reduce_tree, call_latency_s=self.call_latency_s)
 
 
 def collective_op(kind: str, nbytes: int, rank: int, world: int, device: torch.device,
@@ -137,34 +142,69 @@ def time_collective_in_situ(fn: Callable[[], None], compute: Callable[[], object
     return statistics.median(both) - statistics.median(alone)
 
 
-def _design(p: CollectivePoint, tree: bool) -> tuple[float, float]:
-    """(latency coefficient, 1/busbw coefficient) of ``p``'s predicted time, read off the cost model."""
-    steps = collective_s(p.kind, p.nbytes, p.ranks, LinkSpec("", math.inf, 1.0, "", all_reduce_tree=tree))
-    bus_bytes = collective_s(p.kind, p.nbytes, p.ranks, LinkSpec("", 1.0, 0.0, "", all_reduce_tree=tree))
-    return steps, bus_bytes
+def _design(p: CollectivePoint, tree: bool) -> tuple[float, float, float]:
+    """(call latency, latency, 1/busbw coefficients) of ``p``'s predicted time, read off the cost model."""
+    def at(call: float, lat: float, bw: float) -> float:
+        return collective_s(p.kind, p.nbytes, p.ranks, LinkSpec("", bw, lat, "", all_reduce_tree=tree, call_latency_s=call))
+    return at(1.0, 0.0, math.inf), at(0.0, 1.0, math.inf), at(0.0, 0.0, 1.0)
+
+
+# which of (call latency, per-step latency) a fit may use, in order of preference at equal error
+_TERMS = ((False, True), (True, True), (True, False), (False, False))
+
+
+def _solve(rows: list[tuple[float, ...]], cols: list[int]) -> Optional[list[float]]:
+    """Least squares of ``sum(x[j] * row[j] for j in cols) = 1`` over ``rows``; None if singular."""
+    k = len(cols)
+    a = [[sum(r[i] * r[j] for r in rows) for j in cols] for i in cols]
+    b = [sum(r[i] for r in rows) for i in cols]
+    for c in range(k):                               # Gauss-Jordan with partial pivoting
+        piv = max(range(c, k), key=lambda i: abs(a[i][c]))
+        if abs(a[piv][c]) <= 1e-12 * max(1.0, max(abs(a[i][i]) for i in range(k))):
+            return None
+        a[c], a[piv], b[c], b[piv] = a[piv], a[c], b[piv], b[c]
+        for i in range(k):
+            if i != c:
+                f = a[i][c] / a[c][c]
+                a[i] = [x - f * y for x, y in zip(a[i], a[c])]
+                b[i] -= f * b[c]
+    return [b[i] / a[i][i] for i in range(k)]
 
 
 def fit_link(points: Iterable[CollectivePoint], all_reduce_tree: bool = False) -> LinkFit:
-    """Latency and busbw minimising the relative error of ``collective_s`` over ``points``, on a link
-    whose all-reduces take trees (NCCL) or rings (gloo) as ``all_reduce_tree`` says."""
+    """Call latency, per-step latency and busbw minimising the relative error of ``collective_s``
+    over ``points``, on a link whose all-reduces take trees (NCCL) or rings (gloo) as
+    ``all_reduce_tree`` says. The latencies are kept >= 0 (the best of the fits that leave out one
+    or both, where the full one would make either negative); a call latency needs points of two
+    group sizes (one group size cannot tell it from the steps' latency: it is 0 then)."""
     pts = [p for p in points if p.ranks > 1]
     if len(pts) < 2:
         raise ValueError(f"fitting a link needs at least 2 timed collectives on >= 2 ranks, got {len(pts)}")
     for p in pts:
         if not (p.seconds > 0 and math.isfinite(p.seconds)):
             raise ValueError(f"{p.kind} of {p.nbytes} bytes took {p.seconds} s: not a positive finite time")
-    rows = [(s / p.seconds, x / p.seconds) for p, (s, x) in ((p, _design(p, all_reduce_tree)) for p in pts)]
-    suu = sum(u * u for u, _ in rows); svv = sum(v * v for _, v in rows); suv = sum(u * v for u, v in rows)
-    su = sum(u for u, _ in rows); sv = sum(v for _, v in rows)
-    det = suu * svv - suv * suv
-    lat, inv_bw = ((su * svv - sv * suv) / det, (suu * sv - suv * su) / det) if det > 1e-12 * suu * svv else (-1.0, 0.0)
-    if lat < 0:                                   # no latency visible in the data: bandwidth only
-        lat, inv_bw = 0.0, sv / svv
-    if not inv_bw > 0:
+    rows = [tuple(x / p.seconds for x in _design(p, all_reduce_tree)) for p in pts]
+    best = None
+    for call, lat in _TERMS:
+        cols = [j for j, on in enumerate((call, lat, True)) if on]
+        sol = _solve(rows, cols)
+        if sol is None or any(x < 0 for x in sol[:-1]):
+            continue
+        if not sol[-1] > 0:                       # latency explains the times: they do not grow
+            best = None
+            break
+        x = [0.0, 0.0, 0.0]
+        for j, v in zip(cols, sol):
+            x[j] = v
+        errs = [sum(c * r for c, r in zip(x, row)) - 1.0 for row in rows]
+        sse = sum(e * e for e in errs)
+        if best is None or sse < best[0] - 1e-12 * len(rows):      # a tie keeps the earlier terms
+            best = (sse, x, errs)
+    if best is None:
         sizes = sorted({p.nbytes for p in pts})
         raise ValueError(f"the times do not grow with the message size (sizes {sizes[0]}..{sizes[-1]} bytes), "
                          f"so no bandwidth can be fitted; measure larger messages (raise --budget-s)")
-    errs = [lat * u + inv_bw * v - 1.0 for u, v in rows]
+    _, (call, lat, inv_bw), errs = best
     return LinkFit(latency_s=lat, busbw_Bps=1.0 / inv_bw,
                    rel_rms=math.sqrt(sum(e * e for e in errs) / len(errs)), max_rel=max(abs(e) for e in errs),
-                   points=len(pts), all_reduce_tree=all_reduce_tree)
+                   points=len(pts), all_reduce_tree=all_reduce_tree, call_latency_s=call)

@@ -95,11 +95,14 @@ def cluster_dict(cal: Calibration, nodes: int = 1) -> dict[str, Any]:
         others = ", ".join(f"{k} {f:.2g}x" for k, f in scale.items())
         d["intra"] = {"name": f"measured-{'nccl' if cal.device_kind == 'cuda' else 'gloo'}",
                       "busbw_GBps": _sig(cal.link.busbw_Bps / GB), "latency_us": _sig(cal.link.latency_s * 1e6),
-                      "source": (f"measured by autopar calibrate: latency + busbw fitted to {cal.link_kind}"
+                      "call_latency_us": _sig(cal.link.call_latency_s * 1e6) if cal.link.call_latency_s > 0 else 0.0,
+                      "source": (f"measured by autopar calibrate: {'call latency + ' if cal.link.call_latency_s else ''}"
+                                 f"latency + busbw fitted to {cal.link_kind}"
                                  + (" in situ (each call after compute)" if any(p.back_to_back_s for p in kinds)
                                     else "")
                                  + " on "
-                                 f"{cal.nproc} ranks, {min(p.nbytes for p in kinds)} .. {max(p.nbytes for p in kinds)}"
+                                 f"{' and '.join(str(n) for n in sorted({p.ranks for p in kinds}))} ranks, "
+                                 f"{min(p.nbytes for p in kinds)} .. {max(p.nbytes for p in kinds)}"
                                  f" B (relative RMS error {100 * cal.link.rel_rms:.0f}%)"
                                  + (f"; the other collectives' own busbw, relative: {others} (busbw_scale)"
                                     if others else "")
@@ -179,18 +182,20 @@ def measured_dict(cal: Calibration, budget_s: float, wall_s: float) -> dict[str,
         m["collectives"] = {}
         for k in dict.fromkeys(p.kind for p in cal.points):
             mine = [p for p in cal.points if p.kind == k]
-            entry: dict[str, Any] = {"ranks": mine[0].ranks, "bytes": [p.nbytes for p in mine],
-                                     "seconds": [p.seconds for p in mine]}
+            ranks = sorted({p.ranks for p in mine})      # all-reduces: over pairs of ranks too
+            entry: dict[str, Any] = {"ranks": ranks[0] if len(ranks) == 1 else [p.ranks for p in mine],
+                                     "bytes": [p.nbytes for p in mine], "seconds": [p.seconds for p in mine]}
             if any(p.back_to_back_s for p in mine):       # ``seconds`` in situ (calibrate_comm.py)
                 entry["back_to_back_seconds"] = [p.back_to_back_s or p.seconds for p in mine]
             if k in fits:
                 entry.update(busbw_GBps=fits[k].busbw_Bps / GB, latency_us=fits[k].latency_s * 1e6,
-                             rel_rms=fits[k].rel_rms)
+                             call_latency_us=fits[k].call_latency_s * 1e6, rel_rms=fits[k].rel_rms)
             m["collectives"][k] = entry
     for key, f, kind in (("link_fit", cal.link, cal.link_kind), ("all_kinds_fit", cal.joint, "all kinds")):
         if f is not None:
             m[key] = {"from": kind, "busbw_GBps": f.busbw_Bps / GB, "latency_us": f.latency_s * 1e6,
-                      "rel_rms": f.rel_rms, "max_rel": f.max_rel, "points": f.points}
+                      "call_latency_us": f.call_latency_s * 1e6, "rel_rms": f.rel_rms, "max_rel": f.max_rel,
+                      "points": f.points}
     if cal.link_note:
         m["link_note"] = cal.link_note
     if cal.in_step is not None:

@@ -134,36 +134,57 @@ def _in_situ_compute(device: torch.device) -> Optional[tuple[Callable[[], None],
     return block, time_collective(block, 10, device, batches=3)
 
 
+def pair_groups(world: int) -> bool:
+    """Whether all-reduces are also timed over pairs of ranks (both pairs' at once): with 4+ ranks
+    in pairs, so the link's call latency can be told from its per-step latency
+    (``calibrate_comm.fit_link``); plans' tensor-, pipeline- and context-parallel groups are often
+    pairs."""
+    return world > 2 and world % 2 == 0
+
+
+def _measurements(kinds: list[str], world: int) -> list[tuple[str, int]]:
+    """(kind, group size) of each collective timed at every message size."""
+    return [(k, world) for k in kinds] + ([("all_reduce", 2)] if pair_groups(world) else [])
+
+
 def _collectives(gate: _Gate, cfg: dict, rank: int, world: int, device: torch.device, group, out: dict) -> None:
-    last: dict[str, float] = {}        # kind -> seconds per call at the previous size
-    stopped: set[str] = set()
+    last: dict = {}                    # (kind, group size) -> seconds per call at the previous size
+    stopped: set = set()
     in_situ = _in_situ_compute(device)
+    pair = None
+    if pair_groups(world):             # every rank makes every pair (new_subgroups): its own, and the others
+        pair, _ = dist.new_subgroups(group_size=2, backend="nccl" if device.type == "cuda" else None)
     for size in cfg["sizes"]:
-        for kind in cfg["kinds"]:
+        for kind, n in _measurements(cfg["kinds"], world):
             label = f"{kind} {size >> 10} KiB" if size < 1 << 20 else f"{kind} {size >> 20} MiB"
-            if kind in stopped:
+            label += f" ({n} ranks)" if n != world else ""
+            key = (kind, n)
+            if key in stopped:
                 gate.step(label)
                 continue
             # the next size is 4x: warm-up, estimate and the timed calls, each ~4x the last call
             # (twice that where each is timed in situ too)
-            predicted = 0.0 if kind not in last else 4 * last[kind] * (2 + COLLECTIVE_BATCHES) * (1 + bool(in_situ))
+            predicted = 0.0 if key not in last else 4 * last[key] * (2 + COLLECTIVE_BATCHES) * (1 + bool(in_situ))
             if not gate.go(predicted, gate.deadline["collectives"]):
-                stopped.add(kind)
+                stopped.add(key)
                 gate.step(label)
                 continue
-            fn, nbytes, factor = collective_op(kind, size, rank, world, device, group)
+            if n == world:
+                fn, nbytes, factor = collective_op(kind, size, rank, world, device, group)
+            else:
+                fn, nbytes, factor = collective_op(kind, size, rank % n, n, device, pair)
             fn()
             est = time_collective(fn, 1, device)
             reps = int(min(COLLECTIVE_MAX_REPS, max(1, COLLECTIVE_BATCH_S / max(est, 1e-9))))
             per_call = time_collective(fn, reps, device, batches=COLLECTIVE_BATCHES)
-            last[kind] = per_call
+            last[key] = per_call
             timed = per_call
             if in_situ is not None and per_call < IN_SITU_MAX_RATIO * in_situ[1]:
                 block, block_s = in_situ
                 reps = int(min(COLLECTIVE_MAX_REPS, max(1, COLLECTIVE_BATCH_S / (per_call + block_s))))
                 # never below back to back: what the compute adds is >= 0 (a negative difference is noise)
                 timed = max(per_call, time_collective_in_situ(fn, block, reps, device, batches=COLLECTIVE_BATCHES))
-            out["collectives"].append([kind, world, nbytes, timed * factor, per_call * factor])
+            out["collectives"].append([kind, n, nbytes, timed * factor, per_call * factor])
             del fn
             gate.step(label)
 
@@ -172,7 +193,7 @@ def total_steps(cfg: dict, world: int) -> int:
     """How many progress steps a rank makes (what the launcher's bar counts to)."""
     shapes = gemm_shapes(cfg["gemm_tokens"], cfg["gemm_hiddens"], cfg["gemm_splits"])
     basics = 4 if cfg["vector_numel"] else 3
-    comm = len(cfg["sizes"]) * len(cfg["kinds"]) + 1 if world > 1 else 0      # + the overlap measurement
+    comm = len(cfg["sizes"]) * len(_measurements(cfg["kinds"], world)) + 1 if world > 1 else 0   # + the overlap
     runtime = 1 if cfg["device"] == "cpu" else 0
     return basics + len(shapes) * len(cfg["dtypes"]) + len(cfg["sdpa"]["heads"]) + 1 + comm + runtime
 

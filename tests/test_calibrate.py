@@ -18,7 +18,7 @@ from autopar.calibrate_file import calibration_toml, cluster_dict, measured_dict
 from autopar.calibrate_bench import SHARED_WINDOW_S, GemmShape, shared_window_s, summarize_gemms, time_per_call
 from autopar.calibrate_comm import CollectivePoint, fit_link, time_collective, time_collective_in_situ
 from autopar.calibrate_step import CLASSES, FACTOR_BOUNDS, StepRates, class_times
-from autopar.cost.collectives import COLLECTIVE_KINDS, collective_s
+from autopar.cost.collectives import COLLECTIVE_KINDS, all_reduce_s, collective_s
 from autopar.cost.compute import MEMORY_CLASSES, op_time_s
 from autopar.cost.cluster_file import cluster_from_dict, cluster_to_toml, load_cluster
 from autopar.cost.hardware import LinkSpec, get_gpu, resolve_cluster
@@ -102,6 +102,33 @@ def test_fit_one_kind_and_bandwidth_only():
     pts = [p for p in _points(truth, 4) if p.kind == "all_reduce"]
     fit = fit_link(pts)
     assert fit.latency_s == 0.0 and fit.busbw_Bps == pytest.approx(1e9, rel=1e-9)
+
+
+def test_fit_tells_the_call_latency_from_the_steps_with_two_group_sizes():
+    """Times of all-reduces over 2 and 4 ranks with a per-call and a per-step latency: the fit gets
+    both back; over one group size they cannot be told apart, and the call latency is 0 (the old
+    one-latency fit). The cluster file carries it (``call_latency_us``) and the cost model prices it."""
+    truth = LinkSpec("t", busbw_Bps=1.2e9, latency_s=1.1e-3, source="", call_latency_s=1.0e-3)
+    two = [p for n in (2, 4) for p in _points(truth, n) if p.kind == "all_reduce"]
+    fit = fit_link(two)
+    assert fit.call_latency_s == pytest.approx(1e-3, rel=1e-6) and fit.latency_s == pytest.approx(1.1e-3, rel=1e-6)
+    assert fit.busbw_Bps == pytest.approx(1.2e9, rel=1e-6) and fit.rel_rms < 1e-9
+    one = fit_link([p for p in two if p.ranks == 4])
+    assert one.call_latency_s == 0.0 and one.latency_s == pytest.approx(1.1e-3 + 1e-3 / 6, rel=1e-6)
+    cal = _calibration("cpu", {"float32": 41.3e9}, copy=12.5e9, sdpa_rate=20e9,
+                       points=two + [p for p in _points(truth, 4) if p.kind != "all_reduce"])
+    c = cluster_from_dict(cluster_dict(cal))
+    assert c.intra.call_latency_s == pytest.approx(1e-3, rel=1e-6)
+    assert all_reduce_s(4, 2, c.intra) == pytest.approx(1e-3 + 2 * 1.1e-3 + 4 / 1.2e9, rel=1e-6)
+    assert cluster_from_dict(tomllib.loads(cluster_to_toml(c))) == c
+
+
+def test_calibrate_times_all_reduces_over_pairs_with_four_ranks_or_more():
+    from autopar.calibrate_rank import _measurements, pair_groups
+
+    assert pair_groups(4) and pair_groups(8) and not pair_groups(2) and not pair_groups(3)
+    assert _measurements(["all_reduce", "p2p"], 4) == [("all_reduce", 4), ("p2p", 4), ("all_reduce", 2)]
+    assert _measurements(["all_reduce"], 2) == [("all_reduce", 2)]
 
 
 def test_fit_errors():

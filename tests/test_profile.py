@@ -342,6 +342,9 @@ def test_profile_runs_two_ranks_and_writes_json_and_traces(tmp_path):
     assert rep["measured_step_time_s"] > 0 and rep["predicted_step_time_s"] > 0
     kinds = {(c["kind"], c["axis"]) for c in rep["collectives"]}
     assert ("reduce_scatter", "dp") in kinds and ("all_gather", "dp") in kinds, kinds
+    # each collective the reducer issued was timed inside its own range (launch and wait)
+    timed = {(c["kind"], c["axis"]): c["measured_s_per_step"] for c in rep["collectives"]}
+    assert timed["reduce_scatter", "dp"] > 0 and timed["all_gather", "dp"] > 0, timed
     assert [m["rank"] for m in rep["memory"]] == [0, 1]
     # per class, as the table's rows; the memory-bound row's prediction holds the runtime's copies
     cat = {c["category"].strip(): c for c in rep["categories"]}
@@ -354,3 +357,25 @@ def test_profile_runs_two_ranks_and_writes_json_and_traces(tmp_path):
     for r in rep["ranks"]:
         trace = json.loads(open(r["trace"]).read())
         assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
+
+
+@pytest.mark.slow
+def test_profile_times_dtensors_collectives_per_axis(tmp_path):
+    """tp=2: DTensor's functional collectives on the tp axis are timed one by one (launch and the
+    wait for it, ``CollectiveRecorder``), and together they are the tp-axis share of their kind's
+    measured time: a collective's rows add up to no more than its kind's row of the step table."""
+    from autopar.cli import main
+
+    cluster = tmp_path / "fast.toml"      # links nearly free: the tp axis shards (on "cpu" it replicates)
+    cluster.write_text('name = "fast"\ngpu = "cpu"\nnodes = 1\ngpus_per_node = 2\n'
+                       '[intra]\nbusbw_GBps = 1000.0\nlatency_us = 0.0\n[inter]\nbusbw_GBps = 1000.0\nlatency_us = 0.0\n')
+    out = tmp_path / "p.json"
+    assert main(["profile", "gpt-tiny", "--nproc", "2", "--steps", "1", "--force", "tp=2", "--cluster", str(cluster),
+                 "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    rows = [c for c in rep["collectives"] if c["axis"] == "tp"]
+    assert rows and all(c["measured_s_per_step"] > 0 for c in rows), rows
+    cat = {c["category"]: c["measured_s"] for c in rep["categories"]}
+    for kind in {c["kind"] for c in rows}:
+        timed = sum(c["measured_s_per_step"] for c in rep["collectives"] if c["kind"] == kind)
+        assert 0 < timed <= cat[f"comm {kind}"] * (1 + 1e-9), (kind, timed, cat)

@@ -20,7 +20,7 @@ _HOST_KEYS = (("host_memory_gb", "host_memory_bytes"), ("host_GBps", "host_Bps")
 _TOP_KEYS = ("name", "gpu", "nodes", "gpus_per_node", "pcie_GBps", "intra", "inter", "gpu_overrides",
              "measured", "overlap_slowdown", "overlap_slowdown_source", "cores_per_node") + tuple(
                  k for k, _ in _HOST_KEYS)
-_LINK_KEYS = ("busbw_GBps", "latency_us", "name", "source", "busbw_scale")
+_LINK_KEYS = ("busbw_GBps", "latency_us", "call_latency_us", "name", "source", "busbw_scale")
 _EFFICIENCIES = ("matmul_efficiency", "attention_efficiency", "attention_noncausal_efficiency", "memory_efficiency",
                  "optimizer_efficiency")
 _OVERRIDE_KEYS = ("memory_GB", "hbm_GBps", *_EFFICIENCIES, "peak_TFLOPs", "op_overhead_us", "dtensor_op_overhead_us",
@@ -49,10 +49,14 @@ def _link_from_table(where: str, t: Any, default: LinkSpec) -> LinkSpec:
     if "busbw_GBps" not in t:
         raise ValueError(f"{where}: missing required key 'busbw_GBps'")
     lat = float(t["latency_us"]) * _US if "latency_us" in t else default.latency_s
+    call = float(t["call_latency_us"]) * _US if "call_latency_us" in t else default.call_latency_s
+    if not (lat >= 0 and call >= 0):
+        raise ValueError(f"{where}: latency_us and call_latency_us must be >= 0, got {lat / _US} and {call / _US}")
     return LinkSpec(name=str(t.get("name", default.name)), busbw_Bps=float(t["busbw_GBps"]) * GB,
                     latency_s=lat, source=str(t.get("source", f"user TOML ({where})")),
                     busbw_scale=_busbw_scale(where, t.get("busbw_scale", {})),
-                    all_reduce_tree=default.all_reduce_tree)     # the GPU type's collectives: NCCL or gloo
+                    all_reduce_tree=default.all_reduce_tree,     # the GPU type's collectives: NCCL or gloo
+                    call_latency_s=call)
 
 
 def _busbw_scale(where: str, t: Any) -> tuple:
@@ -199,7 +203,8 @@ def cluster_to_toml(c: ClusterSpec) -> str:
     lines.append("")
     for tname, link in (("intra", c.intra), ("inter", c.inter)):
         lines += [f"[{tname}]", f"name = {toml_value(link.name)}", f"busbw_GBps = {toml_value(link.busbw_Bps / GB)}",
-                  f"latency_us = {toml_value(link.latency_s / _US)}", f"source = {toml_value(link.source)}"]
+                  f"latency_us = {toml_value(link.latency_s / _US)}",
+                  f"call_latency_us = {toml_value(link.call_latency_s / _US)}", f"source = {toml_value(link.source)}"]
         if link.busbw_scale:
             lines.append("busbw_scale = { " + ", ".join(f"{k} = {toml_value(f)}" for k, f in link.busbw_scale) + " }")
         lines.append("")

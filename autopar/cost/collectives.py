@@ -18,7 +18,8 @@ by ``autopar calibrate``, carries each kind's own relative busbw: ``LinkSpec.bus
 
 Latency term (ring): a ring all-gather / reduce-scatter takes n-1 steps, so (n-1)*latency; a
 ring all-reduce is reduce-scatter + all-gather, 2(n-1)*latency; all-to-all is n-1 pairwise steps,
-(n-1)*latency; p2p one latency. n == 1 -> 0.
+(n-1)*latency; p2p one latency. Every collective adds the link's ``call_latency_s`` once (its fixed
+cost: 0 unless ``autopar calibrate`` measured it). n == 1 -> 0.
 
 All-reduce on NCCL (a link with ``all_reduce_tree``, every GPU family's): NCCL 2.4+ runs it on two
 binary trees ("Massively Scale Your Deep Learning Training with NCCL 2.4", NVIDIA, 2019: logarithmic
@@ -60,7 +61,7 @@ def _ring_s(kind: str, nbytes: float, n: int, link: LinkSpec, steps: int) -> flo
         raise ValueError(f"{kind}: nbytes must be >= 0, got {nbytes}")
     if n == 1:
         return 0.0
-    return steps * link.latency_s + bus_factor(kind, n) * nbytes / link.busbw_of(kind)
+    return link.call_latency_s + steps * link.latency_s + bus_factor(kind, n) * nbytes / link.busbw_of(kind)
 
 
 def all_reduce_s(nbytes: float, n: int, link: LinkSpec) -> float:
@@ -87,10 +88,10 @@ def all_to_all_s(nbytes: float, n: int, link: LinkSpec) -> float:
 
 
 def p2p_s(nbytes: float, link: LinkSpec) -> float:
-    """One send/recv of ``nbytes``: lat + nbytes / busbw (0 bytes -> 0)."""
+    """One send/recv of ``nbytes``: call latency + lat + nbytes / busbw (0 bytes -> 0)."""
     if nbytes < 0:
         raise ValueError(f"p2p: nbytes must be >= 0, got {nbytes}")
-    return 0.0 if nbytes == 0 else link.latency_s + nbytes / link.busbw_of("p2p")
+    return 0.0 if nbytes == 0 else link.call_latency_s + link.latency_s + nbytes / link.busbw_of("p2p")
 
 
 def broadcast_s(nbytes: float, n: int, link: LinkSpec, binomial: bool) -> float:
@@ -102,7 +103,7 @@ def broadcast_s(nbytes: float, n: int, link: LinkSpec, binomial: bool) -> float:
     if n == 1 or nbytes == 0:
         return 0.0
     hops = math.ceil(math.log2(n)) if binomial else n - 1
-    return hops * link.latency_s + (hops if binomial else 1) * nbytes / link.busbw_of("p2p")
+    return link.call_latency_s + hops * link.latency_s + (hops if binomial else 1) * nbytes / link.busbw_of("p2p")
 
 
 def collective_s(kind: str, nbytes: float, n: int, link: LinkSpec) -> float:

@@ -20,7 +20,8 @@ Conventions
 - ``GPUSpec.emulated`` lists dtypes the GPU has no tensor cores for (V100: bf16), priced at the
   CUDA-core rate; ``fastest_dtype()`` (the planner's default dtype) never picks one of them.
 - ``LinkSpec.busbw_Bps`` is the achievable NCCL *bus* bandwidth per GPU (nccl-tests convention,
-  see ``collectives.py``); ``latency_s`` is the per-step (per ring hop) latency.
+  see ``collectives.py``); ``latency_s`` is the per-step (per ring hop) latency, ``call_latency_s``
+  a collective's fixed time on top (0 unless measured).
 
 Cluster TOML (``cluster_file.load_cluster``)::
 
@@ -229,6 +230,11 @@ class LinkSpec:
     # all-reduces take trees, whose latency grows with log2 n (NCCL, ``collectives.all_reduce_s``);
     # False: a ring's 2(n-1) steps (gloo). ``make_cluster`` sets it on every GPU family's links.
     all_reduce_tree: bool = False
+    # the fixed time of one collective call on top of its steps' latency (the alpha of an alpha-beta
+    # model: its ranks' rendezvous, launch); ``autopar calibrate`` fits it where it times groups of
+    # two sizes (on CPU ranks that share cores, the wait for the group's other ranks to be
+    # scheduled). The built-in links: 0 (no published figure read)
+    call_latency_s: float = 0.0
 
     def busbw_of(self, kind: str) -> float:
         """The bus bandwidth collectives of ``kind`` run at on this link."""

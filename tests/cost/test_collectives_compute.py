@@ -39,6 +39,26 @@ def test_ag_rs_sum_to_all_reduce_and_dispatch():
     assert collective_s("p2p", nb, 2, A100_NVSWITCH) == p2p_s(nb, A100_NVSWITCH)
 
 
+def test_a_links_call_latency_is_paid_once_per_collective():
+    """``LinkSpec.call_latency_s``: each collective's fixed time, once, beside its steps' latency
+    (a ring all-reduce over 4 ranks: 1 call + 6 steps; over 2: 1 + 2); none on one rank or for
+    nothing sent."""
+    from dataclasses import replace
+
+    from autopar.cost.collectives import broadcast_s
+
+    link = replace(A100_NVSWITCH, call_latency_s=1e-3)
+    nb = 2**20
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        for n in (2, 4):
+            assert collective_s(kind, nb, n, link) == pytest.approx(1e-3 + collective_s(kind, nb, n, A100_NVSWITCH))
+        assert collective_s(kind, nb, 1, link) == 0.0
+    assert all_reduce_s(4, 4, link) == pytest.approx(1e-3 + 6 * 2e-6 + 1.5 * 4 / 230e9)
+    assert p2p_s(nb, link) == pytest.approx(1e-3 + p2p_s(nb, A100_NVSWITCH)) and p2p_s(0, link) == 0.0
+    assert broadcast_s(nb, 4, link, True) == pytest.approx(1e-3 + broadcast_s(nb, 4, A100_NVSWITCH, True))
+    assert broadcast_s(nb, 1, link, True) == 0.0
+
+
 def test_axis_link_dp16_tp8_on_8gpu_nodes():
     c = make_cluster("h100", nodes=16)
     assert axis_link(c, (16, 8), 1) == c.intra      # tp: 8 adjacent ranks, one node
