@@ -76,6 +76,11 @@ def _profile_rank(rank: int, world: int, model: str, plan_json: Optional[str], f
     rows = b.example_inputs[0].shape[0]
     batches = (b.make_batch(rows, gen) for _ in range(warmup + 2 * steps))
     trace = os.path.join(trace_dir, f"rank{rank}.trace.json") if trace_dir else None
+    if pm.device.type == "cpu":
+        # Kineto (torch 2.13) prints a "USDT: ... profiler_start/stop" line per rank and profile at
+        # a level above its errors; on CPU ranks (no CUPTI) nothing it logs concerns the user, so
+        # this rank process quiets it unless KINETO_LOG_LEVEL says otherwise
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     prof = profile_steps(pm, batches, warmup=warmup, steps=steps, trace_path=trace)
     _, memory = measure_step(pm, *b.make_batch(rows, gen))      # one more step, its peak by category
     # graph nodes this rank runs per micro-batch (its executors: all of them, or its pipeline stages')
