@@ -8,7 +8,8 @@ measurements; rank 0 also writes the progress file the launcher's progress bar r
 
 Order: per-op overhead, memory copy, memory-bound op classes (norm, activation, softmax,
 elementwise, at the GEMMs' token and hidden sizes), elementwise rate (CPU), GEMMs per dtype, SDPA, collectives
-(on CPU ranks each also in situ, after a GEMM pair: ``calibrate_comm.time_collective_in_situ``),
+(on CPU ranks each also in situ, after a GEMM pair: ``calibrate_comm.time_collective_in_situ``;
+all-reduces over pairs of ranks too, ``pair_groups``),
 GEMMs beside async all-reduces (``calibrate_overlap.py``, outside the budget: ~1-2 s), then (CPU)
 autopar's per-node step overhead (``calibrate_runtime.py``, outside the budget: ~10 s, ~20 s on 4
 ranks or more, which also time DTensor on a 2-D mesh; with a ring attention and a ZeRO-3 fit).
@@ -135,8 +136,8 @@ def _in_situ_compute(device: torch.device) -> Optional[tuple[Callable[[], None],
 
 
 def pair_groups(world: int) -> bool:
-    """Whether all-reduces are also timed over pairs of ranks (both pairs' at once): with 4+ ranks
-    in pairs, so the link's call latency can be told from its per-step latency
+    """Whether all-reduces are also timed over pairs of ranks (every pair at once): with an even
+    count of 4 ranks or more, so that the link's call latency can be told from its per-step latency
     (``calibrate_comm.fit_link``); plans' tensor-, pipeline- and context-parallel groups are often
     pairs."""
     return world > 2 and world % 2 == 0

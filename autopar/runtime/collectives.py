@@ -59,7 +59,7 @@ COLLECTIVE_EVENT = "autopar::collective:"   # + "kind|axis|bytes": a profiler ra
 def collective_range(kind: str, axis: str, nbytes: int):
     """A profiler range around one collective's launch or wait, named for its kind, mesh axis and
     bytes (as the log records them): ``autopar profile`` adds the self time of the ops inside to
-    that collective's measured time (``runtime/profiling.step_collectives``) and classes it as the
+    that collective's measured time (``runtime/profiling.step_profile``) and classes it as the
     kind's. Outside a profiler it costs a microsecond or two."""
     import torch
 

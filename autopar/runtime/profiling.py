@@ -47,8 +47,8 @@ def op_class(event_name: str) -> str:
     if event_name.startswith("c10d::"):
         base = event_name[len("c10d::"):].rstrip("_")
         return "collective:" + _C10D.get(base, base)
-    key = parse_collective_event(event_name)       # a collective's range: the wait for an async one
-    if key is not None:                            # (``collectives.wait_for``), a launch's own Python
+    key = parse_collective_event(event_name)       # a ``collectives.collective_range``: the wait for
+    if key is not None:                            # an async one, or what a launch spends outside c10d
         return "collective:" + key[0]
     if event_name.startswith(_FUNCOL):               # DTensor's functional collectives' launches
         kind = FUNCOL_KINDS.get(event_name[len(_FUNCOL):].removesuffix("_coalesced"))
