@@ -353,13 +353,10 @@ def _reduce_nonlinear(node, ins, outs):
 
 # ---- views and data movement ----------------------------------------------------------------
 
-def view_dim_map(a: Sequence[int], b: Sequence[int]) -> dict[int, int]:
-    """Input dim -> output dim a Shard moves to under a contiguous reshape ``a -> b``.
-
-    Dims are grouped into runs of equal product; inside a group only the leading non-1 dim can be
-    sharded (its shard is a contiguous 1/t of the group's flattened block, the same block the
-    leading output dim's shard covers). Divisibility is checked by the caller."""
-    out: dict[int, int] = {}
+def view_groups(a: Sequence[int], b: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """The dims of ``a`` and of ``b`` a contiguous reshape ``a -> b`` groups together: runs of equal
+    product, in order (as far as they match)."""
+    groups = []
     i = j = 0
     na, nb = len(a), len(b)
     while i < na and j < nb:
@@ -377,7 +374,19 @@ def view_dim_map(a: Sequence[int], b: Sequence[int]) -> dict[int, int]:
                 pb *= b[j]
                 j += 1
             else:
-                return out
+                return groups
+        groups.append((gi, gj))
+    return groups
+
+
+def view_dim_map(a: Sequence[int], b: Sequence[int]) -> dict[int, int]:
+    """Input dim -> output dim a Shard moves to under a contiguous reshape ``a -> b``.
+
+    Dims are grouped into runs of equal product; inside a group only the leading non-1 dim can be
+    sharded (its shard is a contiguous 1/t of the group's flattened block, the same block the
+    leading output dim's shard covers). Divisibility is checked by the caller."""
+    out: dict[int, int] = {}
+    for gi, gj in view_groups(a, b):
         li = next((d for d in gi if a[d] > 1), None)
         lj = next((d for d in gj if b[d] > 1), None)
         if li is not None and lj is not None:

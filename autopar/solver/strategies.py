@@ -28,7 +28,7 @@ from typing import Optional
 
 from autopar.ir import DTYPE_BYTES, OUTPUT_KEY, SDPA_TARGET, TARGET_KEY, GraphIR, NodeInfo, Ref, TensorMeta
 from autopar.placements import Partial, Placement, Replicate, Shard
-from autopar.solver.rules import Comm, Proto, arg, base_name, find_rule
+from autopar.solver.rules import Comm, Proto, arg, base_name, find_rule, view_groups
 
 R = Replicate()
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
@@ -398,7 +398,8 @@ def node_protos(facts: GraphFacts, node: NodeInfo, metas: dict) -> list[Proto]:
     if fn is None:
         return [rep]
     ins = [input_meta(facts, node, i, metas) for i in range(n_in)]
-    return [rep] + [p for p in fn(node, ins, metas[node.key]) if not _inner_row_split(node, p, ins)]
+    return [rep] + [p for p in fn(node, ins, metas[node.key])
+                    if not _inner_row_split(node, p, ins) and not _past_a_batch_of_one(facts, node, p, ins, metas)]
 
 
 def _inner_row_split(node: NodeInfo, p: Proto, ins) -> bool:
@@ -416,6 +417,24 @@ def _inner_row_split(node: NodeInfo, p: Proto, ins) -> bool:
     folds = node.target == "aten.linear.default" or (
         node.target == "aten.matmul.default" and len(ins) > 1 and len(ins[1].shape) == 2)
     return folds and 0 < p.inputs[0].dim < len(ins[0].shape) - 1
+
+
+_VIEWS = frozenset({"view", "_unsafe_view", "reshape", "flatten", "_reshape_alias"})
+
+
+def _past_a_batch_of_one(facts: GraphFacts, node: NodeInfo, p: Proto, ins, metas: dict) -> bool:
+    """A reshape that moves a split dim into a flattened group behind a batch dim of one row (the
+    micro-batch's on a rank: (1, T, V) -> (T, V), T split). The rule reads that batch dim as 1 and
+    lets the split through; DTensor reshapes the global tensor, whose batch dim holds every data
+    rank's rows, so the split is not the group's leading dim there and it gathers the input whole
+    (fuzz seed 2026: a 128-byte tp all-gather a micro-batch, on every mbs=1 x dp=2 plan of a model
+    whose logits came out sequence-split). Only the tensor axes' tables drop them."""
+    if base_name(node.target) not in _VIEWS or not p.inputs or not isinstance(p.inputs[0], Shard):
+        return False
+    a, b = ins[0].shape, metas[node.key][0].shape
+    ones = {d for d in facts.batch_dims.get(facts.inputs[node.key][0].key, ()) if d < len(a) and a[d] == 1}
+    d = p.inputs[0].dim
+    return any(d in gi and any(x in ones for x in gi[:gi.index(d)]) for gi, _ in view_groups(a, b))
 
 
 def enumerate_strategies(facts: GraphFacts, node: NodeInfo, metas: dict, t: int, sp: bool,

@@ -216,10 +216,21 @@ MSE_DATA_GATHER = _case(_spec(kind="features", hidden=12, heads=3, ffn=3, layers
                         dict(dp=2, tp=2, pp=1, recompute="full", zero=2, mbs=2))
 
 
+# Logits (1, T, V) a rank, split along T on tp, flattened to (T, V) for the loss: the view rule
+# read the micro-batch's one row as a size-1 dim and let the split through; DTensor reshapes the
+# global (dp rows, T, V) and gathered them, an all-gather per micro-batch the plan did not have
+# (``benchmarks/fuzz.py --seed 2026 --wide --predictions``; ``strategies._past_a_batch_of_one``).
+BATCH_OF_ONE_VIEW = _case(_spec(kind="tokens", hidden=8, heads=4, ffn=4, layers=3, block=["mlp", "linear"],
+                                norm="rms_hand", causal=True, seq=8, out=4, vocab=4, tie=True, pos=False,
+                                bias=False, batch=8),
+                          dict(dp=2, tp=2, pp=1, recompute="selective", zero=3, mbs=1), meta=True)
+
+
 @pytest.fixture(scope="module")
 def four_rank_regressions():
     """The four-rank regressions below, in one launch."""
-    named = {"conv_hybrid": CONV_HYBRID, "tied_lookup_twice": TIED_LOOKUP_TWICE, "mse_data_gather": MSE_DATA_GATHER}
+    named = {"conv_hybrid": CONV_HYBRID, "tied_lookup_twice": TIED_LOOKUP_TWICE, "mse_data_gather": MSE_DATA_GATHER,
+             "batch_of_one_view": BATCH_OF_ONE_VIEW}
     return dict(zip(named, run_cases(list(named.values()), 4, check_prediction=True)))
 
 
@@ -343,5 +354,11 @@ def test_grouped_conv_splits_only_the_batch():
 
 def test_a_batch_replicated_loss_issues_the_predicted_collectives(four_rank_regressions):
     o = four_rank_regressions["mse_data_gather"]
+    assert o.status == "pass", f"{o.line()}\n{o.detail[-3000:]}"
+    assert o.traffic.get("dp") and o.traffic.get("tp") and not o.unpredicted, (o.traffic, o.unpredicted)
+
+
+def test_a_view_past_a_batch_of_one_issues_the_predicted_collectives(four_rank_regressions):
+    o = four_rank_regressions["batch_of_one_view"]
     assert o.status == "pass", f"{o.line()}\n{o.detail[-3000:]}"
     assert o.traffic.get("dp") and o.traffic.get("tp") and not o.unpredicted, (o.traffic, o.unpredicted)

@@ -138,3 +138,24 @@ def test_no_fold_of_a_matmul_is_split_along_an_inner_row_dim():
     assert row_splits(fold) == [] and row_splits(batched)
     kept = {s.inputs[0] for s in enumerate_strategies(facts, fold, metas, 2, False)}
     assert {Shard(0), Shard(2)} <= kept                      # the batch and the contraction stay
+
+
+def test_no_split_moves_past_a_batch_of_one_row_in_a_reshape():
+    """(B, T, V) -> (B*T, V) with B = 1 row a rank: the view rule alone lets T's split through (the
+    size-1 dim is dropped), but DTensor reshapes the global tensor, whose batch holds every data
+    rank's rows, and gathers it; the tensor axes' strategies leave that split out
+    (``strategies._past_a_batch_of_one``). At 2 rows the rule itself never offered it."""
+    from autopar.models import build_model
+    from autopar.trace import trace_model
+
+    b = build_model("gpt-tiny", batch=2, device="meta")
+    g = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target, model_name="m")
+    facts = graph_facts(g, None)
+    ce = next(n for n in g.nodes if n.target == "aten.cross_entropy_loss.default")
+    view = next(n for n in g.nodes if n.key == facts.inputs[ce.key][0].key)
+    for mbs in (1, 2):
+        metas = scaled_metas(facts, mbs, "float32")
+        a, out = metas[facts.inputs[view.key][0].key][0].shape, metas[view.key][0].shape
+        moves = {(s.inputs[0], s.output) for s in enumerate_strategies(facts, view, metas, 2, True)}
+        assert (view_dim_map(a, out).get(1) == 0) == (mbs == 1)          # the rule's own answer
+        assert (Shard(1), Shard(0)) not in moves and (Shard(2), Shard(1)) in moves, (mbs, moves)
