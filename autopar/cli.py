@@ -56,6 +56,10 @@ def _add_problem_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", dest="json_path", default=None, help="write the result as JSON to this file")
 
 
+RUN_DTYPE_HELP = ("compute dtype (default fp32): bf16/fp16 run mixed precision (autocast, fp32 master weights, "
+                  "gradients reduced in that dtype; fp16 with a dynamic loss scale)")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="autopar", description="Plan and run distributed training of PyTorch models.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -111,10 +115,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="measure the last step's peak memory per rank by category (parameters, gradients, "
                    "optimizer state, activations, temporaries) next to the plan's prediction; with --json "
                    "also as \"memory\"")
-    p.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"),
-                   help="compute dtype (default fp32): bf16/fp16 run mixed precision (autocast, fp32 master "
-                   "weights, gradients reduced in that dtype; fp16 with a dynamic loss scale); the reference "
-                   "is one process under torch.autocast (and GradScaler)")
+    p.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"), help=RUN_DTYPE_HELP
+                   + "; the reference is one process under torch.autocast (and GradScaler)")
     p.add_argument("--nvme-dir", default=None, metavar="DIR",
                    help="for a plan with an NVMe tier (offload classes nvme, nvme_params, nvme_grads, "
                    "nvme_activations, e.g. --force offload=optimizer+nvme): a directory on a fast local disk; "
@@ -163,6 +165,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_positive_float, default=300.0, metavar="SECONDS",
                    help="every collective's timeout and the launcher's progress deadline (as `autopar run`)")
     p.add_argument("--trace-dir", default=None, help="write rankR.trace.json (Chrome/Perfetto/TensorBoard) here")
+    p.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"), help=RUN_DTYPE_HELP
+                   + "; planned and predicted for it")
 
     from autopar.calibrate import add_parser as add_calibrate
 
@@ -304,7 +308,7 @@ def cmd_profile(args, console: Console) -> int:
         profile_command(args.model, args.nproc, args.steps, warmup=args.warmup, cluster=args.cluster,
                         plan_path=args.plan_file, force=args.force or None, batch=args.batch, seq_len=args.seq_len,
                         seed=args.seed, timeout_s=args.timeout, optimizer=args.optimizer,
-                        json_path=args.json_path, trace_dir=args.trace_dir, console=console)
+                        json_path=args.json_path, trace_dir=args.trace_dir, dtype=args.dtype, console=console)
     except RankFailure as e:
         _say(make_console(stderr=True), "error:", "bold red", f"autopar profile failed; every rank was stopped.\n{e.summary()}")
         return 1

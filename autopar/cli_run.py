@@ -211,6 +211,20 @@ def _checkpoint_args(directory: Optional[str], every: Optional[int], resume: boo
     return CheckpointArgs(directory, every, resume)
 
 
+def check_plan_dtype(plan_path: Optional[str], plan_json: Optional[str], dtype: Optional[str]) -> None:
+    """``--plan FILE`` with ``--dtype``: the plan must have been made for that compute dtype."""
+    if not plan_path or dtype is None:
+        return
+    from autopar.plan import Plan
+    from autopar.runtime.precision import dtype_name, parse_dtype
+
+    planned = Plan.from_json(plan_json).dtype
+    if parse_dtype(planned) != parse_dtype(dtype):
+        raise ValueError(f"--dtype {dtype}: the plan {plan_path} was made for {planned} compute; re-plan with "
+                         f"`autopar plan ... --dtype {dtype}`, or drop --dtype to run the plan's "
+                         f"({dtype_name(parse_dtype(planned))})")
+
+
 def _check_trainable(model: str, batch: Optional[int], seq_len: Optional[int]) -> None:
     """Errors in the model spec (and a model without a loss) surface here, once, before any rank
     starts."""
@@ -263,14 +277,7 @@ def run_command(model: str, nproc: int, steps: int, plan_path: Optional[str] = N
     _check_trainable(model, batch, seq_len)
     checkpoint = _checkpoint_args(checkpoint_dir, checkpoint_every, resume, steps)
     plan_json = Plan.load(plan_path).to_json() if plan_path else None
-    if plan_path and dtype is not None:
-        from autopar.runtime.precision import dtype_name, parse_dtype
-
-        planned = Plan.from_json(plan_json).dtype
-        if parse_dtype(planned) != parse_dtype(dtype):
-            raise ValueError(f"--dtype {dtype}: the plan {plan_path} was made for {planned} compute; re-plan with "
-                             f"`autopar plan ... --dtype {dtype}`, or drop --dtype to run the plan's "
-                             f"({dtype_name(parse_dtype(planned))})")
+    check_plan_dtype(plan_path, plan_json, dtype)
     t0 = time.monotonic()
     try:
         outs = spawn_ranks(_train_rank, nproc, (model, steps, plan_json, force, batch, seq_len, seed,

@@ -56,7 +56,7 @@ _P2P = {"send": "p2p", "recv": "p2p"}
 
 def _profile_rank(rank: int, world: int, model: str, plan_json: Optional[str], force, cluster: Optional[str],
                   batch: Optional[int], seq_len: Optional[int], seed: int, timeout_s: float, warmup: int,
-                  steps: int, trace_dir: Optional[str], optimizer: str) -> dict:
+                  steps: int, trace_dir: Optional[str], optimizer: str, dtype: Optional[str] = None) -> dict:
     import torch
 
     from autopar.api import autoparallelize
@@ -70,7 +70,7 @@ def _profile_rank(rank: int, world: int, model: str, plan_json: Optional[str], f
     b = build_model(model, batch=batch, seq_len=seq_len, device="meta")
     pm = autoparallelize(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target,
                          plan=Plan.from_json(plan_json) if plan_json else None, force=force, cluster=cluster,
-                         seed=seed, timeout_s=timeout_s, model_name=model,
+                         seed=seed, timeout_s=timeout_s, model_name=model, dtype=dtype,
                          optimizer=lambda params: make_optimizer(optimizer, params))
     gen = torch.Generator().manual_seed(seed)
     rows = b.example_inputs[0].shape[0]
@@ -214,7 +214,8 @@ def summarize(plan, cluster, profiles: list[dict], nodes: Optional[list[int]] = 
             "step_times_s": slowest, "step_time_error": measured_step / st.total_s - 1 if st.total_s > 0 else None,
             "categories": [{"category": c, "measured_s": m, "predicted_s": p} for c, m, p in categories],
             "by_class": by_class, "optimizer": {"measured_s": mean["optimizer"], "predicted_s": st.optimizer_s},
-            "collectives": collectives, "ranks": ranks, "cluster": cluster.name, "plan": plan.summary()}
+            "collectives": collectives, "ranks": ranks, "cluster": cluster.name, "plan": plan.summary(),
+            "dtype": plan.dtype}
 
 
 def collective_rows(plan, cluster, profiles: list[dict]) -> list[dict]:
@@ -246,7 +247,8 @@ def render(report: dict, console) -> None:
     def err(m, p) -> str:
         return "" if m is None or p is None or not p > 0 else f"{(m / p - 1) * 100:+.0f}%"
 
-    console.print(f"plan: {report['plan']} on cluster {report['cluster']}", markup=False, highlight=False)
+    dtype = f", {report['dtype']} compute" if report.get("dtype") else ""
+    console.print(f"plan: {report['plan']} on cluster {report['cluster']}{dtype}", markup=False, highlight=False)
     t = Table(title="step, by category (per step; measured: mean over ranks of profiler self time; on GPUs, of its kernels)")
     for col in ("category", "measured", "predicted", "measured / predicted - 1"):
         t.add_column(col, justify="left" if col == "category" else "right")
@@ -285,11 +287,12 @@ def profile_command(model: str, nproc: int, steps: int, *, warmup: int = 1, clus
                     plan_path: Optional[str] = None, force=None, batch: Optional[int] = None,
                     seq_len: Optional[int] = None, seed: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S,
                     optimizer: str = "adamw", json_path: Optional[str] = None,
-                    trace_dir: Optional[str] = None, console=None) -> dict:
-    """``autopar profile`` (module docstring); returns the report (``summarize``)."""
+                    trace_dir: Optional[str] = None, dtype: Optional[str] = None, console=None) -> dict:
+    """``autopar profile`` (module docstring); returns the report (``summarize``). ``dtype``
+    (``--dtype``): bf16/fp16 plan and run mixed precision, as ``autopar run --dtype``."""
     import json
 
-    from autopar.cli_run import _check_trainable
+    from autopar.cli_run import _check_trainable, check_plan_dtype
     from autopar.cost.hardware import resolve_cluster
     from autopar.plan import Plan
     from autopar.report import make_console
@@ -303,11 +306,12 @@ def profile_command(model: str, nproc: int, steps: int, *, warmup: int = 1, clus
         raise ValueError("--plan runs that plan as it is: drop --force/--cluster (or drop --plan to plan here)")
     _check_trainable(model, batch, seq_len)
     plan_json = Plan.load(plan_path).to_json() if plan_path else None
+    check_plan_dtype(plan_path, plan_json, dtype)
     spec = resolve_cluster(cluster or "cpu", nodes=1, gpus_per_node=nproc)
     if trace_dir:
         os.makedirs(trace_dir, exist_ok=True)
     outs = spawn_ranks(_profile_rank, nproc, (model, plan_json, force, cluster, batch, seq_len, seed, timeout_s,
-                                              warmup, steps, trace_dir, optimizer), timeout_s=timeout_s)
+                                              warmup, steps, trace_dir, optimizer, dtype), timeout_s=timeout_s)
     plan = Plan.from_json(outs[0]["plan"])
     if plan_path:
         spec = resolve_cluster(plan.cluster.gpu, nodes=plan.cluster.nodes, gpus_per_node=plan.cluster.gpus_per_node)

@@ -11,7 +11,8 @@
 #          5. `autopar calibrate` on the GPU (CUDA GEMM/attention/copy efficiencies, the NCCL path with
 #             one rank per visible GPU) -> $OUT/cluster.toml;
 #          6. `autopar profile` of a GPT with 2048-wide layers on one GPU, predicted with that file
-#             (benchmarks/results/calibrate_h200.toml when step 5 did not run);
+#             (benchmarks/results/calibrate_h200.toml when step 5 did not run); then in bf16 at the
+#             layer shapes of Megatron's 1.7B H100 row (seq 4096, vocab 131072);
 #          7. offload's copies (activations; ZeRO-3's host parameter rows) on the side stream vs the
 #             compute stream, and the host step (in host memory, and with the NVMe tier's files)
 #             at once vs beside the next forward (offload_overlap.py).
@@ -55,6 +56,14 @@ measured_vs_predicted() {
              --steps 3 --cluster "$cluster" --json "$OUT/profile.json"); fi
   timeout "${PROFILE_TIMEOUT:-90}" python3 -m autopar.cli profile "${PROFILE[@]}" 2>&1 | tee "$OUT/profile.log"
   echo "profile exit: ${PIPESTATUS[0]}"
+  # 6b. the same in bf16 at the layer shapes of Megatron's smallest H100 row (1.7B: hidden 2048, 16
+  # heads, seq 4096, vocab 131072; 4 of its 24 layers): per operator class, whether the compute model
+  # is what predicts those rows fast (benchmarks/megatron_fidelity.py --mbs free)
+  if [[ "${DRY_RUN:-0}" == 1 ]]; then PROFILE=(--help); else
+    PROFILE=(gpt:hidden=2048,layers=4,heads=16,vocab=131072,seq=4096 --batch 2 --nproc 1 --steps 3 --dtype bf16
+             --cluster "$cluster" --json "$OUT/profile_bf16_megatron_shapes.json"); fi
+  timeout "${PROFILE_BF16_TIMEOUT:-60}" python3 -m autopar.cli profile "${PROFILE[@]}" 2>&1 | tee "$OUT/profile_bf16.log"
+  echo "profile bf16 exit: ${PIPESTATUS[0]}"
   # 7. activation offload: side stream vs compute stream vs none, measured and predicted
   timeout "${OFFLOAD_TIMEOUT:-240}" python3 benchmarks/offload_overlap.py --cluster "$cluster" "${SCRIPT_DRY[@]}" \
     --groups activations,params,step ${OFFLOAD_ARGS:-} 2>&1 | tee "$OUT/offload_overlap.log"

@@ -379,3 +379,23 @@ def test_profile_times_dtensors_collectives_per_axis(tmp_path):
     for kind in {c["kind"] for c in rows}:
         timed = sum(c["measured_s_per_step"] for c in rep["collectives"] if c["kind"] == kind)
         assert 0 < timed <= cat[f"comm {kind}"] * (1 + 1e-9), (kind, timed, cat)
+
+
+@pytest.mark.slow
+def test_profile_runs_a_mixed_precision_plan(tmp_path):
+    """``--dtype bf16``: the plan is made and run for bf16 compute (autocast over fp32 parameters, as
+    ``autopar run --dtype``), and the report says so; a plan file made for another dtype is refused
+    before any rank starts."""
+    from autopar.cli import main
+    from autopar.plan import Plan
+    from autopar.profile import profile_command
+
+    out = tmp_path / "p.json"
+    assert main(["profile", "gpt-tiny", "--nproc", "1", "--steps", "1", "--dtype", "bf16", "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["dtype"] == "bfloat16" and rep["measured_step_time_s"] > 0 and rep["predicted_step_time_s"] > 0
+    fp32 = tmp_path / "plan.json"
+    assert main(["plan", "gpt-tiny", "--gpu", "a100-80g", "--nodes", "1", "--dtype", "fp32", "--json", str(fp32)]) == 0
+    assert Plan.load(str(fp32)).dtype == "float32"
+    with pytest.raises(ValueError, match="was made for float32 compute"):
+        profile_command("gpt-tiny", 1, 1, plan_path=str(fp32), dtype="bf16")
