@@ -431,7 +431,8 @@ def figures_table(cal: Calibration, cluster: ClusterSpec) -> Table:
         role = ("\\[intra] link" if k == cal.link_kind else
                 f"{f.busbw_Bps / cal.link.busbw_Bps:.2g}x the link's busbw" if cal.link else "")
         call = f", call {f.call_latency_s * 1e6:.3g} us" if f.call_latency_s else ""
-        t.add_row(f"{k} (up to {top / 2**20:.4g} MiB)", f"busbw {f.busbw_Bps / GB:.3g} GB/s, lat {f.latency_s * 1e6:.3g} us{call}",
+        t.add_row(f"{k} (up to {top / 2**20:.4g} MiB)",
+                  f"busbw {f.busbw_Bps / GB:.3g} GB/s, lat {f.latency_s * 1e6:.3g} us{call}",
                   f"{role}, fit error {100 * f.rel_rms:.0f}% RMS")
     if cal.link is None:
         t.add_row("collectives", escape(cal.link_note), f"\\[intra] default {cluster.intra.name}")

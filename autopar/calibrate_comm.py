@@ -29,8 +29,9 @@ times, with the cost model's own formula (``collectives.collective_s``): for eac
 prediction is ``call_latency + steps(kind, n) * latency + bus_factor(kind, n) * nbytes / busbw``,
 linear in (call_latency, latency, 1/busbw); the two latencies are told apart by points of two group
 sizes (``autopar calibrate`` times all-reduces over pairs of ranks beside those over all ranks: on
-this 2-core machine with 4 ranks the small ones took 2.6-3.9 ms over pairs, 7.0-8.0 over all four,
-where per-step latency alone, fitted to the four, priced the pairs at a third of the four's);
+this 2-core machine with 4 ranks, in situ, those of 1 KiB to 1 MiB took 2.2-5.5 ms over pairs and
+6.7-11.0 over all four, where one per-step latency fitted to the four priced a pair's at a third of
+the four's);
 an all-reduce's steps are a tree's on GPUs (NCCL: ``all_reduce_tree``, as the link it writes then
 prices them) and a ring's on CPU ranks (gloo).
 The fit minimises the RELATIVE error (each point weighted by 1/time), so 1 KB messages (latency)
@@ -145,7 +146,8 @@ def time_collective_in_situ(fn: Callable[[], None], compute: Callable[[], object
 def _design(p: CollectivePoint, tree: bool) -> tuple[float, float, float]:
     """(call latency, latency, 1/busbw coefficients) of ``p``'s predicted time, read off the cost model."""
     def at(call: float, lat: float, bw: float) -> float:
-        return collective_s(p.kind, p.nbytes, p.ranks, LinkSpec("", bw, lat, "", all_reduce_tree=tree, call_latency_s=call))
+        link = LinkSpec("", bw, lat, "", all_reduce_tree=tree, call_latency_s=call)
+        return collective_s(p.kind, p.nbytes, p.ranks, link)
     return at(1.0, 0.0, math.inf), at(0.0, 1.0, math.inf), at(0.0, 0.0, 1.0)
 
 

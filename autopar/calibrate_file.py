@@ -96,8 +96,9 @@ def cluster_dict(cal: Calibration, nodes: int = 1) -> dict[str, Any]:
         d["intra"] = {"name": f"measured-{'nccl' if cal.device_kind == 'cuda' else 'gloo'}",
                       "busbw_GBps": _sig(cal.link.busbw_Bps / GB), "latency_us": _sig(cal.link.latency_s * 1e6),
                       "call_latency_us": _sig(cal.link.call_latency_s * 1e6) if cal.link.call_latency_s > 0 else 0.0,
-                      "source": (f"measured by autopar calibrate: {'call latency + ' if cal.link.call_latency_s else ''}"
-                                 f"latency + busbw fitted to {cal.link_kind}"
+                      "source": ("measured by autopar calibrate: "
+                                 + ("call latency + " if cal.link.call_latency_s else "")
+                                 + f"latency + busbw fitted to {cal.link_kind}"
                                  + (" in situ (each call after compute)" if any(p.back_to_back_s for p in kinds)
                                     else "")
                                  + " on "
