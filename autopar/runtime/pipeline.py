@@ -56,8 +56,8 @@ from torch.distributed.tensor import DTensor
 from autopar.codegen.shards import local_ranges
 from autopar.codegen.stages import wire_placements
 from autopar.placements import to_torch
-from autopar.runtime.collectives import collective_range
 from autopar.plan import ZERO_BUBBLE_SCHEDULES, split_backward_problem, stage_rank
+from autopar.runtime.collectives import collective_range
 
 # plan.EXECUTED_SCHEDULES -> torch's class (tests/runtime/test_pipeline.py checks they agree)
 SCHEDULES = {
