@@ -399,3 +399,20 @@ def test_profile_runs_a_mixed_precision_plan(tmp_path):
     assert Plan.load(str(fp32)).dtype == "float32"
     with pytest.raises(ValueError, match="was made for float32 compute"):
         profile_command("gpt-tiny", 1, 1, plan_path=str(fp32), dtype="bf16")
+
+
+def test_a_collectives_range_costs_nothing_outside_a_profiler():
+    """``collective_range`` opens a profiler range only under a profiler (a ``record_function``
+    costs microseconds a call even with none running, on every collective of every step)."""
+    import contextlib
+
+    from torch.profiler import profile
+
+    from autopar.runtime.collectives import collective_range, parse_collective_event
+
+    assert isinstance(collective_range("all_reduce", "tp", 8), contextlib.nullcontext)
+    with profile() as prof:
+        with collective_range("all_reduce", "tp", 8):
+            pass
+    assert [parse_collective_event(e.name) for e in prof.events()
+            if parse_collective_event(e.name)] == [("all_reduce", "tp", 8)]
