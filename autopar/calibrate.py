@@ -265,7 +265,7 @@ def _ring_host(results: list[dict], link: Optional[LinkFit]) -> Optional[float]:
     if "ring_attention" not in results[0].get("runtime_overhead", {}):
         return None
     ring = _mean([r["runtime_overhead"]["ring_attention"] for r in results])
-    return max(0.0, ring - RING_ROTATIONS * (link.call_latency_s + link.latency_s if link else 0.0))
+    return max(0.0, ring - RING_ROTATIONS * (link.link("fit", "").latency_of(1) if link else 0.0))
 
 
 def _zero3_host(results: list[dict], fits: dict, link: Optional[LinkFit]) -> Optional[float]:
@@ -277,7 +277,7 @@ def _zero3_host(results: list[dict], fits: dict, link: Optional[LinkFit]) -> Opt
     if "zero3_group" not in results[0].get("runtime_overhead", {}):
         return None
     group = _mean([r["runtime_overhead"]["zero3_group"] for r in results])
-    latency = sum(n * (fit.call_latency_s + fit.latency_s if (fit := fits.get(kind, link)) else 0.0)
+    latency = sum(n * (fit.link("fit", "").latency_of(1) if (fit := fits.get(kind, link)) else 0.0)
                   for kind, n in ZERO3_COLLECTIVES)
     return max(0.0, group - latency)
 

@@ -95,7 +95,7 @@ def cluster_dict(cal: Calibration, nodes: int = 1) -> dict[str, Any]:
         others = ", ".join(f"{k} {f:.2g}x" for k, f in scale.items())
         d["intra"] = {"name": f"measured-{'nccl' if cal.device_kind == 'cuda' else 'gloo'}",
                       "busbw_GBps": _sig(cal.link.busbw_Bps / GB), "latency_us": _sig(cal.link.latency_s * 1e6),
-                      "call_latency_us": _sig(cal.link.call_latency_s * 1e6) if cal.link.call_latency_s > 0 else 0.0,
+                      "call_latency_us": _sig(cal.link.call_latency_s * 1e6),
                       "source": ("measured by autopar calibrate: "
                                  + ("call latency + " if cal.link.call_latency_s else "")
                                  + f"latency + busbw fitted to {cal.link_kind}"

@@ -170,10 +170,7 @@ def _collectives(gate: _Gate, cfg: dict, rank: int, world: int, device: torch.de
                 stopped.add(key)
                 gate.step(label)
                 continue
-            if n == world:
-                fn, nbytes, factor = collective_op(kind, size, rank, world, device, group)
-            else:
-                fn, nbytes, factor = collective_op(kind, size, rank % n, n, device, pair)
+            fn, nbytes, factor = collective_op(kind, size, rank % n, n, device, group if n == world else pair)
             fn()
             est = time_collective(fn, 1, device)
             reps = int(min(COLLECTIVE_MAX_REPS, max(1, COLLECTIVE_BATCH_S / max(est, 1e-9))))

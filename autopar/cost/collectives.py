@@ -61,7 +61,7 @@ def _ring_s(kind: str, nbytes: float, n: int, link: LinkSpec, steps: int) -> flo
         raise ValueError(f"{kind}: nbytes must be >= 0, got {nbytes}")
     if n == 1:
         return 0.0
-    return link.call_latency_s + steps * link.latency_s + bus_factor(kind, n) * nbytes / link.busbw_of(kind)
+    return link.latency_of(steps) + bus_factor(kind, n) * nbytes / link.busbw_of(kind)
 
 
 def all_reduce_s(nbytes: float, n: int, link: LinkSpec) -> float:
@@ -91,7 +91,7 @@ def p2p_s(nbytes: float, link: LinkSpec) -> float:
     """One send/recv of ``nbytes``: call latency + lat + nbytes / busbw (0 bytes -> 0)."""
     if nbytes < 0:
         raise ValueError(f"p2p: nbytes must be >= 0, got {nbytes}")
-    return 0.0 if nbytes == 0 else link.call_latency_s + link.latency_s + nbytes / link.busbw_of("p2p")
+    return 0.0 if nbytes == 0 else link.latency_of(1) + nbytes / link.busbw_of("p2p")
 
 
 def broadcast_s(nbytes: float, n: int, link: LinkSpec, binomial: bool) -> float:
@@ -103,7 +103,7 @@ def broadcast_s(nbytes: float, n: int, link: LinkSpec, binomial: bool) -> float:
     if n == 1 or nbytes == 0:
         return 0.0
     hops = math.ceil(math.log2(n)) if binomial else n - 1
-    return link.call_latency_s + hops * link.latency_s + (hops if binomial else 1) * nbytes / link.busbw_of("p2p")
+    return link.latency_of(hops) + (hops if binomial else 1) * nbytes / link.busbw_of("p2p")
 
 
 def collective_s(kind: str, nbytes: float, n: int, link: LinkSpec) -> float:

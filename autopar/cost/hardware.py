@@ -236,6 +236,10 @@ class LinkSpec:
     # scheduled). The built-in links: 0 (no published figure read)
     call_latency_s: float = 0.0
 
+    def latency_of(self, steps: float) -> float:
+        """The latency of one collective of ``steps`` steps: its call latency and each step's."""
+        return self.call_latency_s + steps * self.latency_s
+
     def busbw_of(self, kind: str) -> float:
         """The bus bandwidth collectives of ``kind`` run at on this link."""
         for k, factor in self.busbw_scale:

@@ -134,7 +134,7 @@ class Collective:
         if self.group == 1:
             return 0.0
         if self.kind in ("broadcast", "reduce"):   # pipelined ring: bus factor 1, n-1 hops
-            one = link.call_latency_s + (self.group - 1) * link.latency_s + self.nbytes / link.busbw_Bps
+            one = link.latency_of(self.group - 1) + self.nbytes / link.busbw_Bps
         else:
             one = collective_s(self.kind, self.nbytes, self.group, link)
         return self.count * one

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 from typing import Optional
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.codegen.expected import Collective
@@ -61,8 +62,6 @@ def collective_range(kind: str, axis: str, nbytes: int):
     bytes (as the log records them): ``autopar profile`` adds the self time of the ops inside to
     that collective's measured time (``runtime/profiling.step_profile``) and classes it as the
     kind's. Outside a profiler it is a no-op (a range costs ~6 us a call even then)."""
-    import torch
-
     if not torch.autograd._profiler_enabled():
         return contextlib.nullcontext()
     return torch.profiler.record_function(f"{COLLECTIVE_EVENT}{kind}|{axis}|{int(nbytes)}")
@@ -140,7 +139,6 @@ class CollectiveRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        import torch
         from torch.distributed.tensor import DTensor
 
         if any(issubclass(t, DTensor) for t in types):

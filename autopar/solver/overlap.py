@@ -220,7 +220,7 @@ def dp_sync(cfg, numel: float, profile, link, win_f: float, win_b: float, slowdo
     rs = collective_s("reduce_scatter", grad_b, cfg.data, link)
     ag = collective_s("all_gather", param_b, cfg.data, link)
     if cfg.zero == 3:                # a ring's latency per collective beyond the first
-        ag += max(0.0, groups - 1) * (link.call_latency_s + (cfg.data - 1) * link.latency_s)
+        ag += max(0.0, groups - 1) * link.latency_of(cfg.data - 1)
 
     def reduction(kind: str, per: str, reason: str) -> float:
         """The gradients' reduction: its cost, and its row."""
