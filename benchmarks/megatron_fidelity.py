@@ -5,8 +5,8 @@
 ``--table h100`` (default) is described first, ``--table a100`` after it.
 
 For each row of ``reference/megatron_readme_h100_weak_scaling.csv`` (GPT, seq 4096, vocab
-131072, the row's hidden/layers/heads and global batch, n_gpus/8 H100 nodes) the published
-(tp, pp, dp) is forced and the planner chooses the rest (recompute, ZeRO stage, sequence
+131072, the row's hidden/layers/heads and global batch, n_gpus/8 H100 nodes; the output layer
+untied from the embedding: ``megatron_param_count``) the published (tp, pp, dp) is forced and the planner chooses the rest (recompute, ZeRO stage, sequence
 parallelism). The table does not list the micro-batch size; we force Megatron's usual
 ``--micro-batch-size 1`` (its example GPT scripts' value) by default -- ``--mbs free`` lets the
 planner pick it (it then prefers one large micro-batch on the pp=1 rows, which hides the whole DP
@@ -84,6 +84,25 @@ def a100_rows() -> list[dict]:
     return reference_rows(REFERENCE_A100)
 
 
+def megatron_param_count(row: dict, untied: bool = True) -> float:
+    """Parameters of a row's model as Megatron counts them (``compute_weight_and_optimizer_memory``,
+    megatron/training/theoretical_memory_usage.py at core_r0.8.0, no GQA, ffn 4h, no SwiGLU):
+    12 l h^2 + 4 l h + 2 h in the layers (norms, no biases) plus h x V for the embedding, twice with
+    ``--untie-embeddings-and-output-weights``. The table's sizes are the untied count's (1.7B:
+    1.745 untied, 1.477 tied; 7.1B: 7.11 against 6.58; tests/solver/test_megatron_fidelity.py), so
+    the runs had a separate output layer: its weight's gradient is complete after the head's
+    backward, the embedding's at the end of the backward, and both cross the data-parallel axis."""
+    h, L, V = (int(row[k]) for k in ("hidden", "layers", "vocab"))
+    return 12 * L * h * h + 4 * L * h + 2 * h + (2 if untied else 1) * V * h
+
+
+def row_spec(row: dict) -> str:
+    """The model spec of an H100 row: GPT of the row's shape, its output layer untied
+    (``megatron_param_count``)."""
+    h, L, a, V, s = (int(row[k]) for k in ("hidden", "layers", "heads", "vocab", "seq_len"))
+    return f"gpt:hidden={h},layers={L},heads={a},vocab={V},seq={s},tie=0"
+
+
 def predict_row(row: dict, profile=None, mbs: Optional[int] = 1) -> FidelityRow:
     from autopar.cost.flops import megatron_model_flops
     from autopar.cost.hardware import make_cluster
@@ -94,7 +113,7 @@ def predict_row(row: dict, profile=None, mbs: Optional[int] = 1) -> FidelityRow:
     profile = profile or MEGATRON_RUNTIME
     h, L, a, V, s = (int(row[k]) for k in ("hidden", "layers", "heads", "vocab", "seq_len"))
     tp, pp, dp, n, gb = (int(row[k]) for k in ("tp", "pp", "dp", "n_gpus", "global_batch"))
-    spec = f"gpt:hidden={h},layers={L},heads={a},vocab={V},seq={s}"
+    spec = row_spec(row)
     b = build_model(spec, batch=2)
     g = trace_model(b.module, b.example_inputs, loss_fn=b.loss_fn, example_target=b.example_target, model_name=spec)
     cluster = make_cluster("h100", n // 8)

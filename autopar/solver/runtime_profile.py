@@ -183,8 +183,8 @@ AUTOPAR_RUNTIME = RuntimeProfile(
 # gradient buckets (max(40M, 1M x dp) parameters: ``DistributedDataParallelConfig.bucket_size``'s
 # default, megatron/core/distributed/distributed_data_parallel_config.py, Megatron-Core 0.7) are
 # not scheduled (the window rule stands): with them the mbs-free pp=1 rows of
-# benchmarks/megatron_fidelity.py come closer (+36.9/+23.5/+18.7/+21.3% -> +30.8/+18.7/+15.1/+10.5%)
-# but the micro-batch-1 tp rows, already 7-13% slow, go to -10/-16/-13%: what over-prices those
+# benchmarks/megatron_fidelity.py come closer (+34.2/+22.3/+18.0/+23.9% -> +25.5/+17.5/+14.4/+21.0%)
+# but the micro-batch-1 tp rows, already 11-15% slow, go to -13/-18/-13%: what over-prices those
 # rows is not found yet, and the buckets wait for it (``MEGATRON_BUCKETS``, tests/solver).
 MEGATRON_RUNTIME = RuntimeProfile(
     name="megatron-core-overlap", tp_overlap_kinds=("all_gather", "reduce_scatter"),

@@ -29,6 +29,39 @@ def _one_f_one_b(plan_model):
     return pinned
 
 
+def test_h100_table_is_consistent_and_untied():
+    """The transcription checks itself: tp*pp*dp = GPUs, % of peak = TFLOP/s / 989.4 (H100 SXM dense
+    bf16) and aggregate PFLOP/s = TFLOP/s x GPUs, to the table's rounding. The sizes are Megatron's
+    own parameter count with the output layer untied (``megatron_param_count``): within 3% of each
+    (1.745 for "1.7"), and nearer than the tied count on every row (1.477 for "1.7", 6.58 for "7.1")."""
+    assert len(ROWS) == 9
+    for r in ROWS:
+        tp, pp, dp, n = (int(r[k]) for k in ("tp", "pp", "dp", "n_gpus"))
+        t, size = float(r["tflops_per_gpu"]), float(r["model_size_b"])
+        assert tp * pp * dp == n and int(r["global_batch"]) % dp == 0
+        assert abs(100 * t / 989.4 - float(r["mfu_pct"])) < 1.0
+        assert float(r["agg_pflops"]) == pytest.approx(t * n / 1000, rel=0.005)
+        untied, tied = mf.megatron_param_count(r) / 1e9, mf.megatron_param_count(r, untied=False) / 1e9
+        assert untied == pytest.approx(size, rel=0.03)
+        assert abs(untied - size) < abs(tied - size)
+    assert mf.megatron_param_count(ROWS[0], untied=False) / 1e9 < 1.5        # tied: "1.5B", not "1.7B"
+
+
+def test_the_planned_model_is_the_untied_one():
+    """The model the rows plan has Megatron's count of parameters plus what Megatron's formula leaves
+    out (biases: 9h a layer; the learned position table: s x h), so an untied output layer."""
+    import torch
+
+    from autopar.models import build_model
+
+    r = ROWS[0]
+    h, L, s = (int(r[k]) for k in ("hidden", "layers", "seq_len"))
+    with torch.device("meta"):
+        b = build_model(mf.row_spec(r), batch=2)
+    count = sum(p.numel() for p in b.module.parameters())
+    assert count == mf.megatron_param_count(r) + 9 * L * h + s * h
+
+
 @pytest.mark.parametrize("i", range(len(ROWS)), ids=[f"{r['model_size_b']}B" for r in ROWS])
 def test_predicted_throughput_within_15_percent(i, monkeypatch):
     import autopar.solver
