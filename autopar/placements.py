@@ -123,10 +123,13 @@ def redistribute_steps(src: tuple, dst: tuple) -> Optional[list[tuple[int, Place
     each. A Shard made Partial is gathered to Replicate first. A move that would shard one tensor
     dim on two axes waits; when every remaining move would, an axis that shards such a dim is
     gathered to Replicate first. Shard dims are compared as given: pass them normalized (>= 0).
-    None when ``src`` or ``dst`` already shards a dim on two axes (DTensor's nested shards, left
-    to DTensor's own redistribution). Two Partials count as the same placement."""
-    if len(src) != len(dst) or _sharded_twice(src) or _sharded_twice(dst):
+    When ``src`` or ``dst`` already shards a dim on two axes (DTensor's nested shards, a dim split
+    by the outer axis first): ``_nested_steps``, DTensor's order. None when the lengths differ.
+    Two Partials count as the same placement."""
+    if len(src) != len(dst):
         return None
+    if _sharded_twice(src) or _sharded_twice(dst):
+        return _nested_steps(src, dst)
     cur, out = list(src), []
     for _ in range(4 * len(cur) + 1):
         todo = [a for a in range(len(cur)) if cur[a] != dst[a]
@@ -144,6 +147,41 @@ def redistribute_steps(src: tuple, dst: tuple) -> Optional[list[tuple[int, Place
             cur[a] = Replicate()
         out.append((a, cur[a]))
     return None
+
+
+def _nested_steps(src: tuple, dst: tuple) -> list[tuple[int, Placement]]:
+    """``redistribute_steps`` where ``src`` or ``dst`` shards a tensor dim on two axes, in the order
+    DTensor's own redistribution takes (torch's greedy ``DTensorRedistributePlanner``): with a
+    shard in ``src``, the axes from the innermost out, each moved to what ``dst`` asks, except a
+    Shard whose dim the axes outside it shard otherwise in ``src`` than in ``dst``, gathered to
+    Replicate first (a dim is split by its outer axis first, so the inner split must go before the
+    outer one changes); then the axes from the outermost in, to ``dst``. A Shard made Partial goes
+    through Replicate, and every Replicate made Partial (local: each rank keeps 1/n) comes last.
+    E.g. (S(0), P, S(0)) -> (S(0), S(0), R) all-gathers the third axis, then reduce-scatters the
+    second over the gathered piece (twice the first piece's bytes)."""
+    first = tuple(Replicate() if isinstance(d, Partial) and not isinstance(c, Partial) else d
+                  for c, d in zip(src, dst))
+    cur: list = list(src)
+    out: list = []
+
+    def move(ax: int, p: Placement) -> None:
+        if cur[ax] != p and not (isinstance(cur[ax], Partial) and isinstance(p, Partial)):
+            cur[ax] = p
+            out.append((ax, p))
+
+    def outer_splits(pl, ax: int, dim: int) -> list[int]:
+        return [b for b in range(ax) if isinstance(pl[b], Shard) and pl[b].dim == dim]
+
+    if any(isinstance(p, Shard) for p in src):
+        for ax in reversed(range(len(cur))):
+            t = first[ax]
+            if isinstance(t, Shard) and outer_splits(cur, ax, t.dim) != outer_splits(first, ax, t.dim):
+                t = Replicate()
+            move(ax, t)
+    for pl in (first, dst):
+        for ax in range(len(cur)):
+            move(ax, pl[ax])
+    return out
 
 
 def gathers_only(src: tuple, dst: tuple) -> bool:

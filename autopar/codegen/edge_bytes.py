@@ -68,11 +68,13 @@ def edge_moves(meta: TensorMeta, src: tuple, dst: tuple, sizes: Sequence[int],
                backend: str) -> list[tuple[str, int, int]]:
     """(kind as logged, axis index, bytes) of each collective that moves a tensor from placements
     ``src`` to ``dst`` (normalized dims), one axis at a time as ``edges.redistribute`` runs them
-    (``placements.redistribute_steps``); nested shards of one dim: each axis moved from ``src``."""
+    (``placements.redistribute_steps``; nested shards of one dim in DTensor's order)."""
     steps, cur, out = placements.redistribute_steps(src, dst), list(src), []
-    for ax, p in steps if steps is not None else [(a, dst[a]) for a in range(len(src)) if src[a] != dst[a]]:
+    if steps is None:
+        raise ValueError(f"placements {src} and {dst} are for meshes of different dimensions")
+    for ax, p in steps:
         k = moved(meta, cur, sizes, ax, cur[ax], p, backend) if sizes[ax] > 1 else None
-        cur[ax] = p if steps is not None else cur[ax]
+        cur[ax] = p
         if k is not None:
             out.append((k[0], ax, k[1]))
     return out

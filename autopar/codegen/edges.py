@@ -147,12 +147,14 @@ def redistribute(x: DTensor, target: tuple) -> DTensor:
     axis by axis; DTensor's own multi-axis redistribution may all-reduce where a reduce-scatter
     is planned, or gather on one axis a tensor still whole on another). A Replicate made
     Partial(sum) is local: each rank keeps 1/n of the value (a bias added after a row-parallel
-    matmul), which DTensor keeps internal. Nested shards of one dim are left to DTensor."""
+    matmul), which DTensor keeps internal. Nested shards of one dim move in DTensor's own order
+    (``placements._nested_steps``), one axis at a time too."""
     mesh = x.device_mesh
     planned = _plan_placements(target, x.ndim)
     steps = _steps(_plan_placements(x.placements, x.ndim), planned)
     if steps is None:
-        return _nested(x, target)
+        raise ValueError(f"placements {tuple(x.placements)} and {tuple(target)} are for meshes of different "
+                         "dimensions")
     for ax, p in steps:
         have = tuple(x.placements)
         want = target[ax] if p == planned[ax] else TReplicate()     # else the Replicate on the way
@@ -171,21 +173,6 @@ def _steps(have: tuple, want: tuple) -> Optional[tuple]:
     """``redistribute_steps``, once per pair of placements (every edge of every step asks)."""
     steps = redistribute_steps(have, want)
     return None if steps is None else tuple(steps)
-
-
-def _nested(x: DTensor, target: tuple) -> DTensor:
-    """DTensor's redistribution, Replicate -> Partial(sum) made local first."""
-    mesh = x.device_mesh
-    to_partial = [i for i, p in enumerate(target) if p.is_partial() and not x.placements[i].is_partial()]
-    first = tuple(TReplicate() if i in to_partial else p for i, p in enumerate(target))
-    if tuple(x.placements) != first:
-        x = _contiguous(x).redistribute(mesh, first)
-    if not to_partial:
-        return x
-    local = x.to_local()
-    for i in to_partial:
-        local = local / mesh.size(i)
-    return DTensor.from_local(local, mesh, target, run_check=False, shape=x.shape, stride=x.stride())
 
 
 def _plan_placements(pl, ndim: int) -> tuple:

@@ -5,7 +5,8 @@ or shrinks a rank's piece, then what grows it; never one tensor dim on two axes)
 ``edges.redistribute`` runs them and ``edge_bytes.edge_moves`` prices them. Checked by hand on
 the cases DTensor's own multi-axis redistribution gets otherwise, by property on random
 placements, and on 4 gloo ranks (a 2 x 2 mesh) for every pair of placements: the value arrives
-whole and right, and exactly the predicted collectives are issued."""
+whole and right, and exactly the predicted collectives are issued; with a dim split on both axes
+(nested shards) the moves are DTensor's own."""
 from __future__ import annotations
 
 import itertools
@@ -30,7 +31,12 @@ META = TensorMeta((4, 6), "float32")
     ((S(0), S(1)), (S(1), S(0)), [(0, R), (1, S(0)), (0, S(1))]),   # a swap: one axis freed first
     ((S(0), S(1)), (P, R), [(0, R), (0, P), (1, R)]),           # a Shard made Partial goes via R
     ((P, P), (R, S(1)), [(1, S(1)), (0, R)]),                   # all-reduce the scattered piece
-    ((S(0), S(0)), (R, R), None),                               # nested shards: DTensor's
+    ((S(0), S(0)), (R, R), [(1, R), (0, R)]),                   # nested shards: DTensor's order,
+    ((S(0), S(0)), (R, S(0)), [(1, R), (0, R), (1, S(0))]),     # the inner split undone first
+    ((S(0), P, S(0)), (S(0), S(0), R), [(2, R), (1, S(0))]),    # (fuzz seed 2034, 8 ranks)
+    ((S(0), S(0), P), (S(0), R, S(0)), [(2, R), (1, R), (2, S(0))]),
+    ((R, R), (S(0), S(0)), [(0, S(0)), (1, S(0))]),
+    ((S(0), S(0)), (P, R), [(1, R), (0, R), (0, P)]),           # a Partial last, from Replicate
 ])
 def test_steps_by_hand(src, dst, steps):
     assert redistribute_steps(src, dst) == steps
@@ -47,6 +53,20 @@ def test_piece_bytes_follow_the_order():
     assert edge_moves(META, (P, S(1)), (S(0), R), (2, 1), "gloo") == [("reduce_scatter", 0, 96)]
 
 
+def test_nested_shards_move_the_pieces_dtensor_moves():
+    """An (8, 5) fp32 tensor on a 2 x 2 x 2 (dp, tp2, tp) mesh, rows split on dp and tp, partial on
+    tp2, wanted split on dp and tp2 (fuzz seed 2034: a 2-D tensor-parallel head after a pooled
+    conv): the tp split is gathered first (2 rows -> 4: 80 B), then the 4 rows reduce-scattered on
+    tp2 (80 B in), as DTensor does it; the piece as it was (40 B) cannot be scattered on tp2, whose
+    split must come before tp's. Its gradient all-reduces the 2 rows on tp (40 B) before tp2
+    gathers them (80 B out); tp's split is then a local chunk."""
+    meta = TensorMeta((8, 5), "float32")
+    assert edge_moves(meta, (S(0), P, S(0)), (S(0), S(0), R), (2, 2, 2), "gloo") == [
+        ("all_gather", 2, 80), ("reduce_scatter", 1, 80)]
+    assert edge_moves(meta, (S(0), S(0), P), (S(0), R, S(0)), (2, 2, 2), "gloo") == [
+        ("all_reduce", 2, 40), ("all_gather", 1, 80)]
+
+
 PLACEMENTS = st.sampled_from([R, P, S(0), S(1), S(2)])
 
 
@@ -57,8 +77,13 @@ def test_steps_reach_the_target_one_axis_at_a_time(pair):
     src, dst = map(tuple, pair)
     steps = redistribute_steps(src, dst)
     twice = lambda pl: len([p for p in pl if isinstance(p, Shard)]) != len({p.dim for p in pl if isinstance(p, Shard)})
-    if twice(src) or twice(dst):
-        assert steps is None
+    if twice(src) or twice(dst):        # DTensor's order: every step changes one axis, dst reached
+        cur = list(src)
+        for ax, p in steps:
+            assert cur[ax] != p and not (isinstance(cur[ax], Partial) and isinstance(p, Partial))
+            assert not (isinstance(cur[ax], Shard) and isinstance(p, Partial))     # via Replicate
+            cur[ax] = p
+        assert all(a == b or (isinstance(a, Partial) and isinstance(b, Partial)) for a, b in zip(cur, dst))
         return
     cur, stuck = list(src), False
     for ax, p in steps:
@@ -73,8 +98,8 @@ def test_steps_reach_the_target_one_axis_at_a_time(pair):
 
 # ---- on a 2 x 2 gloo mesh: every pair of placements ------------------------------------------------
 
-STATES = [pl for pl in itertools.product([R, P, S(0), S(1)], repeat=2)
-          if not (isinstance(pl[0], Shard) and pl[0] == pl[1])]
+STATES = list(itertools.product([R, P, S(0), S(1)], repeat=2))      # (S(0), S(0)): nested shards
+NESTED = [pl for pl in STATES if isinstance(pl[0], Shard) and pl[0] == pl[1]]
 
 
 def _every_pair(rank: int, world: int) -> dict:
@@ -122,5 +147,7 @@ def test_every_pair_on_a_2x2_mesh_moves_as_predicted():
             want = [(k, ("tp2", "tp")[a], b) for k, a, b in edge_moves(META, src, dst, (2, 2), "gloo")]
             assert Counter(res["issued"][(str(src), str(dst))]) == Counter(want), (rank, src, dst)
     assert (str((S(0), P)), str((R, S(0)))) in runs[0]["dtensor_differs"], runs[0]["dtensor_differs"]
+    nested = {(str(a), str(b)) for a, b in itertools.product(STATES, STATES) if a in NESTED or b in NESTED}
+    assert not nested & set(runs[0]["dtensor_differs"])      # nested shards move as DTensor moves them
     several = [k for k, v in runs[0]["issued"].items() if len({c[1] for c in v}) == 2]
     assert len(several) > 50                 # many pairs move on both axes (the cases in question)
