@@ -125,7 +125,8 @@ def check_force(force: Force, graph: GraphIR, world: int, global_batch: int, seq
     _check_degree_product(force, world, dims["layers"], len(graph.blocks) == 1, global_batch)
     _check_schedule_force(force, world, dims["layers"], len(graph.blocks) == 1, global_batch)
     if force.dp is not None and global_batch % force.dp:
-        raise PlanningError(f"dp={force.dp} does not divide the global batch {global_batch}")
+        raise PlanningError(f"dp={force.dp} does not divide the global batch {global_batch}; use a batch divisible "
+                            f"by {force.dp} or a dp that divides {global_batch}")
     if force.sequence_parallel and force.tp == 1:
         raise PlanningError("sequence parallelism needs tp > 1 (it shards the sequence over the tp group)")
     _check_recompute_force(force, graph, seq_len)
@@ -331,6 +332,14 @@ def no_config_error(force: Force, world: int, global_batch: int, layers: int) ->
                              f"({', '.join(f'{k}={v}' for k, v in force.items())}): the schedule needs >= pp "
                              f"micro-batches (interleaved: a multiple of max(1, m // pp); dualpipev: >= 2 pp) and "
                              f">= 1 of the {layers} layers per stage; force pp and mbs that allow it")
-    return PlanningError(f"no parallel configuration of {world} GPUs with the forced values "
-                         f"({', '.join(f'{k}={v}' for k, v in force.items())}) divides the global batch "
-                         f"{global_batch} and the {layers} layers")
+    forced = ", ".join(f"{k}={v}" for k, v in force.items())
+    rows = global_batch // force.dp if force.dp and global_batch % force.dp == 0 else None
+    if force.pp and force.pp > 1 and rows is not None and rows < force.pp:
+        return PlanningError(f"no configuration of {world} GPUs runs the forced values ({forced}): a pipeline of "
+                             f"pp={force.pp} needs >= {force.pp} micro-batches of >= 1 row, and dp={force.dp} leaves "
+                             f"{rows} row{'s' if rows > 1 else ''} of the global batch {global_batch} a rank; use a "
+                             f"global batch of >= {force.pp * force.dp}, a smaller dp or pp <= {rows}")
+    return PlanningError(f"no parallel configuration of {world} GPUs with the forced values ({forced}) divides the "
+                         f"global batch {global_batch} and the {layers} layers (tp x pp x dp x cp = {world}; dp "
+                         f"divides the batch; a pipeline needs >= pp micro-batches and >= 1 layer a stage); force "
+                         f"fewer values or other ones")

@@ -90,6 +90,19 @@ def test_forced_pair_names_the_free_degree_that_fails():
     assert "leaves dp = 8 / 2 = 4" in str(e.value) and "global batch 6" in str(e.value)
 
 
+def test_a_batch_too_small_for_the_forced_pipeline_or_dp_says_what_to_change():
+    """Found by the fuzzer (seed 2061): the forced degrees fit the GPUs, but dp=4 leaves one row a
+    rank where pp=2 needs two micro-batches; and a dp that does not divide the batch."""
+    g, _ = traced(GPT_1B)
+    with pytest.raises(PlanningError) as e:
+        plan_model(g, make_cluster("a100-80g", 1), global_batch=4, seq_len=2048, force="tp=1,pp=2,dp=4")
+    assert "pp=2 needs >= 2 micro-batches" in str(e.value) and "leaves 1 row" in str(e.value)
+    assert "global batch of >= 8" in str(e.value)
+    with pytest.raises(PlanningError) as e:
+        plan_model(g, make_cluster("a100-80g", 1), global_batch=4, seq_len=2048, force="dp=8")
+    assert "dp=8 does not divide the global batch 4; use a batch divisible by 8" in str(e.value)
+
+
 def test_tp_must_divide_heads():
     g, _ = traced(GPT_1B)
     with pytest.raises(PlanningError) as e:
