@@ -19,6 +19,8 @@ roughly twice the forward traffic).
 """
 from __future__ import annotations
 
+import functools
+
 from autopar.cost.hardware import GPUSpec
 
 OP_KINDS = ("matmul", "attention", "memory", "free")
@@ -66,6 +68,7 @@ def memory_class(target: str) -> str:
     return "elementwise"
 
 
+@functools.lru_cache(maxsize=None)     # a pure function of the target, asked per op per table
 def _base_name(target: str) -> str:
     """'aten.linear.default' -> 'linear'; 'torch.ops.aten.mm.out' -> 'mm'; '<built-in function getitem>'
     and 'operator.getitem' -> 'getitem'; 'aten::addmm' -> 'addmm'."""

@@ -348,10 +348,10 @@ def _edge_matrix(tab: AxisTables, e: EdgeSpec) -> list[list[EdgeCost]]:
     cu, cv = tab.costs[e.u], tab.costs[e.v]
     mm_u, mm_v = tab.kinds[e.u] == "matmul", tab.kinds[e.v] == "matmul"
     overlap = tab.profile.tp_overlap_kinds
-    cache, scope = tab.reshard_cache, (tab.t, tab.link, e.nbytes)
+    cache = tab.reshard_cache.setdefault((tab.t, tab.link, e.nbytes), {})   # hashes the link once an edge
 
     def rs(src, dst):
-        k = (scope, src, dst)
+        k = (src, dst)
         if k not in cache:
             cache[k] = (reshard_kind(src, dst), reshard_s(src, dst, e.nbytes, tab.t, tab.link))
         return cache[k]
