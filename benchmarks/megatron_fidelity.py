@@ -6,9 +6,10 @@
 
 For each row of ``reference/megatron_readme_h100_weak_scaling.csv`` (GPT, seq 4096, vocab
 131072, the row's hidden/layers/heads and global batch, n_gpus/8 H100 nodes; the output layer
-untied from the embedding: ``megatron_param_count``) the published (tp, pp, dp) is forced and the planner chooses the rest (recompute, ZeRO stage, sequence
-parallelism). The table does not list the micro-batch size; we force Megatron's usual
-``--micro-batch-size 1`` (its example GPT scripts' value) by default -- ``--mbs free`` lets the
+untied from the embedding: ``megatron_param_count``) the published (tp, pp, dp) is forced and the
+planner chooses the rest (recompute, ZeRO stage, sequence parallelism). The table does not list
+the micro-batch size; we force Megatron's usual ``--micro-batch-size 1`` (its example GPT
+scripts' value) by default -- ``--mbs free`` lets the
 planner pick it (it then prefers one large micro-batch on the pp=1 rows, which hides the whole DP
 reduction behind the backward, and predicts far more than was measured). The runs used ``--overlap-grad-reduce --overlap-param-gather
 --tp-comm-overlap``: the planner is given ``MEGATRON_RUNTIME`` (``autopar/solver/runtime_profile.py``),
@@ -84,7 +85,7 @@ def a100_rows() -> list[dict]:
     return reference_rows(REFERENCE_A100)
 
 
-def megatron_param_count(row: dict, untied: bool = True) -> float:
+def megatron_param_count(row: dict, untied: bool = True) -> int:
     """Parameters of a row's model as Megatron counts them (``compute_weight_and_optimizer_memory``,
     megatron/training/theoretical_memory_usage.py at core_r0.8.0, no GQA, ffn 4h, no SwiGLU):
     12 l h^2 + 4 l h + 2 h in the layers (norms, no biases) plus h x V for the embedding, twice with
