@@ -115,7 +115,7 @@ def _sharded_twice(pl: tuple) -> bool:
     return len(dims) != len(set(dims))
 
 
-def redistribute_steps(src: tuple, dst: tuple) -> Optional[list[tuple[int, Placement]]]:
+def redistribute_steps(src: tuple, dst: tuple) -> list[tuple[int, Placement]]:
     """The single-axis moves ``(axis, placement)`` that take placements ``src`` to ``dst``, in the
     order autopar's runtime runs them (``codegen/edges.redistribute``) and its prediction counts
     them (``codegen/expected.py``): the free local steps first, then the collectives that keep or
@@ -124,10 +124,11 @@ def redistribute_steps(src: tuple, dst: tuple) -> Optional[list[tuple[int, Place
     dim on two axes waits; when every remaining move would, an axis that shards such a dim is
     gathered to Replicate first. Shard dims are compared as given: pass them normalized (>= 0).
     When ``src`` or ``dst`` already shards a dim on two axes (DTensor's nested shards, a dim split
-    by the outer axis first): ``_nested_steps``, DTensor's order. None when the lengths differ.
-    Two Partials count as the same placement."""
+    by the outer axis first): ``_nested_steps``, DTensor's order. Two Partials count as the same
+    placement."""
     if len(src) != len(dst):
-        return None
+        raise ValueError(f"placements {src} and {dst} are for meshes of different dimensions ({len(src)} and "
+                         f"{len(dst)} axes): give one placement per mesh axis on both sides")
     if _sharded_twice(src) or _sharded_twice(dst):
         return _nested_steps(src, dst)
     cur, out = list(src), []
@@ -146,7 +147,7 @@ def redistribute_steps(src: tuple, dst: tuple) -> Optional[list[tuple[int, Place
             a = next(b for b in todo if isinstance(cur[b], Shard))
             cur[a] = Replicate()
         out.append((a, cur[a]))
-    return None
+    raise RuntimeError(f"no single-axis moves found from {src} to {dst} (a bug in redistribute_steps)")
 
 
 def _nested_steps(src: tuple, dst: tuple) -> list[tuple[int, Placement]]:

@@ -112,7 +112,7 @@ def predict_row(row: dict, profile=None, mbs: Optional[int] = 1) -> FidelityRow:
     from autopar.trace import trace_model
 
     profile = profile or MEGATRON_RUNTIME
-    h, L, a, V, s = (int(row[k]) for k in ("hidden", "layers", "heads", "vocab", "seq_len"))
+    h, L, V, s = (int(row[k]) for k in ("hidden", "layers", "vocab", "seq_len"))
     tp, pp, dp, n, gb = (int(row[k]) for k in ("tp", "pp", "dp", "n_gpus", "global_batch"))
     spec = row_spec(row)
     b = build_model(spec, batch=2)

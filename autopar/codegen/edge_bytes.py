@@ -69,10 +69,8 @@ def edge_moves(meta: TensorMeta, src: tuple, dst: tuple, sizes: Sequence[int],
     """(kind as logged, axis index, bytes) of each collective that moves a tensor from placements
     ``src`` to ``dst`` (normalized dims), one axis at a time as ``edges.redistribute`` runs them
     (``placements.redistribute_steps``; nested shards of one dim in DTensor's order)."""
-    steps, cur, out = placements.redistribute_steps(src, dst), list(src), []
-    if steps is None:
-        raise ValueError(f"placements {src} and {dst} are for meshes of different dimensions")
-    for ax, p in steps:
+    cur, out = list(src), []
+    for ax, p in placements.redistribute_steps(src, dst):
         k = moved(meta, cur, sizes, ax, cur[ax], p, backend) if sizes[ax] > 1 else None
         cur[ax] = p
         if k is not None:

@@ -151,11 +151,7 @@ def redistribute(x: DTensor, target: tuple) -> DTensor:
     (``placements._nested_steps``), one axis at a time too."""
     mesh = x.device_mesh
     planned = _plan_placements(target, x.ndim)
-    steps = _steps(_plan_placements(x.placements, x.ndim), planned)
-    if steps is None:
-        raise ValueError(f"placements {tuple(x.placements)} and {tuple(target)} are for meshes of different "
-                         "dimensions")
-    for ax, p in steps:
+    for ax, p in _steps(_plan_placements(x.placements, x.ndim), planned):
         have = tuple(x.placements)
         want = target[ax] if p == planned[ax] else TReplicate()     # else the Replicate on the way
         nxt = have[:ax] + (want,) + have[ax + 1:]
@@ -169,10 +165,9 @@ def redistribute(x: DTensor, target: tuple) -> DTensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _steps(have: tuple, want: tuple) -> Optional[tuple]:
+def _steps(have: tuple, want: tuple) -> tuple:
     """``redistribute_steps``, once per pair of placements (every edge of every step asks)."""
-    steps = redistribute_steps(have, want)
-    return None if steps is None else tuple(steps)
+    return tuple(redistribute_steps(have, want))
 
 
 def _plan_placements(pl, ndim: int) -> tuple:

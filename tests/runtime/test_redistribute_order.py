@@ -42,6 +42,11 @@ def test_steps_by_hand(src, dst, steps):
     assert redistribute_steps(src, dst) == steps
 
 
+def test_placements_of_different_meshes_are_refused():
+    with pytest.raises(ValueError, match="one placement per mesh axis"):
+        redistribute_steps((S(0), R), (R,))
+
+
 def test_piece_bytes_follow_the_order():
     """(S(0), P) -> (R, S(0)) on a 2 x 2 mesh of a 4 x 6 fp32 tensor (96 B): the tp2 gather of the
     still-partial rows (96 B out), then the reduce-scatter of the whole tensor on tp (96 B in).
