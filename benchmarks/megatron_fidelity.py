@@ -9,12 +9,12 @@ For each row of ``reference/megatron_readme_h100_weak_scaling.csv`` (GPT, seq 40
 untied from the embedding: ``megatron_param_count``) the published (tp, pp, dp) is forced and the
 planner chooses the rest (recompute, ZeRO stage, sequence parallelism). The table does not list
 the micro-batch size; we force Megatron's usual ``--micro-batch-size 1`` (its example GPT
-scripts' value) by default -- ``--mbs free`` lets the
-planner pick it (it then prefers one large micro-batch on the pp=1 rows, which hides the whole DP
-reduction behind the backward, and predicts far more than was measured). The runs used ``--overlap-grad-reduce --overlap-param-gather
---tp-comm-overlap``: the planner is given ``MEGATRON_RUNTIME`` (``autopar/solver/runtime_profile.py``),
-which says which communication those flags hide behind which compute; nothing is tuned to the
-rows. Efficiencies come from ``autopar/cost/calibration.json``.
+scripts' value) by default -- ``--mbs free`` lets the planner pick it (it then prefers one large
+micro-batch on the pp=1 rows, which hides the whole DP reduction behind the backward, and
+predicts far more than was measured). The runs used ``--overlap-grad-reduce
+--overlap-param-gather --tp-comm-overlap``: the planner is given ``MEGATRON_RUNTIME``
+(``autopar/solver/runtime_profile.py``), which says which communication those flags hide behind
+which compute; nothing is tuned to the rows. Efficiencies come from ``autopar/cost/calibration.json``.
 
 Predicted TFLOP/s per GPU = Megatron's model FLOPs (``cost.flops.megatron_model_flops``, the
 formula behind the published figure) / predicted step time / GPUs. The planner's own

@@ -322,17 +322,17 @@ def _configs_of(force: Force, tp: int, pp: int, dp: int, cp: int, cp_mode: str, 
 
 
 def no_config_error(force: Force, world: int, global_batch: int, layers: int) -> PlanningError:
+    forced = ", ".join(f"{k}={v}" for k, v in force.items())
     if force.micro_batch_size or force.num_micro_batches:
         return PlanningError(
             f"no (tp, pp, dp) lets mbs={force.micro_batch_size or '?'} / micro-batches="
             f"{force.num_micro_batches or '?'} divide the global batch {global_batch} on {world} GPUs "
             f"(mbs must divide global_batch / dp, and a pipeline needs at least pp micro-batches)")
     if force.schedule or force.virtual_stages:
-        return PlanningError(f"no configuration of {world} GPUs can run the forced values "
-                             f"({', '.join(f'{k}={v}' for k, v in force.items())}): the schedule needs >= pp "
-                             f"micro-batches (interleaved: a multiple of max(1, m // pp); dualpipev: >= 2 pp) and "
-                             f">= 1 of the {layers} layers per stage; force pp and mbs that allow it")
-    forced = ", ".join(f"{k}={v}" for k, v in force.items())
+        return PlanningError(f"no configuration of {world} GPUs can run the forced values ({forced}): the "
+                             f"schedule needs >= pp micro-batches (interleaved: a multiple of max(1, m // pp); "
+                             f"dualpipev: >= 2 pp) and >= 1 of the {layers} layers per stage; force pp and mbs that "
+                             f"allow it")
     rows = global_batch // force.dp if force.dp and global_batch % force.dp == 0 else None
     if force.pp and force.pp > 1 and rows is not None and rows < force.pp:
         return PlanningError(f"no configuration of {world} GPUs runs the forced values ({forced}): a pipeline of "
